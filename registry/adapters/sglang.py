@@ -1,0 +1,55 @@
+"""SGLang: metrics need `--enable-metrics`; capacity from /server_info (older: /get_server_info)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from registry.adapters.base import EngineAdapter, MetricSamples
+from registry.records import Engine
+from registry.snapshot import LoadSample
+
+RUNNING = "sglang:num_running_reqs"
+WAITING = "sglang:num_queue_reqs"
+TOKEN_USAGE = "sglang:token_usage"
+GEN_THROUGHPUT = "sglang:gen_throughput"
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+LOAD_PATHS = ("/v1/loads", "/get_load")
+
+
+class SglangAdapter(EngineAdapter, engine=Engine.SGLANG):
+    health_path = "/health"
+    default_capacity = 256
+
+    def load_from_samples(self, samples: MetricSamples, observed_at: float) -> LoadSample:
+        return LoadSample(
+            running=samples.total(RUNNING) or 0.0,
+            waiting=samples.total(WAITING) or 0.0,
+            kv_cache_usage=samples.mean(TOKEN_USAGE),
+            tokens_per_s=samples.total(GEN_THROUGHPUT),
+            observed_at=observed_at,
+        )
+
+    async def discover_capacity(
+        self, session: aiohttp.ClientSession, base_url: str, timeout_s: float
+    ) -> int | None:
+        for path in SERVER_INFO_PATHS:
+            info = await self._get_json(session, base_url + path, timeout_s)
+            if isinstance(info, dict):
+                value = _find_max_running(info)
+                if value:
+                    return value
+        return None
+
+
+def _find_max_running(info: dict[str, object]) -> int | None:
+    """`max_running_requests` sits at the top level, or per data-parallel rank under internal_states."""
+    value = info.get("max_running_requests")
+    if isinstance(value, int) and value > 0:
+        return value
+    states = info.get("internal_states")
+    if isinstance(states, list):
+        found = [s.get("max_running_requests") for s in states if isinstance(s, dict)]
+        ints = [v for v in found if isinstance(v, int) and v > 0]
+        if ints:
+            return sum(ints)
+    return None

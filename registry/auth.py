@@ -1,0 +1,61 @@
+"""The registry token: generated or given at start, kept only as a hash, compared in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from registry.errors import AuthError
+
+TOKEN_FILE = "registry.token"
+TOKEN_ENV = "FEDPOOL_REGISTRY_TOKEN"
+TOKEN_FILE_ENV = "FEDPOOL_REGISTRY_TOKEN_FILE"
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def check_token(token: str | None, expected_digest: str) -> None:
+    """Raise AuthError unless `token` hashes to the expected digest (constant-time comparison)."""
+    if not token:
+        raise AuthError("this registry call changes the pool and needs the registry token")
+    if not hmac.compare_digest(token_digest(token), expected_digest):
+        raise AuthError("the registry token given is wrong")
+
+
+def ensure_token(state_dir: Path, token: str | None = None) -> str:
+    """The token to start a registry with: the given one (saved), the saved one, or a new random one.
+
+    The file is created with mode 0600 so other users of a shared head node cannot read it.
+    """
+    path = state_dir / TOKEN_FILE
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if token is None and path.exists():
+        return path.read_text(encoding="utf-8").strip()
+    token = token or secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(token + "\n")
+    return token
+
+
+def resolve_client_token(
+    *, token: str | None = None, token_file: str | os.PathLike[str] | None = None,
+    state_dir: Path | None = None, environ: dict[str, str] | None = None,
+) -> str | None:
+    """Where a client finds the token: argument, file argument, env var, env file, the state dir."""
+    env = environ if environ is not None else dict(os.environ)
+    if token:
+        return token
+    for candidate in (token_file, env.get(TOKEN_FILE_ENV)):
+        if candidate:
+            return Path(candidate).read_text(encoding="utf-8").strip()
+    if env.get(TOKEN_ENV):
+        return env[TOKEN_ENV]
+    if state_dir is not None and (state_dir / TOKEN_FILE).exists():
+        return (state_dir / TOKEN_FILE).read_text(encoding="utf-8").strip()
+    return None

@@ -1,0 +1,146 @@
+"""The registry's public Python API: start or find the actor, register, drain, watch snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from registry.actor import RegistryConfig, create_registry_actor, get_registry_actor
+from registry.auth import ensure_token, resolve_client_token, token_digest
+from registry.records import ServerRecord
+from registry.snapshot import PoolSnapshot, ServerEntry
+
+log = logging.getLogger("fedpool.registry")
+
+
+class RegistryClient:
+    """Async access to the registry actor. Holds the token for mutations; reads need none."""
+
+    def __init__(self, handle: ray.actor.ActorHandle, token: str | None = None):
+        self._handle = handle
+        self._token = token
+
+    @classmethod
+    def start(
+        cls,
+        state_dir: str | Path,
+        *,
+        token: str | None = None,
+        **settings: Any,
+    ) -> RegistryClient:
+        """Get or create the registry actor. Needs `ray.init()` first. Returns a client holding the token."""
+        state = Path(state_dir).expanduser().resolve()
+        real_token = ensure_token(state, token)
+        config = RegistryConfig(state_dir=str(state), token_sha256=token_digest(real_token), **settings)
+        return cls(create_registry_actor(config), real_token)
+
+    @classmethod
+    def connect(
+        cls, *, token: str | None = None, token_file: str | Path | None = None, state_dir: Path | None = None
+    ) -> RegistryClient:
+        """Find the running registry actor; the token comes from the arguments or the environment."""
+        handle = get_registry_actor()
+        return cls(handle, resolve_client_token(token=token, token_file=token_file, state_dir=state_dir))
+
+    @property
+    def handle(self) -> ray.actor.ActorHandle:
+        return self._handle
+
+    async def register(
+        self, record: ServerRecord, *, lease_ttl_s: float | None = None, replace: bool = False, verify: bool = True
+    ) -> ServerEntry:
+        return await self._handle.register.remote(
+            record.model_dump(mode="json"), self._token, lease_ttl_s=lease_ttl_s, replace=replace, verify=verify
+        )
+
+    async def deregister(self, server_id: str) -> ServerRecord:
+        return await self._handle.deregister.remote(server_id, self._token)
+
+    async def drain(self, server_id: str) -> ServerEntry:
+        return await self._handle.drain.remote(server_id, self._token)
+
+    async def heartbeat(self, server_id: str, ttl_s: float | None = None) -> ServerEntry:
+        return await self._handle.heartbeat.remote(server_id, self._token, ttl_s)
+
+    async def report_failure(self, server_id: str, kind: str) -> bool:
+        return await self._handle.report_failure.remote(server_id, kind)
+
+    async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
+        return await self._handle.snapshot.remote(since_version, timeout_s)
+
+    async def get(self, server_id: str) -> ServerEntry:
+        return await self._handle.get.remote(server_id)
+
+    async def ping(self) -> dict[str, Any]:
+        return await self._handle.ping.remote()
+
+
+class SnapshotWatcher:
+    """Keeps the latest PoolSnapshot for one client process by long-polling the registry.
+
+    The registry answers only when the version changed (or the poll times out), so many clients cost it
+    little. If the registry is restarting, the last snapshot stays in use and polling retries.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int, float], Awaitable[PoolSnapshot]],
+        *,
+        poll_timeout_s: float = 5.0,
+        retry_s: float = 1.0,
+        on_update: Callable[[PoolSnapshot], None] | None = None,
+    ):
+        self._fetch = fetch
+        self._poll_timeout_s = poll_timeout_s
+        self._retry_s = retry_s
+        self._on_update = on_update
+        self._latest: PoolSnapshot | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._first = asyncio.Event()
+
+    @classmethod
+    def for_client(cls, client: RegistryClient, **kwargs: Any) -> SnapshotWatcher:
+        return cls(client.snapshot, **kwargs)
+
+    @property
+    def latest(self) -> PoolSnapshot | None:
+        return self._latest
+
+    async def start(self) -> PoolSnapshot:
+        self._set(await self._fetch(-1, 0.0))
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self._latest  # type: ignore[return-value]
+
+    async def refresh(self) -> PoolSnapshot:
+        self._set(await self._fetch(-1, 0.0))
+        return self._latest  # type: ignore[return-value]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _set(self, snapshot: PoolSnapshot) -> None:
+        if self._latest is None or snapshot.version != self._latest.version:
+            self._latest = snapshot
+            if self._on_update is not None:
+                self._on_update(snapshot)
+
+    async def _run(self) -> None:
+        while True:
+            since = self._latest.version if self._latest is not None else -1
+            try:
+                self._set(await self._fetch(since, self._poll_timeout_s))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # registry restarting or unreachable: keep the last snapshot
+                log.warning("registry snapshot poll failed (%s); keeping version %s", type(exc).__name__, since)
+                await asyncio.sleep(self._retry_s)

@@ -1,0 +1,43 @@
+"""Typed errors of the registry's public API."""
+
+from __future__ import annotations
+
+
+class RegistryError(Exception):
+    """Base class of every error the registry raises on purpose."""
+
+
+class AuthError(RegistryError):
+    """A mutation came without the registry token, or with a wrong one."""
+
+
+class RegistrationError(RegistryError):
+    """A registration was refused; `field` or `check` names the culprit."""
+
+    def __init__(self, server_id: str, reason: str, *, field: str | None = None, check: str | None = None):
+        self.server_id = server_id
+        self.reason = reason
+        self.field = field
+        self.check = check
+        where = f"field '{field}'" if field else f"check '{check}'" if check else "registration"
+        super().__init__(f"server {server_id!r}: {where} failed: {reason}")
+
+    def __reduce__(self):  # keeps the fields across Ray's (de)serialisation of actor errors
+        return (_rebuild_registration_error, (self.server_id, self.reason, self.field, self.check))
+
+
+def _rebuild_registration_error(
+    server_id: str, reason: str, field: str | None, check: str | None
+) -> RegistrationError:
+    return RegistrationError(server_id, reason, field=field, check=check)
+
+
+class UnknownServerError(RegistryError):
+    """The named server id is not registered."""
+
+    def __init__(self, server_id: str):
+        self.server_id = server_id
+        super().__init__(f"no server with id {server_id!r} is registered")
+
+    def __reduce__(self):
+        return (UnknownServerError, (self.server_id,))

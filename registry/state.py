@@ -1,0 +1,277 @@
+"""The registry's state machine: pure Python, injected clock, no I/O. The Ray actor wraps it."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from registry.errors import RegistrationError, UnknownServerError
+from registry.records import ServerRecord
+from registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
+from registry.status import StatusThresholds, derive_status
+from registry.weights import prior_weight
+
+PROBE_HISTORY_LEN = 16
+
+
+@dataclass
+class ServerState:
+    """Everything the registry knows about one server; only RegistryState mutates it."""
+
+    record: ServerRecord
+    capacity: int
+    probes: deque[ProbeResult] = field(default_factory=lambda: deque(maxlen=PROBE_HISTORY_LEN))
+    passive_failures: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    load: LoadSample | None = None
+    lease_ttl_s: float | None = None
+    lease_expires_at: float | None = None
+    draining_since: float | None = None
+    status: ServerStatus = ServerStatus.HEALTHY
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "record": self.record.model_dump(mode="json"),
+            "capacity": self.capacity,
+            "lease_ttl_s": self.lease_ttl_s,
+            "lease_expires_at": self.lease_expires_at,
+            "draining_since": self.draining_since,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServerState:
+        return cls(
+            record=ServerRecord.model_validate(data["record"]),
+            capacity=int(data["capacity"]),
+            lease_ttl_s=data.get("lease_ttl_s"),
+            lease_expires_at=data.get("lease_expires_at"),
+            draining_since=data.get("draining_since"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryTimings:
+    lease_grace_s: float = 60.0  # after a lease expires: down at once, removed after this
+    drain_timeout_s: float = 300.0  # a draining server is removed after this even if still busy
+
+
+class RegistryState:
+    """Servers, their probe facts and derived status. Every change bumps `version`."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        thresholds: StatusThresholds | None = None,
+        timings: RegistryTimings | None = None,
+    ):
+        self._clock = clock
+        self._thresholds = thresholds or StatusThresholds()
+        self._timings = timings or RegistryTimings()
+        self._servers: dict[str, ServerState] = {}
+        self.version = 0
+
+    # ---- membership -------------------------------------------------------------------------
+    def check_duplicate(self, record: ServerRecord, *, replace: bool) -> bool:
+        """Decide what a registration means for existing entries; True when it updates one.
+
+        Same id and same URL: an update (a launcher re-registering after a restart). Same id, other URL:
+        refused unless `replace`. Another id with the same URL: always refused, one server has one id.
+        """
+        for other in self._servers.values():
+            if other.record.url == record.url and other.record.id != record.id:
+                raise RegistrationError(
+                    record.id, f"url {record.url} is already registered as server {other.record.id!r}",
+                    field="url",
+                )
+        existing = self._servers.get(record.id)
+        if existing is None:
+            return False
+        if existing.record.url != record.url and not replace:
+            raise RegistrationError(
+                record.id,
+                f"id is already registered with url {existing.record.url}; "
+                "deregister it first or register with replace=True",
+                field="id",
+            )
+        return True
+
+    def upsert(self, record: ServerRecord, capacity: int, *, lease_ttl_s: float | None = None) -> ServerEntry:
+        now = self._clock()
+        state = ServerState(record=record, capacity=capacity)
+        if lease_ttl_s is not None:
+            state.lease_ttl_s = lease_ttl_s
+            state.lease_expires_at = now + lease_ttl_s
+        self._servers[record.id] = state
+        self._bump()
+        return self._entry(state)
+
+    def remove(self, server_id: str) -> ServerRecord:
+        state = self._require(server_id)
+        del self._servers[server_id]
+        self._bump()
+        return state.record
+
+    def drain(self, server_id: str) -> ServerEntry:
+        state = self._require(server_id)
+        if state.draining_since is None:
+            state.draining_since = self._clock()
+            self._refresh(state)
+            self._bump()
+        return self._entry(state)
+
+    def heartbeat(self, server_id: str, ttl_s: float | None = None) -> ServerEntry:
+        state = self._require(server_id)
+        ttl = ttl_s if ttl_s is not None else state.lease_ttl_s
+        if ttl is None:
+            raise ValueError(f"server {server_id!r} has no lease; give ttl_s to start one")
+        state.lease_ttl_s = ttl
+        state.lease_expires_at = self._clock() + ttl
+        if self._refresh(state):
+            self._bump()
+        return self._entry(state)
+
+    # ---- facts --------------------------------------------------------------------------------
+    def record_probe(self, result: ProbeResult) -> None:
+        state = self._servers.get(result.server_id)
+        if state is None:  # removed while the probe was in flight
+            return
+        state.probes.append(result)
+        changed = False
+        if result.load is not None:
+            state.load = _with_rate(state.load, result.load)
+            if result.load.capacity_hint and result.load.capacity_hint != state.capacity:
+                state.capacity = result.load.capacity_hint
+            changed = True
+        if self._refresh(state) or changed:
+            self._bump()
+
+    def report_failure(self, server_id: str) -> bool:
+        """A dispatcher saw a request fail there. Only raises suspicion; probes decide 'down'."""
+        state = self._servers.get(server_id)
+        if state is None:
+            return False
+        state.passive_failures.append(self._clock())
+        if self._refresh(state):
+            self._bump()
+        return True
+
+    def expire(self) -> list[str]:
+        """Apply lease expiry and drain completion; returns the ids removed."""
+        now = self._clock()
+        removed = []
+        for sid, state in list(self._servers.items()):
+            if state.lease_expires_at is not None and now > state.lease_expires_at + self._timings.lease_grace_s:
+                removed.append(sid)
+            elif state.draining_since is not None and self._drain_done(state, now):
+                removed.append(sid)
+            elif self._refresh(state):
+                self._bump()
+        for sid in removed:
+            del self._servers[sid]
+        if removed:
+            self._bump()
+        return removed
+
+    # ---- views --------------------------------------------------------------------------------
+    def ids(self) -> list[str]:
+        return sorted(self._servers)
+
+    def records(self) -> list[ServerRecord]:
+        return [self._servers[sid].record for sid in self.ids()]
+
+    def get(self, server_id: str) -> ServerEntry:
+        return self._entry(self._require(server_id))
+
+    def snapshot(self) -> PoolSnapshot:
+        entries = tuple(self._entry(self._servers[sid]) for sid in self.ids())
+        return PoolSnapshot(version=self.version, taken_at=self._clock(), entries=entries)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "servers": [self._servers[s].to_json() for s in self.ids()]}
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        self._servers = {}
+        for item in data.get("servers", []):
+            state = ServerState.from_json(item)
+            self._servers[state.record.id] = state
+            self._refresh(state)
+        # A restarted registry continues the version sequence so clients never see it go back.
+        self.version = int(data.get("version", 0)) + 1
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _require(self, server_id: str) -> ServerState:
+        state = self._servers.get(server_id)
+        if state is None:
+            raise UnknownServerError(server_id)
+        return state
+
+    def _bump(self) -> None:
+        self.version += 1
+
+    def _refresh(self, state: ServerState) -> bool:
+        now = self._clock()
+        status = derive_status(
+            state.probes,
+            thresholds=self._thresholds,
+            now=now,
+            lease_expired=state.lease_expires_at is not None and now > state.lease_expires_at,
+            draining=state.draining_since is not None,
+            passive_failure_times=state.passive_failures,
+        )
+        changed = status is not state.status
+        state.status = status
+        return changed
+
+    def _drain_done(self, state: ServerState, now: float) -> bool:
+        assert state.draining_since is not None
+        if now - state.draining_since >= self._timings.drain_timeout_s:
+            return True
+        load = state.load
+        # Idle by the engine's own metrics, read after the drain began: in-flight requests have finished.
+        return (
+            load is not None
+            and load.observed_at > state.draining_since
+            and load.running == 0
+            and load.waiting == 0
+        )
+
+    def _entry(self, state: ServerState) -> ServerEntry:
+        last = state.probes[-1] if state.probes else None
+        failures = 0
+        for probe in reversed(state.probes):
+            if probe.ok:
+                break
+            failures += 1
+        return ServerEntry(
+            record=state.record,
+            status=state.status,
+            capacity=state.capacity,
+            weight=prior_weight(state.record),
+            load=state.load,
+            probe_latency_s=last.latency_s if last else None,
+            consecutive_failures=failures,
+            last_error=next((p.error for p in reversed(state.probes) if p.error), None),
+        )
+
+
+def _with_rate(previous: LoadSample | None, current: LoadSample) -> LoadSample:
+    """Fill tokens_per_s from two counter readings when the engine exports a counter, not a rate."""
+    if current.tokens_per_s is not None or current.generation_tokens_total is None or previous is None:
+        return current
+    if previous.generation_tokens_total is None:
+        return current
+    dt = current.observed_at - previous.observed_at
+    delta = current.generation_tokens_total - previous.generation_tokens_total
+    if dt <= 0 or delta < 0:  # counter reset: the engine restarted
+        return current
+    return LoadSample(
+        running=current.running,
+        waiting=current.waiting,
+        observed_at=current.observed_at,
+        kv_cache_usage=current.kv_cache_usage,
+        generation_tokens_total=current.generation_tokens_total,
+        tokens_per_s=delta / dt,
+        capacity_hint=current.capacity_hint,
+    )
