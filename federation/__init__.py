@@ -1,0 +1,33 @@
+"""Routing, admission, retries and failover over the registry's snapshots."""
+
+from federation.dispatcher import DispatchConfig, Dispatcher, DispatcherStats, ServerStats
+from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from federation.policies import Candidate, Policy, RouteContext, RouteDecision, make_policy, policy_names
+from federation.pool import PoolConnection
+from federation.transport import Timeouts, new_session
+from federation.types import Attempt, Completion, Endpoint, InferenceRequest, InferenceResult
+
+__all__ = [
+    "Attempt",
+    "AttemptError",
+    "Candidate",
+    "Completion",
+    "DispatchConfig",
+    "Dispatcher",
+    "DispatcherStats",
+    "Endpoint",
+    "FailureKind",
+    "InferenceRequest",
+    "InferenceResult",
+    "NoServerError",
+    "Policy",
+    "PoolConnection",
+    "RequestFailed",
+    "RouteContext",
+    "RouteDecision",
+    "ServerStats",
+    "Timeouts",
+    "make_policy",
+    "new_session",
+    "policy_names",
+]

@@ -1,0 +1,280 @@
+"""The request path: choose a server, hold a slot in its admission window, POST, release, retry elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from federation.breaker import CircuitBreaker
+from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from federation.policies import Candidate, Policy, RouteContext
+from federation.transport import Timeouts, post_completion
+from federation.types import Attempt, InferenceRequest, InferenceResult
+from registry import PoolSnapshot, ServerEntry
+
+log = logging.getLogger("fedpool.dispatcher")
+
+WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
+MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    max_attempts: int = 8
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 5.0
+    no_server_timeout_s: float = 60.0
+    window_factor: float = 1.0  # admission window = engine capacity × this
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 5.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    server: ServerEntry
+    acquired_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    server_id: str
+    answered: int
+    failures: dict[str, int]
+    inflight: int
+    window: int
+    completion_tokens: int
+    busy_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    submitted: int
+    completed: int
+    failed: int
+    retries: int
+    inflight_total: int
+    servers: tuple[ServerStats, ...]
+
+
+class Dispatcher:
+    """Spreads requests over the servers of the current snapshot. One per client process; shareable by
+    any number of concurrent evaluations in it, so their requests merge in each engine's batch."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        snapshots: Callable[[], PoolSnapshot | None],
+        policy: Policy,
+        *,
+        config: DispatchConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        on_failure: Callable[[str, FailureKind], None] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        self._session = session
+        self._snapshots = snapshots
+        self._policy = policy
+        self._config = config or DispatchConfig()
+        self._clock = clock
+        self._rng = rng or random.Random(0)
+        self._on_failure = on_failure
+        self._sleep = sleep
+        self._inflight: Counter[str] = Counter()
+        self._breakers: dict[str, CircuitBreaker] = {}
+        self._answered: Counter[str] = Counter()
+        self._tokens: Counter[str] = Counter()
+        self._busy_s: Counter[str] = Counter()
+        self._failures: dict[str, Counter[str]] = {}
+        self._submitted = self._completed = self._failed = self._retries = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    def notify_snapshot(self) -> None:
+        """Call when a new snapshot arrived: waiting requests look again."""
+        self._wake()
+
+    # ---- the hot path -------------------------------------------------------------------------
+    async def submit(self, request: InferenceRequest) -> InferenceResult:
+        """Complete the request exactly once or raise RequestFailed / NoServerError after every retry."""
+        self._submitted += 1
+        attempts: list[Attempt] = []
+        tried: set[str] = set()
+        counted = resets = 0
+        last_kind: FailureKind | None = None
+        while True:
+            slot = await self._acquire(request, tried)
+            server = slot.server
+            started = self._clock()
+            try:
+                completion = await post_completion(self._session, server.url, request, self._config.timeouts)
+            except AttemptError as err:
+                latency = self._clock() - started
+                attempts.append(Attempt(server.id, started, latency, err.kind, err.detail))
+                last_kind = err.kind
+                self._note_failure(server.id, err.kind)
+                if not err.kind.retriable:
+                    self._failed += 1
+                    raise RequestFailed(
+                        f"request {request.request_id} refused by {server.id}: {err}", tuple(attempts), err.kind
+                    ) from err
+                self._retries += 1
+                if err.kind is FailureKind.RESET and resets < MAX_RESET_RETRIES:
+                    resets += 1
+                    continue  # the request never reached the server: retry at once
+                counted += 1
+                tried.add(server.id)
+                if counted >= self._config.max_attempts:
+                    self._failed += 1
+                    raise RequestFailed(
+                        f"request {request.request_id} failed {counted} times; last: {err}", tuple(attempts), last_kind
+                    ) from err
+                await self._sleep(self._backoff(counted))
+                continue
+            finally:
+                self._release(slot)
+            latency = self._clock() - started
+            attempts.append(Attempt(server.id, started, latency))
+            self._note_success(server.id, completion.completion_tokens or 0, latency)
+            self._completed += 1
+            return InferenceResult(
+                request_id=request.request_id,
+                completion=completion,
+                server_id=server.id,
+                engine=server.engine.value,
+                accelerator=server.record.accelerator,
+                model_revision=server.record.revision,
+                latency_s=latency,
+                attempts=tuple(attempts),
+            )
+
+    async def _acquire(self, request: InferenceRequest, tried: set[str]) -> Slot:
+        deadline = self._clock() + self._config.no_server_timeout_s
+        while True:
+            now = self._clock()
+            servers = self._servers_for(request)
+            open_ = [s for s in servers if self._breaker(s.id).allows(now)]
+            untried = [s for s in open_ if s.id not in tried] or open_
+            candidates = [self._candidate(s) for s in untried]
+            free = [c for c in candidates if c.inflight < c.window]
+            if free:
+                decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
+                server = next(s for s in untried if s.id == decision.server_id)
+                # Counted in the same step as the choice (no await in between), so concurrent picks
+                # cannot pile onto one server.
+                self._inflight[server.id] += 1
+                self._breaker(server.id).on_dispatch(now)
+                return Slot(server, now)
+            if not servers and now >= deadline:
+                raise NoServerError(
+                    f"no routable server serves model {request.model!r}"
+                    + (f" revision {request.revision!r}" if request.revision else "")
+                    + f" (waited {self._config.no_server_timeout_s:g}s)"
+                )
+            waiter = self._changed
+            try:
+                await asyncio.wait_for(waiter.wait(), WAIT_POLL_S)
+            except TimeoutError:
+                pass
+
+    def _release(self, slot: Slot) -> None:
+        self._inflight[slot.server.id] -= 1
+        if self._inflight[slot.server.id] <= 0:
+            del self._inflight[slot.server.id]
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+    def _servers_for(self, request: InferenceRequest) -> list[ServerEntry]:
+        snapshot = self._snapshots()
+        if snapshot is None:
+            return []
+        view = snapshot.filter(
+            model=request.model,
+            revision=request.revision,
+            engines=request.pinned_engines,
+            server_ids=request.pinned_servers,
+            routable_only=True,
+        )
+        return list(view.entries)
+
+    def _window(self, server: ServerEntry) -> int:
+        return max(1, round(server.capacity * self._config.window_factor))
+
+    def _candidate(self, server: ServerEntry) -> Candidate:
+        load = server.load
+        return Candidate(
+            server_id=server.id,
+            inflight=self._inflight.get(server.id, 0),
+            window=self._window(server),
+            capacity=server.capacity,
+            weight=server.weight * server.capacity,
+            scraped_waiting=load.waiting if load else 0.0,
+            scraped_running=load.running if load else 0.0,
+        )
+
+    def _breaker(self, server_id: str) -> CircuitBreaker:
+        breaker = self._breakers.get(server_id)
+        if breaker is None:
+            breaker = CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown_s)
+            self._breakers[server_id] = breaker
+        return breaker
+
+    def _backoff(self, failures: int) -> float:
+        """Exponential backoff with full jitter."""
+        ceiling = min(self._config.backoff_max_s, self._config.backoff_base_s * 2 ** (failures - 1))
+        return self._rng.uniform(0, ceiling)
+
+    def _note_failure(self, server_id: str, kind: FailureKind) -> None:
+        self._failures.setdefault(server_id, Counter())[kind.value] += 1
+        if kind.counts_against_server:
+            self._breaker(server_id).on_failure(self._clock())
+            if self._on_failure is not None:
+                self._on_failure(server_id, kind)
+
+    def _note_success(self, server_id: str, tokens: int, latency_s: float) -> None:
+        self._breaker(server_id).on_success()
+        self._answered[server_id] += 1
+        self._tokens[server_id] += tokens
+        self._busy_s[server_id] += latency_s
+
+    def inflight(self) -> dict[str, int]:
+        return dict(self._inflight)
+
+    def stats(self) -> DispatcherStats:
+        snapshot = self._snapshots()
+        windows = {e.id: self._window(e) for e in snapshot.entries} if snapshot else {}
+        ids = sorted(set(self._answered) | set(self._failures) | set(self._inflight) | set(windows))
+        return DispatcherStats(
+            submitted=self._submitted,
+            completed=self._completed,
+            failed=self._failed,
+            retries=self._retries,
+            inflight_total=sum(self._inflight.values()),
+            servers=tuple(
+                ServerStats(
+                    server_id=sid,
+                    answered=self._answered.get(sid, 0),
+                    failures=dict(self._failures.get(sid, {})),
+                    inflight=self._inflight.get(sid, 0),
+                    window=windows.get(sid, 0),
+                    completion_tokens=self._tokens.get(sid, 0),
+                    busy_s=self._busy_s.get(sid, 0.0),
+                )
+                for sid in ids
+            ),
+        )

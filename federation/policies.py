@@ -1,0 +1,166 @@
+"""Routing policies: small pure strategy classes behind one interface, registered by name.
+
+A policy sees only the candidates that have a free admission-window slot and returns a decision; the
+dispatcher acts on it. No I/O, no clock reads of their own, randomness from an injected Random.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+_POLICIES: dict[str, type[Policy]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A server as a policy sees it at one decision."""
+
+    server_id: str
+    inflight: int  # this dispatcher's own requests there, counted at the moment of choosing
+    window: int  # admission window: how many this dispatcher may keep there
+    capacity: int  # max concurrent sequences the engine runs
+    weight: float  # relative throughput: prior from the accelerator, corrected by observation
+    scraped_waiting: float = 0.0  # the engine's own queue (all clients), from the registry
+    scraped_running: float = 0.0
+
+    @property
+    def expected_wait(self) -> float:
+        """(in-flight + queued) per unit of throughput: lower is sooner."""
+        return (self.inflight + self.scraped_waiting + 1) / max(self.weight, 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    server_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteContext:
+    """What a policy may know about the request itself."""
+
+    request_id: str
+    prefix: str = ""
+
+
+class Policy(ABC):
+    """Choose one of the candidates. Subclasses register with `name=`."""
+
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            _POLICIES[name] = cls
+
+    def __init__(self, rng: random.Random | None = None):
+        self._rng = rng or random.Random(0)
+
+    @abstractmethod
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        """`candidates` is never empty."""
+
+    def _least(self, candidates: Sequence[Candidate], key: Any) -> Candidate:
+        """Lowest key; ties broken at random so no server always wins a tie."""
+        best = min(key(c) for c in candidates)
+        tied = [c for c in candidates if key(c) == best]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+
+class RoundRobin(Policy, name="round_robin"):
+    def __init__(self, rng: random.Random | None = None):
+        super().__init__(rng)
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        ordered = sorted(candidates, key=lambda c: c.server_id)
+        pick = ordered[self._next % len(ordered)]
+        self._next += 1
+        return RouteDecision(pick.server_id, "round robin")
+
+
+class RandomChoice(Policy, name="random"):
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        return RouteDecision(self._rng.choice(list(candidates)).server_id, "uniform random")
+
+
+class LeastInflight(Policy, name="least_inflight"):
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        pick = self._least(candidates, lambda c: c.inflight)
+        return RouteDecision(pick.server_id, f"fewest in flight ({pick.inflight})")
+
+
+class PowerOfTwo(Policy, name="power_of_two"):
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        pair = self._rng.sample(list(candidates), min(2, len(candidates)))
+        pick = self._least(pair, lambda c: c.inflight + c.scraped_waiting)
+        return RouteDecision(pick.server_id, "less loaded of two random")
+
+
+class CapacityWeighted(Policy, name="capacity_weighted"):
+    """Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates."""
+
+    def __init__(self, rng: random.Random | None = None, sample_size: int = 4):
+        super().__init__(rng)
+        self._sample_size = sample_size
+
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        pool = list(candidates)
+        if len(pool) > self._sample_size:
+            pool = self._rng.sample(pool, self._sample_size)
+        pick = self._least(pool, lambda c: c.expected_wait)
+        return RouteDecision(pick.server_id, f"lowest expected wait ({pick.expected_wait:.3g})")
+
+
+class PrefixAffinity(Policy, name="prefix_affinity"):
+    """Consistent hashing of the prompt prefix with bounded load (≤ (1+ε) × average in-flight)."""
+
+    VIRTUAL_NODES = 64
+
+    def __init__(self, rng: random.Random | None = None, epsilon: float = 0.25):
+        super().__init__(rng)
+        self._epsilon = epsilon
+
+    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+        ring: list[tuple[int, Candidate]] = sorted(
+            (_hash(f"{c.server_id}#{i}"), c) for c in candidates for i in range(self.VIRTUAL_NODES)
+        )
+        keys = [k for k, _ in ring]
+        total = sum(c.inflight for c in candidates) + 1
+        bound = max(1.0, (1 + self._epsilon) * total / len(candidates))
+        start = bisect.bisect(keys, _hash(context.prefix))
+        seen: set[str] = set()
+        for offset in range(len(ring)):
+            cand = ring[(start + offset) % len(ring)][1]
+            if cand.server_id in seen:
+                continue
+            seen.add(cand.server_id)
+            if cand.inflight + 1 <= bound:
+                why = "prefix home" if len(seen) == 1 else "prefix home full; next on ring"
+                return RouteDecision(cand.server_id, why)
+        pick = self._least(candidates, lambda c: c.expected_wait)
+        return RouteDecision(pick.server_id, "all over bound; least expected wait")
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def make_policy(name: str, rng: random.Random | None = None, **options: Any) -> Policy:
+    """Build a policy by its registered name; unknown names list the known ones."""
+    try:
+        cls = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_POLICIES))}") from None
+    return cls(rng, **options)
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)

@@ -1,0 +1,108 @@
+"""A client process's connection to the pool: one HTTP session, a snapshot watcher and a dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from types import TracebackType
+
+from federation.dispatcher import DispatchConfig, Dispatcher
+from federation.errors import FailureKind
+from federation.policies import make_policy
+from federation.transport import new_session
+from registry import PoolSnapshot, RegistryClient, SnapshotWatcher
+
+log = logging.getLogger("fedpool.pool")
+
+MAX_PENDING_REPORTS = 256  # passive failure reports in flight to the registry; beyond this they are dropped
+
+
+class PoolConnection:
+    """`async with PoolConnection(registry) as pool: await pool.dispatcher.submit(...)`.
+
+    The registry is read through long-polled snapshots, never on the request path. Failures the
+    dispatcher sees are reported to the registry in the background (bounded, best effort).
+    """
+
+    def __init__(
+        self,
+        registry: RegistryClient,
+        *,
+        policy: str = "least_inflight",
+        config: DispatchConfig | None = None,
+        seed: int = 0,
+        poll_timeout_s: float = 5.0,
+    ):
+        self._registry = registry
+        self._policy_name = policy
+        self._config = config or DispatchConfig()
+        self._seed = seed
+        self._poll_timeout_s = poll_timeout_s
+        self._reports: set[asyncio.Task[None]] = set()
+        self._watcher: SnapshotWatcher | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._session = None
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        assert self._dispatcher is not None, "use `async with PoolConnection(...)`"
+        return self._dispatcher
+
+    @property
+    def snapshot(self) -> PoolSnapshot | None:
+        return self._watcher.latest if self._watcher else None
+
+    async def __aenter__(self) -> PoolConnection:
+        rng = random.Random(self._seed)
+        self._session = new_session()
+        self._watcher = SnapshotWatcher.for_client(
+            self._registry, poll_timeout_s=self._poll_timeout_s, on_update=self._on_snapshot
+        )
+        self._dispatcher = Dispatcher(
+            self._session,
+            lambda: self._watcher.latest if self._watcher else None,
+            make_policy(self._policy_name, rng),
+            config=self._config,
+            rng=rng,
+            on_failure=self._report,
+        )
+        await self._watcher.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._watcher is not None:
+            await self._watcher.stop()
+        for task in list(self._reports):
+            task.cancel()
+        for task in list(self._reports):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._session is not None:
+            await self._session.close()
+
+    async def refresh(self) -> PoolSnapshot:
+        assert self._watcher is not None
+        snapshot = await self._watcher.refresh()
+        self._on_snapshot(snapshot)
+        return snapshot
+
+    def _on_snapshot(self, snapshot: PoolSnapshot) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.notify_snapshot()
+
+    def _report(self, server_id: str, kind: FailureKind) -> None:
+        if len(self._reports) >= MAX_PENDING_REPORTS:
+            return
+        task = asyncio.get_running_loop().create_task(self._send_report(server_id, kind))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _send_report(self, server_id: str, kind: FailureKind) -> None:
+        try:
+            await self._registry.report_failure(server_id, kind.value)
+        except Exception as exc:  # the registry may be restarting; probes will find the fault anyway
+            log.debug("failure report for %s not delivered: %s", server_id, type(exc).__name__)

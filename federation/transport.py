@@ -1,0 +1,111 @@
+"""One HTTP attempt against one OpenAI-compatible server, with typed failures."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+
+from federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
+from federation.types import Completion, Endpoint, InferenceRequest
+
+MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Connect, first byte (time to the response head) and total, in seconds."""
+
+    connect_s: float = 5.0
+    first_byte_s: float = 120.0
+    total_s: float = 600.0
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.total_s, sock_connect=self.connect_s, sock_read=self.first_byte_s)
+
+
+def make_trace_config() -> aiohttp.TraceConfig:
+    """Marks a request's context when aiohttp reused a pooled connection for it."""
+
+    async def on_reuse(session: Any, ctx: SimpleNamespace, params: Any) -> None:
+        if ctx.trace_request_ctx is not None:
+            ctx.trace_request_ctx.reused = True
+
+    config = aiohttp.TraceConfig()
+    config.on_connection_reuseconn.append(on_reuse)
+    return config
+
+
+def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
+    """The one shared session a dispatcher uses (no global connection cap; windows bound the load)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300),
+        trace_configs=[make_trace_config()],
+    )
+
+
+async def post_completion(
+    session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts
+) -> Completion:
+    """POST the request; return the parsed completion or raise AttemptError with its kind."""
+    trace = SimpleNamespace(reused=False)
+    try:
+        async with session.post(
+            base_url + request.endpoint.value,
+            json=request.payload(),
+            timeout=timeouts.client_timeout(),
+            trace_request_ctx=trace,
+        ) as resp:
+            raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
+            if resp.status != 200:
+                raise AttemptError(kind_for_status(resp.status), f"HTTP {resp.status}", status=resp.status)
+            if len(raw) > MAX_RESPONSE_BYTES:
+                raise AttemptError(FailureKind.BAD_RESPONSE, "response larger than 16 MiB")
+    except AttemptError:
+        raise
+    except Exception as exc:
+        kind = classify_exception(exc, reused_connection=trace.reused)
+        raise AttemptError(kind, type(exc).__name__) from exc
+    return parse_completion(raw, request.endpoint)
+
+
+def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
+    """Read an OpenAI completion body; anything off-schema is a BAD_RESPONSE, never a crash."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AttemptError(FailureKind.BAD_RESPONSE, f"body is not JSON ({exc.__class__.__name__})") from exc
+    if not isinstance(body, dict):
+        raise AttemptError(FailureKind.BAD_RESPONSE, "body is not a JSON object")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise AttemptError(FailureKind.BAD_RESPONSE, "body has no choices")
+    choice = choices[0]
+    reasoning = None
+    if endpoint is Endpoint.CHAT:
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            raise AttemptError(FailureKind.BAD_RESPONSE, "chat choice has no message")
+        text = message.get("content")
+        reasoning = message.get("reasoning_content")
+        if text is None and isinstance(reasoning, str):
+            text = ""
+    else:
+        text = choice.get("text")
+    if not isinstance(text, str):
+        raise AttemptError(FailureKind.BAD_RESPONSE, "choice has no text")
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    return Completion(
+        text=text,
+        finish_reason=choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None,
+        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+        completion_tokens=_int_or_none(usage.get("completion_tokens")),
+        reasoning_content=reasoning if isinstance(reasoning, str) else None,
+    )
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

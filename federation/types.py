@@ -1,0 +1,73 @@
+"""Requests and results on the dispatcher's path (frozen; built by clients, filled by the dispatcher)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from federation.errors import FailureKind
+
+
+class Endpoint(StrEnum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One OpenAI-compatible request. `body` holds prompt or messages and generation parameters."""
+
+    request_id: str
+    model: str
+    endpoint: Endpoint
+    body: dict[str, Any]
+    revision: str | None = None
+    client_id: str = "default"
+    pinned_engines: tuple[str, ...] | None = None
+    pinned_servers: tuple[str, ...] | None = None
+
+    def payload(self) -> dict[str, Any]:
+        return {**self.body, "model": self.model, "stream": False}
+
+    def prefix_text(self, length: int = 256) -> str:
+        """The start of the prompt, for prefix-affinity routing."""
+        if "prompt" in self.body:
+            return str(self.body["prompt"])[:length]
+        messages = self.body.get("messages") or []
+        return repr(messages)[:length]
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try at one server."""
+
+    server_id: str
+    started_at: float
+    latency_s: float
+    failure: FailureKind | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_content: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceResult:
+    """A completed request with its provenance."""
+
+    request_id: str
+    completion: Completion
+    server_id: str
+    engine: str
+    accelerator: str
+    model_revision: str
+    latency_s: float
+    attempts: tuple[Attempt, ...] = field(default_factory=tuple)
+    hedged: bool = False
