@@ -1,0 +1,50 @@
+"""Records, artifacts, data loading, prompts, post-processing and metrics. No networking here."""
+
+from pipeline.artifact import ArtifactWriter, package_versions, read_records, redact, secrets_from_env
+from pipeline.errors import ArtifactError, DataError, PipelineError, SpecError
+from pipeline.loaders import Sample, dataset_sha256, load_samples
+from pipeline.metrics import METRICS, Score, aggregate
+from pipeline.postprocess import POSTPROCESSORS, apply_postprocess, split_reasoning
+from pipeline.prompts import build_messages, render, request_body
+from pipeline.schema import AttemptInfo, Message, Output, Provenance, Record, TextOutput, TextPart
+from pipeline.scoring import finish_record, rescore_record, summarize_records
+from pipeline.spec import BenchmarkSpec, GenerationParams, PromptSpec, load_spec, spec_from_dict
+
+__all__ = [
+    "METRICS",
+    "POSTPROCESSORS",
+    "ArtifactError",
+    "ArtifactWriter",
+    "AttemptInfo",
+    "BenchmarkSpec",
+    "DataError",
+    "GenerationParams",
+    "Message",
+    "Output",
+    "PipelineError",
+    "PromptSpec",
+    "Provenance",
+    "Record",
+    "Sample",
+    "Score",
+    "SpecError",
+    "TextOutput",
+    "TextPart",
+    "aggregate",
+    "apply_postprocess",
+    "build_messages",
+    "dataset_sha256",
+    "finish_record",
+    "load_samples",
+    "load_spec",
+    "package_versions",
+    "read_records",
+    "redact",
+    "render",
+    "request_body",
+    "rescore_record",
+    "secrets_from_env",
+    "spec_from_dict",
+    "split_reasoning",
+    "summarize_records",
+]

@@ -1,0 +1,39 @@
+"""From a Sample and its spec to the Record's messages and the OpenAI request body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.loaders import Sample
+from pipeline.schema import Message, TextPart
+from pipeline.spec import BenchmarkSpec
+
+
+def render(spec: BenchmarkSpec, sample: Sample) -> str:
+    return spec.prompt.template.format(**{name: sample.fields[name] for name in spec.prompt.fields()})
+
+
+def build_messages(spec: BenchmarkSpec, sample: Sample) -> list[Message]:
+    messages = []
+    if spec.prompt.system:
+        messages.append(Message(role="system", content=[TextPart(value=spec.prompt.system)]))
+    messages.append(Message(role="user", content=[TextPart(value=render(spec, sample))]))
+    return messages
+
+
+def request_body(spec: BenchmarkSpec, sample: Sample) -> dict[str, Any]:
+    """The OpenAI-compatible body (without model): prompt for completion style, messages for chat."""
+    gen = spec.generation
+    body: dict[str, Any] = {"max_tokens": gen.max_tokens, "temperature": gen.temperature, "top_p": gen.top_p}
+    if gen.stop:
+        body["stop"] = list(gen.stop)
+    if gen.seed is not None:
+        body["seed"] = gen.seed
+    if spec.prompt.style == "completion":
+        body["prompt"] = render(spec, sample)
+    else:
+        body["messages"] = [
+            {"role": m.role, "content": "".join(p.value for p in m.content if p.type == "text")}
+            for m in build_messages(spec, sample)
+        ]
+    return body

@@ -1,0 +1,142 @@
+"""Benchmark specs (YAML): data source, prompt template, generation parameters, labels, scoring."""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import SpecError
+from pipeline.metrics import METRICS
+from pipeline.postprocess import POSTPROCESSORS
+
+
+class DataSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    format: Literal["jsonl", "csv"] | None = None  # inferred from the suffix when omitted
+    limit: int | None = Field(default=None, ge=1)
+
+
+class PromptSpec(BaseModel):
+    """`completion`: `template` is rendered into one prompt string. `chat`: into a user message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    style: Literal["completion", "chat"] = "completion"
+    template: str = Field(min_length=1)
+    system: str | None = None
+
+    @field_validator("template")
+    @classmethod
+    def _check_template(cls, value: str) -> str:
+        try:
+            parsed = list(string.Formatter().parse(value))
+        except ValueError as exc:
+            raise ValueError(f"template is not a valid format string: {exc}") from exc
+        for _, name, spec, conversion in parsed:
+            if name is None:
+                continue
+            if spec or conversion:
+                raise ValueError(f"template field {{{name}}} must not carry a conversion or format spec")
+            if not name.isidentifier():
+                raise ValueError(f"template field {{{name}}} must be a plain column name")
+        return value
+
+    def fields(self) -> list[str]:
+        return [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+
+
+class GenerationParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=32, ge=1, le=32768)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class BenchmarkSpec(BaseModel):
+    """Everything that decides a benchmark's score, in one inspectable object (OmniEvaluator §3.2)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    version: str = "1"
+    description: str = ""
+    data: DataSource
+    id_field: str = "id"
+    label_field: str = "answer"
+    prompt: PromptSpec
+    generation: GenerationParams = Field(default_factory=GenerationParams)
+    postprocess: list[str] = Field(default_factory=lambda: ["strip"])
+    metrics: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
+    source_file: str | None = Field(default=None, exclude=True)
+
+    @field_validator("postprocess")
+    @classmethod
+    def _known_postprocess(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in POSTPROCESSORS:
+                raise ValueError(f"unknown post-processor {name!r}; known: {', '.join(sorted(POSTPROCESSORS))}")
+        return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in METRICS:
+                raise ValueError(f"unknown metric {name!r}; known: {', '.join(sorted(METRICS))}")
+        return value
+
+    @model_validator(mode="after")
+    def _label_not_in_prompt(self) -> BenchmarkSpec:
+        if self.label_field in self.prompt.fields():
+            raise ValueError(f"prompt template shows the label field {self.label_field!r} to the model")
+        return self
+
+    def data_path(self) -> Path:
+        path = Path(self.data.path)
+        if not path.is_absolute() and self.source_file:
+            path = Path(self.source_file).parent / path
+        return path
+
+    def fingerprint(self) -> str:
+        """Hash of everything that changes predictions or scores (not the file location)."""
+        return hashlib.sha256(self.model_dump_json(exclude={"source_file"}).encode()).hexdigest()[:16]
+
+
+def load_spec(path: str | Path) -> BenchmarkSpec:
+    """Read a YAML spec; errors name the file and the offending field (or YAML line)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such benchmark spec") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return spec_from_dict(raw, source=str(path))
+
+
+def spec_from_dict(raw: Any, *, source: str) -> BenchmarkSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: a benchmark spec must be a mapping, got {type(raw).__name__}")
+    try:
+        return BenchmarkSpec.model_validate({**raw, "source_file": source})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}" for err in exc.errors()
+        )
+        raise SpecError(f"{source}: {problems}") from None
