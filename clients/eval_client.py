@@ -1,0 +1,244 @@
+"""One benchmark run: samples → requests through the shared dispatcher → records in the artifact."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from federation import (
+    Dispatcher,
+    Endpoint,
+    InferenceRequest,
+    InferenceResult,
+    NoServerError,
+    RequestFailed,
+)
+from pipeline import (
+    ArtifactWriter,
+    AttemptInfo,
+    BenchmarkSpec,
+    Provenance,
+    Record,
+    Sample,
+    dataset_sha256,
+    finish_record,
+    load_samples,
+    package_versions,
+    read_records,
+    request_body,
+    summarize_records,
+)
+
+log = logging.getLogger("fedpool.client")
+
+
+@dataclass(frozen=True, slots=True)
+class EvalTarget:
+    """Which model the eval measures, and optionally where it may run (for strict reproducibility)."""
+
+    model: str
+    revision: str | None = None
+    pinned_engines: tuple[str, ...] | None = None
+    pinned_servers: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EvalProgress:
+    benchmark: str
+    total: int
+    done: int
+    failed: int
+    retried: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EvalSummary:
+    benchmark: str
+    artifact_dir: Path
+    summary: dict[str, Any]
+    wall_time_s: float
+    resumed: int = 0
+    written: int = 0
+
+
+@dataclass
+class _Counters:
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    written: int = 0
+    by_server: dict[str, int] = field(default_factory=dict)
+
+
+class EvalRun:
+    """Sends one benchmark's requests with bounded concurrency; every sample ends in the artifact once."""
+
+    def __init__(
+        self,
+        spec: BenchmarkSpec,
+        dispatcher: Dispatcher,
+        out_dir: Path,
+        target: EvalTarget,
+        *,
+        concurrency: int = 64,
+        run_info: dict[str, Any] | None = None,
+        secrets: Iterable[str] = (),
+        on_progress: Callable[[EvalProgress], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.spec = spec
+        self._dispatcher = dispatcher
+        self._dir = out_dir / spec.name
+        self._target = target
+        self._concurrency = concurrency
+        self._run_info = run_info or {}
+        self._secrets = tuple(secrets)
+        self._on_progress = on_progress
+        self._clock = clock
+        self._counters = _Counters()
+
+    def _config(self, data_hash: str) -> dict[str, Any]:
+        return {
+            "fingerprint": f"{self.spec.fingerprint()}-{data_hash[:16]}-{self._target.model}-{self._target.revision}",
+            "benchmark": self.spec.model_dump(mode="json"),
+            "prompt_template": self.spec.prompt.template,
+            "generation": self.spec.generation.model_dump(mode="json"),
+            "dataset": {"path": str(self.spec.data_path()), "sha256": data_hash},
+            "model": self._target.model,
+            "revision": self._target.revision,
+            "pinned_engines": self._target.pinned_engines,
+            "pinned_servers": self._target.pinned_servers,
+            "packages": package_versions(),
+            **self._run_info,
+        }
+
+    async def run(self) -> EvalSummary:
+        started = self._clock()
+        samples = await asyncio.to_thread(load_samples, self.spec)
+        data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())
+        writer = await asyncio.to_thread(ArtifactWriter, self._dir, self._config(data_hash), secrets=self._secrets)
+        todo = [s for s in samples if s.sample_id not in writer.done_ids]
+        total = len(samples)
+        self._counters.done = total - len(todo)
+        if writer.resumed:
+            log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
+        queue: asyncio.Queue[Sample] = asyncio.Queue()
+        for sample in todo:
+            queue.put_nowait(sample)
+        workers = [
+            asyncio.create_task(self._worker(queue, writer, total, started), name=f"{self.spec.name}-worker-{i}")
+            for i in range(min(self._concurrency, max(1, len(todo))))
+        ]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.to_thread(writer.close)
+        records = await asyncio.to_thread(read_records, writer.path)
+        wall = self._clock() - started
+        summary = summarize_records(self.spec, records)
+        summary.update(
+            {
+                "model": self._target.model,
+                "revision": self._target.revision,
+                "dataset_sha256": data_hash,
+                "prompt_template": self.spec.prompt.template,
+                "generation": self.spec.generation.model_dump(mode="json"),
+                "wall_time_s": wall,
+                "resumed_records": writer.resumed,
+                "expected_records": total,
+                **self._run_info,
+            }
+        )
+        await asyncio.to_thread(writer.write_summary, summary)
+        return EvalSummary(self.spec.name, self._dir, summary, wall, writer.resumed, self._counters.written)
+
+    async def _worker(self, queue: asyncio.Queue[Sample], writer: ArtifactWriter, total: int, started: float) -> None:
+        while True:
+            try:
+                sample = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            record = await self._evaluate(sample)
+            if writer.write(record):
+                self._counters.written += 1
+            self._counters.done += 1
+            if record.failed:
+                self._counters.failed += 1
+            if record.provenance.attempts > 1:
+                self._counters.retried += 1
+            if self._on_progress is not None:
+                c = self._counters
+                self._on_progress(
+                    EvalProgress(self.spec.name, total, c.done, c.failed, c.retried, self._clock() - started)
+                )
+
+    async def _evaluate(self, sample: Sample) -> Record:
+        request = InferenceRequest(
+            request_id=f"{self.spec.name}/{sample.sample_id}",
+            model=self._target.model,
+            revision=self._target.revision,
+            endpoint=Endpoint.COMPLETIONS if self.spec.prompt.style == "completion" else Endpoint.CHAT,
+            body=request_body(self.spec, sample),
+            client_id=self.spec.name,
+            pinned_engines=self._target.pinned_engines,
+            pinned_servers=self._target.pinned_servers,
+        )
+        try:
+            result = await self._dispatcher.submit(request)
+        except RequestFailed as exc:
+            prov = Provenance(
+                model=self._target.model,
+                attempts=len(exc.attempts),
+                attempt_log=[_attempt_info(a) for a in exc.attempts],
+                error=str(exc),
+                error_kind=exc.last_kind.value if exc.last_kind else None,
+                completed_at=time.time(),
+            )
+            return finish_record(self.spec, sample, None, prov)
+        except NoServerError as exc:
+            prov = Provenance(
+                model=self._target.model, error=str(exc), error_kind="no_server", completed_at=time.time()
+            )
+            return finish_record(self.spec, sample, None, prov)
+        return finish_record(
+            self.spec, sample, result.completion.text, _provenance(result, self._target.model),
+            reasoning=result.completion.reasoning_content,
+        )
+
+
+def _attempt_info(attempt: Any) -> AttemptInfo:
+    return AttemptInfo(
+        server_id=attempt.server_id,
+        latency_s=attempt.latency_s,
+        failure=attempt.failure.value if attempt.failure else None,
+        detail=attempt.detail,
+    )
+
+
+def _provenance(result: InferenceResult, model: str) -> Provenance:
+    return Provenance(
+        server_id=result.server_id,
+        engine=result.engine,
+        accelerator=result.accelerator,
+        model=model,
+        model_revision=result.model_revision,
+        attempts=len(result.attempts),
+        attempt_log=[_attempt_info(a) for a in result.attempts],
+        latency_s=result.latency_s,
+        hedged=result.hedged,
+        prompt_tokens=result.completion.prompt_tokens,
+        completion_tokens=result.completion.completion_tokens,
+        finish_reason=result.completion.finish_reason,
+        completed_at=time.time(),
+    )

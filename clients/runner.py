@@ -1,0 +1,38 @@
+"""Run several evaluations at once over one pool connection, so their requests share every engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget
+from federation import Dispatcher
+from pipeline import BenchmarkSpec
+
+
+async def run_evals(
+    specs: Sequence[BenchmarkSpec],
+    dispatcher: Dispatcher,
+    out_dir: Path,
+    target: EvalTarget,
+    *,
+    concurrency: int = 64,
+    run_info: dict[str, Any] | None = None,
+    secrets: Iterable[str] = (),
+    on_progress: Callable[[EvalProgress], None] | None = None,
+) -> list[EvalSummary]:
+    """All evals concurrently; each writes its own artifact directory under `out_dir`."""
+    names = [s.name for s in specs]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise ValueError(f"benchmark names must be unique in one run: {sorted(duplicates)}")
+    runs = [
+        EvalRun(
+            spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,
+            secrets=secrets, on_progress=on_progress,
+        )
+        for spec in specs
+    ]
+    return list(await asyncio.gather(*(run.run() for run in runs)))

@@ -1,0 +1,233 @@
+"""An OpenAI-compatible server that speaks like vLLM (metrics names, labels, health), for tests and
+benchmarks without GPUs. Timing model: at most `max_running` sequences at once (others wait in a queue,
+as in the engine's scheduler); each takes prefill + per-token decode time, slowed as the batch grows.
+
+This is the emulator's first cut: the full continuous-batching model (KV budget, preemption, prefix
+cache, SGLang protocol, calibrated profiles) is tracked in the engines issue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Fault injection: every figure is off by default."""
+
+    error_rate: float = 0.0  # fraction of requests answered with HTTP 500
+    malformed_rate: float = 0.0  # fraction answered 200 with a body that is not a completion
+    hang: bool = False  # accept requests, never answer
+    crash_after: int | None = None  # close the listener after this many completions
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorProfile:
+    name: str = "tiny"
+    max_running: int = 8
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.002
+    batch_slowdown: float = 0.05  # each extra running sequence slows a step by this fraction
+    default_output_tokens: int = 8
+
+
+@dataclass
+class _Stats:
+    running: int = 0
+    waiting: int = 0
+    completed: int = 0
+    generation_tokens: int = 0
+    prompt_tokens: int = 0
+    requests_by_status: dict[str, int] = field(default_factory=dict)
+
+
+class EmulatedServer:
+    """`server = EmulatedServer(model="m"); await server.start(); ...; await server.stop()`."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        profile: EmulatorProfile | None = None,
+        faults: Faults | None = None,
+        seed: int = 0,
+        speedup: float = 1.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        self.model = model
+        self.profile = profile or EmulatorProfile()
+        self.faults = faults or Faults()
+        self._rng = random.Random(seed)
+        self._seed = seed
+        self._speedup = speedup
+        self._host = host
+        self._port = port
+        self._stats = _Stats()
+        self._slots = asyncio.Semaphore(self.profile.max_running)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._hung: list[asyncio.Future[None]] = []
+        self.url = ""
+
+    @property
+    def stats(self) -> _Stats:
+        return self._stats
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def start(self) -> str:
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self._host, self._port)
+        await self._site.start()
+        sockets = self._site._server.sockets  # type: ignore[union-attr]
+        self._port = sockets[0].getsockname()[1]
+        self.url = f"http://{self._host}:{self._port}"
+        return self.url
+
+    async def stop(self) -> None:
+        for fut in self._hung:
+            if not fut.done():
+                fut.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def crash(self) -> None:
+        """Stop listening and drop every connection, like a killed process."""
+        await self.stop()
+
+    # ---- handlers -----------------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fedpool-emulator"}]}
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        s = self._stats
+        labels = f'engine="0",model_name="{self.model}"'
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(s.running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(s.waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {s.running / self.profile.max_running:.4f}\n"
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE vllm:generation_tokens_total counter\n"
+            f"vllm:generation_tokens_total{{{labels}}} {float(s.generation_tokens)}\n"
+            "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
+            "# TYPE vllm:prompt_tokens_total counter\n"
+            f"vllm:prompt_tokens_total{{{labels}}} {float(s.prompt_tokens)}\n"
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response({"error": {"message": "body is not JSON", "type": "invalid_request"}}, status=400)
+        if not isinstance(body, dict) or body.get("model") != self.model:
+            return web.json_response(
+                {"error": {"message": f"model must be {self.model!r}", "type": "NotFoundError"}}, status=404
+            )
+        max_tokens_given = body.get("max_tokens", self.profile.default_output_tokens)
+        if not isinstance(max_tokens_given, int) or max_tokens_given < 1:
+            return web.json_response(
+                {"error": {"message": "max_tokens must be at least 1", "type": "BadRequestError"}}, status=400
+            )
+        if self.faults.hang:
+            fut = asyncio.get_running_loop().create_future()
+            self._hung.append(fut)
+            await fut
+        roll = self._rng.random()
+        if roll < self.faults.error_rate:
+            self._count("500")
+            return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        prompt = _prompt_text(body, chat)
+        prompt_tokens = max(1, len(prompt.split()))
+        out_tokens = min(max_tokens_given, self.profile.default_output_tokens)
+        self._stats.waiting += 1
+        async with self._slots:
+            self._stats.waiting -= 1
+            self._stats.running += 1
+            try:
+                step = self.profile.decode_s_per_token * (1 + self.profile.batch_slowdown * (self._stats.running - 1))
+                delay = prompt_tokens * self.profile.prefill_s_per_token + out_tokens * step
+                if delay > 0:
+                    await asyncio.sleep(delay / self._speedup)
+            finally:
+                self._stats.running -= 1
+        self._stats.prompt_tokens += prompt_tokens
+        self._stats.generation_tokens += out_tokens
+        if roll < self.faults.error_rate + self.faults.malformed_rate:
+            self._count("200-malformed")
+            return web.Response(text='{"choices": [{"text": ', content_type="application/json")
+        text = self._answer(prompt, out_tokens)
+        self._stats.completed += 1
+        self._count("200")
+        if self.faults.crash_after is not None and self._stats.completed >= self.faults.crash_after:
+            asyncio.get_running_loop().create_task(self.crash())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": out_tokens,
+                 "total_tokens": prompt_tokens + out_tokens}
+        created = int(time.time())
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+            obj = "text_completion"
+        return web.json_response(
+            {"id": f"cmpl-{self._stats.completed}", "object": obj, "created": created, "model": self.model,
+             "choices": [choice], "usage": usage}
+        )
+
+    def _answer(self, prompt: str, tokens: int) -> str:
+        """Deterministic in (seed, prompt): the same request gets the same answer from any replica."""
+        digest = hashlib.sha256(f"{self._seed}:{prompt}".encode()).digest()
+        return " " + " ".join(WORDS[digest[i % len(digest)] % len(WORDS)] for i in range(tokens))
+
+    def _count(self, status: str) -> None:
+        self._stats.requests_by_status[status] = self._stats.requests_by_status.get(status, 0) + 1
+
+
+def _prompt_text(body: dict[str, Any], chat: bool) -> str:
+    if not chat:
+        prompt = body.get("prompt", "")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    parts = []
+    for message in body.get("messages") or []:
+        if isinstance(message, dict):
+            content = message.get("content")
+            parts.append(content if isinstance(content, str) else json.dumps(content))
+    return "\n".join(parts)

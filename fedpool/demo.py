@@ -1,0 +1,181 @@
+"""`fedpool demo`: the main job on the embedded default — a real local pool and concurrent evals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import ray
+
+from clients import EvalProgress, EvalSummary, EvalTarget, run_evals
+from federation import DispatchConfig, PoolConnection
+from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
+from pipeline import BenchmarkSpec, load_spec, package_versions
+from pipeline.artifact import write_json_atomic
+from pipeline.bundled import bundled_spec_paths
+from registry import RegistryClient
+
+log = logging.getLogger("fedpool.demo")
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    out_root: Path = Path("runs")
+    servers: LocalServerSpec = field(default_factory=LocalServerSpec)
+    spec_paths: tuple[Path, ...] = field(default_factory=lambda: tuple(bundled_spec_paths()))
+    policy: str = "least_inflight"
+    concurrency: int = 16
+    limit: int | None = None
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    run_dir: Path
+    wall_time_s: float
+    summaries: tuple[EvalSummary, ...]
+    answered: dict[str, dict[str, int]]  # server id -> benchmark -> requests answered
+    servers: tuple[dict[str, Any], ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "wall_time_s": self.wall_time_s,
+            "benchmarks": {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir)} for s in self.summaries},
+            "answered": self.answered,
+            "servers": list(self.servers),
+        }
+
+
+def load_specs(paths: tuple[Path, ...], limit: int | None) -> list[BenchmarkSpec]:
+    specs = [load_spec(p) for p in paths]
+    if limit is not None:
+        specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": limit})}) for s in specs]
+    return specs
+
+
+def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> DemoReport:
+    specs = load_specs(options.spec_paths, options.limit)  # bad specs fail before anything starts
+    run_id = options.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-demo"
+    run_dir = (options.out_root / run_id).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print("[fedpool] starting local Ray (namespace fedpool)", file=out, flush=True)
+    init_local_ray()
+    try:
+        return asyncio.run(_run(options, specs, run_dir, out))
+    finally:
+        ray.shutdown()
+
+
+async def _run(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO) -> DemoReport:
+    # The registry's state (and its token) live outside the run directory: artifacts carry no secrets.
+    with tempfile.TemporaryDirectory(prefix="fedpool-demo-registry-") as state_dir:
+        registry = RegistryClient.start(Path(state_dir), probe_interval_s=2.0)
+        await registry.ping()
+        return await _run_pool(options, specs, run_dir, out, registry)
+
+
+async def _run_pool(
+    options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO, registry: RegistryClient
+) -> DemoReport:
+    n = options.servers.count
+    print(f"[fedpool] registry actor up; starting {n} llama.cpp servers "
+          f"({options.servers.slots} slots, {options.servers.threads} thread(s) each)", file=out, flush=True)
+    async with local_llama_servers(registry, options.servers, run_dir / "logs") as launchers:
+        for launcher in launchers:
+            print(f"[fedpool]   {launcher.record.id}: {launcher.record.url}  log {launcher.process.log_path}",
+                  file=out, flush=True)
+        model = launchers[0].record.model
+        async with PoolConnection(registry, policy=options.policy, config=DispatchConfig()) as pool:
+            snapshot = await pool.refresh()
+            servers = tuple(
+                {"id": e.id, "url": e.url, "engine": e.engine.value, "accelerator": e.record.accelerator,
+                 "model": e.record.model, "revision": e.record.revision, "capacity": e.capacity}
+                for e in snapshot.entries
+            )
+            run_info = {
+                "run_id": run_dir.name,
+                "policy": options.policy,
+                "pool": list(servers),
+                "concurrent_evals": [s.name for s in specs],
+            }
+            write_json_atomic(run_dir / "run.json", {
+                **run_info, "command": " ".join(sys.argv), "packages": package_versions(),
+                "started_at": datetime.now(UTC).isoformat(),
+            })
+            print(f"[fedpool] running {len(specs)} evaluations concurrently through the pool "
+                  f"(policy {options.policy}): {', '.join(s.name for s in specs)}", file=out, flush=True)
+            progress = _ProgressPrinter(out)
+            started = time.monotonic()
+            ticker = asyncio.create_task(progress.tick_forever())
+            try:
+                summaries = await run_evals(
+                    specs, pool.dispatcher, run_dir, EvalTarget(model=model), concurrency=options.concurrency,
+                    run_info=run_info, secrets=(), on_progress=progress.update,
+                )
+            finally:
+                ticker.cancel()
+            wall = time.monotonic() - started
+    answered: dict[str, dict[str, int]] = {}
+    for summary in summaries:
+        for server_id, count in summary.summary["by_server"].items():
+            answered.setdefault(server_id, {})[summary.benchmark] = count
+    report = DemoReport(run_dir, wall, tuple(summaries), answered, servers)
+    write_json_atomic(run_dir / "report.json", report.as_json())
+    _print_report(report, out)
+    return report
+
+
+class _ProgressPrinter:
+    def __init__(self, out: TextIO):
+        self._out = out
+        self._latest: dict[str, EvalProgress] = {}
+        self._started = time.monotonic()
+
+    def update(self, progress: EvalProgress) -> None:
+        self._latest[progress.benchmark] = progress
+
+    async def tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            parts = [
+                f"{p.benchmark} {p.done}/{p.total}" + (f" ({p.failed} failed)" if p.failed else "")
+                for p in self._latest.values()
+            ]
+            print(f"[{time.monotonic() - self._started:5.0f}s] " + "  ".join(parts), file=self._out, flush=True)
+
+
+def _print_report(report: DemoReport, out: TextIO) -> None:
+    print("\nScores (95% bootstrap CI)", file=out)
+    print(f"  {'benchmark':<14}{'metric':<13}{'score':>7}  {'95% CI':<16}{'n':>5}{'failed':>8}{'wall s':>9}", file=out)
+    for s in report.summaries:
+        for score in s.summary["scores"]:
+            ci = f"[{score['ci_low']:.1f}, {score['ci_high']:.1f}]"
+            print(f"  {s.benchmark:<14}{score['metric']:<13}{score['value']:>7.1f}  {ci:<16}"
+                  f"{s.summary['records']:>5}{s.summary['failed']:>8}{s.wall_time_s:>9.1f}", file=out)
+    names = [s.benchmark for s in report.summaries]
+    print("\nRequests answered per server", file=out)
+    print("  " + f"{'server':<14}" + "".join(f"{n:>14}" for n in names) + f"{'total':>8}", file=out)
+    for server_id in sorted(report.answered):
+        row = report.answered[server_id]
+        print("  " + f"{server_id:<14}" + "".join(f"{row.get(n, 0):>14}" for n in names)
+              + f"{sum(row.values()):>8}", file=out)
+    print(f"\nWall time: {report.wall_time_s:.1f} s for {len(names)} evaluations run concurrently", file=out)
+    print(f"Artifacts: {report.run_dir}", file=out)
+    for s in report.summaries:
+        print(f"  {s.artifact_dir}/records.jsonl, summary.json", file=out)
+    print(f"  {report.run_dir}/run.json, report.json; engine logs in {report.run_dir}/logs", file=out)
+    out.flush()
+
+
+def report_json(report: DemoReport) -> str:
+    return json.dumps(report.as_json(), indent=2, default=str)
