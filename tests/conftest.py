@@ -1,0 +1,164 @@
+"""Shared fixtures: real local Ray, real emulated (aiohttp) servers, real llama.cpp servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from deploy.emulator import EmulatedServer, EmulatorProfile, Faults
+from deploy.llamacpp import LlamaServerConfig, llama_server_binary
+from deploy.models import GEMMA_ALIAS, ensure_gemma
+from deploy.process import free_port
+from registry import RegistryClient
+from registry.actor import get_registry_actor
+
+TEST_TOKEN = "test-registry-token-7f3a9c"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One real local Ray for the whole session (starting it costs ~8 s)."""
+    ray.init(num_cpus=2, namespace="fedpool", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+async def registry(ray_cluster: None, tmp_path: Path) -> AsyncIterator[RegistryClient]:
+    """A fresh registry actor per test, probing fast; killed (not restarted) afterwards."""
+    client = RegistryClient.start(
+        tmp_path / "registry", token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0, check_timeout_s=3.0,
+        lease_grace_s=1.0, drain_timeout_s=30.0,
+    )
+    await client.ping()
+    yield client
+    ray.kill(get_registry_actor(), no_restart=True)
+    for _ in range(100):  # wait until the name is free for the next test
+        try:
+            get_registry_actor()
+        except ValueError:
+            break
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class EmulatorFactory:
+    servers: list[EmulatedServer]
+
+    async def start(
+        self, model: str = "emu-model", *, max_running: int = 4, decode_s: float = 0.002,
+        faults: Faults | None = None, seed: int = 0,
+    ) -> EmulatedServer:
+        server = EmulatedServer(
+            model=model, profile=EmulatorProfile(max_running=max_running, decode_s_per_token=decode_s),
+            faults=faults, seed=seed,
+        )
+        await server.start()
+        self.servers.append(server)
+        return server
+
+
+@pytest.fixture
+async def emulators() -> AsyncIterator[EmulatorFactory]:
+    factory = EmulatorFactory([])
+    yield factory
+    for server in factory.servers:
+        await server.stop()
+
+
+@dataclass(frozen=True)
+class LlamaServers:
+    urls: tuple[str, ...]
+    alias: str
+    pids: tuple[int, ...]
+    model_path: Path
+
+
+def _wait_http_ok(url: str, deadline_s: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    start = time.monotonic()
+    while time.monotonic() - start < deadline_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"llama-server not healthy after {deadline_s}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def llama_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServers]:
+    """Two real llama-server processes serving Gemma 3 270M (4 slots, 1 thread each) for the session."""
+    model = ensure_gemma()
+    binary = llama_server_binary()
+    logs = tmp_path_factory.mktemp("llama-logs")
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = []
+    env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
+    try:
+        for i in range(2):
+            config = LlamaServerConfig(model_path=model, alias=GEMMA_ALIAS, port=free_port(), slots=4, threads=1)
+            log = logs / f"llama-{i}.log"
+            with log.open("wb") as fh:
+                procs.append(subprocess.Popen(config.argv(binary), stdout=fh, stderr=subprocess.STDOUT, env=env))
+            urls.append(config.url)
+            _wait_http_ok(config.url + "/health", 180, procs[-1], log)
+        yield LlamaServers(tuple(urls), GEMMA_ALIAS, tuple(p.pid for p in procs), model)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No engine process may outlive the test session."""
+    leftovers = [
+        p for p in psutil.Process().children(recursive=True)
+        if _safe_name(p) in ("llama-server",)
+    ]
+    if leftovers:
+        for p in leftovers:
+            p.kill()
+        session.exitstatus = 1
+        print(f"\nERROR: test session left engine processes behind: {[p.pid for p in leftovers]}")
+
+
+def _safe_name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return ""
+
+
+def files_containing(root: Path, secrets: list[str]) -> list[str]:
+    """Every file under root that contains any of the secret strings (for the artifact scans)."""
+    hits = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            hits.extend(f"{path}: {s[:4]}…" for s in secrets if s in text)
+    return hits
+
+
+def read_jsonl(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

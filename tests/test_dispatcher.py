@@ -1,0 +1,153 @@
+"""The dispatcher against real aiohttp servers on loopback (the emulator): spread, windows, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from deploy.emulator import EmulatedServer, Faults
+from federation import (
+    DispatchConfig,
+    Dispatcher,
+    Endpoint,
+    FailureKind,
+    InferenceRequest,
+    NoServerError,
+    RequestFailed,
+    Timeouts,
+    make_policy,
+    new_session,
+)
+from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+from tests.conftest import EmulatorFactory
+
+
+def snapshot_of(
+    servers: list[EmulatedServer], capacity: int = 4, accelerators: list[str] | None = None
+) -> PoolSnapshot:
+    entries = []
+    for i, server in enumerate(servers):
+        record = ServerRecord(id=f"s{i}", url=server.url, engine="vllm", model=server.model,
+                              accelerator=(accelerators or ["V100"] * len(servers))[i])
+        entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=capacity,
+                                   weight=prior_weight(record)))
+    return PoolSnapshot(version=1, taken_at=0.0, entries=tuple(entries))
+
+
+def request(i: int, model: str = "emu-model", **kw: object) -> InferenceRequest:
+    return InferenceRequest(request_id=f"r{i}", model=model, endpoint=Endpoint.COMPLETIONS,
+                            body={"prompt": f"question {i}", "max_tokens": 4}, **kw)  # type: ignore[arg-type]
+
+
+FAST = DispatchConfig(backoff_base_s=0.01, backoff_max_s=0.05, no_server_timeout_s=1.0,
+                      timeouts=Timeouts(connect_s=1.0, first_byte_s=1.0, total_s=2.0))
+
+
+async def run_all(dispatcher: Dispatcher, n: int, **kw: object) -> list[object]:
+    return await asyncio.gather(*(dispatcher.submit(request(i, **kw)) for i in range(n)), return_exceptions=True)
+
+
+async def test_spreads_over_all_servers_and_never_exceeds_windows(emulators: EmulatorFactory) -> None:
+    servers = [await emulators.start(max_running=4, decode_s=0.005) for _ in range(3)]
+    snap = snapshot_of(servers, capacity=4)
+    peak: Counter[str] = Counter()
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight", random.Random(0)), config=FAST)
+
+        async def watch() -> None:
+            while True:
+                for sid, n in dispatcher.inflight().items():
+                    peak[sid] = max(peak[sid], n)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        results = await run_all(dispatcher, 60)
+        watcher.cancel()
+    answered = Counter(r.server_id for r in results)  # type: ignore[union-attr]
+    assert sum(answered.values()) == 60 and set(answered) == {"s0", "s1", "s2"}
+    assert all(14 <= c <= 26 for c in answered.values()), answered
+    assert max(peak.values()) <= 4  # the admission window held
+    assert dispatcher.inflight() == {} and dispatcher.stats().inflight_total == 0
+
+
+async def test_failed_server_is_retried_elsewhere(emulators: EmulatorFactory) -> None:
+    broken = await emulators.start(faults=Faults(error_rate=1.0))
+    good = await emulators.start()
+    snap = snapshot_of([broken, good])
+    failures: list[tuple[str, FailureKind]] = []
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=FAST,
+                                on_failure=lambda sid, kind: failures.append((sid, kind)))
+        results = await run_all(dispatcher, 20)
+    assert all(r.server_id == "s1" for r in results)  # type: ignore[union-attr]
+    retried = [r for r in results if len(r.attempts) > 1]  # type: ignore[union-attr]
+    assert retried and all(r.attempts[0].failure is FailureKind.SERVER_ERROR for r in retried)  # type: ignore[union-attr]
+    assert failures and {sid for sid, _ in failures} == {"s0"}
+
+
+async def test_malformed_bodies_are_typed_and_retried(emulators: EmulatorFactory) -> None:
+    flaky = await emulators.start(faults=Faults(malformed_rate=0.5), seed=3)
+    good = await emulators.start()
+    snap = snapshot_of([flaky, good])
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        results = await run_all(dispatcher, 40)
+    assert all(not isinstance(r, BaseException) for r in results)
+    kinds = [a.failure for r in results for a in r.attempts if a.failure]  # type: ignore[union-attr]
+    assert kinds and set(kinds) == {FailureKind.BAD_RESPONSE}
+
+
+async def test_server_killed_mid_run_loses_nothing(emulators: EmulatorFactory) -> None:
+    doomed = await emulators.start(decode_s=0.01, faults=Faults(crash_after=5))
+    survivor = await emulators.start(decode_s=0.01)
+    snap = snapshot_of([doomed, survivor])
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        results = await run_all(dispatcher, 50)
+    assert [r.request_id for r in results] == [f"r{i}" for i in range(50)]  # type: ignore[union-attr]
+    assert Counter(r.server_id for r in results)["s1"] >= 40  # type: ignore[union-attr]
+
+
+async def test_hung_server_is_routed_around_within_the_timeout(emulators: EmulatorFactory) -> None:
+    hung = await emulators.start(faults=Faults(hang=True))
+    good = await emulators.start()
+    snap = snapshot_of([hung, good])
+    config = DispatchConfig(backoff_base_s=0.01, timeouts=Timeouts(connect_s=1.0, first_byte_s=0.5, total_s=1.0))
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=config)
+        results = await asyncio.wait_for(run_all(dispatcher, 8), timeout=20)
+    assert all(r.server_id == "s1" for r in results)  # type: ignore[union-attr]
+    timed_out = [a for r in results for a in r.attempts if a.failure is FailureKind.TIMEOUT]  # type: ignore[union-attr]
+    assert timed_out and all(a.latency_s < 2.0 for a in timed_out)
+
+
+async def test_request_errors_are_not_retried_and_no_server_is_named(emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    snap = snapshot_of([server])
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        with pytest.raises(NoServerError, match="'other-model'"):
+            await dispatcher.submit(request(0, model="other-model"))
+        with pytest.raises(NoServerError, match="revision 'v9'"):
+            await dispatcher.submit(request(1, revision="v9"))
+        invalid = InferenceRequest("r2", "emu-model", Endpoint.COMPLETIONS, body={"prompt": "x", "max_tokens": 0})
+        with pytest.raises(RequestFailed) as err:
+            await dispatcher.submit(invalid)
+    assert err.value.last_kind is FailureKind.REQUEST_ERROR and len(err.value.attempts) == 1
+    assert dispatcher.inflight() == {}
+
+
+async def test_connection_refused_everywhere_fails_after_bounded_attempts(emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    snap = snapshot_of([server])
+    await server.stop()
+    config = DispatchConfig(max_attempts=3, backoff_base_s=0.01, timeouts=Timeouts(connect_s=0.5, total_s=1.0))
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=config)
+        with pytest.raises(RequestFailed) as err:
+            await dispatcher.submit(request(0))
+    assert err.value.last_kind is FailureKind.CONNECT and len(err.value.attempts) == 3
+    assert dispatcher.inflight() == {}

@@ -1,0 +1,66 @@
+"""Imports flow one way (docs/architecture.md): checked on the source, not by hope."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOMS = ("registry", "federation", "clients", "pipeline", "deploy", "fedpool")
+# room -> rooms it may import. registry: none; federation: registry; pipeline: none (no networking);
+# clients: federation + pipeline; deploy: registry; fedpool (the CLI face): everything.
+ALLOWED = {
+    "registry": set(),
+    "federation": {"registry"},
+    "pipeline": set(),
+    "clients": {"federation", "pipeline"},
+    "deploy": {"registry"},
+    "fedpool": set(ROOMS),
+}
+NETWORK_MODULES = {"aiohttp", "ray", "requests", "httpx", "socket"}
+
+
+def imports_of(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_rooms_import_only_what_they_may() -> None:
+    problems = []
+    for room in ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for name in imports_of(path) & set(ROOMS):
+                if name != room and name not in ALLOWED[room]:
+                    problems.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert problems == []
+
+
+def test_pipeline_has_no_networking() -> None:
+    offenders = [
+        f"{p.relative_to(ROOT)}: {sorted(imports_of(p) & NETWORK_MODULES)}"
+        for p in sorted((ROOT / "pipeline").rglob("*.py"))
+        if imports_of(p) & NETWORK_MODULES
+    ]
+    assert offenders == []
+
+
+def test_federation_uses_only_registry_public_names() -> None:
+    offenders = []
+    for path in sorted((ROOT / "federation").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("registry."):
+                offenders.append(f"{path.relative_to(ROOT)}: from {node.module}")
+    assert offenders == []
+
+
+def test_the_checker_catches_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from clients import EvalRun\nimport registry.state\n")
+    assert imports_of(bad) == {"clients", "registry"}

@@ -1,0 +1,191 @@
+"""Specs, loaders, post-processing, metrics and artifacts, against hand-computed values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline import (
+    ArtifactError,
+    ArtifactWriter,
+    DataError,
+    Provenance,
+    SpecError,
+    aggregate,
+    apply_postprocess,
+    finish_record,
+    load_samples,
+    load_spec,
+    read_records,
+    redact,
+    request_body,
+    split_reasoning,
+    summarize_records,
+)
+from pipeline.bundled import bundled_spec_paths
+from pipeline.metrics import exact_match, token_f1, wer
+
+SPEC_YAML = """\
+name: tiny
+data: {path: data.jsonl}
+prompt: {template: "Q: {question}\\nA:"}
+generation: {max_tokens: 4, stop: ["\\n"]}
+postprocess: [first_line, strip_punct]
+metrics: [exact_match]
+"""
+
+
+def write_spec(tmp_path: Path, text: str = SPEC_YAML, rows: list[str] | None = None) -> Path:
+    (tmp_path / "spec.yaml").write_text(text)
+    default = [json.dumps({"id": i, "question": f"q{i}", "answer": f"a{i}"}) for i in range(3)]
+    lines = rows if rows is not None else default
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path / "spec.yaml"
+
+
+# ---- specs ------------------------------------------------------------------------------------
+def test_bundled_benchmarks_load_with_50_plus_samples() -> None:
+    for path in bundled_spec_paths():
+        spec = load_spec(path)
+        samples = load_samples(spec)
+        assert len(samples) >= 50, spec.name
+        assert len({s.sample_id for s in samples}) == len(samples)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("name: x\n  bad: [", "spec.yaml:"),
+        ("- a list\n", "must be a mapping"),
+        (SPEC_YAML.replace("[exact_match]", "[bleurt]"), "field 'metrics': Value error, unknown metric"),
+        (SPEC_YAML.replace("[first_line, strip_punct]", "[magic]"), "unknown post-processor 'magic'"),
+        (SPEC_YAML.replace("max_tokens: 4", "max_tokens: -1"), "field 'generation.max_tokens'"),
+        (SPEC_YAML.replace("name: tiny", "name: tiny\nsurprise: 1"), "field 'surprise'"),
+        (SPEC_YAML.replace("{question}", "{answer}"), "shows the label field"),
+        (SPEC_YAML.replace("{question}", "{question!r:>{w}}"), "template"),
+    ],
+)
+def test_bad_specs_name_file_and_field(tmp_path: Path, text: str, fragment: str) -> None:
+    path = write_spec(tmp_path, text)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(path) in str(err.value) and fragment in str(err.value)
+
+
+# ---- loaders ----------------------------------------------------------------------------------
+def test_bad_rows_reported_with_file_and_line(tmp_path: Path) -> None:
+    rows = [
+        json.dumps({"id": 1, "question": "q", "answer": "a"}),
+        "{not json",
+        json.dumps([1, 2]),
+        json.dumps({"id": 2, "answer": "a"}),
+        json.dumps({"id": 1, "question": "q", "answer": "a"}),
+        json.dumps({"id": 3, "question": "q", "answer": True}),
+        json.dumps({"id": 4, "question": {"nested": 1}, "answer": "a"}),
+    ]
+    path = write_spec(tmp_path, rows=rows)
+    with pytest.raises(DataError) as err:
+        load_samples(load_spec(path))
+    text = str(err.value)
+    data = tmp_path / "data.jsonl"
+    for line, fragment in [(2, "malformed JSON"), (3, "not an object"), (4, "missing field 'question'"),
+                           (5, "duplicate id '1'"), (6, "label field"), (7, "must be text")]:
+        assert f"{data}:{line}: " in text and fragment in text, (line, fragment)
+
+
+def test_empty_dataset_and_csv(tmp_path: Path) -> None:
+    path = write_spec(tmp_path, rows=[])
+    with pytest.raises(DataError, match="no samples"):
+        load_samples(load_spec(path))
+    (tmp_path / "d.csv").write_text("id,question,answer\n1,what,yes\n2,why,no\n")
+    spec = load_spec(write_spec(tmp_path, SPEC_YAML.replace("data.jsonl", "d.csv")))
+    assert [s.labels for s in load_samples(spec)] == [("yes",), ("no",)]
+
+
+# ---- post-processing and metrics --------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("raw", "letter"),
+    [("The answer is (B)", "B"), ("B. Paris", "B"), ("b", "B"), (" (c) because", "C"), ("Answer: D", "D"),
+     ("I think it is", ""), ("", "")],
+)
+def test_multiple_choice_extraction(raw: str, letter: str) -> None:
+    assert apply_postprocess(raw, ["multiple_choice"]) == letter
+
+
+@pytest.mark.parametrize(("raw", "num"), [(" 37", "37"), ("= 1,200.0 apples", "1200"), ("-3.5", "-3.5"), ("none", "")])
+def test_number_extraction(raw: str, num: str) -> None:
+    assert apply_postprocess(raw, ["number"]) == num
+
+
+def test_reasoning_moves_out_of_the_answer() -> None:
+    assert split_reasoning("<think>2+2 is 4</think> 4") == ("4", "2+2 is 4")
+    assert split_reasoning("plain") == ("plain", None)
+
+
+def test_metric_values_by_hand() -> None:
+    assert exact_match(" Paris.", ["paris"]) == 1.0
+    assert exact_match("Lyon", ["Paris"]) == 0.0
+    assert token_f1("the cat sat", ["cat sat down"]) == pytest.approx(2 * (2 / 3) * (2 / 3) / (4 / 3))
+    assert wer("a b c", ["a x c d"]) == pytest.approx(0.5)
+    score = aggregate("exact_match", [1, 0, 1, 1])
+    assert score.value == 75.0 and score.ci_low <= 75.0 <= score.ci_high and score.n == 4
+
+
+def test_failed_records_count_as_wrong_not_dropped(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path))
+    samples = load_samples(spec)
+    good = finish_record(spec, samples[0], " a0\nmore", Provenance(server_id="s1", attempts=1))
+    bad = finish_record(spec, samples[1], None, Provenance(error="all attempts failed", error_kind="timeout"))
+    assert good.output.text.prediction_postprocessed == ["a0"] and good.metrics == {"exact_match": 1.0}
+    assert bad.metrics == {"exact_match": 0.0} and bad.failed
+    summary = summarize_records(spec, [good, bad])
+    assert summary["scores"][0]["value"] == 50.0 and summary["failed"] == 1
+    assert summary["errors"] == {"timeout": 1}
+
+
+def test_request_body_for_completion_and_chat(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path))
+    sample = load_samples(spec)[0]
+    body = request_body(spec, sample)
+    assert body["prompt"] == "Q: q0\nA:" and body["max_tokens"] == 4 and body["stop"] == ["\n"]
+    chat = spec.model_copy(update={"prompt": spec.prompt.model_copy(update={"style": "chat", "system": "Be brief."})})
+    body = request_body(chat, sample)
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: q0\nA:"}]
+
+
+# ---- artifacts --------------------------------------------------------------------------------
+def test_artifact_exactly_once_resume_and_torn_tail(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path))
+    samples = load_samples(spec)
+    config = {"fingerprint": "f1"}
+    writer = ArtifactWriter(tmp_path / "out", config)
+    rec0 = finish_record(spec, samples[0], "a0", Provenance())
+    assert writer.write(rec0) is True
+    assert writer.write(rec0) is False  # never twice
+    writer.close()
+    with (tmp_path / "out" / "records.jsonl").open("a") as fh:
+        fh.write('{"benchmark": "tiny", "sample_id": "1", "mess')  # killed mid-write
+    again = ArtifactWriter(tmp_path / "out", config)
+    assert again.done_ids == {"0"} and again.resumed == 1
+    assert again.write(finish_record(spec, samples[1], "a1", Provenance())) is True
+    again.close()
+    assert [r.sample_id for r in read_records(tmp_path / "out" / "records.jsonl")] == ["0", "1"]
+    with pytest.raises(ArtifactError, match="another configuration"):
+        ArtifactWriter(tmp_path / "out", {"fingerprint": "other"})
+
+
+def test_secrets_never_reach_an_artifact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-live-abcdef123456")
+    spec = load_spec(write_spec(tmp_path))
+    sample = load_samples(spec)[0]
+    writer = ArtifactWriter(tmp_path / "out", {"fingerprint": "x", "note": "key sk-live-abcdef123456"},
+                            secrets=["registry-secret-token"])
+    writer.write(finish_record(spec, sample, "leaked registry-secret-token", Provenance()))
+    writer.close()
+    writer.write_summary({"echo": "sk-live-abcdef123456"})
+    for path in (tmp_path / "out").iterdir():
+        text = path.read_text()
+        assert "sk-live-abcdef123456" not in text and "registry-secret-token" not in text, path
+    assert redact({"a": ["xx secret1 yy"]}, ["secret1"]) == {"a": ["xx *** yy"]}

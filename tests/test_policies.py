@@ -1,0 +1,78 @@
+"""Every routing policy through the public interface, with an injected Random."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from federation import Candidate, RouteContext, make_policy, policy_names
+
+
+def cand(sid: str, inflight: int = 0, weight: float = 1.0, waiting: float = 0.0, window: int = 8) -> Candidate:
+    return Candidate(server_id=sid, inflight=inflight, window=window, capacity=window, weight=weight,
+                     scraped_waiting=waiting)
+
+
+CTX = RouteContext("r1", "prompt")
+
+
+def test_known_policies_registered_by_name() -> None:
+    assert {"round_robin", "random", "least_inflight", "power_of_two", "capacity_weighted",
+            "prefix_affinity"} <= set(policy_names())
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        make_policy("nope")
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    policy = make_policy("round_robin")
+    cands = [cand("b"), cand("a"), cand("c")]
+    assert [policy.choose(cands, CTX).server_id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_inflight_picks_fewest_and_breaks_ties_randomly() -> None:
+    policy = make_policy("least_inflight", random.Random(1))
+    assert policy.choose([cand("a", 3), cand("b", 1), cand("c", 2)], CTX).server_id == "b"
+    picks = Counter(policy.choose([cand("a", 1), cand("b", 1)], CTX).server_id for _ in range(200))
+    assert picks["a"] > 50 and picks["b"] > 50  # no server always wins a tie
+
+
+def test_power_of_two_never_picks_the_worse_of_two() -> None:
+    policy = make_policy("power_of_two", random.Random(2))
+    picks = Counter(policy.choose([cand("busy", 7), cand("idle", 0)], CTX).server_id for _ in range(50))
+    assert picks == {"idle": 50}
+
+
+def test_capacity_weighted_prefers_lowest_expected_wait() -> None:
+    policy = make_policy("capacity_weighted", random.Random(3))
+    # A100-like weight 2 with 3 in flight: wait (3+1)/2 = 2; V100-like weight 1 with 2 in flight: 3.
+    assert policy.choose([cand("a100", 3, weight=2.0), cand("v100", 2, weight=1.0)], CTX).server_id == "a100"
+    assert policy.choose([cand("a100", 3, weight=2.0, waiting=4), cand("v100", 2)], CTX).server_id == "v100"
+
+
+def test_capacity_weighted_shares_in_proportion_to_weight() -> None:
+    policy = make_policy("capacity_weighted", random.Random(4))
+    inflight = Counter({"fast": 0, "slow": 0})
+    for _ in range(30):
+        cands = [cand("fast", inflight["fast"], weight=2.0, window=100), cand("slow", inflight["slow"], window=100)]
+        inflight[policy.choose(cands, CTX).server_id] += 1
+    assert 19 <= inflight["fast"] <= 21 and inflight["fast"] + inflight["slow"] == 30
+
+
+def test_prefix_affinity_is_sticky_and_load_bounded() -> None:
+    policy = make_policy("prefix_affinity", random.Random(5), epsilon=0.25)
+    cands = [cand(s) for s in ("a", "b", "c", "d")]
+    home = policy.choose(cands, RouteContext("r", "shared prefix")).server_id
+    assert all(policy.choose(cands, RouteContext("r", "shared prefix")).server_id == home for _ in range(5))
+    # once the home server carries more than (1+ε)× the average, the same prefix goes elsewhere
+    loaded = [cand(c.server_id, 6 if c.server_id == home else 0) for c in cands]
+    assert policy.choose(loaded, RouteContext("r", "shared prefix")).server_id != home
+
+
+def test_policies_are_deterministic_given_the_seed() -> None:
+    for name in policy_names():
+        cands = [cand(s, i % 3) for i, s in enumerate("abcdef")]
+        first = [make_policy(name, random.Random(9)).choose(cands, CTX).server_id for _ in range(3)]
+        again = [make_policy(name, random.Random(9)).choose(cands, CTX).server_id for _ in range(3)]
+        assert first == again, name

@@ -1,0 +1,160 @@
+"""The registry as a real Ray actor probing real aiohttp servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+import ray
+
+from deploy.emulator import EmulatedServer
+from deploy.process import free_port
+from registry import AuthError, RegistrationError, RegistryClient, ServerRecord, ServerStatus, UnknownServerError
+from registry.actor import get_registry_actor
+from tests.conftest import EmulatorFactory
+
+pytestmark = pytest.mark.ray
+
+
+def record(server: EmulatedServer, sid: str = "emu-0", **kw: object) -> ServerRecord:
+    return ServerRecord(id=sid, url=server.url, engine="vllm", model=server.model, accelerator="A100",
+                        gpu_count=1, capacity=8, **kw)  # type: ignore[arg-type]
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if await check():
+            return time.monotonic() - start
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+async def status_of(registry: RegistryClient, sid: str) -> ServerStatus | None:
+    entry = (await registry.snapshot()).get(sid)
+    return entry.status if entry else None
+
+
+async def test_register_probe_and_load(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    entry = await registry.register(record(server))
+    assert entry.status is ServerStatus.HEALTHY and entry.capacity == 8
+    await eventually(lambda: _has_load(registry, "emu-0"))
+    snap = await registry.snapshot()
+    assert snap.get("emu-0").record.accelerator == "A100"  # type: ignore[union-attr]
+
+
+async def _has_load(registry: RegistryClient, sid: str) -> bool:
+    entry = (await registry.snapshot()).get(sid)
+    return entry is not None and entry.load is not None and entry.probe_latency_s is not None
+
+
+async def test_bad_registrations_are_refused_with_named_reasons(
+    registry: RegistryClient, emulators: EmulatorFactory
+) -> None:
+    server = await emulators.start(model="real-model")
+    nowhere = ServerRecord(id="ghost", url=f"http://127.0.0.1:{free_port()}", engine="vllm", model="real-model")
+    with pytest.raises(RegistrationError) as err:
+        await registry.register(nowhere)
+    assert err.value.check == "reachable" and "ghost" in str(err.value)
+    wrong_model = ServerRecord(id="wm", url=server.url, engine="vllm", model="other-model")
+    with pytest.raises(RegistrationError) as err:
+        await registry.register(wrong_model)
+    assert err.value.check == "model" and "real-model" in str(err.value)
+    await registry.register(record(server, "first"))
+    with pytest.raises(RegistrationError) as err:
+        await registry.register(record(server, "second"))
+    assert err.value.field == "url" and "first" in str(err.value)
+    assert (await registry.snapshot()).ids() == ("first",)
+
+
+async def test_mutations_need_the_token(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    anonymous = RegistryClient(registry.handle, token=None)
+    wrong = RegistryClient(registry.handle, token="not-the-token")
+    for client in (anonymous, wrong):
+        with pytest.raises(AuthError):
+            await client.register(record(server))
+    await registry.register(record(server))
+    for call in (lambda c: c.drain("emu-0"), lambda c: c.deregister("emu-0"), lambda c: c.heartbeat("emu-0", 5)):
+        with pytest.raises(AuthError):
+            await call(anonymous)
+    assert (await anonymous.snapshot()).ids() == ("emu-0",)  # reads are open
+
+
+async def test_killed_server_goes_down_and_comes_back(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    await registry.register(record(server))
+    port = int(server.url.rsplit(":", 1)[1])
+    await server.stop()
+    took = await eventually(lambda: _is(registry, "emu-0", ServerStatus.DOWN))
+    assert took < 5.0  # 3 failed probes at 0.3 s intervals, 1 s timeout
+    revived = EmulatedServer(model=server.model, port=port)
+    await revived.start()
+    try:
+        await eventually(lambda: _is(registry, "emu-0", ServerStatus.HEALTHY))
+    finally:
+        await revived.stop()
+
+
+async def _is(registry: RegistryClient, sid: str, status: ServerStatus) -> bool:
+    return await status_of(registry, sid) is status
+
+
+async def test_drain_then_removal_when_idle(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    await registry.register(record(server))
+    entry = await registry.drain("emu-0")
+    assert entry.status is ServerStatus.DRAINING
+    snap = await registry.snapshot()
+    assert snap.filter(model=server.model, routable_only=True).ids() == ()
+    await eventually(lambda: _gone(registry, "emu-0"))
+
+
+async def _gone(registry: RegistryClient, sid: str) -> bool:
+    return (await registry.snapshot()).get(sid) is None
+
+
+async def test_lease_expiry_then_removal(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    await registry.register(record(server), lease_ttl_s=1.0)
+    await registry.heartbeat("emu-0", 1.0)
+    await eventually(lambda: _is(registry, "emu-0", ServerStatus.DOWN), timeout_s=5)
+    await eventually(lambda: _gone(registry, "emu-0"), timeout_s=5)
+    with pytest.raises(UnknownServerError):
+        await registry.heartbeat("emu-0", 1.0)
+
+
+async def test_actor_restart_keeps_every_server_and_state(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    a, b = await emulators.start(), await emulators.start()
+    await registry.register(record(a, "a"), lease_ttl_s=60)
+    await registry.register(record(b, "b", labels={"rack": "r7"}))
+    await registry.drain("b")
+    before = await registry.snapshot()
+    ray.kill(get_registry_actor(), no_restart=False)  # Ray restarts it (max_restarts=-1)
+    after = await _snapshot_when_back(registry)
+    assert after.ids() == ("a", "b")
+    assert after.version > before.version
+    assert after.get("b").status is ServerStatus.DRAINING  # type: ignore[union-attr]
+    assert after.get("b").record.labels == {"rack": "r7"}  # type: ignore[union-attr]
+    await registry.heartbeat("a", 60)  # the lease survived too
+
+
+async def _snapshot_when_back(registry: RegistryClient):  # type: ignore[no-untyped-def]
+    for _ in range(100):
+        try:
+            return await registry.snapshot()
+        except ray.exceptions.RayActorError:
+            await asyncio.sleep(0.2)
+    raise AssertionError("registry did not come back")
+
+
+async def test_snapshot_long_poll_returns_on_change(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    server = await emulators.start()
+    await registry.register(record(server))
+    current = (await registry.snapshot()).version
+    started = time.monotonic()
+    newer = await registry.snapshot(since_version=current, timeout_s=10.0)
+    assert newer.version > current and time.monotonic() - started < 5.0

@@ -1,0 +1,247 @@
+"""Registry pieces without Ray: records, adapters on real/documented metrics, status, state, persistence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from registry import Engine, LoadSample, ProbeResult, RegistrationError, ServerRecord, ServerStatus, adapter_for
+from registry.adapters import MetricsParseError
+from registry.adapters.base import MetricSamples
+from registry.adapters.vllm import VllmAdapter
+from registry.auth import check_token, ensure_token, token_digest
+from registry.errors import AuthError, UnknownServerError
+from registry.persistence import StateStore
+from registry.state import RegistryState, RegistryTimings
+from registry.status import StatusThresholds, derive_status
+
+METRICS = Path(__file__).parent / "data" / "metrics"
+
+
+def rec(**kw: object) -> ServerRecord:
+    base: dict[str, object] = {"id": "s1", "url": "http://127.0.0.1:8000", "engine": "vllm", "model": "m"}
+    return ServerRecord(**{**base, **kw})
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# ---- records ----------------------------------------------------------------------------------
+def test_record_normalises_url_and_accelerator() -> None:
+    r = rec(url="http://10.0.0.5:8000/", accelerator="a100-80gb")
+    assert r.url == "http://10.0.0.5:8000"
+    assert r.accelerator == "A100"
+    assert rec(accelerator="h100").accelerator == "H100"
+    assert rec(accelerator="Gaudi3").accelerator == "GAUDI3"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("url", "ftp://host:1", "url"),
+        ("url", "not a url", "url"),
+        ("url", "http://user:pw@host:1", "credentials"),
+        ("id", "has space", "id"),
+        ("id", "", "id"),
+        ("engine", "tensorrt", "engine"),
+        ("model", "", "model"),
+        ("gpu_count", -1, "gpu_count"),
+        ("capacity", 0, "capacity"),
+        ("labels", {"bad key!": "x"}, "label"),
+    ],
+)
+def test_record_rejects_bad_fields_naming_them(field: str, value: object, fragment: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        rec(**{field: value})
+    assert fragment in str(err.value)
+
+
+# ---- adapters ---------------------------------------------------------------------------------
+def test_vllm_sums_engine_series_and_averages_kv() -> None:
+    load = adapter_for(Engine.VLLM).parse_metrics((METRICS / "vllm_dp2.txt").read_text(), 5.0)
+    assert (load.running, load.waiting) == (21.0, 4.0)
+    assert load.kv_cache_usage == pytest.approx(0.4)
+    assert load.generation_tokens_total == 200000.0
+    assert load.observed_at == 5.0
+    samples = MetricSamples((METRICS / "vllm_dp2.txt").read_text())
+    assert VllmAdapter.kv_cache_tokens(samples) == 2 * 2048 * 16
+
+
+def test_vllm_reads_pre_v1_cache_name() -> None:
+    load = adapter_for("vllm").parse_metrics((METRICS / "vllm_v0.txt").read_text(), 1.0)
+    assert (load.running, load.waiting, load.kv_cache_usage) == (4.0, 0.0, 0.125)
+
+
+def test_sglang_sums_ranks() -> None:
+    load = adapter_for("sglang").parse_metrics((METRICS / "sglang_dp2.txt").read_text(), 1.0)
+    assert (load.running, load.waiting) == (312.0, 2.0)
+    assert load.tokens_per_s == 700.0
+    assert load.kv_cache_usage == pytest.approx(0.2)
+
+
+def test_llamacpp_real_capture() -> None:
+    text = (METRICS / "llamacpp.txt").read_text()
+    load = adapter_for("llamacpp").parse_metrics(text, 1.0)
+    assert load.running >= 1  # captured with requests in flight
+    assert load.generation_tokens_total is not None and load.generation_tokens_total > 0
+
+
+def test_garbage_metrics_raise_typed_error() -> None:
+    with pytest.raises(MetricsParseError):
+        adapter_for("vllm").parse_metrics('vllm:num_requests_running{engine="0" 1\n', 1.0)
+
+
+def test_metrics_without_known_names_read_as_idle() -> None:
+    load = adapter_for("vllm").parse_metrics("# nothing here\n", 1.0)
+    assert (load.running, load.waiting, load.kv_cache_usage) == (0.0, 0.0, None)
+
+
+# ---- status -----------------------------------------------------------------------------------
+def probes(*oks: bool) -> list[ProbeResult]:
+    return [ProbeResult("s1", ok, 0.01, float(i)) for i, ok in enumerate(oks)]
+
+
+TH = StatusThresholds(down_after_failures=3, up_after_successes=2)
+
+
+@pytest.mark.parametrize(
+    ("history", "expected"),
+    [
+        ((), ServerStatus.HEALTHY),
+        ((True, True), ServerStatus.HEALTHY),
+        ((True, False), ServerStatus.SUSPECT),
+        ((False, False), ServerStatus.SUSPECT),
+        ((False, False, False), ServerStatus.DOWN),
+        ((False, False, False, True), ServerStatus.DOWN),  # one success is not enough to come back
+        ((False, False, False, True, True), ServerStatus.HEALTHY),
+        ((False, True), ServerStatus.HEALTHY),
+    ],
+)
+def test_status_hysteresis(history: tuple[bool, ...], expected: ServerStatus) -> None:
+    assert derive_status(probes(*history), thresholds=TH, now=100.0) is expected
+
+
+def test_status_lease_drain_and_passive_failures() -> None:
+    assert derive_status(probes(True), thresholds=TH, now=10, lease_expired=True) is ServerStatus.DOWN
+    assert derive_status(probes(True), thresholds=TH, now=10, draining=True) is ServerStatus.DRAINING
+    assert derive_status(probes(False, False, False), thresholds=TH, now=10, draining=True) is ServerStatus.DOWN
+    recent = [9.0, 9.5, 9.9]
+    assert derive_status(probes(True), thresholds=TH, now=10, passive_failure_times=recent) is ServerStatus.SUSPECT
+    old = [-100.0, -99.0, -98.0]
+    assert derive_status(probes(True), thresholds=TH, now=10, passive_failure_times=old) is ServerStatus.HEALTHY
+
+
+# ---- state ------------------------------------------------------------------------------------
+def test_duplicates_update_or_refuse_deliberately() -> None:
+    state = RegistryState(clock=Clock())
+    state.upsert(rec(), 8)
+    assert state.check_duplicate(rec(), replace=False) is True  # same id + url: an update
+    with pytest.raises(RegistrationError) as err:
+        state.check_duplicate(rec(url="http://127.0.0.1:9000"), replace=False)
+    assert err.value.field == "id"
+    assert state.check_duplicate(rec(url="http://127.0.0.1:9000"), replace=True) is True
+    with pytest.raises(RegistrationError) as err:
+        state.check_duplicate(rec(id="s2"), replace=True)
+    assert err.value.field == "url" and "s1" in str(err.value)
+
+
+def test_versions_grow_and_snapshots_are_frozen() -> None:
+    state = RegistryState(clock=Clock())
+    v0 = state.version
+    state.upsert(rec(), 8)
+    snap = state.snapshot()
+    assert snap.version > v0 and snap.ids() == ("s1",)
+    with pytest.raises(AttributeError):
+        snap.version = 99  # type: ignore[misc]
+    state.upsert(rec(id="s2", url="http://127.0.0.1:8001", model="other"), 4)
+    assert state.snapshot().version > snap.version
+    assert state.snapshot().filter(model="other").ids() == ("s2",)
+    assert snap.ids() == ("s1",)  # the old snapshot did not change
+
+
+def test_probe_facts_drive_status_and_rate() -> None:
+    clock = Clock()
+    state = RegistryState(clock=clock, thresholds=TH)
+    state.upsert(rec(), 8)
+    for _ in range(3):
+        clock.t += 1
+        state.record_probe(ProbeResult("s1", False, 1.0, clock.t, "refused"))
+    assert state.get("s1").status is ServerStatus.DOWN
+    assert state.get("s1").last_error == "refused"
+    for tokens in (100.0, 300.0):
+        clock.t += 2
+        load = LoadSample(running=2, waiting=0, observed_at=clock.t, generation_tokens_total=tokens)
+        state.record_probe(ProbeResult("s1", True, 0.01, clock.t, load=load))
+    entry = state.get("s1")
+    assert entry.status is ServerStatus.HEALTHY
+    assert entry.load is not None and entry.load.tokens_per_s == pytest.approx(100.0)
+
+
+def test_lease_expiry_marks_down_then_removes() -> None:
+    clock = Clock()
+    state = RegistryState(clock=clock, timings=RegistryTimings(lease_grace_s=10))
+    state.upsert(rec(), 8, lease_ttl_s=5)
+    clock.t += 4
+    state.heartbeat("s1")
+    clock.t += 6
+    state.expire()
+    assert state.get("s1").status is ServerStatus.DOWN
+    clock.t += 11
+    assert state.expire() == ["s1"]
+    with pytest.raises(UnknownServerError):
+        state.get("s1")
+
+
+def test_drain_removes_once_idle_by_engine_metrics() -> None:
+    clock = Clock()
+    state = RegistryState(clock=clock)
+    state.upsert(rec(), 8)
+    state.drain("s1")
+    assert state.get("s1").status is ServerStatus.DRAINING
+    assert state.snapshot().filter(routable_only=True).ids() == ()
+    clock.t += 1
+    state.record_probe(ProbeResult("s1", True, 0.01, clock.t, load=LoadSample(3, 0, clock.t)))
+    assert state.expire() == []
+    clock.t += 1
+    state.record_probe(ProbeResult("s1", True, 0.01, clock.t, load=LoadSample(0, 0, clock.t)))
+    assert state.expire() == ["s1"]
+
+
+def test_persistence_round_trip(tmp_path: Path) -> None:
+    clock = Clock()
+    state = RegistryState(clock=clock)
+    state.upsert(rec(labels={"rack": "r1"}), 8, lease_ttl_s=30)
+    state.upsert(rec(id="s2", url="http://127.0.0.1:8001"), 4)
+    state.drain("s2")
+    store = StateStore(tmp_path)
+    store.save(state.to_json())
+    restored = RegistryState(clock=clock)
+    restored.load_json(store.load() or {})
+    assert restored.version > state.version
+    assert [r.model_dump() for r in restored.records()] == [r.model_dump() for r in state.records()]
+    assert restored.get("s2").status is ServerStatus.DRAINING
+    assert restored.get("s1").record.labels == {"rack": "r1"}
+    (tmp_path / "registry.json").write_text("{broken")
+    with pytest.raises(ValueError, match=r"registry\.json"):
+        store.load()
+
+
+# ---- auth -------------------------------------------------------------------------------------
+def test_token_file_is_private_and_checked(tmp_path: Path) -> None:
+    token = ensure_token(tmp_path)
+    assert (tmp_path / "registry.token").stat().st_mode & 0o777 == 0o600
+    assert ensure_token(tmp_path) == token  # stable across restarts
+    check_token(token, token_digest(token))
+    with pytest.raises(AuthError):
+        check_token("wrong", token_digest(token))
+    with pytest.raises(AuthError):
+        check_token(None, token_digest(token))
+    assert token not in json.dumps(RegistryState(clock=Clock()).to_json())
