@@ -142,12 +142,28 @@ def _connect_ray(address: str) -> None:
 
     if ray.is_initialized():
         return
+    if address != "auto" and not _tcp_reachable(address):
+        raise CliError(
+            f"cannot reach a Ray cluster at {address!r}; start one with `ray start --head` "
+            "or pass --address HOST:PORT of a running head node", EXIT_UNAVAILABLE,
+        )
     try:
         ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
     except ConnectionError as exc:
         raise CliError(
             f"cannot reach a Ray cluster at {address!r} ({exc}); start one with `ray start --head`", EXIT_UNAVAILABLE
         ) from None
+
+
+def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _client(args: argparse.Namespace):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,8 @@ class RegistryActor:
         self._probe_cycles = 0
         self._last_cycle_s = 0.0
         self._probe_now: asyncio.Event | None = None
+        self._incarnation = uuid.uuid4().hex[:12]  # changes on every (re)start of the actor
+        self._started_at = time.time()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def _ensure_started(self) -> None:
@@ -88,6 +91,8 @@ class RegistryActor:
             "last_probe_cycle_s": self._last_cycle_s,
             "probe_interval_s": self._config.probe_interval_s,
             "state_dir": self._config.state_dir,
+            "incarnation": self._incarnation,
+            "started_at": self._started_at,
         }
 
     async def _probe_loop(self) -> None:

@@ -36,10 +36,12 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture
-async def registry(ray_cluster: None, tmp_path: Path) -> AsyncIterator[RegistryClient]:
-    """A fresh registry actor per test, probing fast; killed (not restarted) afterwards."""
+async def registry(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RegistryClient]:
+    """A fresh registry actor per test, probing fast; killed (not restarted) afterwards. Its state dir
+    (with the token file) is outside the test's tmp_path, which artifact scans read."""
     client = RegistryClient.start(
-        tmp_path / "registry", token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0, check_timeout_s=3.0,
+        tmp_path_factory.mktemp("registry"), token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0,
+        check_timeout_s=3.0,
         lease_grace_s=1.0, drain_timeout_s=30.0,
     )
     await client.ping()

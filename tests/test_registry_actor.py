@@ -11,7 +11,15 @@ import ray
 
 from deploy.emulator import EmulatedServer
 from deploy.process import free_port
-from registry import AuthError, RegistrationError, RegistryClient, ServerRecord, ServerStatus, UnknownServerError
+from registry import (
+    AuthError,
+    PoolSnapshot,
+    RegistrationError,
+    RegistryClient,
+    ServerRecord,
+    ServerStatus,
+    UnknownServerError,
+)
 from registry.actor import get_registry_actor
 from tests.conftest import EmulatorFactory
 
@@ -133,8 +141,9 @@ async def test_actor_restart_keeps_every_server_and_state(registry: RegistryClie
     await registry.register(record(b, "b", labels={"rack": "r7"}))
     await registry.drain("b")
     before = await registry.snapshot()
+    first = (await registry.ping())["incarnation"]
     ray.kill(get_registry_actor(), no_restart=False)  # Ray restarts it (max_restarts=-1)
-    after = await _snapshot_when_back(registry)
+    after = await _snapshot_from_new_incarnation(registry, first)
     assert after.ids() == ("a", "b")
     assert after.version > before.version
     assert after.get("b").status is ServerStatus.DRAINING  # type: ignore[union-attr]
@@ -142,12 +151,14 @@ async def test_actor_restart_keeps_every_server_and_state(registry: RegistryClie
     await registry.heartbeat("a", 60)  # the lease survived too
 
 
-async def _snapshot_when_back(registry: RegistryClient):  # type: ignore[no-untyped-def]
-    for _ in range(100):
+async def _snapshot_from_new_incarnation(registry: RegistryClient, old: str) -> PoolSnapshot:
+    for _ in range(150):
         try:
-            return await registry.snapshot()
+            if (await registry.ping())["incarnation"] != old:
+                return await registry.snapshot()
         except ray.exceptions.RayActorError:
-            await asyncio.sleep(0.2)
+            pass  # restarting
+        await asyncio.sleep(0.2)
     raise AssertionError("registry did not come back")
 
 
