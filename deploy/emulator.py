@@ -94,7 +94,8 @@ class EmulatedServer:
         return app
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # A short shutdown grace: stopping the emulator behaves like a killed engine, not a polite drain.
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=0.2)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self._host, self._port)
         await self._site.start()

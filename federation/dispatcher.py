@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -40,7 +41,24 @@ class DispatchConfig:
 @dataclass(frozen=True, slots=True)
 class Slot:
     server: ServerEntry
+    client_id: str
     acquired_at: float
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    """A request waiting in the dispatcher for a slot on any server that can take it."""
+
+    request: InferenceRequest
+    tried: set[str]
+    future: asyncio.Future[Slot]
+    seq: int
+    deadline: float
+
+    @property
+    def route_key(self) -> tuple[object, ...]:
+        r = self.request
+        return (r.model, r.revision, r.pinned_engines, r.pinned_servers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +113,10 @@ class Dispatcher:
         self._busy_s: Counter[str] = Counter()
         self._failures: dict[str, Counter[str]] = {}
         self._submitted = self._completed = self._failed = self._retries = 0
-        self._changed = asyncio.Event()
+        self._waiters: list[_Waiter] = []
+        self._client_inflight: Counter[str] = Counter()
+        self._seq = itertools.count()
+        self._tick_handle: asyncio.TimerHandle | None = None
 
     @property
     def policy(self) -> Policy:
@@ -103,7 +124,7 @@ class Dispatcher:
 
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: waiting requests look again."""
-        self._wake()
+        self._dispatch_waiting()
 
     # ---- the hot path -------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
@@ -160,43 +181,86 @@ class Dispatcher:
             )
 
     async def _acquire(self, request: InferenceRequest, tried: set[str]) -> Slot:
-        deadline = self._clock() + self._config.no_server_timeout_s
+        """Wait for a slot. Waiters are served fairly: the client with the fewest requests in flight
+        first, then arrival order; a request that just finished cannot barge ahead of waiting ones."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(request, tried, loop.create_future(), next(self._seq),
+                         self._clock() + self._config.no_server_timeout_s)
+        self._waiters.append(waiter)
+        self._dispatch_waiting()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            # Granted a slot in the same tick as the cancellation: give it back.
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self._release(waiter.future.result())
+            raise
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _dispatch_waiting(self) -> None:
+        """Grant free slots to waiters (synchronous: choice and count happen in one step)."""
+        if not self._waiters:
+            return
+        now = self._clock()
+        blocked: set[tuple[object, ...]] = set()
         while True:
-            now = self._clock()
-            servers = self._servers_for(request)
-            open_ = [s for s in servers if self._breaker(s.id).allows(now)]
-            untried = [s for s in open_ if s.id not in tried] or open_
-            candidates = [self._candidate(s) for s in untried]
-            free = [c for c in candidates if c.inflight < c.window]
-            if free:
-                decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
-                server = next(s for s in untried if s.id == decision.server_id)
-                # Counted in the same step as the choice (no await in between), so concurrent picks
-                # cannot pile onto one server.
-                self._inflight[server.id] += 1
-                self._breaker(server.id).on_dispatch(now)
-                return Slot(server, now)
-            if not servers and now >= deadline:
-                raise NoServerError(
+            best: _Waiter | None = None
+            best_key: tuple[int, int] | None = None
+            for waiter in self._waiters:
+                if waiter.future.done() or waiter.route_key in blocked:
+                    continue
+                key = (self._client_inflight.get(waiter.request.client_id, 0), waiter.seq)
+                if best_key is None or key < best_key:
+                    best, best_key = waiter, key
+            if best is None:
+                break
+            if not self._place(best, now):
+                blocked.add(best.route_key)
+        self._waiters = [w for w in self._waiters if not w.future.done()]
+        if self._waiters and self._tick_handle is None:
+            # Re-check while anyone waits: breakers half-open and no-server deadlines pass with time.
+            self._tick_handle = asyncio.get_running_loop().call_later(WAIT_POLL_S, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_handle = None
+        self._dispatch_waiting()
+
+    def _place(self, waiter: _Waiter, now: float) -> bool:
+        """Give the waiter a slot if a server can take it; False when its route is full."""
+        request = waiter.request
+        servers = self._servers_for(request)
+        open_ = [s for s in servers if self._breaker(s.id).allows(now)]
+        untried = [s for s in open_ if s.id not in waiter.tried] or open_
+        free = [c for c in (self._candidate(s) for s in untried) if c.inflight < c.window]
+        if not free:
+            if not servers and now >= waiter.deadline:
+                waiter.future.set_exception(NoServerError(
                     f"no routable server serves model {request.model!r}"
                     + (f" revision {request.revision!r}" if request.revision else "")
                     + f" (waited {self._config.no_server_timeout_s:g}s)"
-                )
-            waiter = self._changed
-            try:
-                await asyncio.wait_for(waiter.wait(), WAIT_POLL_S)
-            except TimeoutError:
-                pass
+                ))
+                return True
+            return False
+        decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
+        server = next(s for s in untried if s.id == decision.server_id)
+        # Counted in the same step as the choice (no await in between), so concurrent picks cannot pile
+        # onto one server.
+        self._inflight[server.id] += 1
+        self._client_inflight[request.client_id] += 1
+        self._breaker(server.id).on_dispatch(now)
+        waiter.future.set_result(Slot(server, request.client_id, now))
+        return True
 
     def _release(self, slot: Slot) -> None:
         self._inflight[slot.server.id] -= 1
         if self._inflight[slot.server.id] <= 0:
             del self._inflight[slot.server.id]
-        self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._client_inflight[slot.client_id] -= 1
+        if self._client_inflight[slot.client_id] <= 0:
+            del self._client_inflight[slot.client_id]
+        self._dispatch_waiting()
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _servers_for(self, request: InferenceRequest) -> list[ServerEntry]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)?\s*:?\s*\(?([A-Ja-j])\b\)?", re.IGNORECASE)
@@ -81,20 +82,58 @@ def asr_normalize(text: str) -> str:
     return " ".join(cleaned.split())
 
 
-POSTPROCESSORS: dict[str, Callable[[str], str]] = {
-    "strip": strip,
-    "first_line": first_line,
-    "first_word": first_word,
-    "lower": lower,
-    "strip_punct": strip_punct,
-    "number": number,
-    "multiple_choice": multiple_choice,
-    "yes_no": yes_no,
-    "asr_normalize": asr_normalize,
+OPTION_LETTERS = "ABCDEFGHIJ"
+
+
+def option_letter(text: str, fields: Mapping[str, Any]) -> str:
+    """The chosen option's letter: an explicit letter ('B', '(B)', 'The answer is B') or, failing that,
+    the option whose text the answer gives ('Paris' when option B is 'Paris'). Options are the sample's
+    fields named A, B, C, … . Empty when the answer names no option or several equally."""
+    letter = multiple_choice(text)
+    if letter and letter in fields:
+        return letter
+    answer = " ".join(strip_punct(text).lower().split())
+    if not answer:
+        return ""
+    matches = []
+    for letter in OPTION_LETTERS:
+        option = fields.get(letter)
+        if option is None:
+            break
+        norm = " ".join(str(option).lower().split())
+        if norm and (answer == norm or answer.startswith(norm + " ") or answer.startswith(norm)):
+            matches.append((len(norm), letter))
+    if not matches:
+        return ""
+    matches.sort(reverse=True)
+    if len(matches) > 1 and matches[0][0] == matches[1][0]:
+        return ""
+    return matches[0][1]
+
+
+Postprocessor = Callable[[str, Mapping[str, Any]], str]
+
+
+def _text_only(fn: Callable[[str], str]) -> Postprocessor:
+    return lambda text, fields: fn(text)
+
+
+POSTPROCESSORS: dict[str, Postprocessor] = {
+    "strip": _text_only(strip),
+    "first_line": _text_only(first_line),
+    "first_word": _text_only(first_word),
+    "lower": _text_only(lower),
+    "strip_punct": _text_only(strip_punct),
+    "number": _text_only(number),
+    "multiple_choice": _text_only(multiple_choice),
+    "option_letter": option_letter,
+    "yes_no": _text_only(yes_no),
+    "asr_normalize": _text_only(asr_normalize),
 }
 
 
-def apply_postprocess(text: str, steps: Sequence[str]) -> str:
+def apply_postprocess(text: str, steps: Sequence[str], fields: Mapping[str, Any] | None = None) -> str:
+    """Run the named steps in order; `fields` are the sample's own fields (options for option_letter)."""
     for step in steps:
-        text = POSTPROCESSORS[step](text)
+        text = POSTPROCESSORS[step](text, fields or {})
     return text

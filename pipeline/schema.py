@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -91,6 +91,7 @@ class Record(BaseModel):
     messages: list[Message]
     prompt: str | None = None  # the completion prompt actually sent, for completion-style benchmarks
     label: list[str]
+    sample: dict[str, Any] = Field(default_factory=dict)  # the dataset row, for rescoring without the data
     output: Output = Field(default_factory=Output)
     metrics: dict[str, float] = Field(default_factory=dict)
     provenance: Provenance = Field(default_factory=Provenance)

@@ -29,6 +29,7 @@ def finish_record(
         messages=build_messages(spec, sample),
         prompt=render(spec, sample) if spec.prompt.style == "completion" else None,
         label=list(sample.labels),
+        sample=dict(sample.fields),
         provenance=provenance,
     )
     return rescore_record(spec, record, raw_text, reasoning=reasoning)
@@ -41,7 +42,7 @@ def rescore_record(
         metrics = {name: worst_value(name) for name in spec.metrics}
         return record.model_copy(update={"output": Output(), "metrics": metrics})
     answer, think = split_reasoning(raw_text)
-    post = apply_postprocess(answer, spec.postprocess)
+    post = apply_postprocess(answer, spec.postprocess, record.sample)
     output = Output(
         text=TextOutput(prediction=[raw_text], prediction_postprocessed=[post]),
         reasoning_content=reasoning if reasoning is not None else think,

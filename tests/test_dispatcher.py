@@ -151,3 +151,46 @@ async def test_connection_refused_everywhere_fails_after_bounded_attempts(emulat
             await dispatcher.submit(request(0))
     assert err.value.last_kind is FailureKind.CONNECT and len(err.value.attempts) == 3
     assert dispatcher.inflight() == {}
+
+
+async def test_concurrent_clients_share_a_saturated_pool_fairly(emulators: EmulatorFactory) -> None:
+    server = await emulators.start(max_running=2, decode_s=0.005)
+    snap = snapshot_of([server], capacity=2)
+    finished: list[str] = []
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+
+        async def client(name: str, workers: int, n: int) -> None:
+            queue = list(range(n))
+
+            async def worker() -> None:
+                while queue:
+                    i = queue.pop()
+                    await dispatcher.submit(request(i, client_id=name))
+                    finished.append(name)
+
+            await asyncio.gather(*(worker() for _ in range(workers)))
+
+        # "greedy" starts first with many workers; "late" arrives after it has filled the window.
+        greedy = asyncio.create_task(client("greedy", 16, 40))
+        await asyncio.sleep(0.02)
+        await asyncio.gather(greedy, client("late", 2, 20))
+    # While both wait, slots alternate between clients: "late" is not starved until "greedy" is done.
+    first_half = finished[: len(finished) // 2]
+    assert first_half.count("late") >= 8, first_half
+
+
+async def test_cancelled_requests_give_their_slots_back(emulators: EmulatorFactory) -> None:
+    server = await emulators.start(max_running=2, decode_s=0.05)
+    snap = snapshot_of([server], capacity=2)
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        tasks = [asyncio.create_task(dispatcher.submit(request(i))) for i in range(10)]
+        await asyncio.sleep(0.1)
+        assert sum(dispatcher.inflight().values()) == 2  # the window, with 8 waiting in the dispatcher
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert dispatcher.inflight() == {}
+        result = await dispatcher.submit(request(99))  # the slots really are free again
+    assert result.server_id == "s0"

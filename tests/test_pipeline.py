@@ -189,3 +189,13 @@ def test_secrets_never_reach_an_artifact(tmp_path: Path, monkeypatch: pytest.Mon
         text = path.read_text()
         assert "sk-live-abcdef123456" not in text and "registry-secret-token" not in text, path
     assert redact({"a": ["xx secret1 yy"]}, ["secret1"]) == {"a": ["xx *** yy"]}
+
+
+@pytest.mark.parametrize(
+    ("raw", "letter"),
+    [(" Paris", "B"), (" paris, of course", "B"), ("B", "B"), ("The answer is (A)", "A"),
+     (" Mexico City", "C"), (" Mexico", "D"), (" Lyon", ""), ("", "")],
+)
+def test_option_letter_maps_text_answers_to_their_option(raw: str, letter: str) -> None:
+    fields = {"A": "Rome", "B": "Paris", "C": "Mexico City", "D": "Mexico"}  # longest matching option wins
+    assert apply_postprocess(raw, ["option_letter"], fields) == letter

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
 import ray
 
@@ -136,9 +137,22 @@ async def test_lease_expiry_then_removal(registry: RegistryClient, emulators: Em
 
 
 async def test_actor_restart_keeps_every_server_and_state(registry: RegistryClient, emulators: EmulatorFactory) -> None:
-    a, b = await emulators.start(), await emulators.start()
+    a, b = await emulators.start(), await emulators.start(decode_s=2.0)
     await registry.register(record(a, "a"), lease_ttl_s=60)
     await registry.register(record(b, "b", labels={"rack": "r7"}))
+    async with aiohttp.ClientSession() as session:  # keep b busy so its drain cannot finish during the test
+        busy = asyncio.create_task(session.post(b.url + "/v1/completions", json={"model": b.model, "prompt": "x"}))
+        await eventually(lambda: _running(registry, "b"))
+        await _check_restart(registry)
+        busy.cancel()
+
+
+async def _running(registry: RegistryClient, sid: str) -> bool:
+    entry = (await registry.snapshot()).get(sid)
+    return entry is not None and entry.load is not None and entry.load.running >= 1
+
+
+async def _check_restart(registry: RegistryClient) -> None:
     await registry.drain("b")
     before = await registry.snapshot()
     first = (await registry.ping())["incarnation"]
