@@ -41,6 +41,8 @@ class RegistryConfig(BaseModel):
     up_after_successes: int = Field(default=2, ge=1)
     lease_grace_s: float = Field(default=60.0, ge=0)
     drain_timeout_s: float = Field(default=300.0, ge=0)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # serve /metrics for Prometheus
 
 
 class RegistryActor:
@@ -71,6 +73,7 @@ class RegistryActor:
         self._probe_now: asyncio.Event | None = None
         self._incarnation = uuid.uuid4().hex[:12]  # changes on every (re)start of the actor
         self._started_at = time.time()
+        self._metrics_runner: Any = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def _ensure_started(self) -> None:
@@ -81,6 +84,29 @@ class RegistryActor:
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
             )
             self._prober = asyncio.get_running_loop().create_task(self._probe_loop())
+            if self._config.metrics_port is not None and self._metrics_runner is None:
+                await self._serve_metrics()
+
+    async def _serve_metrics(self) -> None:
+        from aiohttp import web
+
+        async def handle(request: web.Request) -> web.Response:
+            return web.Response(body=await self.metrics_text(), content_type="text/plain", charset="utf-8")
+
+        app = web.Application()
+        app.router.add_get("/metrics", handle)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, self._config.metrics_host, self._config.metrics_port)
+        await site.start()
+        log.info("registry metrics on http://%s:%s/metrics", self._config.metrics_host, self._config.metrics_port)
+
+    async def metrics_text(self) -> bytes:
+        """The pool in Prometheus text format."""
+        from registry.exporter import pool_metrics_text
+
+        stats = {"last_probe_cycle_s": self._last_cycle_s, "probe_cycles": float(self._probe_cycles)}
+        return pool_metrics_text(self._state.snapshot(), stats)
 
     async def ping(self) -> dict[str, Any]:
         await self._ensure_started()
@@ -103,7 +129,9 @@ class RegistryActor:
             started = time.perf_counter()
             try:
                 records = self._state.records()
-                results = await probe_all(self._session, records, timeout_s=self._config.probe_timeout_s)
+                results = await probe_all(
+                    self._session, records, timeout_s=self._config.probe_timeout_s, busy_ids=self._state.busy_ids()
+                )
                 for result in results:
                     self._state.record_probe(result)
                 self._state.expire()

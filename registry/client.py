@@ -13,10 +13,23 @@ import ray
 
 from registry.actor import RegistryConfig, create_registry_actor, get_registry_actor
 from registry.auth import ensure_token, resolve_client_token, token_digest
+from registry.errors import RegistryError
 from registry.records import ServerRecord
 from registry.snapshot import PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.registry")
+
+
+async def _unwrapped(ref: Any) -> Any:
+    """Await an actor call; a deliberate registry error comes back as itself, not wrapped in Ray's
+    RayTaskError with the remote traceback (which users should not have to read)."""
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, RegistryError):
+            raise cause from None
+        raise
 
 
 class RegistryClient:
@@ -55,30 +68,33 @@ class RegistryClient:
     async def register(
         self, record: ServerRecord, *, lease_ttl_s: float | None = None, replace: bool = False, verify: bool = True
     ) -> ServerEntry:
-        return await self._handle.register.remote(
+        return await _unwrapped(self._handle.register.remote(
             record.model_dump(mode="json"), self._token, lease_ttl_s=lease_ttl_s, replace=replace, verify=verify
-        )
+        ))
 
     async def deregister(self, server_id: str) -> ServerRecord:
-        return await self._handle.deregister.remote(server_id, self._token)
+        return await _unwrapped(self._handle.deregister.remote(server_id, self._token))
 
     async def drain(self, server_id: str) -> ServerEntry:
-        return await self._handle.drain.remote(server_id, self._token)
+        return await _unwrapped(self._handle.drain.remote(server_id, self._token))
 
     async def heartbeat(self, server_id: str, ttl_s: float | None = None) -> ServerEntry:
-        return await self._handle.heartbeat.remote(server_id, self._token, ttl_s)
+        return await _unwrapped(self._handle.heartbeat.remote(server_id, self._token, ttl_s))
 
     async def report_failure(self, server_id: str, kind: str) -> bool:
-        return await self._handle.report_failure.remote(server_id, kind)
+        return await _unwrapped(self._handle.report_failure.remote(server_id, kind))
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
-        return await self._handle.snapshot.remote(since_version, timeout_s)
+        return await _unwrapped(self._handle.snapshot.remote(since_version, timeout_s))
 
     async def get(self, server_id: str) -> ServerEntry:
-        return await self._handle.get.remote(server_id)
+        return await _unwrapped(self._handle.get.remote(server_id))
 
     async def ping(self) -> dict[str, Any]:
-        return await self._handle.ping.remote()
+        return await _unwrapped(self._handle.ping.remote())
+
+    async def metrics_text(self) -> str:
+        return (await _unwrapped(self._handle.metrics_text.remote())).decode("utf-8")
 
 
 class SnapshotWatcher:

@@ -18,6 +18,7 @@ async def probe_server(
     record: ServerRecord,
     *,
     timeout_s: float,
+    busy: bool = False,
     clock: Callable[[], float] = time.time,
     perf: Callable[[], float] = time.perf_counter,
 ) -> ProbeResult:
@@ -47,7 +48,8 @@ async def probe_server(
                 error = f"metrics unreadable: {type(exc).__name__}"
         return ProbeResult(record.id, True, latency, clock(), error, load)
     except TimeoutError:
-        return ProbeResult(record.id, False, perf() - start, clock(), f"no answer within {timeout_s:g}s")
+        why = f"no answer within {timeout_s:g}s" + (" (engine busy)" if busy else "")
+        return ProbeResult(record.id, False, perf() - start, clock(), why, busy=busy)
     except aiohttp.ClientConnectorError as exc:
         return ProbeResult(record.id, False, perf() - start, clock(), f"cannot connect: {exc.os_error}")
     except aiohttp.ClientError as exc:
@@ -59,9 +61,12 @@ async def probe_all(
     records: Iterable[ServerRecord],
     *,
     timeout_s: float,
+    busy_ids: frozenset[str] = frozenset(),
     clock: Callable[[], float] = time.time,
 ) -> list[ProbeResult]:
     """Probe every server at once; a hung server costs its own timeout and delays nobody else."""
     return list(
-        await asyncio.gather(*(probe_server(session, r, timeout_s=timeout_s, clock=clock) for r in records))
+        await asyncio.gather(
+            *(probe_server(session, r, timeout_s=timeout_s, busy=r.id in busy_ids, clock=clock) for r in records)
+        )
     )

@@ -46,6 +46,7 @@ class ProbeResult:
     observed_at: float
     error: str | None = None
     load: LoadSample | None = None
+    busy: bool = False  # failed by timeout while the engine had work: slow, not (yet) dead
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class ServerEntry:
     probe_latency_s: float | None = None
     consecutive_failures: int = 0
     last_error: str | None = None
+    probe_failures_total: int = 0
 
     @property
     def id(self) -> str:

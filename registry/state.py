@@ -29,6 +29,7 @@ class ServerState:
     lease_expires_at: float | None = None
     draining_since: float | None = None
     status: ServerStatus = ServerStatus.HEALTHY
+    probe_failures_total: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -138,6 +139,8 @@ class RegistryState:
         if state is None:  # removed while the probe was in flight
             return
         state.probes.append(result)
+        if not result.ok:
+            state.probe_failures_total += 1
         changed = False
         if result.load is not None:
             state.load = _with_rate(state.load, result.load)
@@ -177,6 +180,12 @@ class RegistryState:
     # ---- views --------------------------------------------------------------------------------
     def ids(self) -> list[str]:
         return sorted(self._servers)
+
+    def busy_ids(self) -> frozenset[str]:
+        """Servers whose engine reported work at the last reading."""
+        return frozenset(
+            sid for sid, s in self._servers.items() if s.load is not None and (s.load.running or s.load.waiting)
+        )
 
     def records(self) -> list[ServerRecord]:
         return [self._servers[sid].record for sid in self.ids()]
@@ -253,6 +262,7 @@ class RegistryState:
             probe_latency_s=last.latency_s if last else None,
             consecutive_failures=failures,
             last_error=next((p.error for p in reversed(state.probes) if p.error), None),
+            probe_failures_total=state.probe_failures_total,
         )
 
 

@@ -16,6 +16,7 @@ class StatusThresholds:
     up_after_successes: int = 2
     suspect_after_passive_failures: int = 3
     passive_window_s: float = 30.0
+    busy_timeouts_tolerated: int = 5  # slow probes of a busy engine in a row before they count as failures
 
 
 def derive_status(
@@ -31,11 +32,19 @@ def derive_status(
 
     A server starts healthy because registration already checked it. A failed probe makes a healthy
     server suspect; `down_after_failures` in a row make it down; a down server needs
-    `up_after_successes` in a row to come back, a suspect one a single success.
+    `up_after_successes` in a row to come back, a suspect one a single success. A probe that timed out
+    while the engine was busy is ignored, up to `busy_timeouts_tolerated` in a row (a hung engine still
+    goes down).
     """
     state = ServerStatus.HEALTHY
-    failures = successes = 0
+    failures = successes = busy_streak = 0
     for probe in probes:
+        if not probe.ok and probe.busy:
+            busy_streak += 1
+            if busy_streak <= thresholds.busy_timeouts_tolerated:
+                continue  # a probe that is slow because the server is busy is not a failure
+        else:
+            busy_streak = 0
         if probe.ok:
             successes, failures = successes + 1, 0
             if state is ServerStatus.SUSPECT or (

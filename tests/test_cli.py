@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -9,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import ray
 
-from tests.conftest import read_jsonl
+from registry import RegistryClient
+from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl
 
 FEDPOOL = [sys.executable, "-m", "fedpool.cli"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,3 +88,60 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     run_dir = Path(report["run_dir"])
     assert (run_dir / "run.json").exists() and (run_dir / "logs" / "llamacpp-0.log").exists()
     assert not list(run_dir.rglob("*.token"))  # the registry token stays out of the artifacts
+
+
+@pytest.mark.ray
+async def test_server_commands_against_a_live_registry(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    server = await emulators.start(model="served-model")
+    address = ray.get_runtime_context().gcs_address
+    token_file = tmp_path / "token"
+    token_file.write_text(TEST_TOKEN)
+    common = ["--address", address, "--token-file-path", str(token_file)]
+
+    async def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return await asyncio.to_thread(run, *args, timeout=120)
+
+    added = await cli("server", "add", *common, "--id", "gpu-a", "--url", server.url, "--engine", "vllm",
+                      "--model", "served-model", "--accelerator", "a100-80gb", "--gpus", "1", "--capacity", "16",
+                      "--label", "rack=r1", "--json")
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["accelerator"] == "A100"
+    listed = await cli("server", "list", *common)
+    assert listed.returncode == 0
+    header, row = listed.stdout.splitlines()[:2]
+    for column in ("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S"):
+        assert column in header
+    assert row.split()[:5] == ["gpu-a", "vllm", "A100", "served-model", "healthy"]
+    as_json = json.loads((await cli("server", "list", *common, "--json")).stdout)
+    assert [s["id"] for s in as_json["servers"]] == ["gpu-a"] and as_json["servers"][0]["labels"] == {"rack": "r1"}
+    shown = await cli("server", "show", *common, "gpu-a", "--json")
+    assert json.loads(shown.stdout)["capacity"] == 16
+    other = await emulators.start(model="served-model")
+    wrong = await cli("server", "add", *common, "--id", "gpu-b", "--url", other.url, "--engine", "vllm",
+                      "--model", "other-model")
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    assert wrong.stderr.strip() == (
+        "fedpool: error: server 'gpu-b': check 'model' failed: server does not serve model 'other-model'; "
+        "/v1/models lists ['served-model']"
+    )
+    anonymous = await cli("server", "drain", "--address", address, "--state-dir", str(tmp_path), "gpu-a")
+    assert anonymous.returncode == 1 and "token" in anonymous.stderr
+    drained = await cli("server", "drain", *common, "gpu-a", "--json")
+    assert json.loads(drained.stdout)["status"] == "draining"
+    missing = await cli("server", "show", *common, "nope")
+    assert missing.returncode == 1 and "nope" in missing.stderr
+    for _ in range(50):  # an idle drained server is removed at the next probe
+        if not json.loads((await cli("server", "list", *common, "--json")).stdout)["servers"]:
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError("drained server was not removed")
+    again = await cli("server", "add", *common, "--id", "gpu-a", "--url", server.url, "--engine", "vllm",
+                      "--model", "served-model")
+    assert again.returncode == 0, again.stderr
+    removed = await cli("server", "remove", *common, "gpu-a")
+    assert removed.returncode == 0 and "removed gpu-a" in removed.stdout
+    status = await cli("registry", "status", "--address", address, "--json")
+    assert json.loads(status.stdout)["servers"] == 0

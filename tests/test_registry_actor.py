@@ -22,7 +22,7 @@ from registry import (
     UnknownServerError,
 )
 from registry.actor import get_registry_actor
-from tests.conftest import EmulatorFactory
+from tests.conftest import TEST_TOKEN, EmulatorFactory
 
 pytestmark = pytest.mark.ray
 
@@ -183,3 +183,28 @@ async def test_snapshot_long_poll_returns_on_change(registry: RegistryClient, em
     started = time.monotonic()
     newer = await registry.snapshot(since_version=current, timeout_s=10.0)
     assert newer.version > current and time.monotonic() - started < 5.0
+
+
+async def test_prometheus_export_of_the_pool(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    up, gone = await emulators.start(), await emulators.start()
+    await registry.register(record(up, "up"))
+    await registry.register(record(gone, "gone"))
+    await gone.stop()
+    await eventually(lambda: _is(registry, "gone", ServerStatus.DOWN))
+    await eventually(lambda: _has_load(registry, "up"))
+    text = await registry.metrics_text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+    labels = lambda sid: (("accelerator", "A100"), ("engine", "vllm"), ("model", "emu-model"), ("server_id", sid))  # noqa: E731
+    assert samples[("fedpool_server_routable", labels("up"))] == 1.0
+    assert samples[("fedpool_server_routable", labels("gone"))] == 0.0
+    assert samples[("fedpool_server_probe_failures", labels("gone"))] >= 3
+    assert ("fedpool_server_running", labels("up")) in samples
+    by_status = {k[1]: v for k, v in samples.items() if k[0] == "fedpool_servers"}
+    assert by_status[(("accelerator", "A100"), ("engine", "vllm"), ("status", "down"))] == 1.0
+    assert by_status[(("accelerator", "A100"), ("engine", "vllm"), ("status", "healthy"))] == 1.0
+    assert TEST_TOKEN not in text

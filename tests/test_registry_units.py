@@ -245,3 +245,12 @@ def test_token_file_is_private_and_checked(tmp_path: Path) -> None:
     with pytest.raises(AuthError):
         check_token(None, token_digest(token))
     assert token not in json.dumps(RegistryState(clock=Clock()).to_json())
+
+
+def test_slow_probes_of_a_busy_engine_are_not_failures_for_a_while() -> None:
+    slow = [ProbeResult("s1", False, 5.0, float(i), "timeout (engine busy)", busy=True) for i in range(5)]
+    assert derive_status(slow, thresholds=TH, now=10) is ServerStatus.HEALTHY
+    hung = [ProbeResult("s1", False, 5.0, float(i), "timeout (engine busy)", busy=True) for i in range(8)]
+    assert derive_status(hung, thresholds=TH, now=10) is ServerStatus.DOWN  # a hung engine still goes down
+    idle_timeouts = [ProbeResult("s1", False, 5.0, float(i), "timeout") for i in range(3)]
+    assert derive_status(idle_timeouts, thresholds=TH, now=10) is ServerStatus.DOWN
