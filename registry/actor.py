@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import pickle
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +19,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from registry.auth import check_token
 from registry.checks import verify_server
 from registry.persistence import StateStore
+from registry.prober import ProbePlan, ProberActor
 from registry.records import ServerRecord
-from registry.snapshot import PoolSnapshot, ServerEntry
+from registry.snapshot import PoolSnapshot, ProbeResult, ServerEntry
 from registry.state import RegistryState, RegistryTimings
 from registry.status import StatusThresholds
 
 log = logging.getLogger("fedpool.registry")
 
 REGISTRY_NAME = "fedpool-registry"
+PROBER_NAME = "fedpool-prober"
+PROBE_APPLY_SLICE = 100
+LAG_PROBE_S = 0.05
 NAMESPACE = "fedpool"
 
 
@@ -36,6 +43,7 @@ class RegistryConfig(BaseModel):
     token_sha256: str = Field(min_length=64, max_length=64)
     probe_interval_s: float = Field(default=2.0, gt=0, le=300)
     probe_timeout_s: float = Field(default=5.0, gt=0, le=120)
+    health_every: int = Field(default=3, ge=1)  # health endpoint every Nth cycle; /metrics proves life between
     check_timeout_s: float = Field(default=10.0, gt=0, le=300)
     down_after_failures: int = Field(default=3, ge=1)
     up_after_successes: int = Field(default=2, ge=1)
@@ -64,26 +72,37 @@ class RegistryActor:
         saved = self._store.load()
         if saved is not None:
             self._state.load_json(saved)
-        self._saved_json: dict[str, Any] | None = None
+        self._saved_version = -1
         self._changed: asyncio.Event | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._prober: asyncio.Task[None] | None = None
+        self._prober: Any = None  # ProberActor handle
         self._probe_cycles = 0
         self._last_cycle_s = 0.0
-        self._probe_now: asyncio.Event | None = None
+        self._recent_cycles: deque[float] = deque(maxlen=120)
+        self._recent_busy: deque[float] = deque(maxlen=120)  # time spent probing, pacing excluded
+        self._loop_lag: deque[float] = deque(maxlen=200)
+        self._lag_task: asyncio.Task[None] | None = None
         self._incarnation = uuid.uuid4().hex[:12]  # changes on every (re)start of the actor
         self._started_at = time.time()
         self._metrics_runner: Any = None
+        self._rows_cache: tuple[int, float, tuple[Any, ...]] | None = None
+        self._records_cache: tuple[int, bytes] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def _ensure_started(self) -> None:
-        if self._prober is None or self._prober.done():
+        if self._changed is None:
             self._changed = asyncio.Event()
-            self._probe_now = asyncio.Event()
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-            )
-            self._prober = asyncio.get_running_loop().create_task(self._probe_loop())
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        if self._lag_task is None:
+            self._lag_task = asyncio.get_running_loop().create_task(self._watch_loop_lag())
+        if self._prober is None:
+            # The prober lives in its own process; it pulls plans from here and hands results back.
+            self._prober = ray.remote(ProberActor).options(
+                name=PROBER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                max_restarts=-1, num_cpus=0,
+            ).remote(REGISTRY_NAME, NAMESPACE)
+            await self._prober.start.remote()
             if self._config.metrics_port is not None and self._metrics_runner is None:
                 await self._serve_metrics()
 
@@ -119,42 +138,58 @@ class RegistryActor:
             "state_dir": self._config.state_dir,
             "incarnation": self._incarnation,
             "started_at": self._started_at,
+            "pid": os.getpid(),
+            "recent_probe_cycles_s": list(self._recent_cycles),
+            "recent_probe_busy_s": list(self._recent_busy),
+            "recent_loop_lag_s": list(self._loop_lag)[-200:],  # about the last 10 s
+            "prober_pid": await self._prober.pid.remote() if self._prober is not None else None,
         }
 
-    async def _probe_loop(self) -> None:
-        from registry.prober import probe_all
-
-        assert self._session is not None and self._probe_now is not None
+    async def _watch_loop_lag(self) -> None:
+        """How late the actor's event loop wakes a 50 ms sleeper: the delay any call can see from it."""
         while True:
-            started = time.perf_counter()
-            try:
-                records = self._state.records()
-                results = await probe_all(
-                    self._session, records, timeout_s=self._config.probe_timeout_s, busy_ids=self._state.busy_ids()
-                )
-                for result in results:
-                    self._state.record_probe(result)
-                self._state.expire()
-                self._after_change()
-            except Exception:  # the prober must outlive any one bad cycle
-                log.exception("probe cycle failed")
+            start = time.perf_counter()
+            await asyncio.sleep(LAG_PROBE_S)
+            self._loop_lag.append(time.perf_counter() - start - LAG_PROBE_S)
+
+    async def probe_plan(self) -> ProbePlan:
+        """Called by the prober each cycle."""
+        return ProbePlan(
+            records=tuple(self._state.records()),
+            busy_ids=self._state.busy_ids(),
+            need_health=self._state.ids_needing_health(),
+            interval_s=self._config.probe_interval_s,
+            timeout_s=self._config.probe_timeout_s,
+            health_every=self._config.health_every,
+        )
+
+    async def deliver_probes(
+        self, results: list[ProbeResult], cycle_s: float | None = None, busy_s: float | None = None
+    ) -> None:
+        """Called by the prober with a batch of results; `cycle_s` is set on a cycle's last batch."""
+        for i, result in enumerate(results):
+            self._state.record_probe(result)
+            if i % PROBE_APPLY_SLICE == PROBE_APPLY_SLICE - 1:
+                await asyncio.sleep(0)  # let snapshot readers in between slices of a big batch
+        if cycle_s is not None:
+            self._state.expire()
             self._probe_cycles += 1
-            self._last_cycle_s = time.perf_counter() - started
-            self._probe_now.clear()
-            try:
-                await asyncio.wait_for(
-                    self._probe_now.wait(), max(0.0, self._config.probe_interval_s - self._last_cycle_s)
-                )
-            except TimeoutError:
-                pass
+            self._last_cycle_s = cycle_s
+            self._recent_cycles.append(cycle_s)
+            self._recent_busy.append(busy_s or 0.0)
+        self._after_change()
+
+    async def shutdown_prober(self) -> None:
+        """Stop the prober actor (for a registry that is being removed for good)."""
+        if self._prober is not None:
+            ray.kill(self._prober, no_restart=True)
+            self._prober = None
 
     def _after_change(self) -> None:
         """Persist membership changes and wake long-polling snapshot readers."""
-        data = self._state.to_json()
-        comparable = {"servers": data["servers"]}
-        if comparable != self._saved_json:
-            self._store.save(data)
-            self._saved_json = comparable
+        if self._state.persist_version != self._saved_version:
+            self._store.save(self._state.to_json())
+            self._saved_version = self._state.persist_version
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
@@ -207,21 +242,45 @@ class RegistryActor:
         never mark it down, so it needs no token."""
         await self._ensure_started()
         known = self._state.report_failure(server_id)
-        if known and self._probe_now is not None:
-            self._probe_now.set()
+        if known and self._prober is not None:
+            self._prober.hurry.remote()
         self._after_change()
         return known
 
     # ---- reads (open) -------------------------------------------------------------------------
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
-        """The current snapshot, or after waiting up to `timeout_s` for one newer than `since_version`."""
+        """The current snapshot as one object (simple, but ~10x costlier to ship than snapshot_wire)."""
+        await self._wait_newer(since_version, timeout_s)
+        return self._state.snapshot()
+
+    async def snapshot_wire(
+        self, since_version: int = -1, timeout_s: float = 0.0, known_membership: int = -1
+    ) -> tuple[int, float, int, bytes | None, tuple[Any, ...]]:
+        """(version, taken_at, membership_version, pickled records or None when the caller has them, rows).
+
+        Rows are built once per version and records once per membership change, so a thousand readers
+        cost the actor a cache lookup each."""
+        await self._wait_newer(since_version, timeout_s)
+        version = self._state.version
+        if self._rows_cache is None or self._rows_cache[0] != version:
+            self._rows_cache = (version, time.time(), self._state.wire_rows())
+        membership = self._state.membership_version
+        records = None
+        if known_membership != membership:
+            if self._records_cache is None or self._records_cache[0] != membership:
+                # Pickled once per membership change: a thousand readers then cost a bytes copy each.
+                blob = pickle.dumps(tuple(self._state.records()), protocol=pickle.HIGHEST_PROTOCOL)
+                self._records_cache = (membership, blob)
+            records = self._records_cache[1]
+        return (version, self._rows_cache[1], membership, records, self._rows_cache[2])
+
+    async def _wait_newer(self, since_version: int, timeout_s: float) -> None:
         await self._ensure_started()
         if self._state.version <= since_version and timeout_s > 0 and self._changed is not None:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except TimeoutError:
                 pass
-        return self._state.snapshot()
 
     async def version(self) -> int:
         return self._state.version

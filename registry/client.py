@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pickle
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from registry.auth import ensure_token, resolve_client_token, token_digest
 from registry.errors import RegistryError
 from registry.records import ServerRecord
 from registry.snapshot import PoolSnapshot, ServerEntry
+from registry.weights import prior_weight
 
 log = logging.getLogger("fedpool.registry")
 
@@ -38,6 +40,7 @@ class RegistryClient:
     def __init__(self, handle: ray.actor.ActorHandle, token: str | None = None):
         self._handle = handle
         self._token = token
+        self._members: tuple[int, dict[str, ServerRecord]] | None = None
 
     @classmethod
     def start(
@@ -85,7 +88,15 @@ class RegistryClient:
         return await _unwrapped(self._handle.report_failure.remote(server_id, kind))
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
-        return await _unwrapped(self._handle.snapshot.remote(since_version, timeout_s))
+        """The pool now, or once it is newer than `since_version` (waiting up to `timeout_s`)."""
+        known = self._members[0] if self._members is not None else -1
+        version, taken_at, membership, records, rows = await _unwrapped(
+            self._handle.snapshot_wire.remote(since_version, timeout_s, known)
+        )
+        if records is not None:  # pickled by the registry actor itself (trusted, same Ray cluster)
+            self._members = (membership, {r.id: r for r in pickle.loads(records)})
+        assert self._members is not None
+        return PoolSnapshot.from_rows(version, taken_at, rows, self._members[1], prior_weight)
 
     async def get(self, server_id: str) -> ServerEntry:
         return await _unwrapped(self._handle.get.remote(server_id))

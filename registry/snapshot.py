@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from registry.records import Engine, ServerRecord
 
@@ -76,26 +77,99 @@ class ServerEntry:
         return self.record.engine
 
 
-@dataclass(frozen=True, slots=True)
+# One server's fast-changing facts on the wire: (id, status, capacity, running, waiting, kv, tokens_per_s,
+# generation_tokens_total, observed_at, probe_latency_s, consecutive_failures, last_error, probe_failures).
+# Records travel only when membership changed, so a snapshot of 1,000 servers costs ~0.2 ms to ship.
+WireRow = tuple[str, str, int, float | None, float | None, float | None, float | None, float | None,
+                float | None, float | None, int, str | None, int]
+
+
+def entry_to_row(entry: ServerEntry) -> WireRow:
+    load = entry.load
+    return (
+        entry.id, entry.status.value, entry.capacity,
+        load.running if load else None, load.waiting if load else None,
+        load.kv_cache_usage if load else None, load.tokens_per_s if load else None,
+        load.generation_tokens_total if load else None, load.observed_at if load else None,
+        entry.probe_latency_s, entry.consecutive_failures, entry.last_error, entry.probe_failures_total,
+    )
+
+
+def entry_from_row(row: WireRow, record: ServerRecord, weight: float) -> ServerEntry:
+    (_, status, capacity, running, waiting, kv, tps, gen_total, observed_at,
+     latency, failures, last_error, failures_total) = row
+    load = None
+    if running is not None and waiting is not None and observed_at is not None:
+        load = LoadSample(running=running, waiting=waiting, observed_at=observed_at, kv_cache_usage=kv,
+                          generation_tokens_total=gen_total, tokens_per_s=tps)
+    return ServerEntry(record=record, status=ServerStatus(status), capacity=capacity, weight=weight, load=load,
+                       probe_latency_s=latency, consecutive_failures=failures, last_error=last_error,
+                       probe_failures_total=failures_total)
+
+
 class PoolSnapshot:
-    """A versioned, immutable picture of the pool. A higher version means something changed."""
+    """A versioned, immutable picture of the pool. A higher version means something changed.
 
-    version: int
-    taken_at: float
-    entries: tuple[ServerEntry, ...] = ()
-    _by_id: Mapping[str, ServerEntry] = field(default_factory=dict, repr=False, compare=False)
+    Built either from entries or lazily from wire rows (entries are made on first use, once)."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_id", {entry.id: entry for entry in self.entries})
+    __slots__ = ("_by_id", "_count", "_entries", "_make", "taken_at", "version")
+
+    def __init__(self, version: int, taken_at: float, entries: tuple[ServerEntry, ...] = ()):
+        object.__setattr__(self, "version", version)
+        object.__setattr__(self, "taken_at", taken_at)
+        object.__setattr__(self, "_entries", tuple(entries))
+        object.__setattr__(self, "_count", len(self._entries))
+        object.__setattr__(self, "_make", None)
+        object.__setattr__(self, "_by_id", None)
+
+    @classmethod
+    def from_rows(
+        cls, version: int, taken_at: float, rows: tuple[WireRow, ...], records: Mapping[str, ServerRecord],
+        weight_of: Any,
+    ) -> PoolSnapshot:
+        snap = cls(version, taken_at)
+        object.__setattr__(snap, "_count", len(rows))
+        object.__setattr__(
+            snap, "_make", lambda: tuple(entry_from_row(r, records[r[0]], weight_of(records[r[0]])) for r in rows)
+        )
+        return snap
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"PoolSnapshot is immutable; cannot set {name!r}")
+
+    def __repr__(self) -> str:
+        return f"PoolSnapshot(version={self.version}, servers={len(self)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PoolSnapshot) and (self.version, self.entries) == (other.version, other.entries)
+
+    def __hash__(self) -> int:
+        return hash((self.version, self.entries))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PoolSnapshot, (self.version, self.taken_at, self.entries))
+
+    @property
+    def entries(self) -> tuple[ServerEntry, ...]:
+        if self._make is not None:
+            object.__setattr__(self, "_entries", self._make())
+            object.__setattr__(self, "_make", None)
+        return self._entries
+
+    @property
+    def _index(self) -> Mapping[str, ServerEntry]:
+        if self._by_id is None:
+            object.__setattr__(self, "_by_id", {entry.id: entry for entry in self.entries})
+        return self._by_id
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return self._count
 
     def __iter__(self):
         return iter(self.entries)
 
     def get(self, server_id: str) -> ServerEntry | None:
-        return self._by_id.get(server_id)
+        return self._index.get(server_id)
 
     def ids(self) -> tuple[str, ...]:
         return tuple(entry.id for entry in self.entries)

@@ -9,7 +9,15 @@ from typing import Any
 
 from registry.errors import RegistrationError, UnknownServerError
 from registry.records import ServerRecord
-from registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
+from registry.snapshot import (
+    LoadSample,
+    PoolSnapshot,
+    ProbeResult,
+    ServerEntry,
+    ServerStatus,
+    WireRow,
+    entry_to_row,
+)
 from registry.status import StatusThresholds, derive_status
 from registry.weights import prior_weight
 
@@ -72,6 +80,8 @@ class RegistryState:
         self._timings = timings or RegistryTimings()
         self._servers: dict[str, ServerState] = {}
         self.version = 0
+        self.membership_version = 0  # bumps only when records or capacities change
+        self.persist_version = 0  # bumps when anything that is saved to disk changes
 
     # ---- membership -------------------------------------------------------------------------
     def check_duplicate(self, record: ServerRecord, *, replace: bool) -> bool:
@@ -105,12 +115,16 @@ class RegistryState:
             state.lease_ttl_s = lease_ttl_s
             state.lease_expires_at = now + lease_ttl_s
         self._servers[record.id] = state
+        self.membership_version += 1
+        self.persist_version += 1
         self._bump()
         return self._entry(state)
 
     def remove(self, server_id: str) -> ServerRecord:
         state = self._require(server_id)
         del self._servers[server_id]
+        self.membership_version += 1
+        self.persist_version += 1
         self._bump()
         return state.record
 
@@ -118,6 +132,7 @@ class RegistryState:
         state = self._require(server_id)
         if state.draining_since is None:
             state.draining_since = self._clock()
+            self.persist_version += 1
             self._refresh(state)
             self._bump()
         return self._entry(state)
@@ -129,6 +144,7 @@ class RegistryState:
             raise ValueError(f"server {server_id!r} has no lease; give ttl_s to start one")
         state.lease_ttl_s = ttl
         state.lease_expires_at = self._clock() + ttl
+        self.persist_version += 1
         if self._refresh(state):
             self._bump()
         return self._entry(state)
@@ -146,6 +162,8 @@ class RegistryState:
             state.load = _with_rate(state.load, result.load)
             if result.load.capacity_hint and result.load.capacity_hint != state.capacity:
                 state.capacity = result.load.capacity_hint
+                self.membership_version += 1
+                self.persist_version += 1
             changed = True
         if self._refresh(state) or changed:
             self._bump()
@@ -174,12 +192,18 @@ class RegistryState:
         for sid in removed:
             del self._servers[sid]
         if removed:
+            self.membership_version += 1
+            self.persist_version += 1
             self._bump()
         return removed
 
     # ---- views --------------------------------------------------------------------------------
     def ids(self) -> list[str]:
         return sorted(self._servers)
+
+    def ids_needing_health(self) -> frozenset[str]:
+        """Servers whose last probe failed or that were never probed: check them fully every cycle."""
+        return frozenset(sid for sid, s in self._servers.items() if not s.probes or not s.probes[-1].ok)
 
     def busy_ids(self) -> frozenset[str]:
         """Servers whose engine reported work at the last reading."""
@@ -197,6 +221,9 @@ class RegistryState:
         entries = tuple(self._entry(self._servers[sid]) for sid in self.ids())
         return PoolSnapshot(version=self.version, taken_at=self._clock(), entries=entries)
 
+    def wire_rows(self) -> tuple[WireRow, ...]:
+        return tuple(entry_to_row(self._entry(self._servers[sid])) for sid in self.ids())
+
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "servers": [self._servers[s].to_json() for s in self.ids()]}
 
@@ -208,6 +235,8 @@ class RegistryState:
             self._refresh(state)
         # A restarted registry continues the version sequence so clients never see it go back.
         self.version = int(data.get("version", 0)) + 1
+        self.membership_version += 1
+        self.persist_version += 1
 
     # ---- internals ----------------------------------------------------------------------------
     def _require(self, server_id: str) -> ServerState:

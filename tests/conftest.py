@@ -46,6 +46,7 @@ async def registry(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) 
     )
     await client.ping()
     yield client
+    await client.handle.shutdown_prober.remote()
     ray.kill(get_registry_actor(), no_restart=True)
     for _ in range(100):  # wait until the name is free for the next test
         try:

@@ -254,3 +254,39 @@ def test_slow_probes_of_a_busy_engine_are_not_failures_for_a_while() -> None:
     assert derive_status(hung, thresholds=TH, now=10) is ServerStatus.DOWN  # a hung engine still goes down
     idle_timeouts = [ProbeResult("s1", False, 5.0, float(i), "timeout") for i in range(3)]
     assert derive_status(idle_timeouts, thresholds=TH, now=10) is ServerStatus.DOWN
+
+
+def test_wire_rows_rebuild_the_same_snapshot_lazily() -> None:
+    from registry import PoolSnapshot, prior_weight
+
+    clock = Clock()
+    state = RegistryState(clock=clock)
+    state.upsert(rec(), 8)
+    state.upsert(rec(id="s2", url="http://127.0.0.1:8001", accelerator="V100"), 4)
+    load = LoadSample(running=3, waiting=1, observed_at=clock.t, kv_cache_usage=0.5, generation_tokens_total=10.0)
+    state.record_probe(ProbeResult("s1", True, 0.02, clock.t, load=load))
+    state.record_probe(ProbeResult("s2", False, 1.0, clock.t, "refused"))
+    full = state.snapshot()
+    records = {r.id: r for r in state.records()}
+    lazy = PoolSnapshot.from_rows(full.version, full.taken_at, state.wire_rows(), records, prior_weight)
+    assert lazy.entries == full.entries and lazy == full
+    assert lazy.get("s2").last_error == "refused"  # type: ignore[union-attr]
+    with pytest.raises(AttributeError):
+        lazy.version = 7  # type: ignore[misc]
+    membership = state.membership_version
+    state.record_probe(ProbeResult("s1", True, 0.02, clock.t, load=load))
+    assert state.membership_version == membership  # load changes do not resend records
+
+
+def test_only_wanted_families_reach_the_parser() -> None:
+    from registry.adapters.base import select_families
+
+    text = (METRICS / "vllm_dp2.txt").read_text()
+    kept = select_families(text, frozenset({"vllm:num_requests_running"}))
+    assert "e2e_request_latency" not in kept and "num_requests_waiting" not in kept
+    assert kept.count("vllm:num_requests_running{") == 2 and "# TYPE vllm:num_requests_running gauge" in kept
+    full = MetricSamples(text)
+    assert full.total("vllm:num_requests_running") == MetricSamples(text, VllmAdapter.wanted_metrics).total(
+        "vllm:num_requests_running"
+    )
+    assert MetricSamples(text, VllmAdapter.wanted_metrics).total("vllm:generation_tokens_total") == 200000.0

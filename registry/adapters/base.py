@@ -20,11 +20,28 @@ class MetricsParseError(ValueError):
     """The /metrics text was not valid Prometheus exposition format."""
 
 
+def select_families(text: str, wanted: frozenset[str]) -> str:
+    """Keep only the lines of the wanted metric families (a real vLLM /metrics is tens of KB of
+    histograms we never read); the kept text is then parsed by prometheus_client as usual."""
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            token = parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else None
+        else:
+            token = line.split("{", 1)[0].split(None, 1)[0] if line.strip() else None
+        if token is not None and (token in wanted or token.removesuffix("_total") in wanted):
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 class MetricSamples:
     """Samples of one exposition text indexed by sample name (counters keep their `_total`)."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, wanted: frozenset[str] | None = None):
         self._values: dict[str, list[tuple[dict[str, str], float]]] = {}
+        if wanted is not None:
+            text = select_families(text, wanted | {n.removesuffix("_total") for n in wanted})
         try:
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
@@ -62,6 +79,7 @@ class EngineAdapter(ABC):
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
     default_capacity: ClassVar[int] = 16
+    wanted_metrics: ClassVar[frozenset[str] | None] = None  # families to keep before parsing; None = all
 
     def __init_subclass__(cls, *, engine: Engine | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -74,7 +92,7 @@ class EngineAdapter(ABC):
         """Turn one parsed /metrics text into a LoadSample."""
 
     def parse_metrics(self, text: str, observed_at: float) -> LoadSample:
-        return self.load_from_samples(MetricSamples(text), observed_at)
+        return self.load_from_samples(MetricSamples(text, self.wanted_metrics), observed_at)
 
     async def discover_capacity(
         self, session: aiohttp.ClientSession, base_url: str, timeout_s: float

@@ -17,6 +17,7 @@ KV_USAGE = "llamacpp:kv_cache_usage_ratio"  # exported by older builds only
 class LlamaCppAdapter(EngineAdapter, engine=Engine.LLAMACPP):
     health_path = "/health"
     default_capacity = 1  # llama-server's default is one slot unless -np is given
+    wanted_metrics = frozenset({PROCESSING, DEFERRED, TOKENS_PREDICTED, KV_USAGE})
 
     def load_from_samples(self, samples: MetricSamples, observed_at: float) -> LoadSample:
         return LoadSample(

@@ -1,0 +1,61 @@
+"""Writing benchmark reports: command, machine, date, the numbers, and one closing `result:` line."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = ""
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        mem_gib = f", {pages / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError):
+        pass
+    system = f"{platform.system()} {platform.release()}, Python {platform.python_version()}"
+    return f"{cpu}, {os.cpu_count()} cores{mem_gib}, {system}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def result_line(values: Mapping[str, object]) -> str:
+    return "result: " + " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def write_report(name: str, title: str, body: str, result: Mapping[str, object]) -> Path:
+    """Write benchmarks/results/NAME.md; the last line is the machine-readable `result:` line."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    command = "python -m benchmarks." + Path(sys.argv[0]).stem + (
+        " " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""
+    )
+    text = (
+        f"# {title}\n\n"
+        f"- command: `{command}`\n"
+        f"- machine: {machine_description()}\n"
+        f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}\n\n"
+        f"{body.rstrip()}\n\n"
+        f"{result_line(result)}\n"
+    )
+    path = RESULTS_DIR / f"{name}.md"
+    path.write_text(text, encoding="utf-8")
+    return path
