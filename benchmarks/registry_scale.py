@@ -224,7 +224,7 @@ def main() -> None:
         + "\n\nHow to read it: the prober runs in its own actor process and paces each cycle's probes over "
         "60% of the interval; the registry actor applies a cycle's results in slices and answers snapshot "
         "calls from caches built once per version (records travel only when membership changes). The "
-        "registry's own event loop is late by at most the figure in the loop-lag row; what a client sees "
+        "registry's own event loop is late by the figures in the loop-lag row; what a client sees "
         "beyond that is Ray's call path and CPU contention between the emulated servers, the prober and the "
         f"client processes on the same {os.cpu_count()} cores. "
         + ("Target met." if r["snapshot_p99_ms"] < 20 and r["registry_cpu_cores"] < 1
