@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import aiohttp
 
 from federation.breaker import CircuitBreaker
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from federation.learning import ServerLearning
 from federation.policies import Candidate, Policy, RouteContext
 from federation.transport import Timeouts, post_completion
 from federation.types import Attempt, InferenceRequest, InferenceResult
@@ -24,6 +26,7 @@ log = logging.getLogger("fedpool.dispatcher")
 
 WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
 MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
+INFLIGHT_LOG_LEN = 4096  # (time, in-flight) changes kept per server to line up with stale scrapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,9 @@ class DispatchConfig:
     backoff_base_s: float = 0.2
     backoff_max_s: float = 5.0
     no_server_timeout_s: float = 60.0
-    window_factor: float = 1.0  # admission window = engine capacity × this
+    window_factor: float = 1.0  # admission window ceiling = engine capacity × this
+    adaptive_windows: bool = True  # grow/shrink each server's window from what the dispatcher observes
+    learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -70,6 +75,8 @@ class ServerStats:
     window: int
     completion_tokens: int
     busy_s: float
+    learned_tokens_per_s: float | None = None
+    window_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,7 @@ class Dispatcher:
         *,
         config: DispatchConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         on_failure: Callable[[str, FailureKind], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -103,6 +111,7 @@ class Dispatcher:
         self._policy = policy
         self._config = config or DispatchConfig()
         self._clock = clock
+        self._wall_clock = wall_clock  # the registry stamps scrapes with wall-clock time
         self._rng = rng or random.Random(0)
         self._on_failure = on_failure
         self._sleep = sleep
@@ -117,6 +126,9 @@ class Dispatcher:
         self._client_inflight: Counter[str] = Counter()
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
+        self._learning: dict[str, ServerLearning] = {}
+        self._inflight_log: dict[str, deque[tuple[float, int]]] = {}
+        self._priors: dict[str, float] = {}
 
     @property
     def policy(self) -> Policy:
@@ -144,7 +156,7 @@ class Dispatcher:
                 latency = self._clock() - started
                 attempts.append(Attempt(server.id, started, latency, err.kind, err.detail))
                 last_kind = err.kind
-                self._note_failure(server.id, err.kind)
+                self._note_failure(server, err.kind)
                 if not err.kind.retriable:
                     self._failed += 1
                     raise RequestFailed(
@@ -167,7 +179,7 @@ class Dispatcher:
                 self._release(slot)
             latency = self._clock() - started
             attempts.append(Attempt(server.id, started, latency))
-            self._note_success(server.id, completion.completion_tokens or 0, latency)
+            self._note_success(server, completion.completion_tokens or 0, latency)
             self._completed += 1
             return InferenceResult(
                 request_id=request.request_id,
@@ -248,8 +260,10 @@ class Dispatcher:
         # Counted in the same step as the choice (no await in between), so concurrent picks cannot pile
         # onto one server.
         self._inflight[server.id] += 1
+        self._log_inflight(server.id)
         self._client_inflight[request.client_id] += 1
         self._breaker(server.id).on_dispatch(now)
+        self._learning_for(server).on_start(now, self._inflight[server.id], self._window(server))
         waiter.future.set_result(Slot(server, request.client_id, now))
         return True
 
@@ -257,6 +271,7 @@ class Dispatcher:
         self._inflight[slot.server.id] -= 1
         if self._inflight[slot.server.id] <= 0:
             del self._inflight[slot.server.id]
+        self._log_inflight(slot.server.id)
         self._client_inflight[slot.client_id] -= 1
         if self._client_inflight[slot.client_id] <= 0:
             del self._client_inflight[slot.client_id]
@@ -276,17 +291,69 @@ class Dispatcher:
         )
         return list(view.entries)
 
+    def _learning_for(self, server: ServerEntry) -> ServerLearning:
+        learning = self._learning.get(server.id)
+        if learning is None:
+            learning = ServerLearning.for_capacity(
+                server.capacity, adaptive=self._config.adaptive_windows, max_factor=self._config.window_factor
+            )
+            self._learning[server.id] = learning
+        return learning
+
     def _window(self, server: ServerEntry) -> int:
-        return max(1, round(server.capacity * self._config.window_factor))
+        """This dispatcher's admission window there, less what other clients keep running or queued on
+        the engine (from the registry's scrape), so several clients sharing a server do not overfill it."""
+        window = self._learning_for(server).window(server.capacity)
+        load = server.load
+        if load is not None:
+            # The scrape is up to a probe interval old: compare it with what *we* had in flight then.
+            others = max(0.0, load.running + load.waiting - self._own_inflight_at(server.id, load.observed_at))
+            window = min(window, max(1, int(server.capacity - others)))
+        return max(1, window)
+
+    def _log_inflight(self, server_id: str) -> None:
+        log_ = self._inflight_log.get(server_id)
+        if log_ is None:
+            log_ = self._inflight_log[server_id] = deque(maxlen=INFLIGHT_LOG_LEN)
+        log_.append((self._wall_clock(), self._inflight.get(server_id, 0)))
+
+    def _own_inflight_at(self, server_id: str, wall_time: float) -> int:
+        """Our in-flight count at that wall-clock time. Before the first logged change it was 0, unless the
+        log was truncated: then the largest count it holds (so other clients' load is never overestimated)."""
+        log_ = self._inflight_log.get(server_id)
+        if not log_:
+            return 0
+        index = bisect.bisect_right(log_, (wall_time, float("inf"))) - 1
+        if index < 0:
+            return 0 if len(log_) < INFLIGHT_LOG_LEN else max(n for _, n in log_)
+        return log_[index][1]
+
+    def _weight(self, server: ServerEntry) -> float:
+        """Relative throughput: learned tokens/s where known, else the accelerator prior × capacity, put
+        on the same scale through the servers whose rate is known."""
+        prior = server.weight * server.capacity
+        if not self._config.learn_throughput:
+            return prior
+        learned = self._learning.get(server.id)
+        if learned is not None and learned.estimator.rate:
+            return learned.estimator.rate
+        scale = [
+            (lrn.estimator.rate, self._priors[sid]) for sid, lrn in self._learning.items()
+            if lrn.estimator.rate and sid in self._priors
+        ]
+        if scale:
+            return prior * sum(rate / p for rate, p in scale) / len(scale)
+        return prior
 
     def _candidate(self, server: ServerEntry) -> Candidate:
         load = server.load
+        self._priors[server.id] = server.weight * server.capacity
         return Candidate(
             server_id=server.id,
             inflight=self._inflight.get(server.id, 0),
             window=self._window(server),
             capacity=server.capacity,
-            weight=server.weight * server.capacity,
+            weight=self._weight(server),
             scraped_waiting=load.waiting if load else 0.0,
             scraped_running=load.running if load else 0.0,
         )
@@ -303,14 +370,25 @@ class Dispatcher:
         ceiling = min(self._config.backoff_max_s, self._config.backoff_base_s * 2 ** (failures - 1))
         return self._rng.uniform(0, ceiling)
 
-    def _note_failure(self, server_id: str, kind: FailureKind) -> None:
+    def _note_failure(self, server: ServerEntry, kind: FailureKind) -> None:
+        server_id = server.id
+        learning = self._learning_for(server)
+        if kind is FailureKind.RATE_LIMITED:
+            learning.on_rate_limited()
+        learning.on_finish(0, 0.0, self._clock(), server.load.waiting if server.load else 0.0)
         self._failures.setdefault(server_id, Counter())[kind.value] += 1
         if kind.counts_against_server:
             self._breaker(server_id).on_failure(self._clock())
             if self._on_failure is not None:
                 self._on_failure(server_id, kind)
 
-    def _note_success(self, server_id: str, tokens: int, latency_s: float) -> None:
+    def _note_success(self, server: ServerEntry, tokens: int, latency_s: float) -> None:
+        server_id = server.id
+        decision = self._learning_for(server).on_finish(
+            tokens, latency_s, self._clock(), server.load.waiting if server.load else 0.0
+        )
+        if decision is not None:
+            log.debug("window of %s now %.1f: %s", server_id, decision.window, decision.reason)
         self._breaker(server_id).on_success()
         self._answered[server_id] += 1
         self._tokens[server_id] += tokens
@@ -338,6 +416,11 @@ class Dispatcher:
                     window=windows.get(sid, 0),
                     completion_tokens=self._tokens.get(sid, 0),
                     busy_s=self._busy_s.get(sid, 0.0),
+                    learned_tokens_per_s=self._learning[sid].estimator.rate if sid in self._learning else None,
+                    window_reason=(
+                        self._learning[sid].last_decision.reason
+                        if sid in self._learning and self._learning[sid].last_decision else None
+                    ),
                 )
                 for sid in ids
             ),

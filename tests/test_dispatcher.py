@@ -194,3 +194,44 @@ async def test_cancelled_requests_give_their_slots_back(emulators: EmulatorFacto
         assert dispatcher.inflight() == {}
         result = await dispatcher.submit(request(99))  # the slots really are free again
     assert result.server_id == "s0"
+
+
+async def test_heterogeneous_pool_gets_work_in_proportion_to_speed(emulators: EmulatorFactory) -> None:
+    fast = await emulators.start(max_running=4, decode_s=0.004)  # "A100": twice the decode speed
+    slow = await emulators.start(max_running=4, decode_s=0.008)  # "V100"
+    snap = snapshot_of([fast, slow], capacity=4, accelerators=["A100", "V100"])
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(0)), config=FAST)
+        results = await run_all(dispatcher, 600)  # long enough (> 2 s) for throughput periods to close
+        stats = {s.server_id: s for s in dispatcher.stats().servers}
+    answered = Counter(r.server_id for r in results)  # type: ignore[union-attr]
+    assert 1.5 <= answered["s0"] / answered["s1"] <= 2.6, answered
+    fast_rate, slow_rate = stats["s0"].learned_tokens_per_s, stats["s1"].learned_tokens_per_s
+    assert fast_rate is not None and slow_rate is not None and fast_rate > 1.4 * slow_rate
+
+
+async def test_other_clients_load_on_a_shared_server_shrinks_our_window(emulators: EmulatorFactory) -> None:
+    import time
+
+    from registry import LoadSample
+
+    server = await emulators.start(max_running=4, decode_s=0.01)
+    base = snapshot_of([server], capacity=4).entries[0]
+    # The registry saw 3 requests running there just now, none of them ours.
+    busy = ServerEntry(record=base.record, status=base.status, capacity=4, weight=base.weight,
+                       load=LoadSample(running=3, waiting=0, observed_at=time.time()))
+    snap = PoolSnapshot(version=2, taken_at=0.0, entries=(busy,))
+    peak = 0
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, dispatcher.inflight().get("s0", 0))
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        await run_all(dispatcher, 6)
+        watcher.cancel()
+    assert peak == 1  # capacity 4 minus the 3 other clients keep there

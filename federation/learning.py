@@ -1,0 +1,160 @@
+"""What the dispatcher learns from its own traffic: each server's throughput (EWMA of generated tokens per
+busy second) and an adaptive admission window. Pure: the clock is passed in, nothing does I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LEARN_PERIOD_S = 2.0  # throughput and window decisions are made at most this often per server
+
+
+@dataclass
+class ThroughputEstimator:
+    """Tokens per second of wall time during which this dispatcher had work on the server."""
+
+    alpha: float = 0.3
+    period_s: float = LEARN_PERIOD_S
+    rate: float | None = None  # EWMA, tokens/s
+    _inflight: int = 0
+    _busy_since: float | None = None
+    _busy_s: float = 0.0
+    _tokens: int = 0
+    _period_start: float | None = None
+
+    def on_start(self, now: float) -> None:
+        if self._inflight == 0:
+            self._busy_since = now
+        if self._period_start is None:
+            self._period_start = now
+        self._inflight += 1
+
+    def on_finish(self, tokens: int, now: float) -> float | None:
+        """Record a finished request; returns the new rate when a period closed."""
+        self._inflight = max(0, self._inflight - 1)
+        self._tokens += tokens
+        if self._inflight == 0 and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+        if self._period_start is None or now - self._period_start < self.period_s:
+            return None
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        if self._busy_since is not None:
+            self._busy_since = now
+        self._period_start, self._busy_s, tokens, self._tokens = now, 0.0, self._tokens, 0
+        if busy <= 0 or tokens <= 0:
+            return None
+        sample = tokens / busy
+        self.rate = sample if self.rate is None else self.alpha * sample + (1 - self.alpha) * self.rate
+        return self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class WindowObservation:
+    """One period at one server, as the dispatcher and the registry saw it."""
+
+    throughput: float  # tokens/s this period
+    per_token_latency_s: float | None  # median request latency / output tokens this period
+    scraped_waiting: float  # the engine's own queue (all clients), from the registry
+    rate_limited: int  # HTTP 429s this period
+    window_was_full: bool  # this dispatcher used the whole window at some point
+
+
+@dataclass(frozen=True, slots=True)
+class WindowDecision:
+    window: float
+    reason: str
+
+
+@dataclass
+class WindowController:
+    """Grow while throughput rises and the engine's queue stays empty; shrink on queueing, latency
+    inflation or 429. Starts at the engine's capacity: enough to fill its batch."""
+
+    capacity: int
+    window: float = field(default=0.0)
+    max_factor: float = 1.0  # never more than capacity × this in flight from one dispatcher
+    shrink: float = 0.75
+    inflation_limit: float = 3.0  # batching legitimately slows each request; only gross inflation counts
+    _last_throughput: float = 0.0
+    _best_latency: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.window <= 0:
+            self.window = float(self.capacity)
+
+    @property
+    def limit(self) -> int:
+        return max(1, int(self.window))
+
+    def decide(self, obs: WindowObservation) -> WindowDecision:
+        ceiling = max(1.0, self.capacity * self.max_factor)
+        if obs.per_token_latency_s is not None:
+            self._best_latency = (
+                obs.per_token_latency_s if self._best_latency is None
+                else min(self._best_latency, obs.per_token_latency_s)
+            )
+        inflated = (
+            obs.per_token_latency_s is not None and self._best_latency is not None
+            and obs.per_token_latency_s > self.inflation_limit * self._best_latency
+        )
+        if obs.rate_limited:
+            decision = WindowDecision(max(1.0, self.window * self.shrink), f"{obs.rate_limited} × HTTP 429")
+        elif obs.scraped_waiting >= 1:
+            decision = WindowDecision(max(1.0, self.window * self.shrink), f"engine queue {obs.scraped_waiting:g}")
+        elif inflated:
+            decision = WindowDecision(max(1.0, self.window * self.shrink), "latency inflation")
+        elif obs.window_was_full and obs.throughput >= 0.98 * self._last_throughput:
+            decision = WindowDecision(min(ceiling, self.window + 1), "throughput held or rose at a full window")
+        else:
+            decision = WindowDecision(min(ceiling, self.window), "steady")
+        self.window = decision.window
+        self._last_throughput = obs.throughput
+        return decision
+
+
+@dataclass
+class ServerLearning:
+    """Everything one dispatcher learns about one server: its throughput and its admission window."""
+
+    estimator: ThroughputEstimator
+    controller: WindowController
+    adaptive: bool = True
+    last_decision: WindowDecision | None = None
+    _latencies: list[float] = field(default_factory=list)
+    _rate_limited: int = 0
+    _full: bool = False
+
+    @classmethod
+    def for_capacity(cls, capacity: int, *, adaptive: bool, max_factor: float) -> ServerLearning:
+        return cls(ThroughputEstimator(), WindowController(capacity, max_factor=max_factor), adaptive)
+
+    def window(self, capacity: int) -> int:
+        if self.controller.capacity != capacity:  # the registry learned a new capacity: start over from it
+            self.controller = WindowController(capacity, max_factor=self.controller.max_factor)
+        return self.controller.limit if self.adaptive else max(1, int(capacity * self.controller.max_factor))
+
+    def on_start(self, now: float, inflight_after: int, window: int) -> None:
+        self.estimator.on_start(now)
+        if inflight_after >= window:
+            self._full = True
+
+    def on_rate_limited(self) -> None:
+        self._rate_limited += 1
+
+    def on_finish(self, tokens: int, latency_s: float, now: float, scraped_waiting: float) -> WindowDecision | None:
+        if tokens > 0:
+            self._latencies.append(latency_s / tokens)
+        rate = self.estimator.on_finish(tokens, now)
+        if rate is None or not self.adaptive:
+            return None
+        ordered = sorted(self._latencies)
+        obs = WindowObservation(
+            throughput=rate,
+            per_token_latency_s=ordered[len(ordered) // 2] if ordered else None,
+            scraped_waiting=scraped_waiting,
+            rate_limited=self._rate_limited,
+            window_was_full=self._full,
+        )
+        self._latencies, self._rate_limited, self._full = [], 0, False
+        self.last_decision = self.controller.decide(obs)
+        return self.last_decision

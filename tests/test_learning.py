@@ -1,0 +1,59 @@
+"""Throughput learning and adaptive admission windows, driven by an explicit clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from federation.learning import ThroughputEstimator, WindowController, WindowObservation
+
+
+def test_throughput_counts_busy_time_only() -> None:
+    est = ThroughputEstimator(alpha=1.0, period_s=2.0)
+    est.on_start(0.0)
+    assert est.on_finish(100, 1.0) is None  # period not over yet
+    # idle from 1.0 to 10.0: not counted
+    est.on_start(10.0)
+    rate = est.on_finish(100, 11.0)
+    assert rate == pytest.approx(100.0)  # 200 tokens over 2 busy seconds
+
+
+def test_faster_server_learns_a_higher_rate() -> None:
+    fast, slow = ThroughputEstimator(alpha=0.5), ThroughputEstimator(alpha=0.5)
+    t = 0.0
+    for _ in range(10):
+        fast.on_start(t)
+        slow.on_start(t)
+        fast.on_finish(40, t + 0.5)
+        slow.on_finish(40, t + 1.0)
+        t += 1.0
+        fast.on_start(t - 0.5)
+        fast.on_finish(40, t)
+    assert fast.rate is not None and slow.rate is not None
+    assert fast.rate == pytest.approx(2 * slow.rate, rel=0.1)
+
+
+def obs(**kw: object) -> WindowObservation:
+    base: dict[str, object] = {"throughput": 100.0, "per_token_latency_s": 0.01, "scraped_waiting": 0.0,
+                               "rate_limited": 0, "window_was_full": True}
+    return WindowObservation(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_window_grows_while_throughput_holds_and_shrinks_on_queueing() -> None:
+    ctl = WindowController(capacity=8, window=4, max_factor=1.0)
+    assert ctl.decide(obs(throughput=100)).window == 5
+    assert ctl.decide(obs(throughput=120)).window == 6
+    d = ctl.decide(obs(throughput=120, scraped_waiting=3))
+    assert d.window == pytest.approx(4.5) and "queue" in d.reason
+    assert ctl.limit == 4
+
+
+def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> None:
+    ctl = WindowController(capacity=4)
+    assert ctl.window == 4
+    assert ctl.decide(obs()).window == 4  # already at capacity: the ceiling holds
+    assert ctl.decide(obs(rate_limited=2)).window == 3
+    assert ctl.decide(obs(per_token_latency_s=0.05)).reason == "latency inflation"
+    for _ in range(20):
+        ctl.decide(obs(rate_limited=1))
+    assert ctl.limit == 1  # never below one
+    assert ctl.decide(obs(window_was_full=False)).reason == "steady"
