@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import itertools
 import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -18,7 +19,7 @@ from federation.breaker import CircuitBreaker
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.learning import ServerLearning
 from federation.policies import Candidate, Policy, RouteContext
-from federation.transport import Timeouts, post_completion
+from federation.transport import Timeouts, open_stream, post_completion
 from federation.types import Attempt, InferenceRequest, InferenceResult
 from registry import PoolSnapshot, ServerEntry
 
@@ -48,6 +49,23 @@ class Slot:
     server: ServerEntry
     client_id: str
     acquired_at: float
+
+
+@dataclass(slots=True)
+class _RetryState:
+    attempts: list[Attempt] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)
+    counted: int = 0
+    resets: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    """An upstream response being streamed; read `response.content`."""
+
+    server: ServerEntry
+    response: aiohttp.ClientResponse
+    attempts: tuple[Attempt, ...]
 
 
 @dataclass(eq=False, slots=True)
@@ -127,12 +145,19 @@ class Dispatcher:
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._learning: dict[str, ServerLearning] = {}
+        self._client_weights: dict[str, float] = {}
         self._inflight_log: dict[str, deque[tuple[float, int]]] = {}
         self._priors: dict[str, float] = {}
 
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    def set_client_weight(self, client_id: str, weight: float) -> None:
+        """Weighted fair share when the pool is saturated: a client of weight 2 gets twice the slots."""
+        if weight <= 0:
+            raise ValueError("client weight must be positive")
+        self._client_weights[client_id] = weight
 
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: waiting requests look again."""
@@ -142,43 +167,20 @@ class Dispatcher:
     async def submit(self, request: InferenceRequest) -> InferenceResult:
         """Complete the request exactly once or raise RequestFailed / NoServerError after every retry."""
         self._submitted += 1
-        attempts: list[Attempt] = []
-        tried: set[str] = set()
-        counted = resets = 0
-        last_kind: FailureKind | None = None
+        retry = _RetryState()
         while True:
-            slot = await self._acquire(request, tried)
+            slot = await self._acquire(request, retry.tried)
             server = slot.server
             started = self._clock()
             try:
                 completion = await post_completion(self._session, server.url, request, self._config.timeouts)
             except AttemptError as err:
-                latency = self._clock() - started
-                attempts.append(Attempt(server.id, started, latency, err.kind, err.detail))
-                last_kind = err.kind
-                self._note_failure(server, err.kind)
-                if not err.kind.retriable:
-                    self._failed += 1
-                    raise RequestFailed(
-                        f"request {request.request_id} refused by {server.id}: {err}", tuple(attempts), err.kind
-                    ) from err
-                self._retries += 1
-                if err.kind is FailureKind.RESET and resets < MAX_RESET_RETRIES:
-                    resets += 1
-                    continue  # the request never reached the server: retry at once
-                counted += 1
-                tried.add(server.id)
-                if counted >= self._config.max_attempts:
-                    self._failed += 1
-                    raise RequestFailed(
-                        f"request {request.request_id} failed {counted} times; last: {err}", tuple(attempts), last_kind
-                    ) from err
-                await self._sleep(self._backoff(counted))
+                await self._after_failure(request, server, started, err, retry)
                 continue
             finally:
                 self._release(slot)
             latency = self._clock() - started
-            attempts.append(Attempt(server.id, started, latency))
+            retry.attempts.append(Attempt(server.id, started, latency))
             self._note_success(server, completion.completion_tokens or 0, latency)
             self._completed += 1
             return InferenceResult(
@@ -189,12 +191,67 @@ class Dispatcher:
                 accelerator=server.record.accelerator,
                 model_revision=server.record.revision,
                 latency_s=latency,
-                attempts=tuple(attempts),
+                attempts=tuple(retry.attempts),
             )
 
+    @contextlib.asynccontextmanager
+    async def stream(self, request: InferenceRequest) -> AsyncIterator[OpenStream]:
+        """An upstream streaming response with its slot held until the caller is done reading it.
+
+        Failures before the first byte are retried elsewhere like any request; once bytes have gone to
+        the caller the stream cannot move, and a break is the caller's to report."""
+        self._submitted += 1
+        retry = _RetryState()
+        while True:
+            slot = await self._acquire(request, retry.tried)
+            server = slot.server
+            started = self._clock()
+            try:
+                response = await open_stream(self._session, server.url, request, self._config.timeouts)
+            except AttemptError as err:
+                self._release(slot)
+                await self._after_failure(request, server, started, err, retry)
+                continue
+            break
+        try:
+            yield OpenStream(server, response, tuple(retry.attempts))
+            self._note_success(server, 0, self._clock() - started)
+            self._completed += 1
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            response.release()
+            self._release(slot)
+
+    async def _after_failure(
+        self, request: InferenceRequest, server: ServerEntry, started: float, err: AttemptError, retry: _RetryState
+    ) -> None:
+        """Record a failed attempt; return to retry (after backoff) or raise RequestFailed."""
+        retry.attempts.append(Attempt(server.id, started, self._clock() - started, err.kind, err.detail))
+        self._note_failure(server, err.kind)
+        if not err.kind.retriable:
+            self._failed += 1
+            raise RequestFailed(
+                f"request {request.request_id} refused by {server.id}: {err}", tuple(retry.attempts), err.kind
+            ) from err
+        self._retries += 1
+        if err.kind is FailureKind.RESET and retry.resets < MAX_RESET_RETRIES:
+            retry.resets += 1
+            return  # the request never reached the server: retry at once
+        retry.counted += 1
+        retry.tried.add(server.id)
+        if retry.counted >= self._config.max_attempts:
+            self._failed += 1
+            raise RequestFailed(
+                f"request {request.request_id} failed {retry.counted} times; last: {err}",
+                tuple(retry.attempts), err.kind,
+            ) from err
+        await self._sleep(self._backoff(retry.counted))
+
     async def _acquire(self, request: InferenceRequest, tried: set[str]) -> Slot:
-        """Wait for a slot. Waiters are served fairly: the client with the fewest requests in flight
-        first, then arrival order; a request that just finished cannot barge ahead of waiting ones."""
+        """Wait for a slot. Waiters are served fairly: the client with the fewest requests in flight per
+        unit of weight first, then arrival order; a request that just finished cannot barge ahead."""
         loop = asyncio.get_running_loop()
         waiter = _Waiter(request, tried, loop.create_future(), next(self._seq),
                          self._clock() + self._config.no_server_timeout_s)
@@ -219,11 +276,12 @@ class Dispatcher:
         blocked: set[tuple[object, ...]] = set()
         while True:
             best: _Waiter | None = None
-            best_key: tuple[int, int] | None = None
+            best_key: tuple[float, int] | None = None
             for waiter in self._waiters:
                 if waiter.future.done() or waiter.route_key in blocked:
                     continue
-                key = (self._client_inflight.get(waiter.request.client_id, 0), waiter.seq)
+                cid = waiter.request.client_id
+                key = (self._client_inflight.get(cid, 0) / self._client_weights.get(cid, 1.0), waiter.seq)
                 if best_key is None or key < best_key:
                     best, best_key = waiter, key
             if best is None:

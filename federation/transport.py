@@ -72,6 +72,31 @@ async def post_completion(
     return parse_completion(raw, request.endpoint)
 
 
+async def open_stream(
+    session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts
+) -> aiohttp.ClientResponse:
+    """POST with stream=true; returns the open response once its head says 200 (the caller reads and
+    releases it), or raises AttemptError. Nothing has reached the caller's client yet, so a failure
+    here can still be retried elsewhere."""
+    trace = SimpleNamespace(reused=False)
+    try:
+        resp = await session.post(
+            base_url + request.endpoint.value,
+            json={**request.payload(), "stream": True},
+            timeout=aiohttp.ClientTimeout(
+                total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.first_byte_s
+            ),
+            trace_request_ctx=trace,
+        )
+    except Exception as exc:
+        kind = classify_exception(exc, reused_connection=trace.reused)
+        raise AttemptError(kind, type(exc).__name__) from exc
+    if resp.status != 200:
+        resp.release()
+        raise AttemptError(kind_for_status(resp.status), f"HTTP {resp.status}", status=resp.status)
+    return resp
+
+
 def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
     """Read an OpenAI completion body; anything off-schema is a BAD_RESPONSE, never a crash."""
     try:
@@ -104,6 +129,7 @@ def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
         prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
         completion_tokens=_int_or_none(usage.get("completion_tokens")),
         reasoning_content=reasoning if isinstance(reasoning, str) else None,
+        body=body,
     )
 
 

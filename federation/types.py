@@ -56,6 +56,7 @@ class Completion:
     prompt_tokens: int | None
     completion_tokens: int | None
     reasoning_content: str | None = None
+    body: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the server's JSON, as sent
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_registry_status)
 
+    gw = sub.add_parser("gateway", help="serve an OpenAI-compatible endpoint that routes through the pool",
+                        description="OpenAI-compatible /v1/completions, /v1/chat/completions (streaming too) and "
+                        "/v1/models in front of every registered server; /metrics for Prometheus.")
+    _ray_flags(gw)
+    gw.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    gw.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    gw.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
+    gw.add_argument("--api-key-file", type=Path, help="client:secret[:weight] per line; without it the gateway is open")
+    gw.set_defaults(func=cmd_gateway)
+
     server = sub.add_parser("server", help="register, list, show, drain and remove inference servers")
     srv_sub = server.add_subparsers(dest="server_command", required=True, metavar="ACTION")
     add = srv_sub.add_parser("add", help="register a running server (the registry checks it first)")
@@ -195,6 +205,46 @@ def cmd_registry_status(args: argparse.Namespace) -> int:
     _emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
           f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms")
     return EXIT_OK
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from federation.gateway import parse_api_keys
+
+    keys = None
+    if args.api_key_file:
+        try:
+            keys = parse_api_keys(args.api_key_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CliError(f"{args.api_key_file}: {exc}", EXIT_USAGE) from None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        raise CliError("refusing to serve on a non-loopback address without --api-key-file", EXIT_USAGE)
+    client = _client(args)
+    asyncio.run(_serve_gateway(client, args.host, args.port, args.policy, keys))
+    return EXIT_OK
+
+
+async def _serve_gateway(client: Any, host: str, port: int, policy: str, keys: Any) -> None:
+    import signal
+
+    from aiohttp import web
+
+    from federation import DispatchConfig, PoolConnection
+    from federation.gateway import Gateway
+
+    # Third-party tools expect a quick 503 for a model nobody serves, not a minute's wait.
+    async with PoolConnection(client, policy=policy, config=DispatchConfig(no_server_timeout_s=10.0)) as pool:
+        gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=keys)
+        runner = web.AppRunner(gateway.app(), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        print(f"fedpool gateway on http://{host}:{port}/v1 (policy {policy}, "
+              f"{'api keys required' if keys else 'open, loopback only'}); Ctrl-C to stop", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
 
 
 def cmd_server_add(args: argparse.Namespace) -> int:

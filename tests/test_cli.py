@@ -28,7 +28,7 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["demo"], ["registry", "start"], ["registry", "status"], ["server", "add"], ["server", "list"],
+    [[], ["demo"], ["gateway"], ["registry", "start"], ["registry", "status"], ["server", "add"], ["server", "list"],
      ["server", "show"], ["server", "drain"], ["server", "remove"]],
 )
 def test_every_command_has_help(args: list[str]) -> None:
@@ -43,6 +43,7 @@ def test_every_command_has_help(args: list[str]) -> None:
         (["demo", "--policy", "fastest"], "invalid choice: 'fastest'"),
         (["server", "add", "--id", "x"], "the following arguments are required"),
         (["frobnicate"], "invalid choice"),
+        (["gateway", "--host", "0.0.0.0"], "refusing to serve on a non-loopback address without --api-key-file"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> None:

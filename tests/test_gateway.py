@@ -1,0 +1,122 @@
+"""The OpenAI-compatible gateway, driven by the openai SDK, over real emulated servers and a real registry."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from federation import DispatchConfig, PoolConnection
+from federation.gateway import ApiKey, Gateway, parse_api_keys
+from registry import RegistryClient, ServerRecord
+from tests.conftest import EmulatorFactory
+
+pytestmark = pytest.mark.ray
+
+KEYS = [ApiKey("sk-team-a-0123456789", "team-a"), ApiKey("sk-team-b-0123456789", "team-b", weight=2.0)]
+
+
+@pytest.fixture
+async def gateway_url(registry: RegistryClient, emulators: EmulatorFactory) -> AsyncIterator[str]:
+    for i in range(2):
+        server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine="vllm", model="emu-model",
+                                             accelerator="A100", capacity=4))
+    config = DispatchConfig(no_server_timeout_s=1.0)  # a model nobody serves is answered 503 quickly
+    async with PoolConnection(registry, policy="capacity_weighted", config=config) as pool:
+        runner = web.AppRunner(Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=KEYS,
+                                       max_body_bytes=64 * 1024).app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
+        await runner.cleanup()
+
+
+async def test_openai_sdk_completions_chat_and_streaming(gateway_url: str) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key=KEYS[0].secret, max_retries=0)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["emu-model"]
+    completion = await client.completions.create(model="emu-model", prompt="Say something", max_tokens=4)
+    assert completion.choices[0].text.strip() and completion.usage.completion_tokens == 4  # type: ignore[union-attr]
+    chat = await client.chat.completions.create(model="emu-model", messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].message.content
+    pieces = [c.choices[0].text async for c in await client.completions.create(
+        model="emu-model", prompt="Say something", max_tokens=4, stream=True)]
+    assert "".join(pieces) == completion.choices[0].text  # same answer, streamed token by token
+    chat_stream = await client.chat.completions.create(
+        model="emu-model", messages=[{"role": "user", "content": "hi"}], stream=True)
+    streamed = "".join([c.choices[0].delta.content or "" async for c in chat_stream])
+    assert streamed == chat.choices[0].message.content
+    await client.close()
+
+
+async def test_requests_spread_over_the_pool(gateway_url: str) -> None:
+    headers = {"Authorization": f"Bearer {KEYS[1].secret}"}
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> str:
+            body = {"model": "emu-model", "prompt": f"p{i}", "max_tokens": 4}
+            async with session.post(gateway_url + "/v1/completions", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                return resp.headers["X-Fedpool-Server"]
+
+        servers = Counter(await asyncio.gather(*(one(i) for i in range(40))))
+    assert set(servers) == {"emu-0", "emu-1"}
+
+
+BAD_REQUESTS: list[tuple[dict[str, str] | None, object, int, str]] = [
+    ({}, {"model": "emu-model", "prompt": "x"}, 401, "missing bearer token"),
+    ({"Authorization": "Bearer sk-wrong-0123456789"}, {"model": "emu-model", "prompt": "x"}, 401, "invalid API"),
+    (None, b"{not json", 400, "not valid JSON"),
+    (None, [1, 2], 400, "JSON object"),
+    (None, {"prompt": "x"}, 400, "'model'"),
+    (None, {"model": "emu-model"}, 400, "'prompt'"),
+    (None, {"model": "no-such-model", "prompt": "x"}, 503, "no-such-model"),
+    (None, {"model": "emu-model", "prompt": "x", "max_tokens": 0}, 400, "refused"),
+    (None, {"model": "emu-model", "prompt": "x" * 70_000}, 413, "larger than"),
+]
+
+
+async def test_bad_requests_get_openai_style_errors(gateway_url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        for headers, body, status, fragment in BAD_REQUESTS:
+            auth = {"Authorization": f"Bearer {KEYS[0].secret}"} if headers is None else headers
+            kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+            async with session.post(gateway_url + "/v1/completions", headers=auth, **kwargs) as resp:
+                payload = await resp.json()
+            assert resp.status == status and fragment in payload["error"]["message"], (body, payload)
+        ok = {"model": "emu-model", "prompt": "still fine", "max_tokens": 2}
+        async with session.post(gateway_url + "/v1/completions", json=ok,
+                                headers={"Authorization": f"Bearer {KEYS[0].secret}"}) as resp:
+            assert resp.status == 200  # nothing else broke
+
+
+async def test_metrics_count_requests(gateway_url: str) -> None:
+    client = openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key=KEYS[0].secret, max_retries=0)
+    for _ in range(3):
+        await client.completions.create(model="emu-model", prompt="x", max_tokens=2)
+    await client.close()
+    async with aiohttp.ClientSession() as session, session.get(gateway_url + "/metrics") as resp:
+        text = await resp.text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("fedpool_gateway_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))] == 3
+    assert any(name == "fedpool_gateway_server_window" for name, _ in samples)
+    assert KEYS[0].secret not in text
+
+
+def test_api_key_file_errors_name_the_line() -> None:
+    assert parse_api_keys("# team keys\nteam-a:sk-0123456789\nteam-b:sk-abcdefghij:2\n") == [
+        ApiKey("sk-0123456789", "team-a"), ApiKey("sk-abcdefghij", "team-b", 2.0)]
+    for text, fragment in [("team-a\n", "line 1"), ("ok:sk-0123456789\nbad:short\n", "line 2"),
+                           ("a:sk-0123456789:fast\n", "weight 'fast'"), ("a:sk-0123456789:0\n", "positive")]:
+        with pytest.raises(ValueError, match=fragment):
+            parse_api_keys(text)
