@@ -17,16 +17,18 @@ import aiohttp
 
 from federation.breaker import CircuitBreaker
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from federation.hedging import HedgeTimer, race
 from federation.learning import ServerLearning
 from federation.policies import Candidate, Policy, RouteContext
 from federation.transport import Timeouts, open_stream, post_completion
-from federation.types import Attempt, InferenceRequest, InferenceResult
+from federation.types import Attempt, Completion, InferenceRequest, InferenceResult
 from registry import PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
 
 WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
 MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
+HEDGE_RECHECK_S = 0.1  # how often a straggler looks again for an idle server to hedge on
 INFLIGHT_LOG_LEN = 4096  # (time, in-flight) changes kept per server to line up with stale scrapes
 
 
@@ -42,6 +44,9 @@ class DispatchConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
     timeouts: Timeouts = field(default_factory=Timeouts)
+    hedging: bool = True  # duplicate stragglers at the tail; only greedy requests (temperature 0)
+    hedge_factor: float = 2.0  # hedge once an attempt takes this × the model's median latency
+    hedge_min_delay_s: float = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,7 @@ class DispatcherStats:
     completed: int
     failed: int
     retries: int
+    hedges: int
     inflight_total: int
     servers: tuple[ServerStats, ...]
 
@@ -146,6 +152,8 @@ class Dispatcher:
         self._tick_handle: asyncio.TimerHandle | None = None
         self._learning: dict[str, ServerLearning] = {}
         self._client_weights: dict[str, float] = {}
+        self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
+        self._hedges = 0
         self._inflight_log: dict[str, deque[tuple[float, int]]] = {}
         self._priors: dict[str, float] = {}
 
@@ -168,20 +176,37 @@ class Dispatcher:
         """Complete the request exactly once or raise RequestFailed / NoServerError after every retry."""
         self._submitted += 1
         retry = _RetryState()
+        hedgeable = self._config.hedging and request.body.get("temperature") == 0
         while True:
             slot = await self._acquire(request, retry.tried)
-            server = slot.server
             started = self._clock()
-            try:
-                completion = await post_completion(self._session, server.url, request, self._config.timeouts)
-            except AttemptError as err:
-                await self._after_failure(request, server, started, err, retry)
+            primary = asyncio.create_task(self._attempt(slot, request))
+            winner, others, hedged = await race(
+                primary, slot.server, started,
+                launch=(lambda s=slot.server: self._launch_hedge(request, s)) if hedgeable else None,
+                delay_s=self._hedge_timer.delay(request.model) if hedgeable else None,
+                recheck_s=HEDGE_RECHECK_S, clock=self._clock,
+            )
+            self._hedges += hedged
+            for outcome in others:
+                if outcome.cancelled:
+                    retry.attempts.append(Attempt(outcome.server.id, outcome.started,
+                                                  outcome.finished - outcome.started, None, "hedge lost"))
+            errors = [o for o in others if o.error is not None]
+            if winner is None:
+                for outcome in errors[:-1]:
+                    self._record_failure(outcome.server, outcome.started, outcome.error, retry)  # type: ignore[arg-type]
+                last = errors[-1]
+                await self._after_failure(request, last.server, last.started, last.error, retry)  # type: ignore[arg-type]
                 continue
-            finally:
-                self._release(slot)
-            latency = self._clock() - started
-            retry.attempts.append(Attempt(server.id, started, latency))
+            for outcome in errors:
+                self._record_failure(outcome.server, outcome.started, outcome.error, retry)  # type: ignore[arg-type]
+            server, completion = winner.server, winner.completion
+            assert completion is not None
+            latency = winner.finished - winner.started
+            retry.attempts.append(Attempt(server.id, winner.started, latency))
             self._note_success(server, completion.completion_tokens or 0, latency)
+            self._hedge_timer.observe(request.model, latency)
             self._completed += 1
             return InferenceResult(
                 request_id=request.request_id,
@@ -192,7 +217,37 @@ class Dispatcher:
                 model_revision=server.record.revision,
                 latency_s=latency,
                 attempts=tuple(retry.attempts),
+                hedged=hedged,
             )
+
+    async def _attempt(self, slot: Slot, request: InferenceRequest) -> Completion:
+        """One POST on a held slot; the slot is released however it ends (cancellation included)."""
+        try:
+            return await post_completion(self._session, slot.server.url, request, self._config.timeouts)
+        finally:
+            self._release(slot)
+
+    def _launch_hedge(
+        self, request: InferenceRequest, primary: ServerEntry
+    ) -> tuple[asyncio.Task[Completion], ServerEntry, float] | None:
+        """A duplicate on another idle server of the same model revision, only when nothing else waits
+        for this model (the tail of a run); None when there is no such server now."""
+        key = (request.model, request.revision, request.pinned_engines, request.pinned_servers)
+        if any(w.route_key == key and not w.future.done() for w in self._waiters):
+            return None
+        now = self._clock()
+        servers = [
+            s for s in self._servers_for(request)
+            if s.id != primary.id and s.record.revision == primary.record.revision
+            and self._breaker(s.id).allows(now)
+        ]
+        free = [c for c in (self._candidate(s) for s in servers) if c.inflight < c.window]
+        if not free:
+            return None
+        decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
+        server = next(s for s in servers if s.id == decision.server_id)
+        slot = self._take(server, request.client_id, now)
+        return asyncio.create_task(self._attempt(slot, request)), server, now
 
     @contextlib.asynccontextmanager
     async def stream(self, request: InferenceRequest) -> AsyncIterator[OpenStream]:
@@ -224,12 +279,15 @@ class Dispatcher:
             response.release()
             self._release(slot)
 
+    def _record_failure(self, server: ServerEntry, started: float, err: AttemptError, retry: _RetryState) -> None:
+        retry.attempts.append(Attempt(server.id, started, self._clock() - started, err.kind, err.detail))
+        self._note_failure(server, err.kind)
+
     async def _after_failure(
         self, request: InferenceRequest, server: ServerEntry, started: float, err: AttemptError, retry: _RetryState
     ) -> None:
         """Record a failed attempt; return to retry (after backoff) or raise RequestFailed."""
-        retry.attempts.append(Attempt(server.id, started, self._clock() - started, err.kind, err.detail))
-        self._note_failure(server, err.kind)
+        self._record_failure(server, started, err, retry)
         if not err.kind.retriable:
             self._failed += 1
             raise RequestFailed(
@@ -315,15 +373,18 @@ class Dispatcher:
             return False
         decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
         server = next(s for s in untried if s.id == decision.server_id)
-        # Counted in the same step as the choice (no await in between), so concurrent picks cannot pile
-        # onto one server.
+        waiter.future.set_result(self._take(server, request.client_id, now))
+        return True
+
+    def _take(self, server: ServerEntry, client_id: str, now: float) -> Slot:
+        """Count a slot on the chosen server. Called in the same step as the choice (no await in
+        between), so concurrent picks cannot pile onto one server."""
         self._inflight[server.id] += 1
         self._log_inflight(server.id)
-        self._client_inflight[request.client_id] += 1
+        self._client_inflight[client_id] += 1
         self._breaker(server.id).on_dispatch(now)
         self._learning_for(server).on_start(now, self._inflight[server.id], self._window(server))
-        waiter.future.set_result(Slot(server, request.client_id, now))
-        return True
+        return Slot(server, client_id, now)
 
     def _release(self, slot: Slot) -> None:
         self._inflight[slot.server.id] -= 1
@@ -464,6 +525,7 @@ class Dispatcher:
             completed=self._completed,
             failed=self._failed,
             retries=self._retries,
+            hedges=self._hedges,
             inflight_total=sum(self._inflight.values()),
             servers=tuple(
                 ServerStats(

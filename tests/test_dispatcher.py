@@ -235,3 +235,32 @@ async def test_other_clients_load_on_a_shared_server_shrinks_our_window(emulator
         await run_all(dispatcher, 6)
         watcher.cancel()
     assert peak == 1  # capacity 4 minus the 3 other clients keep there
+
+
+async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: EmulatorFactory) -> None:
+    import time
+
+    slow = await emulators.start(max_running=8, decode_s=0.3)  # 8 tokens: 2.4 s
+    fast = await emulators.start(max_running=8, decode_s=0.002)
+    snap = snapshot_of([slow, fast], capacity=8)
+    config = DispatchConfig(backoff_base_s=0.01, hedge_min_delay_s=0.2)
+
+    def greedy(i: int, **kw: object) -> InferenceRequest:
+        return InferenceRequest(request_id=f"g{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
+                                body={"prompt": f"q{i}", "max_tokens": 8, "temperature": 0}, **kw)  # type: ignore[arg-type]
+
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=config)
+        for i in range(10):  # latency history for the hedge timer
+            await dispatcher.submit(greedy(100 + i, pinned_servers=("s1",)))
+        started = time.monotonic()
+        results = await asyncio.gather(*(dispatcher.submit(greedy(i)) for i in range(10)))
+        elapsed = time.monotonic() - started
+        sampled = await dispatcher.submit(request(99))  # not greedy: never hedged
+        stats = dispatcher.stats()
+    assert elapsed < 1.5  # the slow server's 2.4 s stragglers did not set the pace
+    hedged = [r for r in results if r.hedged]
+    assert hedged and all(r.server_id == "s1" for r in hedged)
+    assert all(any(a.detail == "hedge lost" for a in r.attempts) for r in hedged)
+    assert sorted(r.request_id for r in results) == sorted(f"g{i}" for i in range(10))  # each exactly once
+    assert stats.hedges == len(hedged) and stats.inflight_total == 0 and not sampled.hedged
