@@ -9,7 +9,7 @@ import itertools
 import logging
 import random
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +18,7 @@ import aiohttp
 from federation.breaker import CircuitBreaker
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.hedging import HedgeTimer, race
-from federation.learning import ServerLearning
+from federation.learning import LEARN_PERIOD_S, ServerLearning
 from federation.policies import Candidate, Policy, RouteContext
 from federation.transport import Timeouts, open_stream, post_completion
 from federation.types import Attempt, Completion, InferenceRequest, InferenceResult
@@ -151,10 +151,16 @@ class Dispatcher:
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._learning: dict[str, ServerLearning] = {}
+        self._route_cache: dict[tuple[object, ...], list[ServerEntry]] = {}
+        self._route_cache_version = -1
+        self._route_cache_snapshot: PoolSnapshot | None = None
+        self._rate_scale_at = -1.0
+        self._rate_scale_value = 1.0
         self._client_weights: dict[str, float] = {}
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
-        self._inflight_log: dict[str, deque[tuple[float, int]]] = {}
+        self._inflight_log: dict[str, list[tuple[float, int]]] = {}
+        self._inflight_log_trimmed: set[str] = set()
         self._priors: dict[str, float] = {}
 
     @property
@@ -241,7 +247,7 @@ class Dispatcher:
             if s.id != primary.id and s.record.revision == primary.record.revision
             and self._breaker(s.id).allows(now)
         ]
-        free = [c for c in (self._candidate(s) for s in servers) if c.inflight < c.window]
+        free = self._free_candidates(servers)
         if not free:
             return None
         decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
@@ -361,7 +367,7 @@ class Dispatcher:
         servers = self._servers_for(request)
         open_ = [s for s in servers if self._breaker(s.id).allows(now)]
         untried = [s for s in open_ if s.id not in waiter.tried] or open_
-        free = [c for c in (self._candidate(s) for s in untried) if c.inflight < c.window]
+        free = self._free_candidates(untried)
         if not free:
             if not servers and now >= waiter.deadline:
                 waiter.future.set_exception(NoServerError(
@@ -398,17 +404,26 @@ class Dispatcher:
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def _servers_for(self, request: InferenceRequest) -> list[ServerEntry]:
+        """Routable servers for the request's route, computed once per snapshot version and route."""
         snapshot = self._snapshots()
         if snapshot is None:
             return []
-        view = snapshot.filter(
-            model=request.model,
-            revision=request.revision,
-            engines=request.pinned_engines,
-            server_ids=request.pinned_servers,
-            routable_only=True,
-        )
-        return list(view.entries)
+        key = (request.model, request.revision, request.pinned_engines, request.pinned_servers)
+        if self._route_cache_version != snapshot.version or self._route_cache_snapshot is not snapshot:
+            self._route_cache.clear()
+            self._route_cache_version, self._route_cache_snapshot = snapshot.version, snapshot
+            self._rate_scale_at = -1.0
+        servers = self._route_cache.get(key)
+        if servers is None:
+            view = snapshot.filter(
+                model=request.model,
+                revision=request.revision,
+                engines=request.pinned_engines,
+                server_ids=request.pinned_servers,
+                routable_only=True,
+            )
+            servers = self._route_cache[key] = list(view.entries)
+        return servers
 
     def _learning_for(self, server: ServerEntry) -> ServerLearning:
         learning = self._learning.get(server.id)
@@ -433,8 +448,11 @@ class Dispatcher:
     def _log_inflight(self, server_id: str) -> None:
         log_ = self._inflight_log.get(server_id)
         if log_ is None:
-            log_ = self._inflight_log[server_id] = deque(maxlen=INFLIGHT_LOG_LEN)
+            log_ = self._inflight_log[server_id] = []
         log_.append((self._wall_clock(), self._inflight.get(server_id, 0)))
+        if len(log_) > 2 * INFLIGHT_LOG_LEN:  # a list (bisect needs O(1) indexing), trimmed in halves
+            del log_[:INFLIGHT_LOG_LEN]
+            self._inflight_log_trimmed.add(server_id)
 
     def _own_inflight_at(self, server_id: str, wall_time: float) -> int:
         """Our in-flight count at that wall-clock time. Before the first logged change it was 0, unless the
@@ -444,7 +462,7 @@ class Dispatcher:
             return 0
         index = bisect.bisect_right(log_, (wall_time, float("inf"))) - 1
         if index < 0:
-            return 0 if len(log_) < INFLIGHT_LOG_LEN else max(n for _, n in log_)
+            return max(n for _, n in log_) if server_id in self._inflight_log_trimmed else 0
         return log_[index][1]
 
     def _weight(self, server: ServerEntry) -> float:
@@ -456,13 +474,29 @@ class Dispatcher:
         learned = self._learning.get(server.id)
         if learned is not None and learned.estimator.rate:
             return learned.estimator.rate
-        scale = [
-            (lrn.estimator.rate, self._priors[sid]) for sid, lrn in self._learning.items()
-            if lrn.estimator.rate and sid in self._priors
-        ]
-        if scale:
-            return prior * sum(rate / p for rate, p in scale) / len(scale)
-        return prior
+        return prior * self._rate_scale()
+
+    def _rate_scale(self) -> float:
+        """Mean learned-rate / prior over the servers with a learned rate (1.0 when none): puts priors on
+        the learned scale. Recomputed at most once per learning period."""
+        now = self._clock()
+        if now - self._rate_scale_at >= LEARN_PERIOD_S or self._rate_scale_at < 0:
+            ratios = [
+                lrn.estimator.rate / self._priors[sid] for sid, lrn in self._learning.items()
+                if lrn.estimator.rate and self._priors.get(sid)
+            ]
+            self._rate_scale_value = sum(ratios) / len(ratios) if ratios else 1.0
+            self._rate_scale_at = now
+        return self._rate_scale_value
+
+    def _free_candidates(self, servers: list[ServerEntry]) -> list[Candidate]:
+        """Candidates with a free window slot. For policies that only look at a random sample, only the
+        sample is built (a decision over 256 servers then costs what one over 4 does)."""
+        free = [s for s in servers if self._inflight.get(s.id, 0) < self._window(s)]
+        limit = self._policy.candidate_limit
+        if limit is not None and len(free) > limit:
+            free = self._rng.sample(free, limit)
+        return [self._candidate(s) for s in free]
 
     def _candidate(self, server: ServerEntry) -> Candidate:
         load = server.load

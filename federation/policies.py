@@ -53,6 +53,7 @@ class Policy(ABC):
     """Choose one of the candidates. Subclasses register with `name=`."""
 
     name: ClassVar[str]
+    candidate_limit: int | None = None  # a policy that looks at a random sample of k servers says k
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -87,6 +88,8 @@ class RoundRobin(Policy, name="round_robin"):
 
 
 class RandomChoice(Policy, name="random"):
+    candidate_limit = 1
+
     def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
         return RouteDecision(self._rng.choice(list(candidates)).server_id, "uniform random")
 
@@ -98,6 +101,8 @@ class LeastInflight(Policy, name="least_inflight"):
 
 
 class PowerOfTwo(Policy, name="power_of_two"):
+    candidate_limit = 2
+
     def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
         pair = self._rng.sample(list(candidates), min(2, len(candidates)))
         pick = self._least(pair, lambda c: c.inflight + c.scraped_waiting)
@@ -110,6 +115,7 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
     def __init__(self, rng: random.Random | None = None, sample_size: int = 4):
         super().__init__(rng)
         self._sample_size = sample_size
+        self.candidate_limit = sample_size
 
     def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
         pool = list(candidates)
