@@ -168,6 +168,9 @@ class EvalRun:
             try:
                 sample = queue.get_nowait()
             except asyncio.QueueEmpty:
+                # Nothing left to send: what is still in flight is this run's tail, where the dispatcher
+                # may hedge stragglers onto idle servers.
+                self._dispatcher.client_done_sending(self.spec.name)
                 return
             record = await self._evaluate(sample)
             if writer.write(record):

@@ -157,6 +157,7 @@ class Dispatcher:
         self._rate_scale_at = -1.0
         self._rate_scale_value = 1.0
         self._client_weights: dict[str, float] = {}
+        self._clients_done: set[str] = set()
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
         self._inflight_log: dict[str, list[tuple[float, int]]] = {}
@@ -166,6 +167,14 @@ class Dispatcher:
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    def client_done_sending(self, client_id: str, done: bool = True) -> None:
+        """A client says it has nothing left to send: its outstanding requests are the tail of its run,
+        where stragglers may be hedged."""
+        if done:
+            self._clients_done.add(client_id)
+        else:
+            self._clients_done.discard(client_id)
 
     def set_client_weight(self, client_id: str, weight: float) -> None:
         """Weighted fair share when the pool is saturated: a client of weight 2 gets twice the slots."""
@@ -236,8 +245,10 @@ class Dispatcher:
     def _launch_hedge(
         self, request: InferenceRequest, primary: ServerEntry
     ) -> tuple[asyncio.Task[Completion], ServerEntry, float] | None:
-        """A duplicate on another idle server of the same model revision, only when nothing else waits
-        for this model (the tail of a run); None when there is no such server now."""
+        """A duplicate on another idle server of the same model revision, only at the tail of a run: the
+        request's client has nothing left to send and nothing else waits for this model. None otherwise."""
+        if request.client_id not in self._clients_done:
+            return None
         key = (request.model, request.revision, request.pinned_engines, request.pinned_servers)
         if any(w.route_key == key and not w.future.done() for w in self._waiters):
             return None

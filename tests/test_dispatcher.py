@@ -253,10 +253,13 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
         dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=config)
         for i in range(10):  # latency history for the hedge timer
             await dispatcher.submit(greedy(100 + i, pinned_servers=("s1",)))
+        dispatcher.client_done_sending("default")  # all ten are the tail of the run
         started = time.monotonic()
         results = await asyncio.gather(*(dispatcher.submit(greedy(i)) for i in range(10)))
         elapsed = time.monotonic() - started
         sampled = await dispatcher.submit(request(99))  # not greedy: never hedged
+        dispatcher.client_done_sending("default", done=False)
+        mid_run = await dispatcher.submit(greedy(98))  # greedy, but not at the tail: not hedged either
         stats = dispatcher.stats()
     assert elapsed < 1.5  # the slow server's 2.4 s stragglers did not set the pace
     hedged = [r for r in results if r.hedged]
@@ -264,3 +267,4 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
     assert all(any(a.detail == "hedge lost" for a in r.attempts) for r in hedged)
     assert sorted(r.request_id for r in results) == sorted(f"g{i}" for i in range(10))  # each exactly once
     assert stats.hedges == len(hedged) and stats.inflight_total == 0 and not sampled.hedged
+    assert not mid_run.hedged
