@@ -66,6 +66,8 @@ class _Metrics:
                                  buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.retries = Gauge("fedpool_gateway_dispatcher_retries", "Retries made by the dispatcher so far.",
                              registry=self.registry)
+        self.hedges = Gauge("fedpool_gateway_dispatcher_hedges", "Straggler hedges launched so far.",
+                            registry=self.registry)
         self.inflight = Gauge("fedpool_gateway_server_inflight", "Requests in flight per server.", ("server_id",),
                               registry=self.registry)
         self.window = Gauge("fedpool_gateway_server_window", "Admission window per server.", ("server_id",),
@@ -109,6 +111,7 @@ class Gateway:
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         stats = self._dispatcher.stats()
         self._metrics.retries.set(stats.retries)
+        self._metrics.hedges.set(stats.hedges)
         for server in stats.servers:
             self._metrics.inflight.labels(server.server_id).set(server.inflight)
             self._metrics.window.labels(server.server_id).set(server.window)

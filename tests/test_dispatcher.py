@@ -157,8 +157,17 @@ async def test_concurrent_clients_share_a_saturated_pool_fairly(emulators: Emula
     server = await emulators.start(max_running=2, decode_s=0.005)
     snap = snapshot_of([server], capacity=2)
     finished: list[str] = []
+    peak = 0
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, dispatcher.inflight().get("s0", 0))
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
 
         async def client(name: str, workers: int, n: int) -> None:
             queue = list(range(n))
@@ -175,6 +184,8 @@ async def test_concurrent_clients_share_a_saturated_pool_fairly(emulators: Emula
         greedy = asyncio.create_task(client("greedy", 16, 40))
         await asyncio.sleep(0.02)
         await asyncio.gather(greedy, client("late", 2, 20))
+        watcher.cancel()
+    assert peak <= 2  # two concurrent clients together never exceeded the server's window
     # While both wait, slots alternate between clients: "late" is not starved until "greedy" is done.
     first_half = finished[: len(finished) // 2]
     assert first_half.count("late") >= 8, first_half
@@ -268,3 +279,19 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
     assert sorted(r.request_id for r in results) == sorted(f"g{i}" for i in range(10))  # each exactly once
     assert stats.hedges == len(hedged) and stats.inflight_total == 0 and not sampled.hedged
     assert not mid_run.hedged
+
+
+def test_failures_are_classified_by_type_not_message() -> None:
+    import aiohttp
+
+    from federation.errors import classify_exception, kind_for_status
+
+    disconnected = aiohttp.ServerDisconnectedError()
+    assert classify_exception(disconnected, reused_connection=True) is FailureKind.RESET  # stale keep-alive
+    assert classify_exception(disconnected, reused_connection=False) is FailureKind.CONNECT
+    assert classify_exception(TimeoutError(), reused_connection=False) is FailureKind.TIMEOUT
+    assert classify_exception(ValueError("whatever text"), reused_connection=False) is FailureKind.BAD_RESPONSE
+    assert [kind_for_status(s) for s in (429, 400, 413, 422, 500, 503, 404)] == [
+        FailureKind.RATE_LIMITED, FailureKind.REQUEST_ERROR, FailureKind.REQUEST_ERROR, FailureKind.REQUEST_ERROR,
+        FailureKind.SERVER_ERROR, FailureKind.SERVER_ERROR, FailureKind.SERVER_ERROR]
+    assert not FailureKind.RESET.counts_against_server and not FailureKind.REQUEST_ERROR.retriable

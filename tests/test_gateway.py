@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -120,3 +125,51 @@ def test_api_key_file_errors_name_the_line() -> None:
                            ("a:sk-0123456789:fast\n", "weight 'fast'"), ("a:sk-0123456789:0\n", "positive")]:
         with pytest.raises(ValueError, match=fragment):
             parse_api_keys(text)
+
+
+LM_EVAL_TASK = """\
+task: fedpool_gateway_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+  temperature: 0.0
+metric_list:
+  - metric: exact_match
+"""
+
+
+def run_lm_eval(base_url: str, task_dir: Path, out: Path, api_key: str) -> dict[int, list[object]]:
+    """lm-evaluation-harness's own CLI, model local-completions, as a user would point it at a server."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": api_key}
+    result = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+         f"model=emu-model,base_url={base_url}/v1/completions,tokenized_requests=False,tokenizer_backend=None,"
+         "num_concurrent=4", "--tasks", "fedpool_gateway_check", "--include_path", str(task_dir),
+         "--output_path", str(out), "--log_samples"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    samples = next(out.rglob("samples_fedpool_gateway_check_*.jsonl"))
+    return {row["doc_id"]: row["resps"] for row in map(json.loads, samples.read_text().splitlines())}
+
+
+async def test_lm_evaluation_harness_through_the_gateway_matches_direct(
+    gateway_url: str, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(20)))
+    (tmp_path / "task.yaml").write_text(LM_EVAL_TASK.format(data=data))
+    direct_server = emulators.servers[0]
+    direct = await asyncio.to_thread(run_lm_eval, direct_server.url, tmp_path, tmp_path / "direct", "unused")
+    via = await asyncio.to_thread(run_lm_eval, gateway_url, tmp_path, tmp_path / "gateway", KEYS[0].secret)
+    assert len(direct) == 20 and via == direct  # record by record
