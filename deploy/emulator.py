@@ -256,3 +256,54 @@ def _prompt_text(body: dict[str, Any], chat: bool) -> str:
             content = message.get("content")
             parts.append(content if isinstance(content, str) else json.dumps(content))
     return "\n".join(parts)
+
+
+PROFILES = {
+    "tiny": EmulatorProfile("tiny"),
+    # Illustrative GPU profiles (decode ~2× faster on A100, bandwidth-bound); calibrated ones: engines issue.
+    "a100-illustrative": EmulatorProfile("a100-illustrative", max_running=32, prefill_s_per_token=0.0002,
+                                         decode_s_per_token=0.012, batch_slowdown=0.02, default_output_tokens=4096),
+    "v100-illustrative": EmulatorProfile("v100-illustrative", max_running=16, prefill_s_per_token=0.0005,
+                                         decode_s_per_token=0.024, batch_slowdown=0.03, default_output_tokens=4096),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m deploy.emulator --model NAME --port N [--profile P] [--speedup K] [faults]`."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m deploy.emulator", description="vLLM-style emulated server")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
+    parser.add_argument("--speedup", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--error-rate", type=float, default=0.0)
+    parser.add_argument("--malformed-rate", type=float, default=0.0)
+    parser.add_argument("--hang", action="store_true")
+    parser.add_argument("--crash-after", type=int)
+    args = parser.parse_args(argv)
+
+    async def run() -> None:
+        server = EmulatedServer(
+            model=args.model, profile=PROFILES[args.profile], seed=args.seed, speedup=args.speedup,
+            host=args.host, port=args.port,
+            faults=Faults(error_rate=args.error_rate, malformed_rate=args.malformed_rate, hang=args.hang,
+                          crash_after=args.crash_after),
+        )
+        await server.start()
+        print(f"emulated {args.profile} server for {args.model} on {server.url}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -85,6 +85,36 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--api-key-file", type=Path, help="client:secret[:weight] per line; without it the gateway is open")
     gw.set_defaults(func=cmd_gateway)
 
+    serve = sub.add_parser(
+        "serve", help="start an engine on this node, register it, heartbeat, deregister on exit",
+        description="Start vLLM, SGLang, llama.cpp or an emulated server as a child process (its output in a log "
+        "file), wait until healthy, register it with the registry (accelerator detected with nvidia-smi unless "
+        "given), renew its lease, and deregister on SIGTERM/SIGINT or when the engine dies. Arguments after -- "
+        "go to the engine.",
+    )
+    _ray_flags(serve)
+    serve.add_argument("--engine", required=True, choices=["vllm", "sglang", "llamacpp", "emulated"])
+    serve.add_argument("--model", required=True, help="served model name, what clients ask for")
+    serve.add_argument("--model-path", help="weights: HF dir or hub id (vllm, sglang), GGUF file (llamacpp)")
+    serve.add_argument("--revision", default="unspecified", help="model revision recorded in every artifact")
+    serve.add_argument("--id", help="server id (default: HOST-ENGINE-PORT)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address of the engine")
+    serve.add_argument("--port", type=int, help="engine port (default: a free one)")
+    serve.add_argument("--advertise-url", help="URL clients use (default http://HOST:PORT)")
+    serve.add_argument("--accelerator", help="A100, V100, … (default: detected with nvidia-smi, else cpu)")
+    serve.add_argument("--gpus", type=int, help="GPU count (default: detected)")
+    serve.add_argument("--capacity", type=_positive_int, help="max concurrent sequences")
+    serve.add_argument("--threads", type=_positive_int, default=1, help="llama.cpp CPU threads")
+    serve.add_argument("--python", default=sys.executable, help="interpreter with the engine installed (own venv)")
+    serve.add_argument("--profile", default="tiny", help="emulated: timing profile")
+    serve.add_argument("--speedup", type=float, default=1.0, help="emulated: run this many times real time")
+    serve.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    serve.add_argument("--log-dir", type=Path, default=Path("~/.fedpool/logs"), help="engine log directory")
+    serve.add_argument("--start-deadline", type=float, default=600.0, help="seconds to wait for health")
+    serve.add_argument("--lease", type=float, default=30.0, help="lease seconds (heartbeat every third of it)")
+    serve.add_argument("engine_args", nargs=argparse.REMAINDER, help="-- then arguments for the engine")
+    serve.set_defaults(func=cmd_serve)
+
     server = sub.add_parser("server", help="register, list, show, drain and remove inference servers")
     srv_sub = server.add_subparsers(dest="server_command", required=True, metavar="ACTION")
     add = srv_sub.add_parser("add", help="register a running server (the registry checks it first)")
@@ -247,6 +277,70 @@ async def _serve_gateway(client: Any, host: str, port: int, policy: str, keys: A
         await runner.cleanup()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import socket
+
+    from pydantic import ValidationError
+
+    from deploy import free_port
+    from deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
+    from registry import ServerRecord
+
+    port = args.port or free_port(args.host)
+    extra = tuple(a for a in args.engine_args if a != "--")
+    spec = EngineSpec(engine=args.engine, model=args.model, port=port, host=args.host, model_path=args.model_path,
+                      capacity=args.capacity, gpus=args.gpus or 0, threads=args.threads, python=args.python,
+                      profile=args.profile, speedup=args.speedup, extra_args=extra)
+    try:
+        argv = engine_argv(spec)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
+    labels = dict(item.partition("=")[::2] for item in args.label)
+    server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
+    try:
+        record = ServerRecord(
+            id=server_id, url=args.advertise_url or f"http://{args.host}:{port}", engine=registry_engine(args.engine),
+            model=args.model, revision=args.revision, accelerator=accelerator, gpu_count=args.gpus or gpus,
+            capacity=args.capacity, labels={**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine},
+        )
+    except ValidationError as exc:
+        raise CliError(_validation_message(exc), EXIT_USAGE) from None
+    client = _client(args)
+    return asyncio.run(_serve_engine(client, record, argv, args))
+
+
+async def _serve_engine(client: Any, record: Any, argv: list[str], args: argparse.Namespace) -> int:
+    import signal
+
+    from deploy import EngineProcess, LeaseSettings, ServerLauncher
+
+    log_path = args.log_dir.expanduser() / f"{record.id}.log"
+    process = EngineProcess(record.id, argv, log_path)
+    launcher = ServerLauncher(process, record, client, lease=LeaseSettings(args.lease, args.lease / 3),
+                              start_deadline_s=args.start_deadline)
+    print(f"starting {args.engine} as {record.id} at {record.url}; engine log: {log_path}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    took = await launcher.start()
+    print(f"{record.id} healthy after {took:.1f}s and registered ({record.engine.value}, {record.model}, "
+          f"{record.accelerator}); Ctrl-C to stop and deregister", flush=True)
+    stopped = asyncio.create_task(stop.wait())
+    died = asyncio.create_task(launcher.exited.wait())
+    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, died):
+        task.cancel()
+    await launcher.stop()
+    if launcher.exited.is_set() and not stop.is_set():
+        print(f"fedpool: error: the engine of {record.id} exited (code {process.returncode}); deregistered; "
+              f"see {log_path}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{record.id} stopped and deregistered", flush=True)
+    return EXIT_OK
+
+
 def cmd_server_add(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -379,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PipelineError, RegistryError) as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, PipelineError) else EXIT_FAILED
-    except (EngineStartError, LlamaServerNotInstalled) as exc:
+    except (EngineStartError, LlamaServerNotInstalled, OSError) as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except KeyboardInterrupt:

@@ -28,8 +28,8 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["demo"], ["gateway"], ["registry", "start"], ["registry", "status"], ["server", "add"], ["server", "list"],
-     ["server", "show"], ["server", "drain"], ["server", "remove"]],
+    [[], ["demo"], ["gateway"], ["serve"], ["registry", "start"], ["registry", "status"], ["server", "add"],
+     ["server", "list"], ["server", "show"], ["server", "drain"], ["server", "remove"]],
 )
 def test_every_command_has_help(args: list[str]) -> None:
     result = run(*args, "--help")

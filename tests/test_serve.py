@@ -1,0 +1,114 @@
+"""`fedpool serve`: engine command lines, and the whole launch → register → heartbeat → deregister cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from deploy.engines import EngineSpec, engine_argv, gpu_family
+from registry import RegistryClient
+from tests.conftest import TEST_TOKEN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sglang_command_line_has_metrics_and_served_name() -> None:
+    argv = engine_argv(EngineSpec(engine="sglang", model="qwen-7b", model_path="/models/Qwen2.5-7B", port=30000,
+                                  host="0.0.0.0", capacity=128, gpus=2, python="/opt/sglang/bin/python"))
+    assert argv == ["/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/Qwen2.5-7B",
+                    "--served-model-name", "qwen-7b", "--host", "0.0.0.0", "--port", "30000", "--enable-metrics",
+                    "--max-running-requests", "128", "--tp-size", "2"]
+
+
+def test_vllm_and_llamacpp_command_lines() -> None:
+    vllm = engine_argv(EngineSpec(engine="vllm", model="m", model_path="/w", port=8000, capacity=64, gpus=4,
+                                  python="/venv/bin/python", extra_args=("--dtype", "float32")))
+    assert vllm == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/w",
+                    "--served-model-name", "m", "--host", "127.0.0.1", "--port", "8000", "--max-num-seqs", "64",
+                    "--tensor-parallel-size", "4", "--dtype", "float32"]
+    llama = engine_argv(EngineSpec(engine="llamacpp", model="g", model_path="/m.gguf", port=9000, capacity=6,
+                                   threads=2))
+    assert {"--metrics", "-cb", "--slots"} <= set(llama)
+    assert llama[llama.index("-np") + 1] == "6" and llama[llama.index("--alias") + 1] == "g"
+    with pytest.raises(ValueError, match="GGUF"):
+        engine_argv(EngineSpec(engine="llamacpp", model="g", port=1))
+    with pytest.raises(ValueError, match="unknown engine"):
+        engine_argv(EngineSpec(engine="tgi", model="g", port=1))
+
+
+def test_gpu_names_map_to_families() -> None:
+    assert gpu_family("NVIDIA A100-SXM4-80GB") == "A100"
+    assert gpu_family("Tesla V100-SXM2-32GB") == "V100"
+    assert gpu_family("NVIDIA H100 80GB HBM3") == "H100"
+    assert gpu_family("Some New Chip") == "Some New Chip"
+
+
+async def wait_for(check, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if await check():
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.ray
+async def test_serve_emulated_registers_heartbeats_and_deregisters(
+    registry: RegistryClient, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TEST_TOKEN)
+    address = ray.get_runtime_context().gcs_address
+
+    def start(server_id: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "fedpool.cli", "serve", "--address", address, "--token-file-path",
+             str(token_file), "--engine", "emulated", "--model", "emu-served", "--id", server_id, "--lease", "3",
+             "--log-dir", str(tmp_path / "logs"), "--accelerator", "A100", "--gpus", "1"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    async def present(sid: str) -> bool:
+        return (await registry.snapshot()).get(sid) is not None
+
+    async def absent(sid: str) -> bool:
+        return not await present(sid)
+
+    proc = start("served-a")
+    try:
+        await wait_for(lambda: present("served-a"))
+        entry = (await registry.snapshot()).get("served-a")
+        assert entry is not None and entry.record.accelerator == "A100"
+        assert entry.record.labels["engine_kind"] == "emulated"
+        await asyncio.sleep(4.5)  # longer than the 3 s lease: only heartbeats keep it
+        assert (await registry.snapshot()).get("served-a").status.value == "healthy"  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 0, err
+        assert "engine log:" in out and "stopped and deregistered" in out
+        assert await absent("served-a")
+        assert (tmp_path / "logs" / "served-a.log").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    proc = start("served-b")
+    try:
+        await wait_for(lambda: present("served-b"))
+        engine = psutil.Process(proc.pid).children()[0]
+        os.kill(engine.pid, signal.SIGKILL)  # the engine dies under fedpool serve
+        out, err = await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 1 and "exited" in err
+        assert await absent("served-b")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
