@@ -39,6 +39,7 @@ class EmulatorProfile:
     decode_s_per_token: float = 0.002
     batch_slowdown: float = 0.05  # each extra running sequence slows a step by this fraction
     default_output_tokens: int = 8
+    protocol: str = "vllm"  # vllm | sglang: metric names, labels and extra endpoints
 
 
 @dataclass
@@ -89,6 +90,11 @@ class EmulatedServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
+        if self.profile.protocol == "sglang":
+            for path in ("/server_info", "/get_server_info"):
+                app.router.add_get(path, self._server_info)
+            for path in ("/v1/loads", "/get_load"):
+                app.router.add_get(path, self._loads)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         return app
@@ -125,7 +131,47 @@ class EmulatedServer:
             {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "fedpool-emulator"}]}
         )
 
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """SGLang's server info: the fields clients read (max_running_requests, model path, version)."""
+        return web.json_response({
+            "model_path": self.model, "served_model_name": self.model, "tp_size": 1, "dp_size": 1,
+            "max_running_requests": self.profile.max_running, "enable_metrics": True,
+            "version": "emulated", "internal_states": [{"max_running_requests": self.profile.max_running}],
+        })
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        s = self._stats
+        return web.json_response([{"dp_rank": 0, "num_reqs": s.running + s.waiting, "num_waiting_reqs": s.waiting,
+                                   "num_running_reqs": s.running}])
+
+    def _sglang_metrics(self) -> str:
+        s = self._stats
+        labels = f'model_name="{self.model}",tp_rank="0",dp_rank="0"'
+        gen_tps = s.running / max(self.profile.decode_s_per_token, 1e-9) * self._speedup if s.running else 0.0
+        return (
+            "# HELP sglang:num_running_reqs The number of running requests.\n"
+            "# TYPE sglang:num_running_reqs gauge\n"
+            f"sglang:num_running_reqs{{{labels}}} {float(s.running)}\n"
+            "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.\n"
+            "# TYPE sglang:num_queue_reqs gauge\n"
+            f"sglang:num_queue_reqs{{{labels}}} {float(s.waiting)}\n"
+            "# HELP sglang:token_usage The token usage\n"
+            "# TYPE sglang:token_usage gauge\n"
+            f"sglang:token_usage{{{labels}}} {s.running / self.profile.max_running:.4f}\n"
+            "# HELP sglang:gen_throughput The generation throughput (token/s).\n"
+            "# TYPE sglang:gen_throughput gauge\n"
+            f"sglang:gen_throughput{{{labels}}} {gen_tps:.2f}\n"
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.\n"
+            "# TYPE sglang:generation_tokens_total counter\n"
+            f"sglang:generation_tokens_total{{{labels}}} {float(s.generation_tokens)}\n"
+            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
+            "# TYPE sglang:prompt_tokens_total counter\n"
+            f"sglang:prompt_tokens_total{{{labels}}} {float(s.prompt_tokens)}\n"
+        )
+
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.profile.protocol == "sglang":
+            return web.Response(text=self._sglang_metrics(), content_type="text/plain", charset="utf-8")
         s = self._stats
         labels = f'engine="0",model_name="{self.model}"'
         text = (
@@ -263,6 +309,9 @@ PROFILES = {
     # Illustrative GPU profiles (decode ~2× faster on A100, bandwidth-bound); calibrated ones: engines issue.
     "a100-illustrative": EmulatorProfile("a100-illustrative", max_running=32, prefill_s_per_token=0.0002,
                                          decode_s_per_token=0.012, batch_slowdown=0.02, default_output_tokens=4096),
+    "sglang-a100-illustrative": EmulatorProfile(
+        "sglang-a100-illustrative", max_running=32, prefill_s_per_token=0.0002, decode_s_per_token=0.011,
+        batch_slowdown=0.02, default_output_tokens=4096, protocol="sglang"),
     "v100-illustrative": EmulatorProfile("v100-illustrative", max_running=16, prefill_s_per_token=0.0005,
                                          decode_s_per_token=0.024, batch_slowdown=0.03, default_output_tokens=4096),
 }

@@ -63,9 +63,15 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     raise ValueError(f"unknown engine {spec.engine!r}; use vllm, sglang, llamacpp or emulated")
 
 
-def registry_engine(engine: str) -> str:
-    """The registry adapter an engine is probed with (the emulator speaks vLLM's protocol)."""
-    return "vllm" if engine == "emulated" else engine
+def registry_engine(engine: str, profile: str = "tiny") -> str:
+    """The registry adapter an engine is probed with (an emulator speaks its profile's protocol)."""
+    if engine != "emulated":
+        return engine
+    from deploy.emulator import PROFILES
+
+    if profile not in PROFILES:
+        raise ValueError(f"unknown emulator profile {profile!r}; known: {', '.join(sorted(PROFILES))}")
+    return PROFILES[profile].protocol
 
 
 _GPU_NAMES = (("H200", "H200"), ("H100", "H100"), ("A100", "A100"), ("V100", "V100"), ("L40S", "L40S"),

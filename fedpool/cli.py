@@ -293,6 +293,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       profile=args.profile, speedup=args.speedup, extra_args=extra)
     try:
         argv = engine_argv(spec)
+        adapter = registry_engine(args.engine, args.profile)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
@@ -300,7 +301,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
     try:
         record = ServerRecord(
-            id=server_id, url=args.advertise_url or f"http://{args.host}:{port}", engine=registry_engine(args.engine),
+            id=server_id, url=args.advertise_url or f"http://{args.host}:{port}", engine=adapter,
             model=args.model, revision=args.revision, accelerator=accelerator, gpu_count=args.gpus or gpus,
             capacity=args.capacity, labels={**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine},
         )

@@ -208,3 +208,22 @@ async def test_prometheus_export_of_the_pool(registry: RegistryClient, emulators
     assert by_status[(("accelerator", "A100"), ("engine", "vllm"), ("status", "down"))] == 1.0
     assert by_status[(("accelerator", "A100"), ("engine", "vllm"), ("status", "healthy"))] == 1.0
     assert TEST_TOKEN not in text
+
+
+async def test_emulator_speaks_both_protocols_to_the_unchanged_adapters(
+    registry: RegistryClient, emulators: EmulatorFactory
+) -> None:
+    from deploy.emulator import PROFILES, EmulatedServer
+
+    vllm_like = await emulators.start(model="m-vllm")
+    sglang_like = EmulatedServer(model="m-sglang", profile=PROFILES["sglang-a100-illustrative"])
+    await sglang_like.start()
+    emulators.servers.append(sglang_like)
+    await registry.register(ServerRecord(id="v", url=vllm_like.url, engine="vllm", model="m-vllm"))
+    entry = await registry.register(ServerRecord(id="s", url=sglang_like.url, engine="sglang", model="m-sglang"))
+    assert entry.capacity == 32  # discovered from SGLang's /server_info
+    await eventually(lambda: _has_load(registry, "v"))
+    await eventually(lambda: _has_load(registry, "s"))
+    snap = await registry.snapshot()
+    assert snap.get("s").load.kv_cache_usage is not None  # type: ignore[union-attr]
+    assert snap.get("v").load.generation_tokens_total is not None  # type: ignore[union-attr]

@@ -45,6 +45,16 @@ def test_vllm_and_llamacpp_command_lines() -> None:
         engine_argv(EngineSpec(engine="tgi", model="g", port=1))
 
 
+def test_emulated_engines_register_with_their_profiles_protocol() -> None:
+    from deploy.engines import registry_engine
+
+    assert registry_engine("emulated", "a100-illustrative") == "vllm"
+    assert registry_engine("emulated", "sglang-a100-illustrative") == "sglang"
+    assert registry_engine("sglang") == "sglang"
+    with pytest.raises(ValueError, match="unknown emulator profile"):
+        registry_engine("emulated", "tpu-v9")
+
+
 def test_gpu_names_map_to_families() -> None:
     assert gpu_family("NVIDIA A100-SXM4-80GB") == "A100"
     assert gpu_family("Tesla V100-SXM2-32GB") == "V100"
