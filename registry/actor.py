@@ -51,6 +51,9 @@ class RegistryConfig(BaseModel):
     drain_timeout_s: float = Field(default=300.0, ge=0)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # serve /metrics for Prometheus
+    # Custom Ray resources that pin the registry and its prober to nodes, e.g. {"fedpool-head": 0.01} with
+    # `ray start --head --resources '{"fedpool-head": 1}'`. Empty: anywhere.
+    resources: dict[str, float] = Field(default_factory=dict)
 
 
 class RegistryActor:
@@ -100,7 +103,7 @@ class RegistryActor:
             # The prober lives in its own process; it pulls plans from here and hands results back.
             self._prober = ray.remote(ProberActor).options(
                 name=PROBER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-                max_restarts=-1, num_cpus=0,
+                max_restarts=-1, num_cpus=0, resources=dict(self._config.resources),
             ).remote(REGISTRY_NAME, NAMESPACE)
             await self._prober.start.remote()
             if self._config.metrics_port is not None and self._metrics_runner is None:
@@ -126,6 +129,10 @@ class RegistryActor:
 
         stats = {"last_probe_cycle_s": self._last_cycle_s, "probe_cycles": float(self._probe_cycles)}
         return pool_metrics_text(self._state.snapshot(), stats)
+
+    async def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        return ray.get_runtime_context().get_node_id()
 
     async def ping(self) -> dict[str, Any]:
         await self._ensure_started()
@@ -302,6 +309,7 @@ def create_registry_actor(config: RegistryConfig) -> ray.actor.ActorHandle:
         max_task_retries=3,
         num_cpus=0,
         max_concurrency=1000,
+        resources=dict(config.resources),
     ).remote(config.model_dump())
 
 

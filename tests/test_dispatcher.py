@@ -295,3 +295,34 @@ def test_failures_are_classified_by_type_not_message() -> None:
         FailureKind.RATE_LIMITED, FailureKind.REQUEST_ERROR, FailureKind.REQUEST_ERROR, FailureKind.REQUEST_ERROR,
         FailureKind.SERVER_ERROR, FailureKind.SERVER_ERROR, FailureKind.SERVER_ERROR]
     assert not FailureKind.RESET.counts_against_server and not FailureKind.REQUEST_ERROR.retriable
+
+
+async def test_a_server_that_slows_down_loses_share(emulators: EmulatorFactory) -> None:
+    from deploy.emulator import EmulatorProfile
+
+    steady = await emulators.start(max_running=8, decode_s=0.004)
+    slowing = await emulators.start(max_running=8, decode_s=0.004)
+    snap = snapshot_of([steady, slowing], capacity=8, accelerators=["A100", "A100"])  # same prior weight
+
+    async def phase(dispatcher: Dispatcher, n: int, offset: int) -> Counter[str]:
+        queue = list(range(offset, offset + n))
+
+        async def worker() -> list[str]:
+            served = []
+            while queue:
+                served.append((await dispatcher.submit(request(queue.pop()))).server_id)
+            return served
+
+        # 6 outstanding for 16 slots: the policy, not the windows, decides where each request goes
+        return Counter(s for chunk in await asyncio.gather(*(worker() for _ in range(6))) for s in chunk)
+
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(1)), config=FAST)
+        before = await phase(dispatcher, 300, 0)
+        slowing.profile = EmulatorProfile(max_running=8, decode_s_per_token=0.016)  # the engine slows 4×
+        await phase(dispatcher, 300, 1000)  # long enough for windows and learned rates to follow
+        after = await phase(dispatcher, 300, 2000)
+        stats = {s.server_id: s for s in dispatcher.stats().servers}
+    assert 0.35 <= before["s1"] / 300 <= 0.65, before  # equal servers, equal share
+    assert after["s1"] / 300 < 0.3, after  # the slowed server now gets much less
+    assert stats["s1"].learned_tokens_per_s < stats["s0"].learned_tokens_per_s  # type: ignore[operator]

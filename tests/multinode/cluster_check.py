@@ -1,0 +1,88 @@
+"""Run by tests/test_multinode.py in its own process: a Ray cluster of three nodes on this machine
+(ray.cluster_utils.Cluster), the registry pinned to one node, servers registering from the two others, and
+a CPU actor scoring records on a node other than the registry's. Prints one JSON object."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+
+@ray.remote(num_cpus=0)
+class NodeLauncher:
+    """Starts an emulated server on its node and registers it, as `fedpool serve` would there."""
+
+    def __init__(self, token: str):
+        self._token = token
+        self._server = None
+
+    async def launch(self, server_id: str) -> dict[str, str]:
+        from deploy.emulator import EmulatedServer
+        from registry import RegistryClient, ServerRecord
+
+        self._server = EmulatedServer(model="multi-model")
+        url = await self._server.start()
+        client = RegistryClient.connect(token=self._token)
+        await client.register(ServerRecord(id=server_id, url=url, engine="vllm", model="multi-model"))
+        return {"server_id": server_id, "node": ray.get_runtime_context().get_node_id()}
+
+
+@ray.remote(num_cpus=0)
+class ScoringActor:
+    """A CPU stage: post-processing and metrics of finished predictions."""
+
+    def score(self, predictions: list[str], labels: list[str]) -> dict[str, object]:
+        from pipeline.metrics import exact_match
+
+        return {"node": ray.get_runtime_context().get_node_id(),
+                "scores": [exact_match(p, [label]) for p, label in zip(predictions, labels, strict=True)]}
+
+
+async def main() -> dict[str, object]:
+    from federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
+    from registry import RegistryClient
+
+    state = Path(tempfile.mkdtemp(prefix="fedpool-multinode-"))
+    registry = RegistryClient.start(state, token="multinode-token-123", probe_interval_s=0.5,
+                                    resources={"registry-node": 0.01})
+    registry_node = await registry.handle.node_id.remote()
+    launchers = [NodeLauncher.options(resources={f"server-node-{i}": 0.01}).remote("multinode-token-123")
+                 for i in (1, 2)]
+    launched = await asyncio.gather(*(la.launch.remote(f"srv-{i}") for i, la in enumerate(launchers, start=1)))
+    snapshot = await registry.snapshot()
+    async with PoolConnection(registry, config=DispatchConfig(no_server_timeout_s=10)) as pool:
+        results = await asyncio.gather(*(
+            pool.dispatcher.submit(InferenceRequest(f"r{i}", "multi-model", Endpoint.COMPLETIONS,
+                                                    {"prompt": f"q{i}", "max_tokens": 4}))
+            for i in range(20)
+        ))
+    scorer = ScoringActor.options(resources={"server-node-2": 0.01}).remote()
+    scored = await scorer.score.remote([r.completion.text for r in results], [r.completion.text for r in results])
+    await registry.handle.shutdown_prober.remote()
+    return {
+        "registry_node": registry_node,
+        "server_nodes": {x["server_id"]: x["node"] for x in launched},
+        "registered": list(snapshot.ids()),
+        "answered_by": sorted({r.server_id for r in results}),
+        "scorer_node": scored["node"],
+        "scores": scored["scores"],
+    }
+
+
+if __name__ == "__main__":
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"registry-node": 1}})
+    for i in (1, 2):
+        cluster.add_node(num_cpus=1, resources={f"server-node-{i}": 1})
+    ray.init(address=cluster.address, namespace="fedpool", log_to_driver=False)
+    try:
+        print(json.dumps(asyncio.run(main())))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    sys.exit(0)

@@ -1,0 +1,28 @@
+"""Several Ray nodes on this machine (ray.cluster_utils.Cluster): registry, servers and a CPU stage on
+different nodes, and requests still reach every server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.ray
+def test_registry_servers_and_cpu_actors_on_different_nodes() -> None:
+    # Its own process: a test session can be connected to one Ray cluster only.
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / "cluster_check.py")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    nodes = report["server_nodes"]
+    assert len({report["registry_node"], nodes["srv-1"], nodes["srv-2"]}) == 3  # three different nodes
+    assert sorted(report["registered"]) == ["srv-1", "srv-2"]
+    assert report["answered_by"] == ["srv-1", "srv-2"]  # the pool spans the nodes
+    assert report["scorer_node"] == nodes["srv-2"] != report["registry_node"]
+    assert report["scores"] == [1.0] * 20
