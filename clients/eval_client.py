@@ -33,6 +33,7 @@ from pipeline import (
     request_body,
     summarize_records,
 )
+from pipeline.verifier import VerifierPool, judge_item, with_judgment
 
 log = logging.getLogger("fedpool.client")
 
@@ -91,6 +92,7 @@ class EvalRun:
         secrets: Iterable[str] = (),
         on_progress: Callable[[EvalProgress], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        verifier: VerifierPool | None = None,
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -104,6 +106,12 @@ class EvalRun:
         self._on_progress = on_progress
         self._clock = clock
         self._counters = _Counters()
+        if spec.verifier and verifier is None:
+            raise ValueError(f"benchmark {spec.name!r} asks for the verifier (verifier: true); pass a VerifierPool")
+        self._verifier = verifier if spec.verifier else None
+        self._verify_queue: asyncio.Queue[Record] | None = (
+            asyncio.Queue(maxsize=2 * concurrency) if self._verifier is not None else None
+        )
 
     def _config(self, data_hash: str) -> dict[str, Any]:
         return {
@@ -137,12 +145,20 @@ class EvalRun:
             asyncio.create_task(self._worker(queue, writer, total, started), name=f"{self.spec.name}-worker-{i}")
             for i in range(min(self._concurrency, max(1, len(todo))))
         ]
+        judges: list[asyncio.Task[None]] = []
+        if self._verify_queue is not None and self._verifier is not None:
+            judges = [
+                asyncio.create_task(self._verify_stage(writer, total, started), name=f"{self.spec.name}-verify-{i}")
+                for i in range(2 * self._verifier.config.actors)
+            ]
         try:
             await asyncio.gather(*workers)
+            if self._verify_queue is not None:
+                await self._verify_queue.join()
         finally:
-            for worker in workers:
-                worker.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            for task in workers + judges:
+                task.cancel()
+            await asyncio.gather(*workers, *judges, return_exceptions=True)
             await asyncio.to_thread(writer.close)
         records = await asyncio.to_thread(read_records, writer.path)
         wall = self._clock() - started
@@ -173,18 +189,36 @@ class EvalRun:
                 self._dispatcher.client_done_sending(self.spec.name)
                 return
             record = await self._evaluate(sample)
-            if writer.write(record):
-                self._counters.written += 1
-            self._counters.done += 1
-            if record.failed:
-                self._counters.failed += 1
-            if record.provenance.attempts > 1:
-                self._counters.retried += 1
-            if self._on_progress is not None:
-                c = self._counters
-                self._on_progress(
-                    EvalProgress(self.spec.name, total, c.done, c.failed, c.retried, self._clock() - started)
-                )
+            if self._verify_queue is not None and not record.failed:
+                await self._verify_queue.put(record)  # bounded: a slow verifier slows inference, not memory
+                continue
+            self._finish(record, writer, total, started)
+
+    async def _verify_stage(self, writer: ArtifactWriter, total: int, started: float) -> None:
+        """Judges finished records on the verifier's CPU actors while inference goes on."""
+        assert self._verify_queue is not None and self._verifier is not None
+        while True:
+            record = await self._verify_queue.get()
+            try:
+                judgment = await self._verifier.judge(judge_item(record))
+                record = with_judgment(record, judgment)
+            except Exception as exc:  # a broken judge must not lose the record: it is written unjudged
+                log.warning("%s/%s: verifier failed (%s)", record.benchmark, record.sample_id, type(exc).__name__)
+                record = with_judgment(record, None)
+            self._finish(record, writer, total, started)
+            self._verify_queue.task_done()
+
+    def _finish(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
+        if writer.write(record):
+            self._counters.written += 1
+        self._counters.done += 1
+        if record.failed:
+            self._counters.failed += 1
+        if record.provenance.attempts > 1:
+            self._counters.retried += 1
+        if self._on_progress is not None:
+            c = self._counters
+            self._on_progress(EvalProgress(self.spec.name, total, c.done, c.failed, c.retried, self._clock() - started))
 
     async def _evaluate(self, sample: Sample) -> Record:
         request = InferenceRequest(

@@ -10,6 +10,7 @@ from typing import Any
 from clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget
 from federation import Dispatcher
 from pipeline import BenchmarkSpec
+from pipeline.verifier import VerifierPool
 
 
 async def run_evals(
@@ -22,6 +23,7 @@ async def run_evals(
     run_info: dict[str, Any] | None = None,
     secrets: Iterable[str] = (),
     on_progress: Callable[[EvalProgress], None] | None = None,
+    verifier: VerifierPool | None = None,
 ) -> list[EvalSummary]:
     """All evals concurrently; each writes its own artifact directory under `out_dir`."""
     names = [s.name for s in specs]
@@ -31,7 +33,7 @@ async def run_evals(
     runs = [
         EvalRun(
             spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,
-            secrets=secrets, on_progress=on_progress,
+            secrets=secrets, on_progress=on_progress, verifier=verifier,
         )
         for spec in specs
     ]

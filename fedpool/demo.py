@@ -36,6 +36,7 @@ class DemoOptions:
     concurrency: int = 16
     limit: int | None = None
     run_id: str | None = None
+    verifier: bool = False  # judge every prediction with the CPU verifier (Gemma 270M GGUF, one actor)
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,26 @@ async def _run_pool(
             })
             print(f"[fedpool] running {len(specs)} evaluations concurrently through the pool "
                   f"(policy {options.policy}): {', '.join(s.name for s in specs)}", file=out, flush=True)
+            verifier = None
+            if options.verifier:
+                from deploy import ensure_gemma
+                from pipeline.verifier import VerifierConfig, VerifierPool
+
+                specs = [s.model_copy(update={"verifier": True}) for s in specs]
+                verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.servers.model_path))))
+                print("[fedpool] verifier: 1 Ray CPU actor judging every prediction as it completes", file=out)
             progress = _ProgressPrinter(out)
             started = time.monotonic()
             ticker = asyncio.create_task(progress.tick_forever())
             try:
                 summaries = await run_evals(
                     specs, pool.dispatcher, run_dir, EvalTarget(model=model), concurrency=options.concurrency,
-                    run_info=run_info, secrets=(), on_progress=progress.update,
+                    run_info=run_info, secrets=(), on_progress=progress.update, verifier=verifier,
                 )
             finally:
                 ticker.cancel()
+                if verifier is not None:
+                    verifier.shutdown()
             wall = time.monotonic() - started
     answered: dict[str, dict[str, int]] = {}
     for summary in summaries:

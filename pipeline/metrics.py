@@ -88,7 +88,7 @@ class Score:
 def aggregate(metric: str, values: Sequence[float], *, seed: int = 0) -> Score:
     """Mean (in percent) with a percentile bootstrap CI. Failed samples must be passed in as their
     worst value, never left out: dropping them would inflate the score."""
-    scale = METRICS[metric].scale
+    scale = METRICS[metric].scale if metric in METRICS else 100.0  # e.g. 'verifier' (0/1 per record)
     n = len(values)
     if n == 0:
         return Score(metric, float("nan"), float("nan"), float("nan"), 0)

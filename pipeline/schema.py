@@ -94,6 +94,7 @@ class Record(BaseModel):
     sample: dict[str, Any] = Field(default_factory=dict)  # the dataset row, for rescoring without the data
     output: Output = Field(default_factory=Output)
     metrics: dict[str, float] = Field(default_factory=dict)
+    verifier: dict[str, Any] | None = None  # the judge's rating, explanation and whether it parsed
     provenance: Provenance = Field(default_factory=Provenance)
 
     @property

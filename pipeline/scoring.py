@@ -55,6 +55,8 @@ def summarize_records(spec: BenchmarkSpec, records: Sequence[Record], *, seed: i
     scores = [
         aggregate(name, [r.metrics.get(name, worst_value(name)) for r in records], seed=seed) for name in spec.metrics
     ]
+    if spec.verifier:  # failed or unjudged records count as 0, never dropped
+        scores.append(aggregate("verifier", [r.metrics.get("verifier", 0.0) for r in records], seed=seed))
     failed = [r for r in records if r.failed]
     unparsed = [
         r for r in records
@@ -72,4 +74,5 @@ def summarize_records(spec: BenchmarkSpec, records: Sequence[Record], *, seed: i
         "retried": sum(1 for r in records if r.provenance.attempts > 1),
         "latency_p50_s": latencies[len(latencies) // 2] if latencies else None,
         "errors": dict(Counter(r.provenance.error_kind for r in failed if r.provenance.error_kind)),
+        "verifier_unparsed": sum(1 for r in records if r.verifier is not None and not r.verifier.get("parsed")),
     }

@@ -81,6 +81,7 @@ class BenchmarkSpec(BaseModel):
     generation: GenerationParams = Field(default_factory=GenerationParams)
     postprocess: list[str] = Field(default_factory=lambda: ["strip"])
     metrics: list[str] = Field(default_factory=lambda: ["exact_match"], min_length=1)
+    verifier: bool = False  # also judge every prediction with the CPU verifier (score 0–100 beside the metric)
     source_file: str | None = Field(default=None, exclude=True)
 
     @field_validator("postprocess")

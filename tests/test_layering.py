@@ -17,7 +17,8 @@ ALLOWED = {
     "deploy": {"registry"},
     "fedpool": set(ROOMS),
 }
-NETWORK_MODULES = {"aiohttp", "ray", "requests", "httpx", "socket"}
+# pipeline may run its CPU stages on Ray actors (the architecture asks for it) but speaks no HTTP itself.
+NETWORK_MODULES = {"aiohttp", "requests", "httpx", "socket", "urllib3"}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -199,3 +199,27 @@ def test_secrets_never_reach_an_artifact(tmp_path: Path, monkeypatch: pytest.Mon
 def test_option_letter_maps_text_answers_to_their_option(raw: str, letter: str) -> None:
     fields = {"A": "Rome", "B": "Paris", "C": "Mexico City", "D": "Mexico"}  # longest matching option wins
     assert apply_postprocess(raw, ["option_letter"], fields) == letter
+
+
+def test_verifier_parsing_cutting_and_inputs(tmp_path: Path) -> None:
+    from pipeline.verifier import JudgeItem, cut_head_tail, judge_item, judge_prompt, parse_judgment, with_judgment
+
+    assert parse_judgment(" Matches.\nRating: 1").rating == 1
+    assert parse_judgment(" First said Rating: 1 then\nRating: 0\n").rating == 0  # the last one at a line end
+    assert parse_judgment(" Rating: 1 is what I would say").rating is None  # not at a line end
+    assert parse_judgment(" no verdict at all").rating is None
+    cut = cut_head_tail("a" * 50 + "MIDDLE" + "z" * 50, 40)
+    assert cut.startswith("aaaa") and cut.endswith("zzzz") and "MIDDLE" not in cut and len(cut) <= 40
+    prompt = judge_prompt(JudgeItem("Q?", "ref", "pred " * 1000, ("A. x", "B. y")), field_chars=100)
+    assert "Option: A. x" in prompt and prompt.endswith("Explanation:") and len(prompt) < 2000
+    spec = load_spec(write_spec(tmp_path))
+    record = finish_record(spec, load_samples(spec)[0], " a0", Provenance())
+    item = judge_item(record)
+    assert (item.question, item.reference, item.prediction) == ("Q: q0\nA:", "a0", " a0")
+    judged = with_judgment(record, parse_judgment(" ok\nRating: 1"))
+    unparsed = with_judgment(record, parse_judgment(" hmm"))
+    assert judged.metrics["verifier"] == 1.0 and unparsed.metrics["verifier"] == 0.0
+    verified = spec.model_copy(update={"verifier": True})
+    summary = summarize_records(verified, [judged, unparsed])
+    assert {s["metric"]: s["value"] for s in summary["scores"]}["verifier"] == 50.0
+    assert summary["verifier_unparsed"] == 1  # counted and reported, and scored 0, never dropped
