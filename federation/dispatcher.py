@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import itertools
 import logging
@@ -15,11 +14,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from federation.breaker import CircuitBreaker
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.hedging import HedgeTimer, race
-from federation.learning import LEARN_PERIOD_S, ServerLearning
-from federation.policies import Candidate, Policy, RouteContext
+from federation.policies import Policy, RouteContext
+from federation.serverbook import BookSettings, ServerBook
 from federation.transport import Timeouts, open_stream, post_completion
 from federation.types import Attempt, Completion, InferenceRequest, InferenceResult
 from registry import PoolSnapshot, ServerEntry
@@ -29,7 +27,6 @@ log = logging.getLogger("fedpool.dispatcher")
 WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
 MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
 HEDGE_RECHECK_S = 0.1  # how often a straggler looks again for an idle server to hedge on
-INFLIGHT_LOG_LEN = 4096  # (time, in-flight) changes kept per server to line up with stale scrapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,34 +132,26 @@ class Dispatcher:
         self._policy = policy
         self._config = config or DispatchConfig()
         self._clock = clock
-        self._wall_clock = wall_clock  # the registry stamps scrapes with wall-clock time
         self._rng = rng or random.Random(0)
         self._on_failure = on_failure
         self._sleep = sleep
-        self._inflight: Counter[str] = Counter()
-        self._breakers: dict[str, CircuitBreaker] = {}
-        self._answered: Counter[str] = Counter()
-        self._tokens: Counter[str] = Counter()
-        self._busy_s: Counter[str] = Counter()
-        self._failures: dict[str, Counter[str]] = {}
+        self._book = ServerBook(
+            BookSettings(self._config.window_factor, self._config.adaptive_windows, self._config.learn_throughput,
+                         self._config.breaker_failures, self._config.breaker_cooldown_s),
+            clock=clock, wall_clock=wall_clock,
+        )
         self._submitted = self._completed = self._failed = self._retries = 0
         self._waiters: list[_Waiter] = []
         self._client_inflight: Counter[str] = Counter()
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
-        self._learning: dict[str, ServerLearning] = {}
         self._route_cache: dict[tuple[object, ...], list[ServerEntry]] = {}
         self._route_cache_version = -1
         self._route_cache_snapshot: PoolSnapshot | None = None
-        self._rate_scale_at = -1.0
-        self._rate_scale_value = 1.0
         self._client_weights: dict[str, float] = {}
         self._clients_done: set[str] = set()
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
-        self._inflight_log: dict[str, list[tuple[float, int]]] = {}
-        self._inflight_log_trimmed: set[str] = set()
-        self._priors: dict[str, float] = {}
 
     @property
     def policy(self) -> Policy:
@@ -220,7 +209,7 @@ class Dispatcher:
             assert completion is not None
             latency = winner.finished - winner.started
             retry.attempts.append(Attempt(server.id, winner.started, latency))
-            self._note_success(server, completion.completion_tokens or 0, latency)
+            self._book.note_success(server, completion.completion_tokens or 0, latency)
             self._hedge_timer.observe(request.model, latency)
             self._completed += 1
             return InferenceResult(
@@ -256,9 +245,9 @@ class Dispatcher:
         servers = [
             s for s in self._servers_for(request)
             if s.id != primary.id and s.record.revision == primary.record.revision
-            and self._breaker(s.id).allows(now)
+            and self._book.breaker(s.id).allows(now)
         ]
-        free = self._free_candidates(servers)
+        free = self._book.free_candidates(servers, self._policy.candidate_limit, self._rng)
         if not free:
             return None
         decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
@@ -287,7 +276,7 @@ class Dispatcher:
             break
         try:
             yield OpenStream(server, response, tuple(retry.attempts))
-            self._note_success(server, 0, self._clock() - started)
+            self._book.note_success(server, 0, self._clock() - started)
             self._completed += 1
         except BaseException:
             self._failed += 1
@@ -376,9 +365,9 @@ class Dispatcher:
         """Give the waiter a slot if a server can take it; False when its route is full."""
         request = waiter.request
         servers = self._servers_for(request)
-        open_ = [s for s in servers if self._breaker(s.id).allows(now)]
+        open_ = [s for s in servers if self._book.breaker(s.id).allows(now)]
         untried = [s for s in open_ if s.id not in waiter.tried] or open_
-        free = self._free_candidates(untried)
+        free = self._book.free_candidates(untried, self._policy.candidate_limit, self._rng)
         if not free:
             if not servers and now >= waiter.deadline:
                 waiter.future.set_exception(NoServerError(
@@ -396,18 +385,12 @@ class Dispatcher:
     def _take(self, server: ServerEntry, client_id: str, now: float) -> Slot:
         """Count a slot on the chosen server. Called in the same step as the choice (no await in
         between), so concurrent picks cannot pile onto one server."""
-        self._inflight[server.id] += 1
-        self._log_inflight(server.id)
+        self._book.take(server, now)
         self._client_inflight[client_id] += 1
-        self._breaker(server.id).on_dispatch(now)
-        self._learning_for(server).on_start(now, self._inflight[server.id], self._window(server))
         return Slot(server, client_id, now)
 
     def _release(self, slot: Slot) -> None:
-        self._inflight[slot.server.id] -= 1
-        if self._inflight[slot.server.id] <= 0:
-            del self._inflight[slot.server.id]
-        self._log_inflight(slot.server.id)
+        self._book.release(slot.server.id)
         self._client_inflight[slot.client_id] -= 1
         if self._client_inflight[slot.client_id] <= 0:
             del self._client_inflight[slot.client_id]
@@ -423,7 +406,7 @@ class Dispatcher:
         if self._route_cache_version != snapshot.version or self._route_cache_snapshot is not snapshot:
             self._route_cache.clear()
             self._route_cache_version, self._route_cache_snapshot = snapshot.version, snapshot
-            self._rate_scale_at = -1.0
+            self._book.forget_rate_scale()
         servers = self._route_cache.get(key)
         if servers is None:
             view = snapshot.filter(
@@ -436,155 +419,44 @@ class Dispatcher:
             servers = self._route_cache[key] = list(view.entries)
         return servers
 
-    def _learning_for(self, server: ServerEntry) -> ServerLearning:
-        learning = self._learning.get(server.id)
-        if learning is None:
-            learning = ServerLearning.for_capacity(
-                server.capacity, adaptive=self._config.adaptive_windows, max_factor=self._config.window_factor
-            )
-            self._learning[server.id] = learning
-        return learning
-
-    def _window(self, server: ServerEntry) -> int:
-        """This dispatcher's admission window there, less what other clients keep running or queued on
-        the engine (from the registry's scrape), so several clients sharing a server do not overfill it."""
-        window = self._learning_for(server).window(server.capacity)
-        load = server.load
-        if load is not None:
-            # The scrape is up to a probe interval old: compare it with what *we* had in flight then.
-            others = max(0.0, load.running + load.waiting - self._own_inflight_at(server.id, load.observed_at))
-            window = min(window, max(1, int(server.capacity - others)))
-        return max(1, window)
-
-    def _log_inflight(self, server_id: str) -> None:
-        log_ = self._inflight_log.get(server_id)
-        if log_ is None:
-            log_ = self._inflight_log[server_id] = []
-        log_.append((self._wall_clock(), self._inflight.get(server_id, 0)))
-        if len(log_) > 2 * INFLIGHT_LOG_LEN:  # a list (bisect needs O(1) indexing), trimmed in halves
-            del log_[:INFLIGHT_LOG_LEN]
-            self._inflight_log_trimmed.add(server_id)
-
-    def _own_inflight_at(self, server_id: str, wall_time: float) -> int:
-        """Our in-flight count at that wall-clock time. Before the first logged change it was 0, unless the
-        log was truncated: then the largest count it holds (so other clients' load is never overestimated)."""
-        log_ = self._inflight_log.get(server_id)
-        if not log_:
-            return 0
-        index = bisect.bisect_right(log_, (wall_time, float("inf"))) - 1
-        if index < 0:
-            return max(n for _, n in log_) if server_id in self._inflight_log_trimmed else 0
-        return log_[index][1]
-
-    def _weight(self, server: ServerEntry) -> float:
-        """Relative throughput: learned tokens/s where known, else the accelerator prior × capacity, put
-        on the same scale through the servers whose rate is known."""
-        prior = server.weight * server.capacity
-        if not self._config.learn_throughput:
-            return prior
-        learned = self._learning.get(server.id)
-        if learned is not None and learned.estimator.rate:
-            return learned.estimator.rate
-        return prior * self._rate_scale()
-
-    def _rate_scale(self) -> float:
-        """Mean learned-rate / prior over the servers with a learned rate (1.0 when none): puts priors on
-        the learned scale. Recomputed at most once per learning period."""
-        now = self._clock()
-        if now - self._rate_scale_at >= LEARN_PERIOD_S or self._rate_scale_at < 0:
-            ratios = [
-                lrn.estimator.rate / self._priors[sid] for sid, lrn in self._learning.items()
-                if lrn.estimator.rate and self._priors.get(sid)
-            ]
-            self._rate_scale_value = sum(ratios) / len(ratios) if ratios else 1.0
-            self._rate_scale_at = now
-        return self._rate_scale_value
-
-    def _free_candidates(self, servers: list[ServerEntry]) -> list[Candidate]:
-        """Candidates with a free window slot. For policies that only look at a random sample, only the
-        sample is built (a decision over 256 servers then costs what one over 4 does)."""
-        free = [s for s in servers if self._inflight.get(s.id, 0) < self._window(s)]
-        limit = self._policy.candidate_limit
-        if limit is not None and len(free) > limit:
-            free = self._rng.sample(free, limit)
-        return [self._candidate(s) for s in free]
-
-    def _candidate(self, server: ServerEntry) -> Candidate:
-        load = server.load
-        self._priors[server.id] = server.weight * server.capacity
-        return Candidate(
-            server_id=server.id,
-            inflight=self._inflight.get(server.id, 0),
-            window=self._window(server),
-            capacity=server.capacity,
-            weight=self._weight(server),
-            scraped_waiting=load.waiting if load else 0.0,
-            scraped_running=load.running if load else 0.0,
-        )
-
-    def _breaker(self, server_id: str) -> CircuitBreaker:
-        breaker = self._breakers.get(server_id)
-        if breaker is None:
-            breaker = CircuitBreaker(self._config.breaker_failures, self._config.breaker_cooldown_s)
-            self._breakers[server_id] = breaker
-        return breaker
-
     def _backoff(self, failures: int) -> float:
         """Exponential backoff with full jitter."""
         ceiling = min(self._config.backoff_max_s, self._config.backoff_base_s * 2 ** (failures - 1))
         return self._rng.uniform(0, ceiling)
 
     def _note_failure(self, server: ServerEntry, kind: FailureKind) -> None:
-        server_id = server.id
-        learning = self._learning_for(server)
-        if kind is FailureKind.RATE_LIMITED:
-            learning.on_rate_limited()
-        learning.on_finish(0, 0.0, self._clock(), server.load.waiting if server.load else 0.0)
-        self._failures.setdefault(server_id, Counter())[kind.value] += 1
-        if kind.counts_against_server:
-            self._breaker(server_id).on_failure(self._clock())
-            if self._on_failure is not None:
-                self._on_failure(server_id, kind)
-
-    def _note_success(self, server: ServerEntry, tokens: int, latency_s: float) -> None:
-        server_id = server.id
-        decision = self._learning_for(server).on_finish(
-            tokens, latency_s, self._clock(), server.load.waiting if server.load else 0.0
-        )
-        if decision is not None:
-            log.debug("window of %s now %.1f: %s", server_id, decision.window, decision.reason)
-        self._breaker(server_id).on_success()
-        self._answered[server_id] += 1
-        self._tokens[server_id] += tokens
-        self._busy_s[server_id] += latency_s
+        self._book.note_failure(server, kind)
+        if kind.counts_against_server and self._on_failure is not None:
+            self._on_failure(server.id, kind)
 
     def inflight(self) -> dict[str, int]:
-        return dict(self._inflight)
+        return dict(self._book.inflight)
 
     def stats(self) -> DispatcherStats:
+        book = self._book
         snapshot = self._snapshots()
-        windows = {e.id: self._window(e) for e in snapshot.entries} if snapshot else {}
-        ids = sorted(set(self._answered) | set(self._failures) | set(self._inflight) | set(windows))
+        windows = {e.id: book.window(e) for e in snapshot.entries} if snapshot else {}
+        ids = sorted(set(book.answered) | set(book.failures) | set(book.inflight) | set(windows))
         return DispatcherStats(
             submitted=self._submitted,
             completed=self._completed,
             failed=self._failed,
             retries=self._retries,
             hedges=self._hedges,
-            inflight_total=sum(self._inflight.values()),
+            inflight_total=sum(book.inflight.values()),
             servers=tuple(
                 ServerStats(
                     server_id=sid,
-                    answered=self._answered.get(sid, 0),
-                    failures=dict(self._failures.get(sid, {})),
-                    inflight=self._inflight.get(sid, 0),
+                    answered=book.answered.get(sid, 0),
+                    failures=dict(book.failures.get(sid, {})),
+                    inflight=book.inflight.get(sid, 0),
                     window=windows.get(sid, 0),
-                    completion_tokens=self._tokens.get(sid, 0),
-                    busy_s=self._busy_s.get(sid, 0.0),
-                    learned_tokens_per_s=self._learning[sid].estimator.rate if sid in self._learning else None,
+                    completion_tokens=book.tokens.get(sid, 0),
+                    busy_s=book.busy_s.get(sid, 0.0),
+                    learned_tokens_per_s=book.learning[sid].estimator.rate if sid in book.learning else None,
                     window_reason=(
-                        self._learning[sid].last_decision.reason
-                        if sid in self._learning and self._learning[sid].last_decision else None
+                        book.learning[sid].last_decision.reason  # type: ignore[union-attr]
+                        if sid in book.learning and book.learning[sid].last_decision else None
                     ),
                 )
                 for sid in ids
