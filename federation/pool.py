@@ -30,7 +30,7 @@ class PoolConnection:
         self,
         registry: RegistryClient,
         *,
-        policy: str = "least_inflight",
+        policy: str = "capacity_weighted",
         config: DispatchConfig | None = None,
         seed: int = 0,
         poll_timeout_s: float = 5.0,
