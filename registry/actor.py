@@ -21,7 +21,7 @@ from registry.checks import verify_server
 from registry.persistence import StateStore
 from registry.prober import ProbePlan, ProberActor
 from registry.records import ServerRecord
-from registry.snapshot import PoolSnapshot, ProbeResult, ServerEntry
+from registry.snapshot import PoolSnapshot, ProbeRow, ServerEntry, probe_from_row
 from registry.state import RegistryState, RegistryTimings
 from registry.status import StatusThresholds
 
@@ -171,15 +171,17 @@ class RegistryActor:
         )
 
     async def deliver_probes(
-        self, results: list[ProbeResult], cycle_s: float | None = None, busy_s: float | None = None
+        self, rows: list[ProbeRow], cycle_s: float | None = None, busy_s: float | None = None
     ) -> None:
-        """Called by the prober with a batch of results; `cycle_s` is set on a cycle's last batch."""
-        for i, result in enumerate(results):
-            self._state.record_probe(result)
-            if i % PROBE_APPLY_SLICE == PROBE_APPLY_SLICE - 1:
-                await asyncio.sleep(0)  # let snapshot readers in between slices of a big batch
+        """Called by the prober with one cycle's results as rows; applied in slices."""
+        with self._state.batch():  # readers keep the previous version until the cycle is applied
+            for i, row in enumerate(rows):
+                self._state.record_probe(probe_from_row(row))
+                if i % PROBE_APPLY_SLICE == PROBE_APPLY_SLICE - 1:
+                    await asyncio.sleep(0)  # let snapshot readers in between slices of a big cycle
+            if cycle_s is not None:
+                self._state.expire()
         if cycle_s is not None:
-            self._state.expire()
             self._probe_cycles += 1
             self._last_cycle_s = cycle_s
             self._recent_cycles.append(cycle_s)

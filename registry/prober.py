@@ -12,7 +12,7 @@ import aiohttp
 
 from registry.adapters import MetricsParseError, adapter_for
 from registry.records import ServerRecord
-from registry.snapshot import ProbeResult
+from registry.snapshot import ProbeResult, probe_to_row
 
 log = logging.getLogger("fedpool.registry")
 
@@ -179,8 +179,9 @@ class ProberActor:
                     wait = started + (k + 1) * slot_s - time.perf_counter()
                     if k < len(batches) - 1 and wait > 0:
                         await asyncio.sleep(wait)
+                rows = [probe_to_row(r) for r in results]
                 try:  # one delivery per cycle: the registry applies it in slices
-                    await registry.deliver_probes.remote(results, time.perf_counter() - started, busy_s)
+                    await registry.deliver_probes.remote(rows, time.perf_counter() - started, busy_s)
                 except Exception:
                     log.warning("could not deliver probe results; the registry may be restarting")
                 self.cycles += 1

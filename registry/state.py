@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,8 @@ class RegistryState:
         self.version = 0
         self.membership_version = 0  # bumps only when records or capacities change
         self.persist_version = 0  # bumps when anything that is saved to disk changes
+        self._batch_depth = 0
+        self._batch_changed = False
 
     # ---- membership -------------------------------------------------------------------------
     def check_duplicate(self, record: ServerRecord, *, replace: bool) -> bool:
@@ -117,7 +120,7 @@ class RegistryState:
         self._servers[record.id] = state
         self.membership_version += 1
         self.persist_version += 1
-        self._bump()
+        self._bump(now=True)
         return self._entry(state)
 
     def remove(self, server_id: str) -> ServerRecord:
@@ -125,7 +128,7 @@ class RegistryState:
         del self._servers[server_id]
         self.membership_version += 1
         self.persist_version += 1
-        self._bump()
+        self._bump(now=True)
         return state.record
 
     def drain(self, server_id: str) -> ServerEntry:
@@ -134,7 +137,7 @@ class RegistryState:
             state.draining_since = self._clock()
             self.persist_version += 1
             self._refresh(state)
-            self._bump()
+            self._bump(now=True)
         return self._entry(state)
 
     def heartbeat(self, server_id: str, ttl_s: float | None = None) -> ServerEntry:
@@ -146,7 +149,7 @@ class RegistryState:
         state.lease_expires_at = self._clock() + ttl
         self.persist_version += 1
         if self._refresh(state):
-            self._bump()
+            self._bump(now=True)
         return self._entry(state)
 
     # ---- facts --------------------------------------------------------------------------------
@@ -187,7 +190,9 @@ class RegistryState:
                 removed.append(sid)
             elif state.draining_since is not None and self._drain_done(state, now):
                 removed.append(sid)
-            elif self._refresh(state):
+            elif (state.lease_expires_at is not None or state.passive_failures) and self._refresh(state):
+                # Only time-dependent facts (a lease running out, passive failures ageing) can change a
+                # status here; probes refresh it as they arrive.
                 self._bump()
         for sid in removed:
             del self._servers[sid]
@@ -245,8 +250,24 @@ class RegistryState:
             raise UnknownServerError(server_id)
         return state
 
-    def _bump(self) -> None:
-        self.version += 1
+    def _bump(self, *, now: bool = False) -> None:
+        """A new version. Inside a batch, probe facts wait for its end; operator actions (`now`) never do."""
+        if self._batch_depth and not now:
+            self._batch_changed = True  # one version for the whole batch, at its end
+        else:
+            self.version += 1
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Apply many facts (a probe cycle) as one change: readers see the old version until it is done."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth and self._batch_changed:
+                self._batch_changed = False
+                self.version += 1
 
     def _refresh(self, state: ServerState) -> bool:
         now = self._clock()

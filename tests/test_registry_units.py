@@ -290,3 +290,25 @@ def test_only_wanted_families_reach_the_parser() -> None:
         "vllm:num_requests_running"
     )
     assert MetricSamples(text, VllmAdapter.wanted_metrics).total("vllm:generation_tokens_total") == 200000.0
+
+
+def test_probe_rows_round_trip() -> None:
+    from registry.snapshot import probe_from_row, probe_to_row
+
+    full = ProbeResult("s1", True, 0.01, 5.0, None, LoadSample(2, 1, 4.0, 0.5, 100.0, None, 8))
+    bare = ProbeResult("s2", False, 1.0, 5.0, "refused", None, busy=True)
+    assert probe_from_row(probe_to_row(full)) == full and probe_from_row(probe_to_row(bare)) == bare
+
+
+def test_a_probe_batch_is_one_version_but_operator_actions_are_not_held_back() -> None:
+    clock = Clock()
+    state = RegistryState(clock=clock)
+    state.upsert(rec(), 8)
+    before = state.version
+    with state.batch():
+        for _ in range(5):
+            state.record_probe(ProbeResult("s1", True, 0.01, clock.t, load=LoadSample(1, 0, clock.t)))
+        assert state.version == before  # readers still see the previous picture
+        state.upsert(rec(id="s2", url="http://127.0.0.1:8001"), 4)
+        assert state.version == before + 1  # a registration shows at once
+    assert state.version == before + 2
