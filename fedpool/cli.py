@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _ray_flags(start)
     start.add_argument("--probe-interval", type=float, default=2.0, help="seconds between probe cycles")
     start.add_argument("--token-file", type=Path, help="file holding the token to use (default: generate one)")
+    start.add_argument("--metrics-port", type=int, help="serve the pool's Prometheus metrics on this port")
+    start.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the metrics endpoint")
+    start.add_argument("--pin-resource", help="custom Ray resource the registry and its prober must run on")
     start.add_argument("--json", action="store_true")
     start.set_defaults(func=cmd_registry_start)
     status = reg_sub.add_parser("status", help="show whether the registry runs and how it is doing")
@@ -198,6 +201,16 @@ def _connect_ray(address: str) -> None:
         ) from None
 
 
+def _parse_labels(items: Sequence[str]) -> dict[str, str]:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--label {item!r}: expected KEY=VALUE", EXIT_USAGE)
+        labels[key] = value
+    return labels
+
+
 def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
     import socket
 
@@ -225,7 +238,9 @@ def cmd_registry_start(args: argparse.Namespace) -> int:
 
     _connect_ray(args.address)
     token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
-    client = RegistryClient.start(args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval)
+    client = RegistryClient.start(args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval,
+                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                  resources={args.pin_resource: 0.01} if args.pin_resource else {})
     info = asyncio.run(client.ping())
     _emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
           f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)")
@@ -300,7 +315,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
-    labels = dict(item.partition("=")[::2] for item in args.label)
+    labels = _parse_labels(args.label)
     server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
     try:
         record = ServerRecord(
@@ -350,12 +365,7 @@ def cmd_server_add(args: argparse.Namespace) -> int:
 
     from registry import ServerRecord
 
-    labels = {}
-    for item in args.label:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise CliError(f"--label {item!r}: expected KEY=VALUE", EXIT_USAGE)
-        labels[key] = value
+    labels = _parse_labels(args.label)
     try:
         record = ServerRecord(
             id=args.id, url=args.url, engine=args.engine, model=args.model, revision=args.revision,

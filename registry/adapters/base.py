@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from typing import ClassVar
 
 import aiohttp
@@ -115,6 +114,3 @@ def adapter_for(engine: Engine | str) -> EngineAdapter:
     """The adapter instance for an engine name."""
     return _ADAPTERS[Engine(engine)]()
 
-
-def registered_engines() -> Iterable[Engine]:
-    return tuple(_ADAPTERS)
