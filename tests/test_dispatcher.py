@@ -50,26 +50,40 @@ async def run_all(dispatcher: Dispatcher, n: int, **kw: object) -> list[object]:
     return await asyncio.gather(*(dispatcher.submit(request(i, **kw)) for i in range(n)), return_exceptions=True)
 
 
+class PeakWatcher:
+    """Samples the dispatcher's in-flight counts at every loop turn; `peak[server_id]` is the highest seen."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self._dispatcher = dispatcher
+        self.peak: Counter[str] = Counter()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> PeakWatcher:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            for sid, n in self._dispatcher.inflight().items():
+                self.peak[sid] = max(self.peak[sid], n)
+            await asyncio.sleep(0)
+
+
 async def test_spreads_over_all_servers_and_never_exceeds_windows(emulators: EmulatorFactory) -> None:
     servers = [await emulators.start(max_running=4, decode_s=0.005) for _ in range(3)]
     snap = snapshot_of(servers, capacity=4)
-    peak: Counter[str] = Counter()
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight", random.Random(0)), config=FAST)
-
-        async def watch() -> None:
-            while True:
-                for sid, n in dispatcher.inflight().items():
-                    peak[sid] = max(peak[sid], n)
-                await asyncio.sleep(0)
-
-        watcher = asyncio.create_task(watch())
-        results = await run_all(dispatcher, 60)
-        watcher.cancel()
+        async with PeakWatcher(dispatcher) as watcher:
+            results = await run_all(dispatcher, 60)
     answered = Counter(r.server_id for r in results)  # type: ignore[union-attr]
     assert sum(answered.values()) == 60 and set(answered) == {"s0", "s1", "s2"}
     assert all(14 <= c <= 26 for c in answered.values()), answered
-    assert max(peak.values()) <= 4  # the admission window held
+    assert max(watcher.peak.values()) <= 4  # the admission window held
     assert dispatcher.inflight() == {} and dispatcher.stats().inflight_total == 0
 
 
@@ -157,17 +171,8 @@ async def test_concurrent_clients_share_a_saturated_pool_fairly(emulators: Emula
     server = await emulators.start(max_running=2, decode_s=0.005)
     snap = snapshot_of([server], capacity=2)
     finished: list[str] = []
-    peak = 0
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, dispatcher.inflight().get("s0", 0))
-                await asyncio.sleep(0)
-
-        watcher = asyncio.create_task(watch())
 
         async def client(name: str, workers: int, n: int) -> None:
             queue = list(range(n))
@@ -181,11 +186,11 @@ async def test_concurrent_clients_share_a_saturated_pool_fairly(emulators: Emula
             await asyncio.gather(*(worker() for _ in range(workers)))
 
         # "greedy" starts first with many workers; "late" arrives after it has filled the window.
-        greedy = asyncio.create_task(client("greedy", 16, 40))
-        await asyncio.sleep(0.02)
-        await asyncio.gather(greedy, client("late", 2, 20))
-        watcher.cancel()
-    assert peak <= 2  # two concurrent clients together never exceeded the server's window
+        async with PeakWatcher(dispatcher) as watcher:
+            greedy = asyncio.create_task(client("greedy", 16, 40))
+            await asyncio.sleep(0.02)
+            await asyncio.gather(greedy, client("late", 2, 20))
+    assert watcher.peak["s0"] <= 2  # two concurrent clients together never exceeded the server's window
     # While both wait, slots alternate between clients: "late" is not starved until "greedy" is done.
     first_half = finished[: len(finished) // 2]
     assert first_half.count("late") >= 8, first_half
@@ -232,20 +237,11 @@ async def test_other_clients_load_on_a_shared_server_shrinks_our_window(emulator
     busy = ServerEntry(record=base.record, status=base.status, capacity=4, weight=base.weight,
                        load=LoadSample(running=3, waiting=0, observed_at=time.time()))
     snap = PoolSnapshot(version=2, taken_at=0.0, entries=(busy,))
-    peak = 0
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, dispatcher.inflight().get("s0", 0))
-                await asyncio.sleep(0)
-
-        watcher = asyncio.create_task(watch())
-        await run_all(dispatcher, 6)
-        watcher.cancel()
-    assert peak == 1  # capacity 4 minus the 3 other clients keep there
+        async with PeakWatcher(dispatcher) as watcher:
+            await run_all(dispatcher, 6)
+    assert watcher.peak["s0"] == 1  # capacity 4 minus the 3 other clients keep there
 
 
 async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: EmulatorFactory) -> None:
