@@ -90,6 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--api-key-file", type=Path, help="client:secret[:weight] per line; without it the gateway is open")
     gw.set_defaults(func=cmd_gateway)
 
+    ev = sub.add_parser("eval", help="run evaluations through a running pool, or resume a killed run")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True, metavar="ACTION")
+    run = ev_sub.add_parser("run", help="run benchmark specs concurrently through the pool into --out")
+    _ray_flags(run)
+    run.add_argument("--spec", type=Path, action="append", required=True, help="benchmark spec YAML (repeatable)")
+    run.add_argument("--model", required=True, help="served model name to evaluate")
+    run.add_argument("--revision", help="only servers with this model revision")
+    run.add_argument("--out", type=Path, required=True, help="artifact directory (resume with `eval resume`)")
+    run.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
+    run.add_argument("--concurrency", type=_positive_int, default=64, help="requests in flight per eval")
+    run.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
+    run.add_argument("--json", action="store_true")
+    run.set_defaults(func=cmd_eval_run)
+    resume = ev_sub.add_parser("resume", help="finish only the missing records of a run in DIR")
+    _ray_flags(resume)
+    resume.add_argument("run_dir", type=Path)
+    resume.add_argument("--json", action="store_true")
+    resume.set_defaults(func=cmd_eval_resume)
+
     serve = sub.add_parser(
         "serve", help="start an engine on this node, register it, heartbeat, deregister on exit",
         description="Start vLLM, SGLang, llama.cpp or an emulated server as a child process (its output in a log "
@@ -293,6 +312,64 @@ async def _serve_gateway(client: Any, host: str, port: int, policy: str, keys: A
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await runner.cleanup()
+
+
+EVAL_FILE = "eval.json"
+
+
+def cmd_eval_run(args: argparse.Namespace) -> int:
+    from pipeline.artifact import write_json_atomic
+
+    plan = {
+        "specs": [str(p.resolve()) for p in args.spec], "model": args.model, "revision": args.revision,
+        "policy": args.policy, "concurrency": args.concurrency, "limit": args.limit,
+    }
+    out = args.out.resolve()
+    if (out / EVAL_FILE).exists():
+        raise CliError(f"{out} already holds a run; use `fedpool eval resume {out}` or another --out", EXIT_USAGE)
+    specs = _load_eval_specs(plan)  # bad specs stop here, before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / EVAL_FILE, plan)
+    return _run_eval(args, out, plan, specs)
+
+
+def cmd_eval_resume(args: argparse.Namespace) -> int:
+    out = args.run_dir.resolve()
+    try:
+        plan = json.loads((out / EVAL_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CliError(f"{out} has no {EVAL_FILE}: not a directory made by `fedpool eval run`", EXIT_USAGE) from None
+    return _run_eval(args, out, plan, _load_eval_specs(plan))
+
+
+def _load_eval_specs(plan: dict[str, Any]) -> list[Any]:
+    from fedpool.demo import load_specs
+
+    return load_specs(tuple(Path(p) for p in plan["specs"]), plan.get("limit"))
+
+
+def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: list[Any]) -> int:
+    client = _client(args)
+    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs))
+    rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
+            for s in summaries}
+    if args.json:
+        print(json.dumps({"run_dir": str(out), "benchmarks": rows}, indent=2, default=str))
+    else:
+        for s in summaries:
+            scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in s.summary["scores"])
+            print(f"{s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
+                  f"{s.summary['failed']} failed); {scores}; {s.artifact_dir}")
+    return EXIT_OK
+
+
+async def _eval_through_pool(client: Any, out: Path, plan: dict[str, Any], specs: list[Any]) -> list[Any]:
+    from clients import EvalTarget, run_evals
+    from federation import PoolConnection
+
+    async with PoolConnection(client, policy=plan["policy"]) as pool:
+        return await run_evals(specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
+                               concurrency=plan["concurrency"], run_info={"policy": plan["policy"]})
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -28,7 +28,8 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["demo"], ["gateway"], ["serve"], ["registry", "start"], ["registry", "status"], ["server", "add"],
+    [[], ["demo"], ["gateway"], ["serve"], ["eval", "run"], ["eval", "resume"], ["registry", "start"],
+     ["registry", "status"], ["server", "add"],
      ["server", "list"], ["server", "show"], ["server", "drain"], ["server", "remove"]],
 )
 def test_every_command_has_help(args: list[str]) -> None:
@@ -146,3 +147,43 @@ async def test_server_commands_against_a_live_registry(
     assert removed.returncode == 0 and "removed gpu-a" in removed.stdout
     status = await cli("registry", "status", "--address", address, "--json")
     assert json.loads(status.stdout)["servers"] == 0
+
+
+def count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.ray
+async def test_eval_killed_midway_then_resumed_loses_and_doubles_nothing(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    from registry import ServerRecord
+
+    server = await emulators.start(model="emu-model", max_running=2, decode_s=0.02)  # ~0.16 s a request
+    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
+    address = ray.get_runtime_context().gcs_address
+    spec = ROOT / "pipeline" / "bundled" / "arith.yaml"
+    out = tmp_path / "run"
+    cmd = [*FEDPOOL, "eval", "run", "--address", address, "--spec", str(spec), "--model", "emu-model",
+           "--out", str(out), "--concurrency", "2"]
+    proc = await asyncio.create_subprocess_exec(*cmd, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL,
+                                                stderr=asyncio.subprocess.DEVNULL)
+    records = out / "arith" / "records.jsonl"
+    for _ in range(600):
+        if await asyncio.to_thread(count_lines, records) >= 20:
+            break
+        await asyncio.sleep(0.05)
+    proc.kill()  # the client process dies mid-run (SIGKILL: no cleanup)
+    await asyncio.wait_for(proc.wait(), 10)
+    before = await asyncio.to_thread(count_lines, records)
+    assert 20 <= before < 60
+    again = await asyncio.to_thread(run, "eval", "resume", "--address", address, str(out), "--json", timeout=240)
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout)["benchmarks"]["arith"]
+    rows = read_jsonl(records)
+    ids = [r["sample_id"] for r in rows]
+    assert len(ids) == 60 and len(set(ids)) == 60  # every record exactly once
+    assert report["resumed_records"] >= before - 1 and report["written_now"] == 60 - report["resumed_records"]
+    repeat = await asyncio.to_thread(run, "eval", "run", "--address", address, "--spec", str(spec), "--model",
+                                     "emu-model", "--out", str(out))
+    assert repeat.returncode == 2 and "eval resume" in repeat.stderr
