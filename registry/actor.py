@@ -21,7 +21,7 @@ from registry.checks import verify_server
 from registry.persistence import StateStore
 from registry.prober import ProbePlan, ProberActor
 from registry.records import ServerRecord
-from registry.snapshot import PoolSnapshot, ProbeRow, ServerEntry, probe_from_row
+from registry.snapshot import ProbeRow, ServerEntry, probe_from_row
 from registry.state import RegistryState, RegistryTimings
 from registry.status import StatusThresholds
 
@@ -257,11 +257,6 @@ class RegistryActor:
         return known
 
     # ---- reads (open) -------------------------------------------------------------------------
-    async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
-        """The current snapshot as one object (simple, but ~10x costlier to ship than snapshot_wire)."""
-        await self._wait_newer(since_version, timeout_s)
-        return self._state.snapshot()
-
     async def snapshot_wire(
         self, since_version: int = -1, timeout_s: float = 0.0, known_membership: int = -1
     ) -> tuple[int, float, int, bytes | None, tuple[Any, ...]]:
