@@ -81,8 +81,13 @@ def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     report = json.loads(result.stdout)
     assert set(report["benchmarks"]) == {"arith", "capitals", "capitals_mc"}
     assert set(report["answered"]) == {"llamacpp-0", "llamacpp-1"}
+    # Which server answers which request depends on timing; what must hold is that both servers took a real
+    # share of the work and that the per-server counts (from each record's provenance) add up to every record
+    # exactly once.
     for server, per_bench in report["answered"].items():
-        assert set(per_bench) == {"arith", "capitals", "capitals_mc"}, server
+        assert sum(per_bench.values()) >= 3, (server, per_bench)
+    for name in ("arith", "capitals", "capitals_mc"):
+        assert sum(per_bench.get(name, 0) for per_bench in report["answered"].values()) == 10, name
     for name, bench in report["benchmarks"].items():
         records = read_jsonl(Path(bench["artifact_dir"]) / "records.jsonl")
         assert len(records) == 10 and bench["failed"] == 0, name
