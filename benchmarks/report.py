@@ -42,9 +42,11 @@ def result_line(values: Mapping[str, object]) -> str:
     return "result: " + " ".join(f"{k}={v}" for k, v in values.items())
 
 
-def write_report(name: str, title: str, body: str, result: Mapping[str, object]) -> Path:
+def write_report(
+    name: str, title: str, body: str, result: Mapping[str, object], *, results_dir: Path = RESULTS_DIR
+) -> Path:
     """Write benchmarks/results/NAME.md; the last line is the machine-readable `result:` line."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    results_dir.mkdir(parents=True, exist_ok=True)
     command = "python -m benchmarks." + Path(sys.argv[0]).stem + (
         " " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""
     )
@@ -56,6 +58,6 @@ def write_report(name: str, title: str, body: str, result: Mapping[str, object])
         f"{body.rstrip()}\n\n"
         f"{result_line(result)}\n"
     )
-    path = RESULTS_DIR / f"{name}.md"
+    path = results_dir / f"{name}.md"
     path.write_text(text, encoding="utf-8")
     return path

@@ -33,6 +33,7 @@ from pipeline import (
     request_body,
     summarize_records,
 )
+from pipeline.stages import StageHooks
 from pipeline.verifier import VerifierPool, judge_item, with_judgment
 
 log = logging.getLogger("fedpool.client")
@@ -93,6 +94,7 @@ class EvalRun:
         on_progress: Callable[[EvalProgress], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verifier: VerifierPool | None = None,
+        stages: StageHooks | None = None,
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -106,6 +108,9 @@ class EvalRun:
         self._on_progress = on_progress
         self._clock = clock
         self._counters = _Counters()
+        self._stages = stages or StageHooks()
+        self._work_each = 1.0
+        self._post: set[asyncio.Task[None]] = set()
         if spec.verifier and verifier is None:
             raise ValueError(f"benchmark {spec.name!r} asks for the verifier (verifier: true); pass a VerifierPool")
         self._verifier = verifier if spec.verifier else None
@@ -136,14 +141,23 @@ class EvalRun:
         todo = [s for s in samples if s.sample_id not in writer.done_ids]
         total = len(samples)
         self._counters.done = total - len(todo)
+        self._work_each = _work_per_sample(self.spec, todo)
+        self._report_remaining(len(todo))
         if writer.resumed:
             log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
-        queue: asyncio.Queue[Sample] = asyncio.Queue()
-        for sample in todo:
-            queue.put_nowait(sample)
+        n_workers = min(self._concurrency, max(1, len(todo)))
+        queue: asyncio.Queue[Sample | None] = asyncio.Queue()
+        loader: asyncio.Task[None] | None = None
+        if self._stages.before is None:
+            for sample in todo:
+                queue.put_nowait(sample)
+            for _ in range(n_workers):
+                queue.put_nowait(None)  # after every sample: a worker that reads it knows all were taken
+        else:
+            loader = asyncio.create_task(self._prefetch(todo, queue, n_workers), name=f"{self.spec.name}-loader")
         workers = [
             asyncio.create_task(self._worker(queue, writer, total, started), name=f"{self.spec.name}-worker-{i}")
-            for i in range(min(self._concurrency, max(1, len(todo))))
+            for i in range(n_workers)
         ]
         judges: list[asyncio.Task[None]] = []
         if self._verify_queue is not None and self._verifier is not None:
@@ -152,13 +166,16 @@ class EvalRun:
                 for i in range(2 * self._verifier.config.actors)
             ]
         try:
-            await asyncio.gather(*workers)
+            await asyncio.gather(*workers, *([loader] if loader is not None else []))
+            while self._post:
+                await asyncio.gather(*list(self._post))
             if self._verify_queue is not None:
                 await self._verify_queue.join()
         finally:
-            for task in workers + judges:
+            extra = [loader] if loader is not None else []
+            for task in [*workers, *judges, *self._post, *extra]:
                 task.cancel()
-            await asyncio.gather(*workers, *judges, return_exceptions=True)
+            await asyncio.gather(*workers, *judges, *self._post, *extra, return_exceptions=True)
             await asyncio.to_thread(writer.close)
         records = await asyncio.to_thread(read_records, writer.path)
         wall = self._clock() - started
@@ -179,20 +196,63 @@ class EvalRun:
         await asyncio.to_thread(writer.write_summary, summary)
         return EvalSummary(self.spec.name, self._dir, summary, wall, writer.resumed, self._counters.written)
 
-    async def _worker(self, queue: asyncio.Queue[Sample], writer: ArtifactWriter, total: int, started: float) -> None:
+    async def _prefetch(self, todo: list[Sample], queue: asyncio.Queue[Sample | None], n_workers: int) -> None:
+        """Loads samples on the CPU stage actors in chunks, several chunks at once, ahead of the workers;
+        chunks are handed on in order, so the run's order (and its tail) stays the dataset's."""
+        assert self._stages.before is not None
+        size = max(1, self._stages.chunk)
+        chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+        limit = asyncio.Semaphore(max(1, self._stages.prefetch))
+
+        async def load(chunk: list[Sample]) -> list[Sample]:
+            async with limit:
+                assert self._stages.before is not None
+                await self._stages.before(len(chunk))
+            return chunk
+
+        tasks = [asyncio.create_task(load(chunk)) for chunk in chunks]
+        try:
+            for task in tasks:
+                for sample in await task:
+                    queue.put_nowait(sample)
+        finally:
+            for task in tasks:
+                task.cancel()
+        for _ in range(n_workers):
+            queue.put_nowait(None)
+
+    async def _worker(
+        self, queue: asyncio.Queue[Sample | None], writer: ArtifactWriter, total: int, started: float
+    ) -> None:
         while True:
-            try:
-                sample = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                # Nothing left to send: what is still in flight is this run's tail, where the dispatcher
-                # may hedge stragglers onto idle servers.
+            sample = await queue.get()
+            if sample is None:
+                # Every sample has been taken: what is still in flight is this run's tail, where the
+                # dispatcher may hedge stragglers onto idle servers.
                 self._dispatcher.client_done_sending(self.spec.name)
                 return
             record = await self._evaluate(sample)
-            if self._verify_queue is not None and not record.failed:
-                await self._verify_queue.put(record)  # bounded: a slow verifier slows inference, not memory
+            if self._stages.after is not None:
+                # Scoring runs on the CPU actors while this worker sends its next request.
+                task = asyncio.create_task(self._after_stage(record, writer, total, started))
+                self._post.add(task)
+                task.add_done_callback(self._post.discard)
                 continue
-            self._finish(record, writer, total, started)
+            await self._hand_on(record, writer, total, started)
+
+    async def _after_stage(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
+        assert self._stages.after is not None
+        try:
+            await self._stages.after()
+        except Exception as exc:  # a failing stage must not lose the record
+            log.warning("%s/%s: CPU stage failed (%s)", record.benchmark, record.sample_id, type(exc).__name__)
+        await self._hand_on(record, writer, total, started)
+
+    async def _hand_on(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
+        if self._verify_queue is not None and not record.failed:
+            await self._verify_queue.put(record)  # bounded: a slow verifier slows inference, not memory
+            return
+        self._finish(record, writer, total, started)
 
     async def _verify_stage(self, writer: ArtifactWriter, total: int, started: float) -> None:
         """Judges finished records on the verifier's CPU actors while inference goes on."""
@@ -208,10 +268,14 @@ class EvalRun:
             self._finish(record, writer, total, started)
             self._verify_queue.task_done()
 
+    def _report_remaining(self, samples_left: int) -> None:
+        self._dispatcher.set_client_remaining(self.spec.name, samples_left * self._work_each)
+
     def _finish(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
         if writer.write(record):
             self._counters.written += 1
         self._counters.done += 1
+        self._report_remaining(total - self._counters.done)
         if record.failed:
             self._counters.failed += 1
         if record.provenance.attempts > 1:
@@ -252,6 +316,18 @@ class EvalRun:
             self.spec, sample, result.completion.text, _provenance(result, self._target.model),
             reasoning=result.completion.reasoning_content,
         )
+
+
+DECODE_WEIGHT = 2.0  # a generated token costs about two prompt tokens of GPU time in a full batch
+
+
+def _work_per_sample(spec: BenchmarkSpec, samples: list[Sample], probe: int = 64) -> float:
+    """A rough per-request work estimate (prompt words + weighted answer budget) from a few samples, for
+    the dispatcher's shortest-first ordering; the unit only has to be the same across evals."""
+    bodies = [request_body(spec, s) for s in samples[:probe]]
+    words = [len(str(b.get("prompt") or b.get("messages") or "").split()) for b in bodies]
+    mean_words = sum(words) / len(words) if words else 0.0
+    return mean_words + DECODE_WEIGHT * spec.generation.max_tokens
 
 
 def _attempt_info(attempt: Any) -> AttemptInfo:

@@ -1,9 +1,9 @@
-"""An OpenAI-compatible server that speaks like vLLM (metrics names, labels, health), for tests and
-benchmarks without GPUs. Timing model: at most `max_running` sequences at once (others wait in a queue,
-as in the engine's scheduler); each takes prefill + per-token decode time, slowed as the batch grows.
+"""An OpenAI-compatible server that speaks like vLLM or SGLang (metric names, labels, health, extra
+endpoints), for tests and benchmarks without GPUs.
 
-This is the emulator's first cut: the full continuous-batching model (KV budget, preemption, prefix
-cache, SGLang protocol, calibrated profiles) is tracked in the engines issue.
+Timing comes from `deploy.batching.BatchEngine`, a continuous-batching model (admission up to
+`max_running`, chunked prefill, per-step decode cost growing with the batch, KV budget with
+preemption, prefix cache). Profiles in `PROFILES` say where their figures come from.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
 
@@ -33,13 +35,22 @@ class Faults:
 
 @dataclass(frozen=True, slots=True)
 class EmulatorProfile:
+    """One engine on one accelerator. Step cost: see `deploy.batching`; every time is engine seconds
+    (the server's `speedup` divides them)."""
+
     name: str = "tiny"
-    max_running: int = 8
+    max_running: int = 8  # vLLM max_num_seqs / SGLang max_running_requests
     prefill_s_per_token: float = 0.0
-    decode_s_per_token: float = 0.002
+    decode_s_per_token: float = 0.002  # one decode step of a batch of one
     batch_slowdown: float = 0.05  # each extra running sequence slows a step by this fraction
-    default_output_tokens: int = 8
+    default_output_tokens: int = 8  # the model's answer length when max_tokens allows it (EOS)
     protocol: str = "vllm"  # vllm | sglang: metric names, labels and extra endpoints
+    attn_s_per_ctx_token: float = 0.0  # KV read per context token per step
+    kv_cache_tokens: int | None = None  # KV budget; None: bounded by max_running only
+    max_batched_tokens: int = 8192  # token budget of one step (chunked prefill)
+    prefix_cache: bool = False
+    output_spread: float = 0.0  # answers end early: length × (1 − spread × u), u ∈ [0,1) from the prompt hash
+    source: str = ""  # where the figures come from
 
 
 @dataclass
@@ -65,9 +76,10 @@ class EmulatedServer:
         speedup: float = 1.0,
         host: str = "127.0.0.1",
         port: int = 0,
+        keep_timeline: bool = False,
     ):
         self.model = model
-        self.profile = profile or EmulatorProfile()
+        self._profile = profile or EmulatorProfile()
         self.faults = faults or Faults()
         self._rng = random.Random(seed)
         self._seed = seed
@@ -75,15 +87,27 @@ class EmulatedServer:
         self._host = host
         self._port = port
         self._stats = _Stats()
-        self._slots = asyncio.Semaphore(self.profile.max_running)
+        self.engine = BatchEngine(self.profile, speedup=speedup, keep_timeline=keep_timeline)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._hung: list[asyncio.Future[None]] = []
         self.url = ""
 
     @property
+    def profile(self) -> EmulatorProfile:
+        return self._profile
+
+    @profile.setter
+    def profile(self, profile: EmulatorProfile) -> None:
+        """Change the engine's speed while it runs (tests of learning and breakers)."""
+        self._profile = profile
+        self.engine.profile = profile
+
+    @property
     def stats(self) -> _Stats:
-        return self._stats
+        s = self._stats
+        s.running, s.waiting = self.engine.running, self.engine.waiting
+        return s
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -101,7 +125,10 @@ class EmulatedServer:
 
     async def start(self) -> str:
         # A short shutdown grace: stopping the emulator behaves like a killed engine, not a polite drain.
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=0.2)
+        # handler_cancellation: a client that goes away aborts its request, as vLLM and SGLang abort a
+        # disconnected request's sequence (the loser of a hedge race frees its place in the batch).
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=0.2,
+                                     handler_cancellation=True)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self._host, self._port)
         await self._site.start()
@@ -117,6 +144,7 @@ class EmulatedServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.engine.close()
 
     async def crash(self) -> None:
         """Stop listening and drop every connection, like a killed process."""
@@ -140,13 +168,15 @@ class EmulatedServer:
         })
 
     async def _loads(self, request: web.Request) -> web.Response:
-        s = self._stats
+        s = self.stats
         return web.json_response([{"dp_rank": 0, "num_reqs": s.running + s.waiting, "num_waiting_reqs": s.waiting,
                                    "num_running_reqs": s.running}])
 
     def _sglang_metrics(self) -> str:
-        s = self._stats
+        s = self.stats
         labels = f'model_name="{self.model}",tp_rank="0",dp_rank="0"'
+        c = self.engine.counters
+        hit_rate = c.prefix_hits / c.prefix_queries if c.prefix_queries else 0.0
         gen_tps = s.running / max(self.profile.decode_s_per_token, 1e-9) * self._speedup if s.running else 0.0
         return (
             "# HELP sglang:num_running_reqs The number of running requests.\n"
@@ -157,7 +187,7 @@ class EmulatedServer:
             f"sglang:num_queue_reqs{{{labels}}} {float(s.waiting)}\n"
             "# HELP sglang:token_usage The token usage\n"
             "# TYPE sglang:token_usage gauge\n"
-            f"sglang:token_usage{{{labels}}} {s.running / self.profile.max_running:.4f}\n"
+            f"sglang:token_usage{{{labels}}} {self.engine.kv_usage:.4f}\n"
             "# HELP sglang:gen_throughput The generation throughput (token/s).\n"
             "# TYPE sglang:gen_throughput gauge\n"
             f"sglang:gen_throughput{{{labels}}} {gen_tps:.2f}\n"
@@ -167,12 +197,29 @@ class EmulatedServer:
             "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n"
             "# TYPE sglang:prompt_tokens_total counter\n"
             f"sglang:prompt_tokens_total{{{labels}}} {float(s.prompt_tokens)}\n"
+            "# HELP sglang:cache_hit_rate The prefix cache hit rate.\n"
+            "# TYPE sglang:cache_hit_rate gauge\n"
+            f"sglang:cache_hit_rate{{{labels}}} {hit_rate:.4f}\n"
+        )
+
+    def _emulator_metrics(self) -> str:
+        """The emulator's own accounting (no engine has these): engine-seconds of steps and step count, so a
+        benchmark can check that the emulated GPU computed for as long as wall time × speedup says."""
+        c = self.engine.counters
+        return (
+            "# HELP fedpool_emulator_busy_seconds_total Engine seconds spent in steps with work.\n"
+            "# TYPE fedpool_emulator_busy_seconds_total counter\n"
+            f"fedpool_emulator_busy_seconds_total {c.busy_s:.6f}\n"
+            "# HELP fedpool_emulator_steps_total Engine steps taken.\n"
+            "# TYPE fedpool_emulator_steps_total counter\n"
+            f"fedpool_emulator_steps_total {float(c.steps)}\n"
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.profile.protocol == "sglang":
-            return web.Response(text=self._sglang_metrics(), content_type="text/plain", charset="utf-8")
-        s = self._stats
+            return web.Response(text=self._sglang_metrics() + self._emulator_metrics(), content_type="text/plain",
+                                charset="utf-8")
+        s, c = self.stats, self.engine.counters
         labels = f'engine="0",model_name="{self.model}"'
         text = (
             "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
@@ -183,14 +230,23 @@ class EmulatedServer:
             f"vllm:num_requests_waiting{{{labels}}} {float(s.waiting)}\n"
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
-            f"vllm:kv_cache_usage_perc{{{labels}}} {s.running / self.profile.max_running:.4f}\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {self.engine.kv_usage:.4f}\n"
             "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
             "# TYPE vllm:generation_tokens_total counter\n"
             f"vllm:generation_tokens_total{{{labels}}} {float(s.generation_tokens)}\n"
             "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.\n"
             "# TYPE vllm:prompt_tokens_total counter\n"
             f"vllm:prompt_tokens_total{{{labels}}} {float(s.prompt_tokens)}\n"
-        )
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.\n"
+            "# TYPE vllm:num_preemptions_total counter\n"
+            f"vllm:num_preemptions_total{{{labels}}} {float(c.preemptions)}\n"
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n"
+            "# TYPE vllm:prefix_cache_queries_total counter\n"
+            f"vllm:prefix_cache_queries_total{{{labels}}} {float(c.prefix_queries)}\n"
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n"
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            f"vllm:prefix_cache_hits_total{{{labels}}} {float(c.prefix_hits)}\n"
+        ) + self._emulator_metrics()
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -222,21 +278,17 @@ class EmulatedServer:
             self._count("500")
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
         prompt = _prompt_text(body, chat)
-        prompt_tokens = max(1, len(prompt.split()))
-        out_tokens = min(max_tokens_given, self.profile.default_output_tokens)
-        self._stats.waiting += 1
-        async with self._slots:
-            self._stats.waiting -= 1
-            self._stats.running += 1
-            try:
-                step = self.profile.decode_s_per_token * (1 + self.profile.batch_slowdown * (self._stats.running - 1))
-                delay = prompt_tokens * self.profile.prefill_s_per_token + out_tokens * step
-                if delay > 0:
-                    await asyncio.sleep(delay / self._speedup)
-            finally:
-                self._stats.running -= 1
+        words = prompt.split()
+        prompt_tokens = max(1, len(words))
+        out_tokens = self._output_length(prompt, min(max_tokens_given, self.profile.default_output_tokens))
+        try:
+            gen = await self.engine.generate(prompt_tokens, out_tokens, prompt_blocks(words))
+        except PromptTooLong as exc:
+            self._count("400")
+            return web.json_response({"error": {"message": str(exc), "type": "BadRequestError"}}, status=400)
         self._stats.prompt_tokens += prompt_tokens
         self._stats.generation_tokens += out_tokens
+        cached = gen.cached_tokens
         if roll < self.faults.error_rate + self.faults.malformed_rate:
             self._count("200-malformed")
             return web.Response(text='{"choices": [{"text": ', content_type="application/json")
@@ -247,8 +299,10 @@ class EmulatedServer:
             return await self._stream(request, text, chat)
         if self.faults.crash_after is not None and self._stats.completed >= self.faults.crash_after:
             asyncio.get_running_loop().create_task(self.crash())
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": out_tokens,
-                 "total_tokens": prompt_tokens + out_tokens}
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": out_tokens,
+                                 "total_tokens": prompt_tokens + out_tokens}
+        if self.profile.prefix_cache:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         created = int(time.time())
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -283,6 +337,14 @@ class EmulatedServer:
         await response.write_eof()
         return response
 
+    def _output_length(self, prompt: str, limit: int) -> int:
+        """Where the model stops: `limit`, or earlier by a prompt-determined fraction (`output_spread`)."""
+        spread = self.profile.output_spread
+        if spread <= 0:
+            return limit
+        u = int.from_bytes(hashlib.sha256(f"len:{self._seed}:{prompt}".encode()).digest()[:4], "big") / 2**32
+        return max(1, round(limit * (1 - spread * u)))
+
     def _answer(self, prompt: str, tokens: int) -> str:
         """Deterministic in (seed, prompt): the same request gets the same answer from any replica."""
         digest = hashlib.sha256(f"{self._seed}:{prompt}".encode()).digest()
@@ -304,17 +366,69 @@ def _prompt_text(body: dict[str, Any], chat: bool) -> str:
     return "\n".join(parts)
 
 
+# Figures for a 7.6 B-parameter dense model in bf16/fp16 (Qwen2.5-7B-class, as the 7B omni models of the
+# OmniEvaluator paper's Table 7: 28 layers, 4 KV heads × 128 dims), derived from the accelerators' data sheets;
+# they are derivations, not measurements, and each profile's `source` shows the arithmetic.
+_WEIGHTS_GB = 15.2  # 7.6e9 params × 2 bytes
+_KV_BYTES_PER_TOKEN = 57_344  # 2 (K,V) × 28 layers × 4 heads × 128 dims × 2 bytes
+_FLOP_PER_TOKEN = 15.2e9  # 2 × params
+
+
+def _derived(name: str, *, hbm_gbs: float, bw_eff: float, tflops: float, mfu: float, mem_gb: float,
+             util: float, protocol: str = "vllm", overhead: float = 1.0) -> EmulatorProfile:
+    decode = _WEIGHTS_GB / (hbm_gbs * bw_eff) * overhead  # one step reads every weight once
+    kv_tokens = int(((mem_gb * util) - _WEIGHTS_GB - 3.0) * 1e9 / _KV_BYTES_PER_TOKEN)  # 3 GB activations/graphs
+    source = (
+        f"derived: decode step {_WEIGHTS_GB} GB weights / ({hbm_gbs:.0f} GB/s HBM × {bw_eff}) × {overhead}"
+        f" = {decode * 1e3:.1f} ms; prefill {_FLOP_PER_TOKEN / 1e9:.1f} GFLOP/token / ({tflops:.0f} TFLOPS × {mfu})"
+        f" = {_FLOP_PER_TOKEN / (tflops * 1e12 * mfu) * 1e3:.3f} ms/token; KV {_KV_BYTES_PER_TOKEN} B/token in"
+        f" {mem_gb:.0f} GB × {util} − weights − 3 GB = {kv_tokens} tokens; KV read"
+        f" {_KV_BYTES_PER_TOKEN / (hbm_gbs * 1e9 * bw_eff) * 1e9:.0f} ns per context token per step"
+    )
+    return EmulatorProfile(
+        name, max_running=256, prefill_s_per_token=_FLOP_PER_TOKEN / (tflops * 1e12 * mfu), decode_s_per_token=decode,
+        batch_slowdown=0.004, default_output_tokens=32768, protocol=protocol,
+        attn_s_per_ctx_token=_KV_BYTES_PER_TOKEN / (hbm_gbs * 1e9 * bw_eff), kv_cache_tokens=kv_tokens,
+        max_batched_tokens=8192, prefix_cache=True, output_spread=0.0, source=source,
+    )
+
+
 PROFILES = {
-    "tiny": EmulatorProfile("tiny"),
-    # Illustrative GPU profiles (decode ~2× faster on A100, bandwidth-bound); calibrated ones: engines issue.
+    "tiny": EmulatorProfile("tiny", source="a fast toy engine for tests"),
+    # Illustrative GPU profiles kept for the policy benchmark and tests (round numbers, not derived).
     "a100-illustrative": EmulatorProfile("a100-illustrative", max_running=32, prefill_s_per_token=0.0002,
-                                         decode_s_per_token=0.012, batch_slowdown=0.02, default_output_tokens=4096),
+                                         decode_s_per_token=0.012, batch_slowdown=0.02, default_output_tokens=4096,
+                                         source="illustrative round numbers"),
     "sglang-a100-illustrative": EmulatorProfile(
         "sglang-a100-illustrative", max_running=32, prefill_s_per_token=0.0002, decode_s_per_token=0.011,
-        batch_slowdown=0.02, default_output_tokens=4096, protocol="sglang"),
+        batch_slowdown=0.02, default_output_tokens=4096, protocol="sglang", source="illustrative round numbers"),
     "v100-illustrative": EmulatorProfile("v100-illustrative", max_running=16, prefill_s_per_token=0.0005,
-                                         decode_s_per_token=0.024, batch_slowdown=0.03, default_output_tokens=4096),
+                                         decode_s_per_token=0.024, batch_slowdown=0.03, default_output_tokens=4096,
+                                         source="illustrative round numbers"),
+    # A100-SXM4-80GB: 2,039 GB/s HBM2e, 312 TFLOPS dense bf16 (NVIDIA A100 data sheet); vLLM's default
+    # gpu_memory_utilization 0.9 and max_num_seqs 256, chunked prefill at 8192 batched tokens.
+    "vllm-a100-80gb-7b": _derived("vllm-a100-80gb-7b", hbm_gbs=2039, bw_eff=0.75, tflops=312, mfu=0.5,
+                                  mem_gb=80, util=0.9),
+    # SGLang on the same GPU: mem_fraction_static ≈ 0.88 for 80 GB cards; slightly lower per-step overhead.
+    "sglang-a100-80gb-7b": _derived("sglang-a100-80gb-7b", hbm_gbs=2039, bw_eff=0.75, tflops=312, mfu=0.5,
+                                    mem_gb=80, util=0.88, protocol="sglang", overhead=0.95),
+    # V100-SXM2-32GB: 900 GB/s HBM2, 125 TFLOPS fp16 tensor (NVIDIA V100 data sheet); no FlashAttention-2,
+    # so lower achieved efficiency.
+    "vllm-v100-32gb-7b": _derived("vllm-v100-32gb-7b", hbm_gbs=900, bw_eff=0.7, tflops=125, mfu=0.4,
+                                  mem_gb=32, util=0.9),
 }
+
+
+def profile_from_json(text: str) -> EmulatorProfile:
+    """A profile given in full as JSON (how the speedup benchmark passes overridden figures)."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("--profile-json must be a JSON object")
+    known = set(EmulatorProfile.__dataclass_fields__)
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"unknown profile fields {sorted(unknown)}; known: {sorted(known)}")
+    return EmulatorProfile(**raw)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -327,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
+    parser.add_argument("--profile-json", help="a full profile as JSON (overrides --profile)")
     parser.add_argument("--speedup", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--error-rate", type=float, default=0.0)
@@ -334,16 +449,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--crash-after", type=int)
     args = parser.parse_args(argv)
+    try:
+        profile = profile_from_json(args.profile_json) if args.profile_json else PROFILES[args.profile]
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--profile-json: {exc}")
 
     async def run() -> None:
         server = EmulatedServer(
-            model=args.model, profile=PROFILES[args.profile], seed=args.seed, speedup=args.speedup,
+            model=args.model, profile=profile, seed=args.seed, speedup=args.speedup,
             host=args.host, port=args.port,
             faults=Faults(error_rate=args.error_rate, malformed_rate=args.malformed_rate, hang=args.hang,
                           crash_after=args.crash_after),
         )
         await server.start()
-        print(f"emulated {args.profile} server for {args.model} on {server.url}", flush=True)
+        print(f"emulated {profile.name} server for {args.model} on {server.url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

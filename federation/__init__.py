@@ -4,7 +4,7 @@ from federation.dispatcher import DispatchConfig, Dispatcher, DispatcherStats, S
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.policies import Candidate, Policy, RouteContext, RouteDecision, make_policy, policy_names
 from federation.pool import PoolConnection
-from federation.transport import Timeouts, new_session
+from federation.transport import Timeouts, new_session, post_completion
 from federation.types import Attempt, Completion, Endpoint, InferenceRequest, InferenceResult
 
 __all__ = [
@@ -30,4 +30,5 @@ __all__ = [
     "make_policy",
     "new_session",
     "policy_names",
+    "post_completion",
 ]

@@ -8,7 +8,7 @@ import itertools
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +44,12 @@ class DispatchConfig:
     hedging: bool = True  # duplicate stragglers at the tail; only greedy requests (temperature 0)
     hedge_factor: float = 2.0  # hedge once an attempt takes this × the model's median latency
     hedge_min_delay_s: float = 0.2
+    learn_period_s: float = 2.0  # how often each server's throughput and admission window are re-decided
+    # Which waiting request is served first when the pool is full. "fair": the client with the fewest
+    # requests in flight per unit of weight (every eval progresses at the same pace). "shortest_first": the
+    # client with the least work left (as it reports with set_client_remaining), fair among equals: evals
+    # finish one after another, so results arrive sooner on average while the pool stays as busy.
+    client_order: str = "fair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,16 @@ class _RetryState:
     tried: set[str] = field(default_factory=set)
     counted: int = 0
     resets: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class _Racer:
+    """A hedgeable request in flight on `server`; an idle server may steal it at the tail."""
+
+    request: InferenceRequest
+    server: ServerEntry
+    wake: asyncio.Event
+    stolen: tuple[asyncio.Task[Completion], ServerEntry, float] | None = None  # the copy an idle server started
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +153,15 @@ class Dispatcher:
         self._sleep = sleep
         self._book = ServerBook(
             BookSettings(self._config.window_factor, self._config.adaptive_windows, self._config.learn_throughput,
-                         self._config.breaker_failures, self._config.breaker_cooldown_s),
+                         self._config.breaker_failures, self._config.breaker_cooldown_s,
+                         self._config.learn_period_s),
             clock=clock, wall_clock=wall_clock,
         )
         self._submitted = self._completed = self._failed = self._retries = 0
-        self._waiters: list[_Waiter] = []
+        # Waiting requests, FIFO per (client, route): a grant looks at each queue's head only, so it costs
+        # O(clients × routes), not O(waiters). Cancelled waiters are dropped lazily when they reach a head.
+        self._queues: dict[tuple[str, tuple[object, ...]], deque[_Waiter]] = {}
+        self._route_waiting: Counter[tuple[object, ...]] = Counter()  # live waiters per route
         self._client_inflight: Counter[str] = Counter()
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -149,9 +169,14 @@ class Dispatcher:
         self._route_cache_version = -1
         self._route_cache_snapshot: PoolSnapshot | None = None
         self._client_weights: dict[str, float] = {}
+        self._client_remaining: dict[str, float] = {}
+        if self._config.client_order not in ("fair", "shortest_first"):
+            raise ValueError(f"client_order must be 'fair' or 'shortest_first', not {self._config.client_order!r}")
+        self._shortest_first = self._config.client_order == "shortest_first"
         self._clients_done: set[str] = set()
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
+        self._racing: dict[str, dict[_Racer, None]] = {}  # server id -> its hedgeable requests, oldest first
 
     @property
     def policy(self) -> Policy:
@@ -171,6 +196,10 @@ class Dispatcher:
             raise ValueError("client weight must be positive")
         self._client_weights[client_id] = weight
 
+    def set_client_remaining(self, client_id: str, work: float) -> None:
+        """How much work the client has left (any consistent unit); used by client_order="shortest_first"."""
+        self._client_remaining[client_id] = max(0.0, work)
+
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: waiting requests look again."""
         self._dispatch_waiting()
@@ -185,12 +214,22 @@ class Dispatcher:
             slot = await self._acquire(request, retry.tried)
             started = self._clock()
             primary = asyncio.create_task(self._attempt(slot, request))
-            winner, others, hedged = await race(
-                primary, slot.server, started,
-                launch=(lambda s=slot.server: self._launch_hedge(request, s)) if hedgeable else None,
-                delay_s=self._hedge_timer.delay(request.model) if hedgeable else None,
-                recheck_s=HEDGE_RECHECK_S, clock=self._clock,
-            )
+            racer = _Racer(request, slot.server, asyncio.Event()) if hedgeable else None
+            if racer is not None:
+                self._racing.setdefault(slot.server.id, {})[racer] = None
+            try:
+                winner, others, hedged = await race(
+                    primary, slot.server, started,
+                    launch=(lambda s=slot.server, r=racer: self._launch_hedge(request, s, r)) if hedgeable else None,
+                    delay_s=self._hedge_timer.delay(request.model) if hedgeable else None,
+                    recheck_s=HEDGE_RECHECK_S, clock=self._clock, wake=racer.wake if racer else None,
+                )
+            finally:
+                if racer is not None:
+                    self._forget_racer(racer)
+                    if racer.stolen is not None:  # stolen in the same tick the race ended: drop the copy
+                        racer.stolen[0].cancel()
+                        racer.stolen = None
             self._hedges += hedged
             for outcome in others:
                 if outcome.cancelled:
@@ -231,15 +270,88 @@ class Dispatcher:
         finally:
             self._release(slot)
 
+    def _forget_racer(self, racer: _Racer) -> None:
+        racers = self._racing.get(racer.server.id)
+        if racers is not None:
+            racers.pop(racer, None)
+            if not racers:
+                del self._racing[racer.server.id]
+
+    def _client_key(self, client_id: str) -> tuple[float, float]:
+        """The order clients are served in (smaller first), for waiters and stolen stragglers alike."""
+        share = self._client_inflight.get(client_id, 0) / self._client_weights.get(client_id, 1.0)
+        first = self._client_remaining.get(client_id, float("inf")) if self._shortest_first else 0.0
+        return first, share
+
+    def _steal_for(self, thief: ServerEntry) -> None:
+        """Tail stealing. `thief` just freed a slot; a client that has sent everything may have requests
+        queued on a server that will take much longer to drain (in flight ÷ learned rate) than the thief.
+        The thief starts a copy of the one queued there last, if that client comes before every waiting
+        request in the serving order; the first answer wins and the other copy is cancelled (the engine
+        drops it). So one eval's stragglers do not wait behind a slow server while a fast one has room."""
+        book = self._book
+        thief_rate = book.weight_of(thief)
+        if thief_rate <= 0:
+            return
+        best_waiting: tuple[float, float] | None = None
+        for (cid, _route), queue in self._queues.items():
+            if any(not w.future.done() for w in itertools.islice(queue, 4)):
+                key = self._client_key(cid)
+                if best_waiting is None or key < best_waiting:
+                    best_waiting = key
+        now = self._clock()
+        while book.inflight.get(thief.id, 0) < book.window(thief):
+            thief_drain = (book.inflight.get(thief.id, 0) + 1) / thief_rate
+            victim_id, worst = None, thief_drain
+            for sid, racers in self._racing.items():
+                if sid == thief.id or not racers:
+                    continue
+                rate = book.weight_of(next(iter(racers)).server)
+                drain = book.inflight.get(sid, 0) / rate if rate > 0 else float("inf")
+                if drain > worst:
+                    victim_id, worst = sid, drain
+            if victim_id is None:
+                return
+            racers = self._racing[victim_id]
+            victim = next((
+                r for r in reversed(racers)
+                if r.stolen is None and r.request.client_id in self._clients_done
+                and (best_waiting is None or self._client_key(r.request.client_id) < best_waiting)
+                and r.server.record.revision == thief.record.revision
+                and any(s.id == thief.id for s in self._servers_for(r.request))
+            ), None)
+            if victim is None:
+                return
+            del racers[victim]
+            if not racers:
+                del self._racing[victim_id]
+            slot = self._take(thief, victim.request.client_id, now)
+            victim.stolen = (asyncio.create_task(self._attempt(slot, victim.request)), thief, now)
+            victim.wake.set()
+
     def _launch_hedge(
-        self, request: InferenceRequest, primary: ServerEntry
+        self, request: InferenceRequest, primary: ServerEntry, racer: _Racer | None = None
     ) -> tuple[asyncio.Task[Completion], ServerEntry, float] | None:
         """A duplicate on another idle server of the same model revision, only at the tail of a run: the
-        request's client has nothing left to send and nothing else waits for this model. None otherwise."""
+        request's client has nothing left to send and nothing else waits for this model. None otherwise.
+        A stolen request's copy is already running on the server that took it."""
+        if racer is not None and racer.stolen is not None:
+            launched, racer.stolen = racer.stolen, None
+            return launched
+        if racer is not None:
+            self._forget_racer(racer)
+        launched = self._hedge_on(request, primary)
+        if launched is None and racer is not None:
+            self._racing.setdefault(primary.id, {})[racer] = None  # not taken: it may be stolen later
+        return launched
+
+    def _hedge_on(
+        self, request: InferenceRequest, primary: ServerEntry
+    ) -> tuple[asyncio.Task[Completion], ServerEntry, float] | None:
         if request.client_id not in self._clients_done:
             return None
         key = (request.model, request.revision, request.pinned_engines, request.pinned_servers)
-        if any(w.route_key == key and not w.future.done() for w in self._waiters):
+        if self._route_waiting.get(key):
             return None
         now = self._clock()
         servers = [
@@ -319,7 +431,9 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(request, tried, loop.create_future(), next(self._seq),
                          self._clock() + self._config.no_server_timeout_s)
-        self._waiters.append(waiter)
+        key = waiter.route_key
+        self._queues.setdefault((request.client_id, key), deque()).append(waiter)
+        self._route_waiting[key] += 1
         self._dispatch_waiting()
         try:
             return await waiter.future
@@ -329,31 +443,41 @@ class Dispatcher:
                 self._release(waiter.future.result())
             raise
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.cancel()  # leaves its queue when it reaches the head
+            self._route_waiting[key] -= 1
+            if self._route_waiting[key] <= 0:
+                del self._route_waiting[key]
 
     def _dispatch_waiting(self) -> None:
-        """Grant free slots to waiters (synchronous: choice and count happen in one step)."""
-        if not self._waiters:
+        """Grant free slots to waiters (synchronous: choice and count happen in one step). Fair: the
+        client with the fewest requests in flight per unit of weight first, then arrival order."""
+        if not self._queues:
             return
         now = self._clock()
         blocked: set[tuple[object, ...]] = set()
         while True:
-            best: _Waiter | None = None
-            best_key: tuple[float, int] | None = None
-            for waiter in self._waiters:
-                if waiter.future.done() or waiter.route_key in blocked:
+            best_queue: deque[_Waiter] | None = None
+            best_key: tuple[float, float, int] | None = None
+            for (cid, route), queue in list(self._queues.items()):
+                while queue and queue[0].future.done():
+                    queue.popleft()
+                if not queue:
+                    del self._queues[(cid, route)]
                     continue
-                cid = waiter.request.client_id
-                key = (self._client_inflight.get(cid, 0) / self._client_weights.get(cid, 1.0), waiter.seq)
+                if route in blocked:
+                    continue
+                key = (*self._client_key(cid), queue[0].seq)
                 if best_key is None or key < best_key:
-                    best, best_key = waiter, key
-            if best is None:
+                    best_queue, best_key = queue, key
+            if best_queue is None:
                 break
-            if not self._place(best, now):
-                blocked.add(best.route_key)
-        self._waiters = [w for w in self._waiters if not w.future.done()]
-        if self._waiters and self._tick_handle is None:
+            head = best_queue[0]
+            if self._place(head, now):
+                best_queue.popleft()
+            else:
+                blocked.add(head.route_key)
+        if self._queues and self._tick_handle is None:
             # Re-check while anyone waits: breakers half-open and no-server deadlines pass with time.
             self._tick_handle = asyncio.get_running_loop().call_later(WAIT_POLL_S, self._tick)
 
@@ -394,6 +518,8 @@ class Dispatcher:
         self._client_inflight[slot.client_id] -= 1
         if self._client_inflight[slot.client_id] <= 0:
             del self._client_inflight[slot.client_id]
+        if self._config.hedging and self._racing and self._clients_done:
+            self._steal_for(slot.server)  # before waiters: it only takes stragglers that come first
         self._dispatch_waiting()
 
     # ---- bookkeeping --------------------------------------------------------------------------

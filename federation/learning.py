@@ -21,6 +21,10 @@ class ThroughputEstimator:
     _tokens: int = 0
     _period_start: float | None = None
 
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
     def on_start(self, now: float) -> None:
         if self._inflight == 0:
             self._busy_since = now
@@ -57,6 +61,7 @@ class WindowObservation:
     scraped_waiting: float  # the engine's own queue (all clients), from the registry
     rate_limited: int  # HTTP 429s this period
     window_was_full: bool  # this dispatcher used the whole window at some point
+    inflight: int | None = None  # what this dispatcher has on the server now
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +79,13 @@ class WindowController:
     window: float = field(default=0.0)
     max_factor: float = 1.0  # never more than capacity × this in flight from one dispatcher
     shrink: float = 0.75
-    inflation_limit: float = 3.0  # batching legitimately slows each request; only gross inflation counts
+    # A short engine queue keeps the batch full (the engine always has the next prompt ready); only a queue
+    # longer than this fraction of the window (and at least 2) is excess that would lengthen the tail.
+    queue_tolerance: float = 0.05
+    # Shrink when the median per-token latency exceeds this × the best seen. Off by default: with mixed
+    # workloads (long prompts with short answers beside chat-length answers) per-token latency moves with
+    # the mix, not with queueing, and the rule collapsed windows to 1–5 on the Table 7 benchmark.
+    inflation_limit: float | None = None
     _last_throughput: float = 0.0
     _best_latency: float | None = None
 
@@ -94,13 +105,20 @@ class WindowController:
                 else min(self._best_latency, obs.per_token_latency_s)
             )
         inflated = (
-            obs.per_token_latency_s is not None and self._best_latency is not None
-            and obs.per_token_latency_s > self.inflation_limit * self._best_latency
+            self.inflation_limit is not None and obs.per_token_latency_s is not None
+            and self._best_latency is not None and obs.per_token_latency_s > self.inflation_limit * self._best_latency
         )
         if obs.rate_limited:
             decision = WindowDecision(max(1.0, self.window * self.shrink), f"{obs.rate_limited} × HTTP 429")
-        elif obs.scraped_waiting >= 1:
-            decision = WindowDecision(max(1.0, self.window * self.shrink), f"engine queue {obs.scraped_waiting:g}")
+        elif obs.scraped_waiting >= max(2.0, self.queue_tolerance * self.window):
+            if obs.inflight is not None:
+                # What the engine is actually running for us, plus a short queue: one step to the right size,
+                # not a shrink per period while a queue we built earlier drains.
+                target = obs.inflight - obs.scraped_waiting + max(2.0, self.queue_tolerance * self.window)
+                new = max(1.0, min(self.window, target))
+            else:
+                new = max(1.0, self.window * self.shrink)
+            decision = WindowDecision(new, f"engine queue {obs.scraped_waiting:g}")
         elif inflated:
             decision = WindowDecision(max(1.0, self.window * self.shrink), "latency inflation")
         elif obs.window_was_full and obs.throughput >= 0.98 * self._last_throughput:
@@ -125,8 +143,10 @@ class ServerLearning:
     _full: bool = False
 
     @classmethod
-    def for_capacity(cls, capacity: int, *, adaptive: bool, max_factor: float) -> ServerLearning:
-        return cls(ThroughputEstimator(), WindowController(capacity, max_factor=max_factor), adaptive)
+    def for_capacity(
+        cls, capacity: int, *, adaptive: bool, max_factor: float, period_s: float = LEARN_PERIOD_S
+    ) -> ServerLearning:
+        return cls(ThroughputEstimator(period_s=period_s), WindowController(capacity, max_factor=max_factor), adaptive)
 
     def window(self, capacity: int) -> int:
         if self.controller.capacity != capacity:  # the registry learned a new capacity: start over from it
@@ -154,6 +174,7 @@ class ServerLearning:
             scraped_waiting=scraped_waiting,
             rate_limited=self._rate_limited,
             window_was_full=self._full,
+            inflight=self.estimator.inflight,
         )
         self._latencies, self._rate_limited, self._full = [], 0, False
         self.last_decision = self.controller.decide(obs)

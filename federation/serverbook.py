@@ -28,6 +28,7 @@ class BookSettings:
     learn_throughput: bool
     breaker_failures: int
     breaker_cooldown_s: float
+    learn_period_s: float = LEARN_PERIOD_S
 
 
 class ServerBook:
@@ -94,7 +95,8 @@ class ServerBook:
         learning = self.learning.get(server.id)
         if learning is None:
             learning = ServerLearning.for_capacity(
-                server.capacity, adaptive=self._settings.adaptive_windows, max_factor=self._settings.window_factor
+                server.capacity, adaptive=self._settings.adaptive_windows, max_factor=self._settings.window_factor,
+                period_s=self._settings.learn_period_s,
             )
             self.learning[server.id] = learning
         return learning
@@ -137,6 +139,10 @@ class ServerBook:
             scraped_running=load.running if load else 0.0,
         )
 
+    def weight_of(self, server: ServerEntry) -> float:
+        """Relative throughput of a server (what weighted policies and tail stealing compare)."""
+        return self._weight(server)
+
     def _weight(self, server: ServerEntry) -> float:
         """Relative throughput: learned tokens/s where known, else the accelerator prior × capacity, put
         on the same scale through the servers whose rate is known."""
@@ -152,7 +158,7 @@ class ServerBook:
         """Mean learned-rate / prior over the servers with a learned rate (1.0 when none): puts priors on
         the learned scale. Recomputed at most once per learning period."""
         now = self._clock()
-        if now - self._rate_scale_at >= LEARN_PERIOD_S or self._rate_scale_at < 0:
+        if now - self._rate_scale_at >= self._settings.learn_period_s or self._rate_scale_at < 0:
             ratios = [
                 lrn.estimator.rate / self._priors[sid] for sid, lrn in self.learning.items()
                 if lrn.estimator.rate and self._priors.get(sid)

@@ -75,6 +75,20 @@ class RegistryClient:
             record.model_dump(mode="json"), self._token, lease_ttl_s=lease_ttl_s, replace=replace, verify=verify
         ))
 
+    async def terminate(self, *, wait_s: float = 5.0) -> None:
+        """End the registry this process started (its prober first), for runs that own their registry
+        (the speedup benchmark, tests). Waits until the actor's name is free for the next one."""
+        with contextlib.suppress(Exception):
+            await self._handle.shutdown_prober.remote()
+        with contextlib.suppress(ValueError):
+            ray.kill(self._handle, no_restart=True)
+        for _ in range(max(1, int(wait_s / 0.05))):
+            try:
+                get_registry_actor()
+            except ValueError:
+                return
+            await asyncio.sleep(0.05)
+
     async def deregister(self, server_id: str) -> ServerRecord:
         return await _unwrapped(self._handle.deregister.remote(server_id, self._token))
 

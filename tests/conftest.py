@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -22,7 +21,6 @@ from deploy.llamacpp import LlamaServerConfig, llama_server_binary
 from deploy.models import GEMMA_ALIAS, ensure_gemma
 from deploy.process import free_port
 from registry import RegistryClient
-from registry.actor import get_registry_actor
 
 TEST_TOKEN = "test-registry-token-7f3a9c"
 
@@ -46,14 +44,7 @@ async def registry(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) 
     )
     await client.ping()
     yield client
-    await client.handle.shutdown_prober.remote()
-    ray.kill(get_registry_actor(), no_restart=True)
-    for _ in range(100):  # wait until the name is free for the next test
-        try:
-            get_registry_actor()
-        except ValueError:
-            break
-        await asyncio.sleep(0.05)
+    await client.terminate()
 
 
 @dataclass

@@ -322,3 +322,33 @@ async def test_a_server_that_slows_down_loses_share(emulators: EmulatorFactory) 
     assert 0.35 <= before["s1"] / 300 <= 0.65, before  # equal servers, equal share
     assert after["s1"] / 300 < 0.3, after  # the slowed server now gets much less
     assert stats["s1"].learned_tokens_per_s < stats["s0"].learned_tokens_per_s  # type: ignore[operator]
+
+
+async def test_idle_servers_steal_the_queued_tail_of_a_slow_one(emulators: EmulatorFactory) -> None:
+    """No latency history (the hedge timer is silent), so only tail stealing can move work: the fast
+    server, idle at the tail, takes the requests queued last on the slow one; each is answered once."""
+    import time
+
+    slow = await emulators.start(max_running=2, decode_s=0.05)  # 4 tokens: 0.2 s, two at a time
+    fast = await emulators.start(max_running=16, decode_s=0.002)
+    snap = snapshot_of([slow, fast], capacity=16)
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"),
+                                config=DispatchConfig(backoff_base_s=0.01))
+        dispatcher.client_done_sending("default")
+        started = time.monotonic()
+        results = await asyncio.gather(*(dispatcher.submit(InferenceRequest(
+            request_id=f"t{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
+            body={"prompt": f"q{i}", "max_tokens": 4, "temperature": 0})) for i in range(32)))
+        elapsed = time.monotonic() - started
+        stats = dispatcher.stats()
+    # Without stealing the slow server's 16 would take 8 rounds × 0.2 s = 1.6 s.
+    assert elapsed < 1.0, elapsed
+    assert stats.hedges > 0 and sum(r.hedged for r in results) == stats.hedges
+    assert sorted(r.request_id for r in results) == sorted(f"t{i}" for i in range(32))
+    assert stats.inflight_total == 0
+    for _ in range(100):  # the losers' connections were closed: the slow engine drops their sequences
+        if slow.stats.running == 0 and slow.stats.waiting == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert slow.stats.running == 0 and slow.stats.waiting == 0

@@ -48,7 +48,7 @@ def test_window_grows_while_throughput_holds_and_shrinks_on_queueing() -> None:
 
 
 def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> None:
-    ctl = WindowController(capacity=4)
+    ctl = WindowController(capacity=4, inflation_limit=3.0)
     assert ctl.window == 4
     assert ctl.decide(obs()).window == 4  # already at capacity: the ceiling holds
     assert ctl.decide(obs(rate_limited=2)).window == 3
@@ -57,3 +57,11 @@ def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> No
         ctl.decide(obs(rate_limited=1))
     assert ctl.limit == 1  # never below one
     assert ctl.decide(obs(window_was_full=False)).reason == "steady"
+
+
+def test_latency_inflation_is_off_by_default() -> None:
+    """Per-token latency moves with the workload mix; by default it never shrinks the window."""
+    ctl = WindowController(capacity=4)
+    ctl.decide(obs(per_token_latency_s=0.001))
+    assert ctl.decide(obs(per_token_latency_s=0.5)).reason != "latency inflation"
+    assert ctl.limit == 4

@@ -1,0 +1,719 @@
+"""`fedpool bench speedup`: the same evals on the same servers, conventionally and through fedpool.
+
+Given a pool (emulated engine profiles, a live pool's server URLs, or local llama.cpp servers) and a set
+of evals (synthetic workloads with a modality's shape, or real benchmark specs), this runs
+
+1. **conventional**: the servers split among the evals, each eval in static batches with its CPU
+   stages inline (`clients.conventional`), and
+2. **federated**: every eval at once through the registry, dispatcher and CPU stage actors,
+
+each on a freshly started pool (no warm caches carried from one arm to the other), samples every
+server's own metrics to measure busy time, and computes the ideal makespan (total work over the
+pool's saturated throughput, a linear program over eval × server) for emulated pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import aiohttp
+import yaml
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+
+from clients import EvalTarget, run_evals
+from clients.conventional import BaselineResult, BaselineServer, ConventionalEval
+from deploy import EngineProcess, free_port
+from deploy.emulator import PROFILES, EmulatorProfile
+from federation import DispatchConfig, PoolConnection, new_session
+from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
+from pipeline import BenchmarkSpec, load_spec, read_records
+from pipeline.bundled import bundled_spec_paths
+from pipeline.stages import StageCosts, StagePool
+from registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
+
+log = logging.getLogger("fedpool.bench")
+
+WORDS = tuple(f"w{i:03d}" for i in range(512))  # synthetic prompt vocabulary (one token each in the emulator)
+
+
+class BenchConfigError(Exception):
+    """A pool or evals file is wrong; the message names the file and field."""
+
+
+# ---- configuration -------------------------------------------------------------------------------------
+class EmulatedServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    profile: str
+    accelerator: str = "unknown"
+    overrides: dict[str, Any] = Field(default_factory=dict)  # any EmulatorProfile field
+
+    @model_validator(mode="after")
+    def _known_profile(self) -> EmulatedServerConfig:
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown emulator profile {self.profile!r}; known: {', '.join(sorted(PROFILES))}")
+        unknown = set(self.overrides) - set(EmulatorProfile.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown profile fields in overrides: {sorted(unknown)}")
+        return self
+
+    def resolved(self, output_spread: float | None) -> EmulatorProfile:
+        raw = {**asdict(PROFILES[self.profile]), **self.overrides}
+        if output_spread is not None and "output_spread" not in self.overrides:
+            raw["output_spread"] = output_spread
+        return EmulatorProfile(**raw)
+
+
+class RealServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    url: str
+    engine: Engine
+    accelerator: str = "unknown"
+    capacity: int | None = Field(default=None, ge=1)
+
+
+class LocalLlamaConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(default=2, ge=1, le=16)
+    slots: int = Field(default=4, ge=1, le=64)
+    threads: int = Field(default=1, ge=1, le=64)
+    ctx_per_slot: int = Field(default=1024, ge=128)
+
+
+class PoolConfig(BaseModel):
+    """Which servers: emulated profiles, running servers by URL, or llama.cpp servers started here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "omni-7b"
+    time_scale: float = Field(default=1.0, gt=0, description="emulated engine seconds per wall second")
+    output_spread: float | None = Field(default=None, ge=0, lt=1)
+    emulated: list[EmulatedServerConfig] = Field(default_factory=list)
+    servers: list[RealServerConfig] = Field(default_factory=list)
+    local_llamacpp: LocalLlamaConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> PoolConfig:
+        kinds = sum(bool(x) for x in (self.emulated, self.servers, self.local_llamacpp))
+        if kinds != 1:
+            raise ValueError("give exactly one of: emulated, servers, local_llamacpp")
+        ids = [s.id for s in [*self.emulated, *self.servers]]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"server ids must be unique: {dup}")
+        if self.local_llamacpp is None and self.time_scale != 1.0 and self.servers:
+            raise ValueError("time_scale only applies to emulated servers")
+        return self
+
+    @property
+    def is_emulated(self) -> bool:
+        return bool(self.emulated)
+
+
+class SyntheticEval(BaseModel):
+    """A workload with a modality's shape: prompt length (text, or image/video tokens), answer length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["synthetic"] = "synthetic"
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    modality: str = "text"
+    size: int = Field(ge=1, le=1_000_000)
+    prompt_tokens: int = Field(ge=1)
+    prompt_jitter: float = Field(default=0.25, ge=0, lt=1)  # prompt lengths vary ± this fraction
+    max_tokens: int = Field(ge=1)
+    shared_prefix_tokens: int = Field(default=32, ge=0)  # the benchmark's instruction, the same in every prompt
+    costs: StageCosts = Field(default_factory=StageCosts)
+
+
+class SpecEval(BaseModel):
+    """A real benchmark spec (a YAML path, or `bundled:NAME`), optionally cut to `limit` samples."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["spec"] = "spec"
+    spec: str
+    modality: str = "text"
+    limit: int | None = Field(default=None, ge=1)
+    costs: StageCosts = Field(default_factory=StageCosts)
+
+
+def _eval_kind(raw: Any) -> str:
+    if isinstance(raw, dict):
+        return str(raw.get("kind") or ("spec" if "spec" in raw else "synthetic"))
+    return str(getattr(raw, "kind", "synthetic"))
+
+
+EvalConfig = Annotated[
+    Annotated[SyntheticEval, Tag("synthetic")] | Annotated[SpecEval, Tag("spec")], Discriminator(_eval_kind)
+]
+
+
+class EvalsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_size: int = Field(default=8, ge=1, le=4096, description="the conventional arm's static batch")
+    stage_actors: int = Field(default=4, ge=1, le=256, description="CPU actors for the federated arm's stages")
+    concurrency: int = Field(default=1024, ge=1, description="requests each federated eval keeps in flight")
+    policy: str = "capacity_weighted"
+    client_order: Literal["fair", "shortest_first"] = "shortest_first"
+    seed: int = 0
+    evals: list[EvalConfig] = Field(min_length=1)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _load_yaml_model(path: Path, model: type[M]) -> M:
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise BenchConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}" for err in exc.errors()
+        )
+        raise BenchConfigError(f"{path}: {problems}") from None
+
+
+def load_pool_config(path: Path) -> PoolConfig:
+    return _load_yaml_model(path, PoolConfig)
+
+
+def load_evals_config(path: Path) -> EvalsConfig:
+    return _load_yaml_model(path, EvalsConfig)
+
+
+# ---- evals → specs ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PreparedEval:
+    spec: BenchmarkSpec
+    modality: str
+    costs: StageCosts
+    size: int
+    mean_prompt_tokens: float  # words of the rendered prompts (the emulator's token count)
+
+    def estimated_work(self) -> float:
+        """A GPU-agnostic size for splitting servers: prefill tokens plus decode tokens weighted by how much
+        dearer a decoded token is at a static batch of 8 (≈13× a prefilled one on the profiled GPUs)."""
+        return self.size * (self.mean_prompt_tokens + 13.0 * self.spec.generation.max_tokens)
+
+
+def _mean_prompt_tokens(spec: BenchmarkSpec) -> tuple[int, float]:
+    from pipeline import load_samples, request_body
+
+    samples = load_samples(spec)
+    words = [len(json.dumps(request_body(spec, s).get("prompt") or request_body(spec, s).get("messages")).split())
+             for s in samples[:200]]
+    return len(samples), (sum(words) / len(words) if words else 0.0)
+
+
+def synthetic_rows(ev: SyntheticEval, seed: int) -> list[dict[str, str]]:
+    """Deterministic prompts of the eval's shape; the label is a word the emulator may or may not say."""
+    rng = random.Random(f"{seed}:{ev.name}")
+    prefix = " ".join(rng.choices(WORDS, k=ev.shared_prefix_tokens))
+    rows = []
+    for i in range(ev.size):
+        n = max(1, round(ev.prompt_tokens * (1 + ev.prompt_jitter * (2 * rng.random() - 1))) - ev.shared_prefix_tokens)
+        body = " ".join(rng.choices(WORDS, k=n))
+        rows.append({"id": f"{ev.name}-{i:06d}", "prompt": f"{prefix} {body}".strip(), "answer": "alpha"})
+    return rows
+
+
+def prepare_evals(config: EvalsConfig, data_dir: Path) -> list[PreparedEval]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    prepared = []
+    for ev in config.evals:
+        if isinstance(ev, SyntheticEval):
+            path = data_dir / f"{ev.name}.jsonl"
+            with path.open("w", encoding="utf-8") as f:
+                for row in synthetic_rows(ev, config.seed):
+                    f.write(json.dumps(row) + "\n")
+            spec = BenchmarkSpec.model_validate({
+                "name": ev.name, "description": f"synthetic {ev.modality} workload",
+                "data": {"path": str(path)}, "prompt": {"template": "{prompt}"},
+                "generation": {"max_tokens": ev.max_tokens}, "postprocess": ["strip", "first_word"],
+                "metrics": ["exact_match"],
+            })
+            prepared.append(PreparedEval(spec, ev.modality, ev.costs, *_mean_prompt_tokens(spec)))
+        else:
+            spec = load_spec(_spec_path(ev.spec))
+            if ev.limit is not None:
+                spec = spec.model_copy(update={"data": spec.data.model_copy(update={"limit": ev.limit})})
+            prepared.append(PreparedEval(spec, ev.modality, ev.costs, *_mean_prompt_tokens(spec)))
+    names = [p.spec.name for p in prepared]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise BenchConfigError(f"eval names must be unique: {dup}")
+    return prepared
+
+
+def _spec_path(ref: str) -> Path:
+    if ref.startswith("bundled:"):
+        name = ref.removeprefix("bundled:")
+        for path in bundled_spec_paths():
+            if path.stem == name:
+                return path
+        known = ", ".join(p.stem for p in bundled_spec_paths())
+        raise BenchConfigError(f"no bundled benchmark {name!r}; bundled: {known}")
+    return Path(ref)
+
+
+# ---- the pool, started fresh for each arm ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LiveServer:
+    record: ServerRecord
+    profile: EmulatorProfile | None  # emulated servers only
+    speed: float  # relative, for the conventional arm's assignment (bigger is faster)
+
+
+@contextlib.asynccontextmanager
+async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClient | None) -> AsyncIterator[
+        list[LiveServer]]:
+    """Start (or reach) the pool's servers; with a registry, register them for the federated arm."""
+    await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
+    if config.local_llamacpp is not None:
+        lc = config.local_llamacpp
+        spec = LocalServerSpec(count=lc.count, slots=lc.slots, threads=lc.threads, ctx_per_slot=lc.ctx_per_slot)
+        owner = registry or _NullRegistry()
+        async with local_llama_servers(owner, spec, log_dir) as launchers:  # type: ignore[arg-type]
+            servers = [LiveServer(x.record.model_copy(update={"capacity": lc.slots}), None, 1.0) for x in launchers]
+            yield servers
+        return
+    if config.servers:
+        servers = [
+            LiveServer(ServerRecord(id=s.id, url=s.url.rstrip("/"), engine=s.engine, model=config.model,
+                                    accelerator=s.accelerator, capacity=s.capacity), None, 1.0)
+            for s in config.servers
+        ]
+        if registry is not None:
+            for s in servers:
+                await registry.register(s.record, replace=True)
+        try:
+            yield servers
+        finally:
+            if registry is not None:
+                for s in servers:
+                    with contextlib.suppress(Exception):
+                        await registry.deregister(s.record.id)
+        return
+    processes: list[EngineProcess] = []
+    servers = []
+    try:
+        for s in config.emulated:
+            profile = s.resolved(config.output_spread)
+            port = free_port()
+            argv = [sys.executable, "-m", "deploy.emulator", "--model", config.model, "--port", str(port),
+                    "--profile-json", json.dumps(asdict(profile)), "--speedup", str(config.time_scale)]
+            process = EngineProcess(name=s.id, argv=argv, log_path=log_dir / f"{s.id}.log")
+            await process.start()
+            processes.append(process)
+            record = ServerRecord(
+                id=s.id, url=f"http://127.0.0.1:{port}", engine=Engine(profile.protocol), model=config.model,
+                revision="emulated", accelerator=s.accelerator, gpu_count=1, capacity=profile.max_running,
+                labels={"profile": profile.name},
+            )
+            servers.append(LiveServer(record, profile, 1.0 / max(profile.decode_s_per_token, 1e-9)))
+        async with new_session() as session:
+            await asyncio.gather(*(_wait_healthy(session, s.record.url, 60.0) for s in servers))
+        if registry is not None:
+            for s in servers:
+                await registry.register(s.record, replace=True)
+        yield servers
+    finally:
+        await asyncio.gather(*(p.stop() for p in processes), return_exceptions=True)
+
+
+class _NullRegistry:
+    """Stands in for the registry when the conventional arm starts local servers: nothing registers."""
+
+    async def register(self, record: ServerRecord, **_: Any) -> None:
+        return None
+
+    async def deregister(self, server_id: str) -> None:
+        return None
+
+    async def heartbeat(self, server_id: str, **_: Any) -> None:
+        return None
+
+
+async def _wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                if resp.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise BenchConfigError(f"server at {url} did not become healthy within {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+# ---- busy sampling ---------------------------------------------------------------------------------------
+@dataclass
+class BusyTrace:
+    """Each server's running-request count, read from its own metrics every `period_s`."""
+
+    period_s: float
+    samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # id -> (t since start, running)
+    waiting: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # id -> (t, engine queue)
+
+    def busy_share(self, server_id: str, until: float) -> float:
+        rows = [r for t, r in self.samples.get(server_id, []) if t <= until]
+        return sum(1 for r in rows if r > 0) / len(rows) if rows else 0.0
+
+    def mean_running(self, server_id: str, until: float) -> float:
+        rows = [r for t, r in self.samples.get(server_id, []) if t <= until]
+        return sum(rows) / len(rows) if rows else 0.0
+
+
+async def sample_busy(servers: Sequence[LiveServer], trace: BusyTrace, started: float) -> None:
+    async with new_session() as session:
+        while True:
+            tick = time.monotonic()
+            results = await asyncio.gather(*(_running(session, s.record) for s in servers))
+            for s, load in zip(servers, results, strict=True):
+                if load is not None:
+                    trace.samples.setdefault(s.record.id, []).append((tick - started, load.running))
+                    trace.waiting.setdefault(s.record.id, []).append((tick - started, load.waiting))
+            await asyncio.sleep(max(0.0, trace.period_s - (time.monotonic() - tick)))
+
+
+async def _running(session: aiohttp.ClientSession, record: ServerRecord) -> LoadSample | None:
+    adapter = adapter_for(record.engine)
+    if adapter.metrics_path is None:
+        return None
+    try:
+        async with session.get(record.url + adapter.metrics_path, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+            text = await resp.text()
+        return adapter.parse_metrics(text, time.time())
+    except Exception:  # a missed sample is a gap in the timeline, not a failed benchmark
+        return None
+
+
+# ---- the two arms -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class EvalOutcome:
+    name: str
+    modality: str
+    size: int
+    wall_s: float
+    records: int
+    failed: int
+    score: float | None
+    servers: dict[str, int]  # server id -> records it answered
+
+
+async def emulator_busy_seconds(servers: Sequence[LiveServer]) -> dict[str, float]:
+    """Engine-seconds each emulated server spent computing (its own counter), read at the end of an arm."""
+    out: dict[str, float] = {}
+    async with new_session() as session:
+        for s in servers:
+            if s.profile is None:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(s.record.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    for line in (await resp.text()).splitlines():
+                        if line.startswith("fedpool_emulator_busy_seconds_total "):
+                            out[s.record.id] = float(line.split()[1])
+    return out
+
+
+@dataclass
+class ArmResult:
+    mode: str
+    makespan_s: float
+    evals: dict[str, EvalOutcome]
+    busy: BusyTrace
+    server_ids: list[str]
+    assignment: dict[str, list[str]] = field(default_factory=dict)
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    tokens: dict[str, tuple[float, float]] = field(default_factory=dict)  # eval -> (mean prompt, mean completion)
+    engine_busy_s: dict[str, float] = field(default_factory=dict)  # emulated server -> engine seconds computing
+
+
+def assign_servers(evals: Sequence[PreparedEval], servers: Sequence[LiveServer]) -> dict[str, list[str]]:
+    """Split the GPUs among the evals the way a fair operator would: the heaviest eval gets the fastest
+    server; spare servers go to the heaviest evals in turn; with fewer servers than evals, evals share."""
+    order = sorted(evals, key=PreparedEval.estimated_work, reverse=True)
+    fastest = sorted(servers, key=lambda s: s.speed, reverse=True)
+    out: dict[str, list[str]] = {p.spec.name: [] for p in evals}
+    if len(fastest) <= len(order):
+        for i, p in enumerate(order):
+            out[p.spec.name].append(fastest[i % len(fastest)].record.id)
+        return out
+    for i, s in enumerate(fastest):
+        out[order[i % len(order)].spec.name].append(s.record.id)
+    return out
+
+
+def _score(summary: dict[str, Any]) -> float | None:
+    for score in summary.get("scores", []):
+        if isinstance(score, dict) and "value" in score:
+            return float(score["value"])
+    return None
+
+
+def _servers_of(records: Sequence[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        sid = r.provenance.server_id or "none"
+        out[sid] = out.get(sid, 0) + 1
+    return out
+
+
+def _token_means(records: Sequence[Any]) -> tuple[float, float]:
+    ok = [r for r in records if r.provenance.prompt_tokens is not None and r.provenance.completion_tokens is not None]
+    if not ok:
+        return 0.0, 0.0
+    return (sum(r.provenance.prompt_tokens for r in ok) / len(ok),
+            sum(r.provenance.completion_tokens for r in ok) / len(ok))
+
+
+async def run_conventional(
+    pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float
+) -> ArmResult:
+    async with started_pool(pool, out_dir / "logs", None) as servers:
+        by_id = {s.record.id: s for s in servers}
+        assignment = assign_servers(evals, servers)
+        runs = [
+            ConventionalEval(
+                p.spec,
+                [BaselineServer(sid, by_id[sid].record.url, by_id[sid].record.engine.value,
+                                by_id[sid].record.accelerator) for sid in assignment[p.spec.name]],
+                model=servers[0].record.model, out_dir=out_dir, batch_size=config.batch_size, costs=p.costs,
+                time_scale=pool.time_scale,
+            )
+            for p in evals
+        ]
+        trace = BusyTrace(period_s)
+        started = time.monotonic()
+        sampler = asyncio.create_task(sample_busy(servers, trace, started))
+        try:
+            async with new_session() as session:
+                async def timed(run: ConventionalEval) -> tuple[BaselineResult, float]:
+                    result = await run.run(session)
+                    return result, time.monotonic() - started
+
+                results = await asyncio.gather(*(timed(r) for r in runs))
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+        makespan = time.monotonic() - started
+        engine_busy = await emulator_busy_seconds(servers)
+    outcomes = {}
+    tokens = {}
+    batches = []
+    for p, (result, finished) in zip(evals, results, strict=True):
+        records = await asyncio.to_thread(read_records, out_dir / p.spec.name / "records.jsonl")
+        outcomes[p.spec.name] = EvalOutcome(p.spec.name, p.modality, p.size, finished, result.records, result.failed,
+                                            _score(result.summary), _servers_of(records))
+        tokens[p.spec.name] = _token_means(records)
+        batches += [{"eval": p.spec.name, **asdict(b), "load_start": b.load_start - started,
+                     "sent": b.sent - started, "done": b.done - started} for b in result.batches]
+    return ArmResult("conventional", makespan, outcomes, trace, [s.record.id for s in servers], assignment,
+                     batches, tokens, engine_busy)
+
+
+async def run_federated(
+    pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float
+) -> ArmResult:
+    dispatch_log: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="fedpool-bench-registry-") as state_dir:
+        # The control loops run on engine time: an emulated pool at time scale k makes decisions k× as often.
+        registry = RegistryClient.start(Path(state_dir), probe_interval_s=max(0.2, 1.0 / pool.time_scale))
+        await registry.ping()
+        try:
+            async with started_pool(pool, out_dir / "logs", registry) as servers:
+                stages = StagePool(config.stage_actors, time_scale=pool.time_scale)
+                await stages.ready()
+                try:
+                    dispatch = DispatchConfig(learn_period_s=max(0.1, 2.0 / pool.time_scale),
+                                              client_order=config.client_order)
+                    async with PoolConnection(registry, policy=config.policy, config=dispatch,
+                                              seed=config.seed) as conn:
+                        await conn.refresh()
+                        trace = BusyTrace(period_s)
+                        started = time.monotonic()
+                        sampler = asyncio.create_task(sample_busy(servers, trace, started))
+                        watcher = asyncio.create_task(_watch_dispatcher(conn, dispatch_log, started))
+                        finished: dict[str, float] = {}
+
+                        def on_progress(progress: Any) -> None:
+                            if progress.done >= progress.total:
+                                finished[progress.benchmark] = time.monotonic() - started
+
+                        try:
+                            summaries = await run_evals(
+                                [p.spec for p in evals], conn.dispatcher, out_dir, EvalTarget(model=pool.model),
+                                concurrency=config.concurrency, on_progress=on_progress,
+                                stages={p.spec.name: stages.hooks(p.costs) for p in evals},
+                            )
+                        finally:
+                            sampler.cancel()
+                            watcher.cancel()
+                            await asyncio.gather(sampler, watcher, return_exceptions=True)
+                        makespan = time.monotonic() - started
+                        engine_busy = await emulator_busy_seconds(servers)
+                finally:
+                    stages.shutdown()
+                server_ids = [s.record.id for s in servers]
+        finally:
+            await registry.terminate()
+    outcomes = {}
+    tokens = {}
+    for p, summary in zip(evals, summaries, strict=True):
+        records = await asyncio.to_thread(read_records, summary.artifact_dir / "records.jsonl")
+        outcomes[p.spec.name] = EvalOutcome(
+            p.spec.name, p.modality, p.size, finished.get(p.spec.name, summary.wall_time_s), len(records),
+            sum(r.failed for r in records), _score(summary.summary), _servers_of(records),
+        )
+        tokens[p.spec.name] = _token_means(records)
+    await asyncio.to_thread(_write_json, out_dir / "dispatch_log.json", dispatch_log)
+    return ArmResult("federated", makespan, outcomes, trace, server_ids, tokens=tokens, engine_busy_s=engine_busy)
+
+
+async def _watch_dispatcher(conn: PoolConnection, out: list[dict[str, Any]], started: float,
+                            period_s: float = 0.5) -> None:
+    """What the dispatcher thought of each server over time (windows, in flight, status): kept beside
+    the artifacts so a slow run can be explained."""
+    while True:
+        stats = conn.dispatcher.stats()
+        snapshot = conn.snapshot
+        status = {e.id: e.status.value for e in snapshot.entries} if snapshot else {}
+        out.append({
+            "t": round(time.monotonic() - started, 2), "inflight": stats.inflight_total, "hedges": stats.hedges,
+            "retries": stats.retries,
+            "servers": {s.server_id: {"inflight": s.inflight, "window": s.window, "answered": s.answered,
+                                      "reason": s.window_reason, "status": status.get(s.server_id),
+                                      "failures": s.failures} for s in stats.servers},
+        })
+        await asyncio.sleep(period_s)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=1), encoding="utf-8")
+
+
+# ---- the ideal -------------------------------------------------------------------------------------------
+def saturated_cost(profile: EmulatorProfile, prompt: float, completion: float) -> float:
+    """Engine seconds one request occupies on a saturated engine: its prefill, plus its share of full
+    decode steps (batch as large as max_running and the KV budget allow)."""
+    context = prompt + completion
+    n = profile.max_running
+    if profile.kv_cache_tokens is not None and context > 0:
+        n = max(1, min(n, int(profile.kv_cache_tokens // context)))
+    step = (profile.decode_s_per_token * (1 + profile.batch_slowdown * (n - 1))
+            + profile.attn_s_per_ctx_token * n * (prompt + completion / 2))
+    return prompt * profile.prefill_s_per_token + completion * step / n
+
+
+def ideal_makespan(sizes: dict[str, int], tokens: dict[str, tuple[float, float]],
+                   profiles: dict[str, EmulatorProfile]) -> tuple[float, dict[str, dict[str, float]]]:
+    """Minimum engine-seconds makespan if every request could go anywhere at saturated cost (an LP:
+    minimise T subject to each eval's requests all placed and each server's work ≤ T)."""
+    from scipy.optimize import linprog
+
+    evals, servers = sorted(sizes), sorted(profiles)
+    cost = {(e, s): saturated_cost(profiles[s], *tokens[e]) for e in evals for s in servers}
+    nvar = len(evals) * len(servers) + 1  # x[e,s] then T
+    index = {(e, s): i * len(servers) + j for i, e in enumerate(evals) for j, s in enumerate(servers)}
+    c = [0.0] * nvar
+    c[-1] = 1.0
+    a_eq, b_eq = [], []
+    for e in evals:
+        row = [0.0] * nvar
+        for s in servers:
+            row[index[e, s]] = 1.0
+        a_eq.append(row)
+        b_eq.append(float(sizes[e]))
+    a_ub, b_ub = [], []
+    for s in servers:
+        row = [0.0] * nvar
+        for e in evals:
+            row[index[e, s]] = cost[e, s]
+        row[-1] = -1.0
+        a_ub.append(row)
+        b_ub.append(0.0)
+    result = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * nvar, method="highs")
+    if not result.success:
+        raise RuntimeError(f"ideal makespan LP failed: {result.message}")
+    plan = {e: {s: float(result.x[index[e, s]]) for s in servers} for e in evals}
+    return float(result.x[-1]), plan
+
+
+# ---- the whole comparison --------------------------------------------------------------------------------
+@dataclass
+class SpeedupReport:
+    pool: PoolConfig
+    evals_config: EvalsConfig
+    evals: list[PreparedEval]
+    conventional: ArmResult
+    federated: ArmResult
+    ideal_s: float | None  # wall seconds (engine seconds ÷ time_scale)
+    ideal_plan: dict[str, dict[str, float]] | None
+    profiles: dict[str, EmulatorProfile]
+
+    def speedup(self, name: str) -> float:
+        return self.conventional.evals[name].wall_s / max(self.federated.evals[name].wall_s, 1e-9)
+
+    @property
+    def speedups(self) -> dict[str, float]:
+        return {p.spec.name: self.speedup(p.spec.name) for p in self.evals}
+
+    @property
+    def speedup_avg(self) -> float:
+        values = list(self.speedups.values())
+        return sum(values) / len(values)
+
+    @property
+    def speedup_min(self) -> float:
+        return min(self.speedups.values())
+
+    @property
+    def makespan_speedup(self) -> float:
+        return self.conventional.makespan_s / max(self.federated.makespan_s, 1e-9)
+
+    @property
+    def vs_ideal(self) -> float | None:
+        return self.federated.makespan_s / self.ideal_s if self.ideal_s else None
+
+
+async def run_speedup(pool: PoolConfig, config: EvalsConfig, out_dir: Path, *, period_s: float = 0.1,
+                      order: Sequence[str] = ("conventional", "federated")) -> SpeedupReport:
+    init_local_ray()
+    evals = await asyncio.to_thread(prepare_evals, config, out_dir / "data")
+    arms: dict[str, ArmResult] = {}
+    for mode in order:
+        log.info("speedup: %s arm", mode)
+        runner = run_conventional if mode == "conventional" else run_federated
+        arms[mode] = await runner(pool, evals, config, out_dir / mode, period_s)
+    profiles = {s.id: s.resolved(pool.output_spread) for s in pool.emulated}
+    ideal_s = plan = None
+    if pool.is_emulated:
+        sizes = {p.spec.name: p.size for p in evals}
+        engine_s, plan = ideal_makespan(sizes, arms["federated"].tokens, profiles)
+        ideal_s = engine_s / pool.time_scale
+    return SpeedupReport(pool, config, evals, arms["conventional"], arms["federated"], ideal_s, plan, profiles)
