@@ -43,6 +43,7 @@ from pipeline import (
     summarize_records,
 )
 from pipeline.stages import StageCosts, spend_inline
+from pipeline.verifier import VerifierConfig, VerifierWorker, judge_item, with_judgment
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +105,14 @@ class ConventionalEval:
         timeouts: Timeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         samples: Sequence[Sample] | None = None,
+        verifier: VerifierConfig | None = None,
     ):
         if not servers:
             raise ValueError(f"conventional eval {spec.name!r} needs at least one server")
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if spec.verifier and verifier is None:
+            raise ValueError(f"benchmark {spec.name!r} asks for the verifier; pass a VerifierConfig")
         self.spec = spec
         self.servers = tuple(servers)
         self.model = model
@@ -120,6 +124,7 @@ class ConventionalEval:
         self._clock = clock
         self._samples = list(samples) if samples is not None else None
         self.batches: list[BatchTrace] = []
+        self._verifier = verifier if spec.verifier else None
 
     async def run(self, session: aiohttp.ClientSession) -> BaselineResult:
         started = self._clock()
@@ -138,11 +143,20 @@ class ConventionalEval:
             ArtifactWriter, self.out_dir, {"benchmark": self.spec.model_dump(mode="json"), "model": self.model,
                                            "mode": "conventional", "batch_size": self.batch_size}
         )
+        # This process's own judge, loaded now and run on one answer after another (a thread, so the other
+        # evals' processes, rendered as tasks here, are not held up).
+        judge = await asyncio.to_thread(VerifierWorker, self._verifier.model_dump()) if self._verifier else None
         failed = 0
         for sample in samples:
             sample_, text, prov = answers[sample.sample_id]
             await spend_inline(self.costs.metric_s + self.costs.verify_s, self.time_scale)
             record: Record = finish_record(self.spec, sample_, text, prov)
+            if judge is not None and not record.failed:
+                try:
+                    (judgment,) = await asyncio.to_thread(judge.judge, [judge_item(record)])
+                except Exception:  # a broken judge must not lose the record: it is written unjudged
+                    judgment = None
+                record = with_judgment(record, judgment)
             failed += record.failed
             writer.write(record)
         await asyncio.to_thread(writer.close)

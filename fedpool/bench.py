@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_serve
 from pipeline import BenchmarkSpec, load_spec, read_records
 from pipeline.bundled import bundled_spec_paths
 from pipeline.stages import StageCosts, StagePool
+from pipeline.verifier import VerifierConfig, VerifierPool
 from registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
 
 log = logging.getLogger("fedpool.bench")
@@ -150,6 +152,7 @@ class SpecEval(BaseModel):
     spec: str
     modality: str = "text"
     limit: int | None = Field(default=None, ge=1)
+    verifier: bool = False  # judge every answer with the real CPU verifier (Gemma on llama.cpp)
     costs: StageCosts = Field(default_factory=StageCosts)
 
 
@@ -164,6 +167,14 @@ EvalConfig = Annotated[
 ]
 
 
+class VerifierSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    actors: int = Field(default=1, ge=1, le=64, description="federated arm: judge actors shared by all evals")
+    threads: int = Field(default=1, ge=1, le=64)
+    model_path: str | None = None  # default: the Gemma 270M GGUF from the model package
+
+
 class EvalsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -171,7 +182,8 @@ class EvalsConfig(BaseModel):
     stage_actors: int = Field(default=4, ge=1, le=256, description="CPU actors for the federated arm's stages")
     concurrency: int = Field(default=1024, ge=1, description="requests each federated eval keeps in flight")
     policy: str = "capacity_weighted"
-    client_order: Literal["fair", "shortest_first"] = "shortest_first"
+    client_order: Literal["fair", "shortest_first"] = "fair"
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     seed: int = 0
     evals: list[EvalConfig] = Field(min_length=1)
 
@@ -261,6 +273,8 @@ def prepare_evals(config: EvalsConfig, data_dir: Path) -> list[PreparedEval]:
             spec = load_spec(_spec_path(ev.spec))
             if ev.limit is not None:
                 spec = spec.model_copy(update={"data": spec.data.model_copy(update={"limit": ev.limit})})
+            if ev.verifier:
+                spec = spec.model_copy(update={"verifier": True})
             prepared.append(PreparedEval(spec, ev.modality, ev.costs, *_mean_prompt_tokens(spec)))
     names = [p.spec.name for p in prepared]
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -278,6 +292,16 @@ def _spec_path(ref: str) -> Path:
         known = ", ".join(p.stem for p in bundled_spec_paths())
         raise BenchConfigError(f"no bundled benchmark {name!r}; bundled: {known}")
     return Path(ref)
+
+
+def verifier_config(config: EvalsConfig, evals: Sequence[PreparedEval]) -> VerifierConfig | None:
+    """The judge's settings when any eval asks for it (the model file is fetched once, here)."""
+    if not any(p.spec.verifier for p in evals):
+        return None
+    from deploy import ensure_gemma
+
+    path = config.verifier.model_path or str(ensure_gemma(None))
+    return VerifierConfig(model_path=path, actors=config.verifier.actors, threads=config.verifier.threads)
 
 
 # ---- the pool, started fresh for each arm ---------------------------------------------------------------
@@ -494,6 +518,7 @@ def _token_means(records: Sequence[Any]) -> tuple[float, float]:
 async def run_conventional(
     pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float
 ) -> ArmResult:
+    judge = await asyncio.to_thread(verifier_config, config, evals)
     async with started_pool(pool, out_dir / "logs", None) as servers:
         by_id = {s.record.id: s for s in servers}
         assignment = assign_servers(evals, servers)
@@ -503,7 +528,7 @@ async def run_conventional(
                 [BaselineServer(sid, by_id[sid].record.url, by_id[sid].record.engine.value,
                                 by_id[sid].record.accelerator) for sid in assignment[p.spec.name]],
                 model=servers[0].record.model, out_dir=out_dir, batch_size=config.batch_size, costs=p.costs,
-                time_scale=pool.time_scale,
+                time_scale=pool.time_scale, verifier=judge,
             )
             for p in evals
         ]
@@ -546,8 +571,14 @@ async def run_federated(
         await registry.ping()
         try:
             async with started_pool(pool, out_dir / "logs", registry) as servers:
-                stages = StagePool(config.stage_actors, time_scale=pool.time_scale)
-                await stages.ready()
+                judge = await asyncio.to_thread(verifier_config, config, evals)
+                verifier = VerifierPool(judge) if judge is not None else None
+                needs_stages = any(p.costs.load_s + p.costs.metric_s + p.costs.verify_s > 0 for p in evals)
+                stages = StagePool(config.stage_actors, time_scale=pool.time_scale) if needs_stages else None
+                if stages is not None:
+                    await stages.ready()
+                if verifier is not None:
+                    await verifier.ready()
                 try:
                     dispatch = DispatchConfig(learn_period_s=max(0.1, 2.0 / pool.time_scale),
                                               client_order=config.client_order)
@@ -566,9 +597,11 @@ async def run_federated(
 
                         try:
                             summaries = await run_evals(
-                                [p.spec for p in evals], conn.dispatcher, out_dir, EvalTarget(model=pool.model),
+                                [p.spec for p in evals], conn.dispatcher, out_dir,
+                                EvalTarget(model=servers[0].record.model),
                                 concurrency=config.concurrency, on_progress=on_progress,
-                                stages={p.spec.name: stages.hooks(p.costs) for p in evals},
+                                stages={p.spec.name: stages.hooks(p.costs) for p in evals} if stages else None,
+                                verifier=verifier,
                             )
                         finally:
                             sampler.cancel()
@@ -577,7 +610,10 @@ async def run_federated(
                         makespan = time.monotonic() - started
                         engine_busy = await emulator_busy_seconds(servers)
                 finally:
-                    stages.shutdown()
+                    if stages is not None:
+                        stages.shutdown()
+                    if verifier is not None:
+                        verifier.shutdown()
                 server_ids = [s.record.id for s in servers]
         finally:
             await registry.terminate()
@@ -703,7 +739,9 @@ class SpeedupReport:
 
 async def run_speedup(pool: PoolConfig, config: EvalsConfig, out_dir: Path, *, period_s: float = 0.1,
                       order: Sequence[str] = ("conventional", "federated")) -> SpeedupReport:
-    init_local_ray()
+    # Ray's CPU count is only used to place actors; stage actors and judges must fit beside each other even
+    # on a 2-core machine (the engines run outside Ray either way).
+    init_local_ray(num_cpus=max(4, os.cpu_count() or 1))
     evals = await asyncio.to_thread(prepare_evals, config, out_dir / "data")
     arms: dict[str, ArmResult] = {}
     for mode in order:

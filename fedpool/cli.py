@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_eval_resume)
 
+    bench = sub.add_parser("bench", help="measure fedpool: speedup over conventional per-process evaluation")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    speedup = bench_sub.add_parser(
+        "speedup", add_help=False,
+        help="the same evals conventionally and through fedpool on the same servers (--help for options)")
+    speedup.add_argument("bench_args", nargs=argparse.REMAINDER)
+    speedup.set_defaults(func=cmd_bench_speedup)
+
     serve = sub.add_parser(
         "serve", help="start an engine on this node, register it, heartbeat, deregister on exit",
         description="Start vLLM, SGLang, llama.cpp or an emulated server as a child process (its output in a log "
@@ -180,6 +188,15 @@ def _ray_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- commands -----------------------------------------------------------------------------------
+def cmd_bench_speedup(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks.speedup import main as speedup_main
+    except ImportError as exc:  # scipy/matplotlib live in the `bench` extra
+        raise CliError(f"the speedup benchmark needs the bench extra: pip install 'fedpool[bench]' ({exc})",
+                       EXIT_USAGE) from None
+    return speedup_main(list(args.bench_args))
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from fedpool.demo import DemoOptions, report_json, run_demo
     from fedpool.localpool import LocalServerSpec
@@ -546,6 +563,13 @@ def _validation_message(exc: Any) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "speedup"]:  # its options are the benchmark script's own
+        try:
+            return cmd_bench_speedup(argparse.Namespace(bench_args=argv[2:]))
+        except CliError as exc:
+            print(f"fedpool: error: {exc}", file=sys.stderr)
+            return exc.code
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

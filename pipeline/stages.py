@@ -109,10 +109,11 @@ class StagePool:
         if actors < 1:
             raise ValueError("a stage pool needs at least one actor")
         if num_cpus is None:
-            # One core each where the cluster has them; otherwise an equal share of what is free, so every
-            # actor can be placed (an actor that cannot be placed would wait forever).
-            free = float(ray.available_resources().get("CPU", 0.0))
-            num_cpus = max(0.01, min(1.0, free / actors)) if free > 0 else 0.0
+            # One core each where the cluster has them, but all of them together at most half the cluster's
+            # CPUs, so judges and other actors can still be placed (an actor that cannot be placed would
+            # wait forever).
+            total = float(ray.cluster_resources().get("CPU", 0.0))
+            num_cpus = max(0.01, min(1.0, total / (2 * actors))) if total > 0 else 0.0
         self.num_cpus = num_cpus
         remote = ray.remote(StageWorker).options(num_cpus=num_cpus)
         self._actors = [remote.remote(time_scale) for _ in range(actors)]

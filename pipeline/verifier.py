@@ -125,6 +125,9 @@ class VerifierWorker:
         self._llm = Llama(model_path=self._config.model_path, n_ctx=self._config.n_ctx,
                           n_threads=self._config.threads, n_threads_batch=self._config.threads, verbose=False)
 
+    def ready(self) -> bool:
+        return True
+
     def judge(self, items: Sequence[JudgeItem]) -> list[Judgment]:
         out = []
         for item in items:
@@ -148,6 +151,10 @@ class VerifierPool:
         self._busy = [0] * len(self._actors)
         self.judged = 0
         self.unparsed = 0
+
+    async def ready(self) -> None:
+        """Wait until every judge has loaded its model (so a benchmark's clock does not time the loading)."""
+        await asyncio.gather(*(actor.ready.remote() for actor in self._actors))
 
     async def judge(self, item: JudgeItem) -> Judgment:
         index = min(range(len(self._actors)), key=self._busy.__getitem__)

@@ -352,3 +352,29 @@ async def test_idle_servers_steal_the_queued_tail_of_a_slow_one(emulators: Emula
             break
         await asyncio.sleep(0.01)
     assert slow.stats.running == 0 and slow.stats.waiting == 0
+
+
+async def test_shortest_first_serves_the_client_with_least_work_left(emulators: EmulatorFactory) -> None:
+    """With one slot, the order waiting requests get it in is the client order: least remaining work first
+    (client_order="shortest_first"), fewest in flight first ("fair")."""
+    server = await emulators.start(max_running=1, decode_s=0.01)
+    snap = snapshot_of([server], capacity=1)
+    for order, expected in (("shortest_first", ["small"] * 3 + ["big"] * 3), ("fair", ["big", "small"] * 3)):
+        async with new_session() as session:
+            dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"),
+                                    config=DispatchConfig(client_order=order))
+            dispatcher.set_client_remaining("big", 1000.0)
+            dispatcher.set_client_remaining("small", 10.0)
+            done: list[str] = []
+
+            async def one(client: str, i: int, d: Dispatcher = dispatcher, out: list[str] = done) -> None:
+                await d.submit(request(i, client_id=client))
+                out.append(client)
+
+            blocker = asyncio.create_task(one("big", 99))  # holds the slot while the others queue
+            await asyncio.sleep(0.005)
+            others = [asyncio.create_task(one(c, i)) for i in range(3) for c in ("big", "small")]
+            await asyncio.gather(blocker, *others)
+        assert done[1:] == expected, (order, done)
+    with pytest.raises(ValueError, match="client_order"):
+        Dispatcher(None, lambda: snap, make_policy("round_robin"), config=DispatchConfig(client_order="lifo"))  # type: ignore[arg-type]

@@ -1,0 +1,104 @@
+"""`fedpool bench speedup`: its configuration errors, how it splits servers, the ideal, and one small run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.emulator import PROFILES
+from fedpool.bench import (
+    BenchConfigError,
+    EvalsConfig,
+    LiveServer,
+    assign_servers,
+    ideal_makespan,
+    load_evals_config,
+    load_pool_config,
+    prepare_evals,
+    saturated_cost,
+)
+from registry import Engine, ServerRecord
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+
+
+def test_shipped_configs_load() -> None:
+    for name in ("table7", "small", "real"):
+        load_pool_config(CONFIGS / f"{name}_pool.yaml")
+        load_evals_config(CONFIGS / f"{name}_evals.yaml")
+
+
+def test_bad_configs_name_the_file_and_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "pool.yaml"
+    bad.write_text("model: m\nemulated:\n  - {id: a, profile: h100-fantasy}\n")
+    with pytest.raises(BenchConfigError, match=r"pool\.yaml: field 'emulated\.0'.*h100-fantasy"):
+        load_pool_config(bad)
+    bad.write_text("model: m\nemulated:\n  - {id: a, profile: tiny}\n  - {id: a, profile: tiny}\n")
+    with pytest.raises(BenchConfigError, match="unique"):
+        load_pool_config(bad)
+    bad.write_text("model: m\nemulated: [\n")
+    with pytest.raises(BenchConfigError, match=r"pool\.yaml:\d+: not valid YAML"):
+        load_pool_config(bad)
+    evals = tmp_path / "evals.yaml"
+    evals.write_text("evals:\n  - {name: t, size: 0, prompt_tokens: 5, max_tokens: 5}\n")
+    with pytest.raises(BenchConfigError, match=r"evals\.yaml: field 'evals\.0\.synthetic\.size'"):
+        load_evals_config(evals)
+    evals.write_text("evals:\n  - {spec: 'bundled:nonesuch'}\n")
+    with pytest.raises(BenchConfigError, match="no bundled benchmark 'nonesuch'"):
+        prepare_evals(load_evals_config(evals), tmp_path / "data")
+
+
+def live(sid: str, profile: str) -> LiveServer:
+    p = PROFILES[profile]
+    record = ServerRecord(id=sid, url="http://127.0.0.1:1", engine=Engine.VLLM, model="m")
+    return LiveServer(record, p, 1.0 / p.decode_s_per_token)
+
+
+def test_conventional_split_gives_the_heaviest_eval_the_fastest_server(tmp_path: Path) -> None:
+    config = EvalsConfig.model_validate({"evals": [
+        {"name": "small", "size": 10, "prompt_tokens": 50, "max_tokens": 8},
+        {"name": "big", "size": 500, "prompt_tokens": 200, "max_tokens": 256},
+    ]})
+    evals = prepare_evals(config, tmp_path)
+    a100, v100a, v100b = (live("a100", "vllm-a100-80gb-7b"), live("v100a", "vllm-v100-32gb-7b"),
+                          live("v100b", "vllm-v100-32gb-7b"))
+    split = assign_servers(evals, [v100a, a100, v100b])
+    assert split["big"][0] == "a100" and len(split["big"]) == 2 and len(split["small"]) == 1
+    shared = assign_servers(evals, [v100a])
+    assert shared == {"big": ["v100a"], "small": ["v100a"]}  # fewer servers than evals: they share
+
+
+def test_ideal_is_the_fluid_split_over_server_speeds() -> None:
+    a100 = PROFILES["vllm-a100-80gb-7b"]
+    cost = saturated_cost(a100, 1000, 10)
+    assert cost == pytest.approx(1000 * a100.prefill_s_per_token, rel=0.05)  # prefill-bound
+    t, plan = ideal_makespan({"e": 100}, {"e": (1000.0, 10.0)}, {"x": a100, "y": a100})
+    assert t == pytest.approx(50 * cost, rel=1e-6)
+    assert plan["e"]["x"] + plan["e"]["y"] == pytest.approx(100)
+
+
+@pytest.mark.ray
+def test_a_small_comparison_end_to_end_writes_its_report(ray_cluster: None, tmp_path: Path) -> None:
+    """Both arms on freshly started emulated servers; the report carries both, the ideal and the result line.
+    The emulator's answers depend only on the prompt, so both arms must score every eval the same."""
+    from benchmarks.speedup import main
+
+    rc = main(["--pool", str(CONFIGS / "small_pool.yaml"), "--evals", str(CONFIGS / "small_evals.yaml"),
+               "--name", "speedup_test", "--results-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")])
+    assert rc == 0
+    report = (tmp_path / "speedup_test.md").read_text()
+    last = report.strip().splitlines()[-1]
+    assert last.startswith("result: speedup_avg=") and "speedup_min=" in last and "vs_ideal=" in last
+    values = dict(kv.split("=") for kv in last.removeprefix("result: ").split())
+    assert float(values["speedup_avg"]) > 0 and float(values["vs_ideal"]) >= 0.9  # nothing beats the ideal
+    assert "| text | text |" in report and "| image | image |" in report
+    assert report.count("| yes |") == 2  # same score conventionally and federated, for both evals
+    assert (tmp_path / "speedup_test_walltime.png").stat().st_size > 0
+    assert (tmp_path / "speedup_test_timeline.png").stat().st_size > 0
+    runs = list((tmp_path / "work").iterdir())
+    assert len(runs) == 1
+    for arm in ("conventional", "federated"):
+        for name, size in (("text", 64), ("image", 96)):
+            lines = (runs[0] / arm / name / "records.jsonl").read_text().splitlines()
+            assert len(lines) == size, (arm, name)
