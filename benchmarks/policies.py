@@ -3,8 +3,9 @@ mixed prompt and output lengths), each against the ideal makespan of that pool.
 
     python -m benchmarks.policies --requests 3000 --speedup 2
 
-The ideal is total work ÷ aggregate saturated throughput: every server kept at its full batch for the
-whole run with nothing left over (a fluid bound no schedule beats). Profiles here are illustrative, set
+The ideal is total work ÷ aggregate saturated throughput: every server kept saturated for the whole run
+with nothing left over (a fluid bound no schedule beats), with the engine model's costs (prefill is
+serial and compute-bound, decode steps are shared by the batch). Profiles here are illustrative, set
 from the A100/V100 memory-bandwidth ratio (~2×, decode is bandwidth-bound) and their usual batch sizes;
 the calibrated emulator profiles belong to the engines issue.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from benchmarks.report import markdown_table, write_report
 from deploy.emulator import EmulatedServer, EmulatorProfile
 from federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+from fedpool.bench import saturated_cost
 from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
 POLICIES = ("capacity_weighted", "least_inflight", "power_of_two", "round_robin", "random", "prefix_affinity")
@@ -48,17 +50,15 @@ def workload(n: int, seed: int) -> list[tuple[int, int]]:
     return [(rng.choice((50, 200, 800)), rng.choice((16, 64))) for _ in range(n)]
 
 
-def full_batch_cost(profile: EmulatorProfile, prompt: int, out: int) -> float:
-    step = profile.decode_s_per_token * (1 + profile.batch_slowdown * (profile.max_running - 1))
-    return prompt * profile.prefill_s_per_token + out * step
+def pool_rate(jobs: list[tuple[int, int]]) -> float:
+    """Requests per engine second the whole pool completes when every engine is saturated: each request
+    costs its (compute-bound, serial) prefill plus its share of full decode steps (deploy.batching's model,
+    the same cost the speedup benchmark's ideal uses)."""
+    return sum(kind.count / statistics.mean(saturated_cost(kind.profile, p, o) for p, o in jobs) for kind in POOL)
 
 
 def ideal_makespan(jobs: list[tuple[int, int]], speedup: float) -> float:
-    rate = 0.0  # requests per second the whole pool completes at full batch
-    for kind in POOL:
-        mean_cost = statistics.mean(full_batch_cost(kind.profile, p, o) for p, o in jobs)
-        rate += kind.count * kind.profile.max_running / mean_cost
-    return len(jobs) / rate / speedup
+    return len(jobs) / pool_rate(jobs) / speedup
 
 
 async def run_policy(name: str, jobs: list[tuple[int, int]], args: argparse.Namespace) -> dict[str, object]:
@@ -123,9 +123,9 @@ def main() -> None:
     ideal = ideal_makespan(jobs, args.speedup)
     slots = sum(k.count * k.profile.max_running for k in POOL)
     a100_capacity_share = sum(
-        k.count * k.profile.max_running / statistics.mean(full_batch_cost(k.profile, p, o) for p, o in jobs)
+        k.count / statistics.mean(saturated_cost(k.profile, p, o) for p, o in jobs)
         for k in POOL if k.accelerator == "A100"
-    ) * ideal * args.speedup / len(jobs)
+    ) / pool_rate(jobs)
     scenarios = [("saturated", args.per_client), ("under-loaded", args.underloaded_per_client)]
     tables, all_results = [], {}
     for label, per_client in scenarios:

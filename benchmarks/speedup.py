@@ -126,13 +126,23 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
               "Share of metric samples (every 0.1 s, from each engine's own /metrics) with at least one request "
               "running, and the mean running count, over each arm's makespan.", ""]
     rows = []
+    emulated = bool(fed.engine_busy_s)
     for sid in fed.server_ids:
-        rows.append([sid, f"{conv.busy.busy_share(sid, conv.makespan_s):.0%}",
-                     f"{conv.busy.mean_running(sid, conv.makespan_s):.1f}",
-                     f"{fed.busy.busy_share(sid, fed.makespan_s):.0%}",
-                     f"{fed.busy.mean_running(sid, fed.makespan_s):.1f}"])
-    lines.append(markdown_table(["server", "conventional busy", "conventional mean running", "federated busy",
-                                 "federated mean running"], rows))
+        row = [sid, f"{conv.busy.busy_share(sid, conv.makespan_s):.0%}",
+               f"{conv.busy.mean_running(sid, conv.makespan_s):.1f}",
+               f"{fed.busy.busy_share(sid, fed.makespan_s):.0%}",
+               f"{fed.busy.mean_running(sid, fed.makespan_s):.1f}"]
+        if emulated:  # the emulated GPU's own count of seconds spent computing, against the makespan
+            row += [f"{conv.engine_busy_s.get(sid, 0.0) / (conv.makespan_s * scale):.0%}",
+                    f"{fed.engine_busy_s.get(sid, 0.0) / (fed.makespan_s * scale):.0%}"]
+        rows.append(row)
+    headers = ["server", "conventional busy", "conventional mean running", "federated busy", "federated mean running"]
+    if emulated:
+        headers += ["conventional GPU computing", "federated GPU computing"]
+    lines.append(markdown_table(headers, rows))
+    if emulated:
+        lines += ["", "GPU computing: engine seconds the emulated engine spent in steps "
+                  "(`fedpool_emulator_busy_seconds_total`) ÷ (makespan × time scale)."]
     if charts:
         lines += ["", "## Charts", ""] + [f"![{c}]({c})" for c in charts]
     return "\n".join(lines)
