@@ -372,13 +372,13 @@ async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClie
 class _NullRegistry:
     """Stands in for the registry when the conventional arm starts local servers: nothing registers."""
 
-    async def register(self, record: ServerRecord, **_: Any) -> None:
+    async def register(self, record: ServerRecord, *_: Any, **__: Any) -> None:
         return None
 
-    async def deregister(self, server_id: str) -> None:
+    async def deregister(self, server_id: str, *_: Any, **__: Any) -> None:
         return None
 
-    async def heartbeat(self, server_id: str, **_: Any) -> None:
+    async def heartbeat(self, server_id: str, *_: Any, **__: Any) -> None:
         return None
 
 
