@@ -143,6 +143,13 @@ class BatchEngine:
         budget = self.profile.kv_cache_tokens
         if budget is not None and prompt_tokens + 1 > budget:
             raise PromptTooLong(f"prompt of {prompt_tokens} tokens exceeds the KV cache ({budget} tokens)")
+        p = self.profile
+        if p.decode_s_per_token <= 0 and p.prefill_s_per_token <= 0 and p.attn_s_per_ctx_token <= 0:
+            # An engine with no cost model (overhead benchmarks): answer at once, no scheduling hops.
+            self.counters.finished += 1
+            self.counters.prompt_tokens += prompt_tokens
+            self.counters.generation_tokens += max(1, out_tokens)
+            return Generation(prompt_tokens, 0, max(1, out_tokens), 0.0, 0)
         loop = asyncio.get_running_loop()
         seq = _Seq(prompt_tokens, max(1, out_tokens), blocks, loop.create_future(), self._clock())
         self._waiting.append(seq)

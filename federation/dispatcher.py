@@ -73,7 +73,7 @@ class _Racer:
 
     request: InferenceRequest
     server: ServerEntry
-    wake: asyncio.Event
+    wake: asyncio.Future[None]  # completed when an idle server has started a copy (a plain future: no task)
     stolen: tuple[asyncio.Task[Completion], ServerEntry, float] | None = None  # the copy an idle server started
 
 
@@ -214,7 +214,7 @@ class Dispatcher:
             slot = await self._acquire(request, retry.tried)
             started = self._clock()
             primary = asyncio.create_task(self._attempt(slot, request))
-            racer = _Racer(request, slot.server, asyncio.Event()) if hedgeable else None
+            racer = _Racer(request, slot.server, asyncio.get_running_loop().create_future()) if hedgeable else None
             if racer is not None:
                 self._racing.setdefault(slot.server.id, {})[racer] = None
             try:
@@ -222,7 +222,8 @@ class Dispatcher:
                     primary, slot.server, started,
                     launch=(lambda s=slot.server, r=racer: self._launch_hedge(request, s, r)) if hedgeable else None,
                     delay_s=self._hedge_timer.delay(request.model) if hedgeable else None,
-                    recheck_s=HEDGE_RECHECK_S, clock=self._clock, wake=racer.wake if racer else None,
+                    recheck_s=HEDGE_RECHECK_S, clock=self._clock,
+                    wake=(lambda r=racer: r.wake) if racer is not None else None,
                 )
             finally:
                 if racer is not None:
@@ -327,7 +328,8 @@ class Dispatcher:
                 del self._racing[victim_id]
             slot = self._take(thief, victim.request.client_id, now)
             victim.stolen = (asyncio.create_task(self._attempt(slot, victim.request)), thief, now)
-            victim.wake.set()
+            if not victim.wake.done():
+                victim.wake.set_result(None)
 
     def _launch_hedge(
         self, request: InferenceRequest, primary: ServerEntry, racer: _Racer | None = None
@@ -342,6 +344,8 @@ class Dispatcher:
             self._forget_racer(racer)
         launched = self._hedge_on(request, primary)
         if launched is None and racer is not None:
+            if racer.wake.done():
+                racer.wake = asyncio.get_running_loop().create_future()
             self._racing.setdefault(primary.id, {})[racer] = None  # not taken: it may be stolen later
         return launched
 

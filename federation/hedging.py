@@ -59,11 +59,12 @@ async def race(
     delay_s: float | None,
     recheck_s: float,
     clock: Callable[[], float],
-    wake: asyncio.Event | None = None,
+    wake: Callable[[], asyncio.Future[None] | None] | None = None,
 ) -> tuple[AttemptOutcome | None, list[AttemptOutcome], bool]:
     """(winner or None, every other finished attempt, whether a hedge was launched). Losers are cancelled
     and awaited, so their slots are released before this returns; so are all attempts if the caller is
-    cancelled. Setting `wake` races the copy an idle server started (tail stealing) against this one.
+    cancelled. `wake()` gives a future that completes when an idle server has started a copy (tail
+    stealing); the copy is then raced against this one.
     (Moving instead, cancelling the queued copy at once, was measured worse: it also cancels copies the
     slow engine had half done.)"""
     running: dict[asyncio.Task[Completion], tuple[ServerEntry, float]] = {primary: (server, started)}
@@ -71,24 +72,19 @@ async def race(
     winner: AttemptOutcome | None = None
     hedged = False
     next_try = started + delay_s if delay_s is not None else None
-    woken: asyncio.Task[bool] | None = (
-        asyncio.ensure_future(wake.wait()) if wake is not None and launch is not None else None
-    )
     try:
         while running and winner is None:
             timeout = None
             if launch is not None and not hedged and next_try is not None:
                 timeout = max(0.0, next_try - clock())
             waiting: set[asyncio.Future[object]] = set(running)  # type: ignore[arg-type]
-            if woken is not None and not hedged:
+            woken = wake() if wake is not None and launch is not None and not hedged else None
+            if woken is not None:
                 waiting.add(woken)  # type: ignore[arg-type]
             done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             stolen = woken is not None and woken in done
             if stolen:
                 done.discard(woken)  # type: ignore[arg-type]
-                assert wake is not None
-                wake.clear()
-                woken = asyncio.ensure_future(wake.wait())
             if not done:
                 extra = launch() if launch is not None and not hedged else None
                 if extra is not None:
@@ -107,8 +103,6 @@ async def race(
                 elif exc is not None:
                     raise exc
     finally:
-        if woken is not None:
-            woken.cancel()
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
