@@ -59,9 +59,17 @@ def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> No
     assert ctl.decide(obs(window_was_full=False)).reason == "steady"
 
 
-def test_latency_inflation_is_off_by_default() -> None:
-    """Per-token latency moves with the workload mix; by default it never shrinks the window."""
-    ctl = WindowController(capacity=4)
-    ctl.decide(obs(per_token_latency_s=0.001))
-    assert ctl.decide(obs(per_token_latency_s=0.5)).reason != "latency inflation"
-    assert ctl.limit == 4
+def test_a_lasting_shift_of_the_mix_becomes_the_new_latency_baseline() -> None:
+    """Per-token latency jumps when long-prompt requests arrive: one shrink for the sudden inflation, then
+    the new level is the baseline and the window is left alone (against the best ever seen it would
+    shrink every period down to 1)."""
+    ctl = WindowController(capacity=64, inflation_limit=3.0)
+    for _ in range(4):
+        ctl.decide(obs(per_token_latency_s=0.001))
+    assert ctl.decide(obs(per_token_latency_s=0.02)).reason == "latency inflation"
+    reasons = [ctl.decide(obs(per_token_latency_s=0.02)).reason for _ in range(12)]
+    assert reasons[-6:].count("latency inflation") == 0 and ctl.limit >= 16
+    off = WindowController(capacity=4)  # the default: off
+    off.decide(obs(per_token_latency_s=0.001))
+    off.decide(obs(per_token_latency_s=0.001))
+    assert off.decide(obs(per_token_latency_s=9.0)).reason != "latency inflation"
