@@ -28,7 +28,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 BLOCK = 16  # tokens per KV block (vLLM's default block size)
@@ -86,7 +86,6 @@ class EngineCounters:
     prefix_hits: int = 0  # tokens found there
     steps: int = 0
     busy_s: float = 0.0  # engine time (unscaled) spent in steps with work
-    timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, running) wall clock
 
 
 def prompt_blocks(words: Sequence[str]) -> tuple[int, ...]:
@@ -108,12 +107,10 @@ class BatchEngine:
         *,
         speedup: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
-        keep_timeline: bool = False,
     ):
         self.profile = profile
         self._speedup = speedup
         self._clock = clock
-        self._keep_timeline = keep_timeline
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._kv_used = 0
@@ -279,11 +276,9 @@ class BatchEngine:
         if engine_s > 0:
             await asyncio.sleep(engine_s / self._speedup)
 
-    def _log(self, start: float, engine_s: float, running: int) -> None:
+    def _log(self, engine_s: float) -> None:
         self.counters.steps += 1
         self.counters.busy_s += engine_s
-        if self._keep_timeline:
-            self.counters.timeline.append((start, self._clock(), running))
 
     async def _loop(self) -> None:
         while True:
@@ -312,7 +307,6 @@ class BatchEngine:
         decoding = [s for s in self._running if s.prefill_left == 0 and id(s) not in chunked]
         prefill = sum(take for _, take in chunks)
         cost = self._step_cost(prefill)
-        start = self._clock()
         await self._sleep_engine_time(cost)
         for seq in decoding:
             seq.decoded += 1
@@ -327,7 +321,7 @@ class BatchEngine:
                 seq.decoded += 1  # the step that completes a prompt samples its first token
                 self._kv_used += 1
                 self.counters.generation_tokens += 1
-        self._log(start, cost, len(self._running))
+        self._log(cost)
 
     async def _decode_run(self) -> None:
         p = self.profile
@@ -363,4 +357,4 @@ class BatchEngine:
             seq.decoded += done
         self._kv_used += n * done
         self.counters.generation_tokens += n * done
-        self._log(start, cost * done, n)
+        self._log(cost * done)

@@ -76,7 +76,6 @@ class EmulatedServer:
         speedup: float = 1.0,
         host: str = "127.0.0.1",
         port: int = 0,
-        keep_timeline: bool = False,
     ):
         self.model = model
         self._profile = profile or EmulatorProfile()
@@ -87,7 +86,7 @@ class EmulatedServer:
         self._host = host
         self._port = port
         self._stats = _Stats()
-        self.engine = BatchEngine(self.profile, speedup=speedup, keep_timeline=keep_timeline)
+        self.engine = BatchEngine(self.profile, speedup=speedup)
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._hung: list[asyncio.Future[None]] = []

@@ -401,7 +401,6 @@ class BusyTrace:
 
     period_s: float
     samples: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # id -> (t since start, running)
-    waiting: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # id -> (t, engine queue)
 
     def busy_share(self, server_id: str, until: float) -> float:
         rows = [r for t, r in self.samples.get(server_id, []) if t <= until]
@@ -416,15 +415,14 @@ async def sample_busy(servers: Sequence[LiveServer], trace: BusyTrace, started: 
     async with new_session() as session:
         while True:
             tick = time.monotonic()
-            results = await asyncio.gather(*(_running(session, s.record) for s in servers))
+            results = await asyncio.gather(*(_load(session, s.record) for s in servers))
             for s, load in zip(servers, results, strict=True):
                 if load is not None:
                     trace.samples.setdefault(s.record.id, []).append((tick - started, load.running))
-                    trace.waiting.setdefault(s.record.id, []).append((tick - started, load.waiting))
             await asyncio.sleep(max(0.0, trace.period_s - (time.monotonic() - tick)))
 
 
-async def _running(session: aiohttp.ClientSession, record: ServerRecord) -> LoadSample | None:
+async def _load(session: aiohttp.ClientSession, record: ServerRecord) -> LoadSample | None:
     adapter = adapter_for(record.engine)
     if adapter.metrics_path is None:
         return None
@@ -472,7 +470,6 @@ class ArmResult:
     busy: BusyTrace
     server_ids: list[str]
     assignment: dict[str, list[str]] = field(default_factory=dict)
-    batches: list[dict[str, Any]] = field(default_factory=list)
     tokens: dict[str, tuple[float, float]] = field(default_factory=dict)  # eval -> (mean prompt, mean completion)
     engine_busy_s: dict[str, float] = field(default_factory=dict)  # emulated server -> engine seconds computing
 
@@ -549,16 +546,13 @@ async def run_conventional(
         engine_busy = await emulator_busy_seconds(servers)
     outcomes = {}
     tokens = {}
-    batches = []
     for p, (result, finished) in zip(evals, results, strict=True):
         records = await asyncio.to_thread(read_records, out_dir / p.spec.name / "records.jsonl")
         outcomes[p.spec.name] = EvalOutcome(p.spec.name, p.modality, p.size, finished, result.records, result.failed,
                                             _score(result.summary), _servers_of(records))
         tokens[p.spec.name] = _token_means(records)
-        batches += [{"eval": p.spec.name, **asdict(b), "load_start": b.load_start - started,
-                     "sent": b.sent - started, "done": b.done - started} for b in result.batches]
     return ArmResult("conventional", makespan, outcomes, trace, [s.record.id for s in servers], assignment,
-                     batches, tokens, engine_busy)
+                     tokens, engine_busy)
 
 
 async def run_federated(

@@ -32,7 +32,6 @@ class StageWorker:
 
     def __init__(self, time_scale: float):
         self._scale = time_scale
-        self.items = 0
 
     def ready(self) -> bool:
         return True
@@ -42,7 +41,6 @@ class StageWorker:
         start = time.perf_counter()
         if seconds > 0:
             time.sleep(seconds / self._scale)
-        self.items += 1
         return time.perf_counter() - start
 
 
@@ -118,7 +116,6 @@ class StagePool:
         remote = ray.remote(StageWorker).options(num_cpus=num_cpus)
         self._actors = [remote.remote(time_scale) for _ in range(actors)]
         self._busy = [0] * actors
-        self.calls = 0
 
     @property
     def size(self) -> int:
@@ -141,7 +138,6 @@ class StagePool:
         self._busy[index] += 1
         try:
             await self._actors[index].work.remote(seconds)
-            self.calls += 1
         finally:
             self._busy[index] -= 1
 
