@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
-import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from clients import EvalTarget, run_evals
@@ -42,6 +41,7 @@ from pipeline import BenchmarkSpec, load_spec, read_records
 from pipeline.bundled import bundled_spec_paths
 from pipeline.stages import StageCosts, StagePool
 from pipeline.verifier import VerifierConfig, VerifierPool
+from pipeline.yamlfile import field_problems, read_yaml
 from registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
 
 log = logging.getLogger("fedpool.bench")
@@ -192,21 +192,11 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def _load_yaml_model(path: Path, model: type[M]) -> M:
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BenchConfigError(f"{path}: no such file") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise BenchConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    raw = read_yaml(path, BenchConfigError)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}" for err in exc.errors()
-        )
-        raise BenchConfigError(f"{path}: {problems}") from None
+        raise BenchConfigError(f"{path}: {field_problems(exc)}") from None
 
 
 def load_pool_config(path: Path) -> PoolConfig:

@@ -7,12 +7,12 @@ import string
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import SpecError
 from pipeline.metrics import METRICS
 from pipeline.postprocess import POSTPROCESSORS
+from pipeline.yamlfile import field_problems, read_yaml
 
 
 class DataSource(BaseModel):
@@ -120,14 +120,7 @@ class BenchmarkSpec(BaseModel):
 def load_spec(path: str | Path) -> BenchmarkSpec:
     """Read a YAML spec; errors name the file and the offending field (or YAML line)."""
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such benchmark spec") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    raw = read_yaml(path, SpecError, missing="no such benchmark spec")
     return spec_from_dict(raw, source=str(path))
 
 
@@ -137,7 +130,4 @@ def spec_from_dict(raw: Any, *, source: str) -> BenchmarkSpec:
     try:
         return BenchmarkSpec.model_validate({**raw, "source_file": source})
     except ValidationError as exc:
-        problems = "; ".join(
-            f"field '{'.'.join(str(p) for p in err['loc']) or '(root)'}': {err['msg']}" for err in exc.errors()
-        )
-        raise SpecError(f"{source}: {problems}") from None
+        raise SpecError(f"{source}: {field_problems(exc)}") from None
