@@ -88,7 +88,7 @@ class RegistryActor:
         self._incarnation = uuid.uuid4().hex[:12]  # changes on every (re)start of the actor
         self._started_at = time.time()
         self._metrics_runner: Any = None
-        self._rows_cache: tuple[int, float, tuple[Any, ...]] | None = None
+        self._rows_cache: tuple[int, float, bytes] | None = None
         self._records_cache: tuple[int, bytes] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -258,16 +258,21 @@ class RegistryActor:
 
     # ---- reads (open) -------------------------------------------------------------------------
     async def snapshot_wire(
-        self, since_version: int = -1, timeout_s: float = 0.0, known_membership: int = -1
-    ) -> tuple[int, float, int, bytes | None, tuple[Any, ...]]:
-        """(version, taken_at, membership_version, pickled records or None when the caller has them, rows).
+        self, since_version: int = -1, timeout_s: float = 0.0, known_membership: int = -1, have_version: int = -1
+    ) -> tuple[int, float, int, bytes | None, bytes | None]:
+        """(version, taken_at, membership_version, pickled records or None when the caller has them,
+        pickled rows or None when the caller already holds this version).
 
-        Rows are built once per version and records once per membership change, so a thousand readers
-        cost the actor a cache lookup each."""
+        Rows are pickled once per version and records once per membership change, so a thousand readers
+        cost the actor a cache lookup and a bytes copy each, and a reader whose copy is current gets a
+        few bytes back."""
         await self._wait_newer(since_version, timeout_s)
         version = self._state.version
+        if have_version == version and self._rows_cache is not None and self._rows_cache[0] == version:
+            return (version, self._rows_cache[1], self._state.membership_version, None, None)
         if self._rows_cache is None or self._rows_cache[0] != version:
-            self._rows_cache = (version, time.time(), self._state.wire_rows())
+            rows = pickle.dumps(self._state.wire_rows(), protocol=pickle.HIGHEST_PROTOCOL)
+            self._rows_cache = (version, time.time(), rows)
         membership = self._state.membership_version
         records = None
         if known_membership != membership:

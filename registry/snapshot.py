@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -111,20 +111,10 @@ class ServerEntry:
 
 # One server's fast-changing facts on the wire: (id, status, capacity, running, waiting, kv, tokens_per_s,
 # generation_tokens_total, observed_at, probe_latency_s, consecutive_failures, last_error, probe_failures).
-# Records travel only when membership changed, so a snapshot of 1,000 servers costs ~0.2 ms to ship.
+# Built by `registry.state`; records travel only when membership changed, so a snapshot of 1,000 servers
+# costs ~0.2 ms to ship.
 WireRow = tuple[str, str, int, float | None, float | None, float | None, float | None, float | None,
                 float | None, float | None, int, str | None, int]
-
-
-def entry_to_row(entry: ServerEntry) -> WireRow:
-    load = entry.load
-    return (
-        entry.id, entry.status.value, entry.capacity,
-        load.running if load else None, load.waiting if load else None,
-        load.kv_cache_usage if load else None, load.tokens_per_s if load else None,
-        load.generation_tokens_total if load else None, load.observed_at if load else None,
-        entry.probe_latency_s, entry.consecutive_failures, entry.last_error, entry.probe_failures_total,
-    )
 
 
 def entry_from_row(row: WireRow, record: ServerRecord, weight: float) -> ServerEntry:
@@ -156,14 +146,27 @@ class PoolSnapshot:
 
     @classmethod
     def from_rows(
-        cls, version: int, taken_at: float, rows: tuple[WireRow, ...], records: Mapping[str, ServerRecord],
-        weight_of: Any,
+        cls, version: int, taken_at: float, rows: tuple[WireRow, ...] | Callable[[], tuple[WireRow, ...]],
+        records: Mapping[str, ServerRecord], weight_of: Callable[[ServerRecord], float], count: int | None = None,
     ) -> PoolSnapshot:
+        """A snapshot whose entries are made on first use from `rows`, or from what `rows()` returns (then
+        `count`, the number of rows, must be given: decoding waits until someone reads the entries)."""
         snap = cls(version, taken_at)
-        object.__setattr__(snap, "_count", len(rows))
-        object.__setattr__(
-            snap, "_make", lambda: tuple(entry_from_row(r, records[r[0]], weight_of(records[r[0]])) for r in rows)
-        )
+        if callable(rows):
+            if count is None:
+                raise ValueError("from_rows: a row loader needs the row count")
+            load = rows
+        else:
+            count, rows_now = len(rows), rows
+
+            def load() -> tuple[WireRow, ...]:
+                return rows_now
+
+        def make() -> tuple[ServerEntry, ...]:
+            return tuple(entry_from_row(r, records[r[0]], weight_of(records[r[0]])) for r in load())
+
+        object.__setattr__(snap, "_count", count)
+        object.__setattr__(snap, "_make", make)
         return snap
 
     def __setattr__(self, name: str, value: object) -> None:

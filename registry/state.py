@@ -17,7 +17,7 @@ from registry.snapshot import (
     ServerEntry,
     ServerStatus,
     WireRow,
-    entry_to_row,
+    entry_from_row,
 )
 from registry.status import StatusThresholds, derive_status
 from registry.weights import prior_weight
@@ -227,7 +227,9 @@ class RegistryState:
         return PoolSnapshot(version=self.version, taken_at=self._clock(), entries=entries)
 
     def wire_rows(self) -> tuple[WireRow, ...]:
-        return tuple(entry_to_row(self._entry(self._servers[sid])) for sid in self.ids())
+        """Every server's row in id order, straight from its state (no ServerEntry in between: this runs on
+        the actor's event loop once per version, for 1,000 servers)."""
+        return tuple(_row(self._servers[sid]) for sid in self.ids())
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "servers": [self._servers[s].to_json() for s in self.ids()]}
@@ -297,23 +299,30 @@ class RegistryState:
         )
 
     def _entry(self, state: ServerState) -> ServerEntry:
-        last = state.probes[-1] if state.probes else None
-        failures = 0
-        for probe in reversed(state.probes):
-            if probe.ok:
-                break
-            failures += 1
-        return ServerEntry(
-            record=state.record,
-            status=state.status,
-            capacity=state.capacity,
-            weight=prior_weight(state.record),
-            load=state.load,
-            probe_latency_s=last.latency_s if last else None,
-            consecutive_failures=failures,
-            last_error=next((p.error for p in reversed(state.probes) if p.error), None),
-            probe_failures_total=state.probe_failures_total,
-        )
+        return entry_from_row(_row(state), state.record, prior_weight(state.record))
+
+
+def _row(state: ServerState) -> WireRow:
+    """One server's fast-changing facts in the wire layout of `registry.snapshot.WireRow`."""
+    probes = state.probes
+    failures = 0
+    last_error = None
+    for probe in reversed(probes):
+        if probe.ok:
+            break
+        failures += 1
+    for probe in reversed(probes):
+        if probe.error:
+            last_error = probe.error
+            break
+    load = state.load
+    return (
+        state.record.id, state.status.value, state.capacity,
+        load.running if load else None, load.waiting if load else None,
+        load.kv_cache_usage if load else None, load.tokens_per_s if load else None,
+        load.generation_tokens_total if load else None, load.observed_at if load else None,
+        probes[-1].latency_s if probes else None, failures, last_error, state.probe_failures_total,
+    )
 
 
 def _with_rate(previous: LoadSample | None, current: LoadSample) -> LoadSample:

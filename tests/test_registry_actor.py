@@ -185,6 +185,26 @@ async def test_snapshot_long_poll_returns_on_change(registry: RegistryClient, em
     assert newer.version > current and time.monotonic() - started < 5.0
 
 
+async def test_snapshot_version_check_ships_rows_only_when_newer(
+    registry: RegistryClient, emulators: EmulatorFactory
+) -> None:
+    server = await emulators.start()
+    await registry.register(record(server))
+    held = await registry.snapshot()
+    handle = registry.handle
+    # Asking with the version held: the actor answers without rows or records (unless it moved on meanwhile).
+    version, _, _, records, rows = await handle.snapshot_wire.remote(-1, 0.0, -1, held.version)
+    if version == held.version:
+        assert rows is None and records is None
+    else:
+        assert rows is not None
+    # The client returns the very snapshot it holds while the version stands, a new one once it moved.
+    again = await registry.snapshot()
+    assert (again is held) == (again.version == held.version)
+    newer = await registry.snapshot(since_version=held.version, timeout_s=10.0)
+    assert newer.version > held.version and newer is not held and newer.get("emu-0") is not None
+
+
 async def test_prometheus_export_of_the_pool(registry: RegistryClient, emulators: EmulatorFactory) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
