@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--profile", default="tiny", help="emulated: timing profile")
     serve.add_argument("--speedup", type=float, default=1.0, help="emulated: run this many times real time")
     serve.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    serve.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                       help="environment variable for the engine process (repeatable), e.g. "
+                       "VLLM_CPU_KVCACHE_SPACE=1; never recorded in the registry")
     serve.add_argument("--log-dir", type=Path, default=Path("~/.fedpool/logs"), help="engine log directory")
     serve.add_argument("--start-deadline", type=float, default=600.0, help="seconds to wait for health")
     serve.add_argument("--lease", type=float, default=30.0, help="lease seconds (heartbeat every third of it)")
@@ -237,12 +240,12 @@ def _connect_ray(address: str) -> None:
         ) from None
 
 
-def _parse_labels(items: Sequence[str]) -> dict[str, str]:
+def _parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
     labels = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise CliError(f"--label {item!r}: expected KEY=VALUE", EXIT_USAGE)
+            raise CliError(f"{flag} {item!r}: expected KEY=VALUE", EXIT_USAGE)
         labels[key] = value
     return labels
 
@@ -410,6 +413,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
     labels = _parse_labels(args.label)
+    args.engine_env = _parse_labels(args.env, "--env")
     server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
     try:
         record = ServerRecord(
@@ -429,7 +433,7 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], args: argpars
     from deploy import EngineProcess, LeaseSettings, ServerLauncher
 
     log_path = args.log_dir.expanduser() / f"{record.id}.log"
-    process = EngineProcess(record.id, argv, log_path)
+    process = EngineProcess(record.id, argv, log_path, env=args.engine_env)
     launcher = ServerLauncher(process, record, client, lease=LeaseSettings(args.lease, args.lease / 3),
                               start_deadline_s=args.start_deadline)
     print(f"starting {args.engine} as {record.id} at {record.url}; engine log: {log_path}", flush=True)

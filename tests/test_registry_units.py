@@ -75,6 +75,16 @@ def test_vllm_sums_engine_series_and_averages_kv() -> None:
     assert VllmAdapter.kv_cache_tokens(samples) == 2 * 2048 * 16
 
 
+def test_vllm_real_cpu_capture() -> None:
+    """Captured from vLLM 0.32.0's CPU build (--max-num-seqs 4, 32 requests in flight; see README there)."""
+    text = (METRICS / "vllm_cpu.txt").read_text()
+    load = adapter_for(Engine.VLLM).parse_metrics(text, 2.0)
+    assert (load.running, load.waiting) == (4.0, 24.0)
+    assert load.kv_cache_usage == pytest.approx(0.0009766817238432424)
+    assert load.generation_tokens_total == 6301.0
+    assert VllmAdapter.kv_cache_tokens(MetricSamples(text)) == 8192 * 128
+
+
 def test_vllm_reads_pre_v1_cache_name() -> None:
     load = adapter_for("vllm").parse_metrics((METRICS / "vllm_v0.txt").read_text(), 1.0)
     assert (load.running, load.waiting, load.kv_cache_usage) == (4.0, 0.0, 0.125)
