@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -220,6 +221,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(report_json(report))
     return EXIT_OK
+
+
+def _ray_token_auth_if_available() -> None:
+    """Ray 2.60's `ray start` turns token authentication on by itself when a token exists
+    (~/.ray/auth_token, made by any earlier local `ray.init()`), but a driver joining with
+    `ray.init(address=...)` only sends the token when RAY_AUTH_MODE=token: it is then refused with
+    "InvalidAuthToken". Sending a token to a cluster without authentication does no harm, so a driver
+    that has a token sends it, unless RAY_AUTH_MODE says otherwise (a local cluster that `ray.init()`
+    starts uses token authentication by default anyway)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _connect_ray(address: str) -> None:
@@ -568,6 +583,7 @@ def _validation_message(exc: Any) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _ray_token_auth_if_available()  # before Ray is imported (build_parser imports it): it reads the mode once
     if argv[:2] == ["bench", "speedup"]:  # its options are the benchmark script's own
         try:
             return cmd_bench_speedup(argparse.Namespace(bench_args=argv[2:]))
