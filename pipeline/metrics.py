@@ -1,4 +1,11 @@
-"""Per-sample metrics and benchmark scores with bootstrap confidence intervals."""
+"""Per-sample metrics and benchmark scores with bootstrap confidence intervals.
+
+Most scores are the mean of per-sample values. WER, CER and BLEU are corpus statistics, as their
+reference implementations define them: total edits over total reference words (characters), and BLEU
+from n-gram counts summed over the corpus (sacrebleu). Each sample keeps its own value in its record;
+the benchmark score is computed from per-sample sufficient statistics, so the bootstrap resamples
+samples and recomputes the corpus statistic for each resample.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jiwer
+import numpy as np
+import sacrebleu
+from rapidfuzz.distance import Levenshtein
+from sacrebleu.metrics import BLEU
 
 BOOTSTRAP_RESAMPLES = 1000
 CI_LEVEL = 0.95
@@ -53,19 +64,77 @@ def cer(prediction: str, labels: Sequence[str]) -> float:
     return float(jiwer.cer(labels[0] or " ", prediction or " "))
 
 
+def _word_edits(prediction: str, labels: Sequence[str]) -> tuple[float, ...]:
+    out = jiwer.process_words(labels[0] or " ", prediction or " ")
+    return (float(out.substitutions + out.deletions + out.insertions), float(len((labels[0] or " ").split())))
+
+
+def _char_edits(prediction: str, labels: Sequence[str]) -> tuple[float, ...]:
+    out = jiwer.process_characters(labels[0] or " ", prediction or " ")
+    return (float(out.substitutions + out.deletions + out.insertions), float(len(labels[0] or " ")))
+
+
+def _edit_rate(totals: Sequence[float]) -> float:
+    return totals[0] / totals[1] if totals[1] else 0.0
+
+
+def bleu(prediction: str, labels: Sequence[str]) -> float:
+    """Sentence BLEU (sacrebleu, exponential smoothing) against every label, on [0, 1]."""
+    return float(sacrebleu.sentence_bleu(prediction, list(labels)).score / 100.0)
+
+
+def _bleu_stats(prediction: str, labels: Sequence[str]) -> tuple[float, ...]:
+    """sacrebleu's sufficient statistics of one sentence: 4 matching n-gram counts, 4 totals, lengths."""
+    s = sacrebleu.sentence_bleu(prediction, list(labels))
+    return (*map(float, s.counts), *map(float, s.totals), float(s.sys_len), float(s.ref_len))
+
+
+def _corpus_bleu(totals: Sequence[float]) -> float:
+    """Corpus BLEU from summed statistics, as sacrebleu.corpus_bleu computes it (no smoothing), on [0, 1]."""
+    whole = [round(float(x)) for x in totals]
+    return float(BLEU.compute_bleu(whole[:4], whole[4:8], whole[8], whole[9], smooth_method="none").score / 100.0)
+
+
+ANLS_THRESHOLD = 0.5
+
+
+def anls(prediction: str, labels: Sequence[str]) -> float:
+    """Average Normalized Levenshtein Similarity (DocVQA, Biten et al. 2019) of one answer: the best over
+    labels of 1 − NL, where NL = edit distance / length of the longer string after lower-casing and
+    collapsing whitespace; 0 when NL ≥ 0.5 (the threshold τ of the paper)."""
+    pred = " ".join(prediction.lower().split())
+    best = 0.0
+    for label in labels:
+        gold = " ".join(label.lower().split())
+        nl = Levenshtein.normalized_distance(pred, gold)
+        best = max(best, 1.0 - nl if nl < ANLS_THRESHOLD else 0.0)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class CorpusForm:
+    """A corpus statistic: additive per-sample statistics and the function of their sums."""
+
+    stats: Callable[[str, Sequence[str]], tuple[float, ...]]
+    reduce: Callable[[Sequence[float]], float]
+
+
 @dataclass(frozen=True, slots=True)
 class MetricDef:
     fn: Callable[[str, Sequence[str]], float]
     higher_is_better: bool = True
     scale: float = 100.0  # scores are reported in percent
+    corpus: CorpusForm | None = None  # the benchmark score is this corpus statistic, not the mean
 
 
 METRICS: dict[str, MetricDef] = {
     "exact_match": MetricDef(exact_match),
     "accuracy": MetricDef(accuracy),
     "f1": MetricDef(token_f1),
-    "wer": MetricDef(wer, higher_is_better=False),
-    "cer": MetricDef(cer, higher_is_better=False),
+    "wer": MetricDef(wer, higher_is_better=False, corpus=CorpusForm(_word_edits, _edit_rate)),
+    "cer": MetricDef(cer, higher_is_better=False, corpus=CorpusForm(_char_edits, _edit_rate)),
+    "bleu": MetricDef(bleu, corpus=CorpusForm(_bleu_stats, _corpus_bleu)),
+    "anls": MetricDef(anls),
 }
 
 
@@ -98,6 +167,25 @@ def aggregate(metric: str, values: Sequence[float], *, seed: int = 0) -> Score:
     lo_idx = int((1 - CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES)
     hi_idx = min(BOOTSTRAP_RESAMPLES - 1, int((1 + CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES))
     return Score(metric, mean * scale, means[lo_idx] * scale, means[hi_idx] * scale, n)
+
+
+def aggregate_corpus(metric: str, pairs: Sequence[tuple[str, Sequence[str]]], *, seed: int = 0) -> Score:
+    """A corpus metric over (prediction, labels) pairs with a percentile bootstrap CI over samples.
+    Failed samples are passed in with an empty prediction (all reference words deleted), never left out."""
+    form = METRICS[metric].corpus
+    if form is None:
+        raise ValueError(f"metric {metric!r} has no corpus form")
+    scale = METRICS[metric].scale
+    n = len(pairs)
+    if n == 0:
+        return Score(metric, float("nan"), float("nan"), float("nan"), 0)
+    stats = np.array([form.stats(pred, labels) for pred, labels in pairs], dtype=float)
+    value = form.reduce(stats.sum(axis=0))
+    rng = np.random.default_rng(seed)
+    resampled = sorted(form.reduce(stats[rng.integers(0, n, n)].sum(axis=0)) for _ in range(BOOTSTRAP_RESAMPLES))
+    lo_idx = int((1 - CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES)
+    hi_idx = min(BOOTSTRAP_RESAMPLES - 1, int((1 + CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES))
+    return Score(metric, value * scale, resampled[lo_idx] * scale, resampled[hi_idx] * scale, n)
 
 
 def worst_value(metric: str) -> float:

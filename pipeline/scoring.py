@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.loaders import Sample
-from pipeline.metrics import aggregate, score_sample, worst_value
+from pipeline.metrics import METRICS, Score, aggregate, aggregate_corpus, score_sample, worst_value
 from pipeline.postprocess import apply_postprocess, split_reasoning
 from pipeline.prompts import build_messages, render
 from pipeline.schema import Output, Provenance, Record, TextOutput
@@ -50,11 +50,21 @@ def rescore_record(
     return record.model_copy(update={"output": output, "metrics": score_sample(post, record.label, spec.metrics)})
 
 
+def _benchmark_score(name: str, records: Sequence[Record], seed: int) -> Score:
+    if METRICS[name].corpus is not None:  # corpus statistic; a failed record counts with an empty answer
+        pairs = [(_final_answer(r), r.label) for r in records]
+        return aggregate_corpus(name, pairs, seed=seed)
+    return aggregate(name, [r.metrics.get(name, worst_value(name)) for r in records], seed=seed)
+
+
+def _final_answer(record: Record) -> str:
+    post = record.output.text.prediction_postprocessed
+    return post[0] if post else ""
+
+
 def summarize_records(spec: BenchmarkSpec, records: Sequence[Record], *, seed: int = 0) -> dict[str, Any]:
     """Scores with CIs over every record (failed ones included at their worst value), and counts."""
-    scores = [
-        aggregate(name, [r.metrics.get(name, worst_value(name)) for r in records], seed=seed) for name in spec.metrics
-    ]
+    scores = [_benchmark_score(name, records, seed) for name in spec.metrics]
     if spec.verifier:  # failed or unjudged records count as 0, never dropped
         scores.append(aggregate("verifier", [r.metrics.get("verifier", 0.0) for r in records], seed=seed))
     failed = [r for r in records if r.failed]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jiwer
 import pytest
+import sacrebleu
 
 from pipeline import (
     ArtifactError,
@@ -25,7 +27,7 @@ from pipeline import (
     summarize_records,
 )
 from pipeline.bundled import bundled_spec_paths
-from pipeline.metrics import exact_match, token_f1, wer
+from pipeline.metrics import aggregate_corpus, anls, bleu, exact_match, token_f1, wer
 
 SPEC_YAML = """\
 name: tiny
@@ -131,6 +133,41 @@ def test_metric_values_by_hand() -> None:
     assert wer("a b c", ["a x c d"]) == pytest.approx(0.5)
     score = aggregate("exact_match", [1, 0, 1, 1])
     assert score.value == 75.0 and score.ci_low <= 75.0 <= score.ci_high and score.n == 4
+
+
+def test_corpus_wer_cer_and_bleu_match_their_libraries() -> None:
+    preds = ["a b c", "hello world", ""]
+    refs = ["a x c d", "hello there world", "one two"]
+    pairs = [(p, [r]) for p, r in zip(preds, refs, strict=True)]
+    # Corpus WER: (2 + 1 + 2) edits over (4 + 3 + 2) reference words, not the mean of per-sample rates.
+    score = aggregate_corpus("wer", pairs)
+    assert score.value == pytest.approx(100 * 5 / 9)
+    assert score.ci_low <= score.value <= score.ci_high and score.n == 3
+    assert aggregate_corpus("cer", pairs).value == pytest.approx(
+        100 * jiwer.cer(refs, [p or " " for p in preds]), rel=0.02)  # jiwer's corpus CER (" " for the empty one)
+    mt_preds = ["the cat sat on the mat", "a quick brown fox jumps", "it rains today"]
+    mt_refs = [["the cat sat on a mat"], ["the quick brown fox jumped"], ["it is raining today"]]
+    corpus = sacrebleu.corpus_bleu(mt_preds, [[r[0] for r in mt_refs]]).score
+    assert aggregate_corpus("bleu", list(zip(mt_preds, mt_refs, strict=True))).value == pytest.approx(corpus)
+    assert bleu("the cat sat on the mat", ["the cat sat on the mat"]) == pytest.approx(1.0)
+
+
+def test_anls_by_hand() -> None:
+    assert anls("Paris", ["paris"]) == 1.0
+    assert anls("Pariss", ["Paris"]) == pytest.approx(1 - 1 / 6)  # one edit over the longer length
+    assert anls("London", ["Paris"]) == 0.0  # NL ≥ 0.5 scores nothing
+    assert anls("  new   york ", ["New York", "NYC"]) == 1.0  # best label, whitespace collapsed
+
+
+def test_summary_uses_the_corpus_form(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path)).model_copy(update={"metrics": ["wer", "exact_match"]})
+    samples = load_samples(spec)
+    good = finish_record(spec, samples[0], "a0", Provenance(server_id="s1", attempts=1))
+    bad = finish_record(spec, samples[1], None, Provenance(error="x", error_kind="timeout"))
+    summary = summarize_records(spec, [good, bad])
+    by_metric = {s["metric"]: s for s in summary["scores"]}
+    assert by_metric["wer"]["value"] == pytest.approx(50.0)  # 0 + 1 edit over 1 + 1 words
+    assert by_metric["exact_match"]["value"] == 50.0
 
 
 def test_failed_records_count_as_wrong_not_dropped(tmp_path: Path) -> None:
