@@ -1,4 +1,5 @@
-"""Dataset loaders: JSONL and CSV rows become Samples; bad rows are reported with file and line."""
+"""Dataset loaders: JSONL, CSV and Parquet files, and Hugging Face datasets saved to disk, become Samples;
+bad rows are reported with file and line (row number for Parquet and datasets)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,15 @@ class Sample:
 
 
 def dataset_sha256(path: Path) -> str:
+    """Of the file, or of a dataset directory: every file's relative name and bytes, in name order."""
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with file.open("rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -37,29 +43,34 @@ def load_samples(spec: BenchmarkSpec) -> list[Sample]:
     path = spec.data_path()
     if not path.exists():
         raise DataError(str(path), None, f"data file of benchmark {spec.name!r} does not exist")
-    fmt = spec.data.format or path.suffix.lstrip(".").lower()
+    fmt = spec.data.format or ("hf" if path.is_dir() else path.suffix.lstrip(".").lower())
     if fmt == "jsonl":
         rows = list(_jsonl_rows(path))
     elif fmt == "csv":
         rows = list(_csv_rows(path))
+    elif fmt == "parquet":
+        rows = list(_parquet_rows(path))
+    elif fmt == "hf":
+        rows = list(_hf_rows(path, spec.data.split))
     else:
-        raise DataError(str(path), None, f"unknown data format {fmt!r} (use jsonl or csv)")
+        raise DataError(str(path), None, f"unknown data format {fmt!r} (use jsonl, csv, parquet or hf)")
+    where = (lambda n: f"{path}:{n}") if fmt in ("jsonl", "csv") else (lambda n: f"{path} row {n}")
     samples: list[Sample] = []
     problems: list[str] = []
     seen: dict[str, int] = {}
     needed = spec.prompt.fields()
     for line, row in rows:
         if isinstance(row, str):  # a parse problem already described
-            problems.append(f"{path}:{line}: {row}")
+            problems.append(f"{where(line)}: {row}")
             continue
         try:
             sample = _to_sample(row, line, spec, needed)
         except ValueError as exc:
-            problems.append(f"{path}:{line}: {exc}")
+            problems.append(f"{where(line)}: {exc}")
             continue
         if sample.sample_id in seen:
             first = seen[sample.sample_id]
-            problems.append(f"{path}:{line}: duplicate id {sample.sample_id!r} (first on line {first})")
+            problems.append(f"{where(line)}: duplicate id {sample.sample_id!r} (first at {first})")
             continue
         seen[sample.sample_id] = line
         samples.append(sample)
@@ -101,6 +112,46 @@ def _csv_rows(path: Path):
             yield reader.line_num, dict(row)
 
 
+def _parquet_rows(path: Path):
+    """Rows of a Parquet file, numbered from 1; read a row group at a time (large files stay bounded)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        reader = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(str(path), None, f"not a readable Parquet file ({exc})") from None
+    number = 0
+    for group in range(reader.num_row_groups):
+        for row in reader.read_row_group(group).to_pylist():
+            number += 1
+            yield number, row
+
+
+def _hf_rows(path: Path, split: str | None):
+    """Rows of a Hugging Face dataset saved with `save_to_disk` (needs the `datasets` package)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(str(path), None, "format hf needs the `datasets` package (pip install datasets)") from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as exc:
+        raise DataError(str(path), None, f"not a dataset saved with save_to_disk ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split is None:
+            if len(loaded) != 1:
+                raise DataError(str(path), None, f"data.split is required: the dataset has splits {sorted(loaded)}")
+            split = next(iter(loaded))
+        if split not in loaded:
+            raise DataError(str(path), None, f"no split {split!r}; the dataset has {sorted(loaded)}")
+        loaded = loaded[split]
+    elif split is not None:
+        raise DataError(str(path), None, f"data.split {split!r} given, but the saved dataset has no splits")
+    for number, row in enumerate(loaded, start=1):
+        yield number, dict(row)
+
+
 def _to_sample(row: dict[str, Any], line: int, spec: BenchmarkSpec, needed: list[str]) -> Sample:
     if spec.id_field not in row:
         raise ValueError(f"missing id field {spec.id_field!r}")
@@ -110,6 +161,8 @@ def _to_sample(row: dict[str, Any], line: int, spec: BenchmarkSpec, needed: list
     for name in needed:
         if name not in row:
             raise ValueError(f"missing field {name!r} used by the prompt template")
+        if row[name] is None:
+            raise ValueError(f"field {name!r} used by the prompt template is null")
         if isinstance(row[name], (dict, list)):
             raise ValueError(f"field {name!r} must be text or a number, not {type(row[name]).__name__}")
     if spec.label_field not in row:

@@ -19,7 +19,9 @@ class DataSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str
-    format: Literal["jsonl", "csv"] | None = None  # inferred from the suffix when omitted
+    # inferred when omitted: from the suffix, or `hf` for a directory made by datasets' save_to_disk
+    format: Literal["jsonl", "csv", "parquet", "hf"] | None = None
+    split: str | None = None  # hf: which split of a saved DatasetDict (required when it has several)
     limit: int | None = Field(default=None, ge=1)
 
 

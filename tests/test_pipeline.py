@@ -27,6 +27,7 @@ from pipeline import (
     summarize_records,
 )
 from pipeline.bundled import bundled_spec_paths
+from pipeline.loaders import dataset_sha256
 from pipeline.metrics import aggregate_corpus, anls, bleu, exact_match, token_f1, wer
 
 SPEC_YAML = """\
@@ -104,6 +105,41 @@ def test_empty_dataset_and_csv(tmp_path: Path) -> None:
     (tmp_path / "d.csv").write_text("id,question,answer\n1,what,yes\n2,why,no\n")
     spec = load_spec(write_spec(tmp_path, SPEC_YAML.replace("data.jsonl", "d.csv")))
     assert [s.labels for s in load_samples(spec)] == [("yes",), ("no",)]
+
+
+def test_parquet_loader_and_its_bad_rows(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": [1, 2, 3, 4], "question": ["q1", "q2", None, "q4"],
+                      "answer": [["a", "b"], ["c"], ["d"], ["e"]]})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=2)  # two row groups
+    spec = load_spec(write_spec(tmp_path, SPEC_YAML.replace("data.jsonl", "d.parquet")))
+    with pytest.raises(DataError) as err:
+        load_samples(spec)
+    assert f"{tmp_path / 'd.parquet'} row 3: " in str(err.value) and "is null" in str(err.value)
+    pq.write_table(table.filter(pa.array([True, True, False, True])), tmp_path / "d.parquet")
+    samples = load_samples(spec)
+    assert [(s.sample_id, s.labels) for s in samples] == [("1", ("a", "b")), ("2", ("c",)), ("4", ("e",))]
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        load_samples(load_spec(write_spec(tmp_path, SPEC_YAML.replace("data.jsonl", "bad.parquet"))))
+
+
+def test_hf_dataset_saved_to_disk(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")  # an optional loader; installed with the dev extras
+    rows = {"id": ["x", "y"], "question": ["q1", "q2"], "answer": ["a1", "a2"]}
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows), "dev": datasets.Dataset.from_dict(rows)}
+                         ).save_to_disk(str(tmp_path / "ds"))
+    spec = load_spec(write_spec(tmp_path, SPEC_YAML.replace("{path: data.jsonl}", "{path: ds, split: test}")))
+    assert [s.sample_id for s in load_samples(spec)] == ["x", "y"]
+    assert len(dataset_sha256(tmp_path / "ds")) == 64
+    unsplit = load_spec(write_spec(tmp_path, SPEC_YAML.replace("{path: data.jsonl}", "{path: ds}")))
+    with pytest.raises(DataError, match=r"data\.split is required"):
+        load_samples(unsplit)
+    wrong = load_spec(write_spec(tmp_path, SPEC_YAML.replace("{path: data.jsonl}", "{path: ds, split: train}")))
+    with pytest.raises(DataError, match="no split 'train'"):
+        load_samples(wrong)
 
 
 # ---- post-processing and metrics --------------------------------------------------------------
