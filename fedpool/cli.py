@@ -102,13 +102,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
     run.add_argument("--concurrency", type=_positive_int, default=64, help="requests in flight per eval")
     run.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
+    _verifier_flags(run)
     run.add_argument("--json", action="store_true")
     run.set_defaults(func=cmd_eval_run)
     resume = ev_sub.add_parser("resume", help="finish only the missing records of a run in DIR")
     _ray_flags(resume)
     resume.add_argument("run_dir", type=Path)
+    _verifier_flags(resume)
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_eval_resume)
+    replay = ev_sub.add_parser(
+        "replay", help="run a finished run's exact configuration again, into a new --out",
+        description="Reads each benchmark's saved configuration (spec, prompt, generation parameters, model and "
+        "revision) from ARTIFACT, checks that every dataset is unchanged (SHA-256), and runs it again through "
+        "the pool into --out.")
+    _ray_flags(replay)
+    replay.add_argument("artifact", type=Path, help="run directory made by `fedpool eval run`")
+    replay.add_argument("--out", type=Path, required=True, help="new artifact directory")
+    _verifier_flags(replay)
+    replay.add_argument("--json", action="store_true")
+    replay.set_defaults(func=cmd_eval_replay)
+    rescore = ev_sub.add_parser(
+        "rescore", help="recompute post-processing, metrics and the verifier from an artifact, no inference",
+        description="Reads every record of ARTIFACT (a run directory or one benchmark's directory) and writes a "
+        "new artifact to --out with post-processing, metrics and, for specs with `verifier: true`, the verifier's "
+        "judgments computed again. --spec may change postprocess, metrics and verifier; anything that decides "
+        "the model's answers (prompt, generation, data) needs a new run.")
+    rescore.add_argument("artifact", type=Path, help="run directory or benchmark directory")
+    rescore.add_argument("--out", type=Path, required=True, help="new artifact directory")
+    rescore.add_argument("--spec", type=Path, action="append", default=[],
+                         help="a changed spec for a benchmark of the artifact (repeatable)")
+    _verifier_flags(rescore)
+    rescore.add_argument("--json", action="store_true")
+    rescore.set_defaults(func=cmd_eval_rescore)
 
     bench = sub.add_parser("bench", help="measure fedpool: speedup over conventional per-process evaluation")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -183,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
     return parser
+
+
+def _verifier_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verifier-model", type=Path,
+                        help="GGUF judge for specs with `verifier: true` (default: Gemma 3 270M from PyPI)")
+    parser.add_argument("--verifier-actors", type=_positive_int, default=1, help="Ray CPU actors judging")
+    parser.add_argument("--verifier-threads", type=_positive_int, default=1, help="threads per judge actor")
 
 
 def _ray_flags(parser: argparse.ArgumentParser) -> None:
@@ -383,9 +416,103 @@ def _load_eval_specs(plan: dict[str, Any]) -> list[Any]:
     return load_specs(tuple(Path(p) for p in plan["specs"]), plan.get("limit"))
 
 
+def cmd_eval_replay(args: argparse.Namespace) -> int:
+    from pipeline.artifact import write_json_atomic
+    from pipeline.errors import ArtifactError
+    from pipeline.reproduce import replay_specs
+
+    source = args.artifact.resolve()
+    try:
+        saved = replay_specs(source)
+        plan_file = source / EVAL_FILE
+        before = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.exists() else {}
+    except ArtifactError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    models = {(b.config.get("model"), b.config.get("revision")) for b in saved}
+    if len(models) != 1:
+        raise CliError(f"{source}: its benchmarks were run against different models {sorted(map(str, models))}",
+                       EXIT_USAGE)
+    (model, revision), = models
+    out = args.out.resolve()
+    if (out / EVAL_FILE).exists():
+        raise CliError(f"{out} already holds a run; replay into a new --out", EXIT_USAGE)
+    spec_dir = out / "replayed-specs"  # the specs as saved, so `fedpool eval resume` works on the replay too
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for b in saved:
+        path = spec_dir / f"{b.spec.name}.json"
+        write_json_atomic(path, b.spec.model_dump(mode="json"))
+        paths.append(str(path))
+    plan = {"specs": paths, "model": model, "revision": revision, "policy": before.get("policy", "capacity_weighted"),
+            "concurrency": before.get("concurrency", 64), "limit": None, "replay_of": str(source)}
+    write_json_atomic(out / EVAL_FILE, plan)
+    return _run_eval(args, out, plan, [b.spec for b in saved])
+
+
+def cmd_eval_rescore(args: argparse.Namespace) -> int:
+    from pipeline import load_spec
+    from pipeline.errors import ArtifactError, SpecError
+    from pipeline.reproduce import benchmark_dirs, load_saved, rescoring_spec
+
+    try:
+        saved = [load_saved(d, check_data=False) for d in benchmark_dirs(args.artifact)]
+        new_specs = {s.name: s for s in (load_spec(p) for p in args.spec)}
+        unknown = sorted(set(new_specs) - {b.spec.name for b in saved})
+        if unknown:
+            raise CliError(f"--spec for {', '.join(unknown)}: not a benchmark of {args.artifact}", EXIT_USAGE)
+        use = [rescoring_spec(b.spec, new_specs.get(b.spec.name)) for b in saved]
+    except (ArtifactError, SpecError) as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    out = args.out.resolve()
+    if any((out / spec.name).exists() for spec in use):
+        raise CliError(f"{out} already holds a rescore of these benchmarks; use another --out", EXIT_USAGE)
+    needs_judge = any(spec.verifier for spec in use)
+    if needs_judge:
+        from fedpool.localpool import init_local_ray
+
+        init_local_ray()
+    summaries = asyncio.run(_rescore_all(saved, use, out, args, needs_judge))
+    if args.json:
+        print(json.dumps({"out": str(out), "benchmarks": summaries}, indent=2, default=str))
+    else:
+        for summary in summaries:
+            scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in summary["scores"])
+            print(f"{summary['benchmark']}: {summary['records']} records rescored ({summary['failed']} failed); "
+                  f"{scores}; {out / summary['benchmark']}")
+    return EXIT_OK
+
+
+async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: argparse.Namespace,
+                       needs_judge: bool) -> list[dict[str, Any]]:
+    from pipeline.reproduce import rescore_benchmark
+
+    verifier = _verifier_pool(args) if needs_judge else None
+    try:
+        if verifier is not None:
+            await verifier.ready()
+        judge = verifier.judge if verifier is not None else None
+        return list(await asyncio.gather(*(rescore_benchmark(b, out, spec=s, judge=judge) for b, s in zip(
+            saved, use, strict=True))))
+    finally:
+        if verifier is not None:
+            verifier.shutdown()
+
+
+def _verifier_pool(args: argparse.Namespace) -> Any:
+    from deploy.models import ensure_gemma
+    from pipeline.verifier import VerifierConfig, VerifierPool
+
+    model = args.verifier_model or ensure_gemma()
+    try:
+        return VerifierPool(VerifierConfig(model_path=str(model), actors=args.verifier_actors,
+                                           threads=args.verifier_threads))
+    except FileNotFoundError as exc:
+        raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
+
+
 def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: list[Any]) -> int:
     client = _client(args)
-    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs))
+    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
     if args.json:
@@ -398,13 +525,24 @@ def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: 
     return EXIT_OK
 
 
-async def _eval_through_pool(client: Any, out: Path, plan: dict[str, Any], specs: list[Any]) -> list[Any]:
+async def _eval_through_pool(
+    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace
+) -> list[Any]:
     from clients import EvalTarget, run_evals
     from federation import PoolConnection
 
-    async with PoolConnection(client, policy=plan["policy"]) as pool:
-        return await run_evals(specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
-                               concurrency=plan["concurrency"], run_info={"policy": plan["policy"]})
+    verifier = _verifier_pool(args) if any(s.verifier for s in specs) else None
+    try:
+        if verifier is not None:
+            await verifier.ready()
+        async with PoolConnection(client, policy=plan["policy"]) as pool:
+            return await run_evals(
+                specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
+                concurrency=plan["concurrency"], verifier=verifier,
+                run_info={"policy": plan["policy"], "concurrency": plan["concurrency"]})
+    finally:
+        if verifier is not None:
+            verifier.shutdown()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

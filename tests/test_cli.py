@@ -28,7 +28,8 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["demo"], ["gateway"], ["serve"], ["eval", "run"], ["eval", "resume"], ["registry", "start"],
+    [[], ["demo"], ["gateway"], ["serve"], ["eval", "run"], ["eval", "resume"], ["eval", "replay"],
+     ["eval", "rescore"], ["registry", "start"],
      ["registry", "status"], ["server", "add"],
      ["server", "list"], ["server", "show"], ["server", "drain"], ["server", "remove"]],
 )
@@ -192,3 +193,42 @@ async def test_eval_killed_midway_then_resumed_loses_and_doubles_nothing(
     repeat = await asyncio.to_thread(run, "eval", "run", "--address", address, "--spec", str(spec), "--model",
                                      "emu-model", "--out", str(out))
     assert repeat.returncode == 2 and "eval resume" in repeat.stderr
+
+    # Rescore without inference: the same spec gives the same records and score.
+    rescored = await asyncio.to_thread(run, "eval", "rescore", str(out), "--out", str(tmp_path / "rescored"), "--json")
+    assert rescored.returncode == 0, rescored.stderr
+    (again_summary,) = json.loads(rescored.stdout)["benchmarks"]
+    original = json.loads((out / "arith" / "summary.json").read_text())
+    assert again_summary["scores"] == original["scores"] and again_summary["records"] == 60
+    old_rows = {r["sample_id"]: r for r in rows}
+    for row in read_jsonl(tmp_path / "rescored" / "arith" / "records.jsonl"):
+        assert row["metrics"] == old_rows[row["sample_id"]]["metrics"]
+        assert row["provenance"]["server_id"] == old_rows[row["sample_id"]]["provenance"]["server_id"]
+    # A changed spec may add metrics; changing what decides the answers is refused.
+    text = spec.read_text()
+    more = tmp_path / "arith_f1.yaml"
+    more.write_text(text.replace("metrics: [exact_match]", "metrics: [exact_match, f1]")
+                    .replace("{path: arith.jsonl}", f"{{path: {spec.parent}/arith.jsonl}}"))
+    with_f1 = await asyncio.to_thread(run, "eval", "rescore", str(out / "arith"), "--out", str(tmp_path / "f1"),
+                                      "--spec", str(more), "--json")
+    assert with_f1.returncode == 0, with_f1.stderr
+    metrics = [s["metric"] for s in json.loads(with_f1.stdout)["benchmarks"][0]["scores"]]
+    assert metrics[-1] == "f1" and len(metrics) >= 2
+    changed = tmp_path / "arith_prompt.yaml"
+    changed.write_text(more.read_text().replace("{a} + {b} =", "Q: {a} + {b} ="))
+    refused = await asyncio.to_thread(run, "eval", "rescore", str(out), "--out", str(tmp_path / "x"), "--spec",
+                                      str(changed))
+    assert refused.returncode == 2 and "prompt changed" in refused.stderr and "new run" in refused.stderr
+
+    # Replay: the saved configuration, run again through the pool into a new directory.
+    replayed = await asyncio.to_thread(run, "eval", "replay", "--address", address, str(out), "--out",
+                                       str(tmp_path / "replay"), "--json", timeout=240)
+    assert replayed.returncode == 0, replayed.stderr
+    report = json.loads(replayed.stdout)["benchmarks"]["arith"]
+    assert report["records"] == 60 and report["written_now"] == 60 and report["model"] == "emu-model"
+    saved = json.loads((tmp_path / "replay" / "arith" / "config.json").read_text())
+    first = json.loads((out / "arith" / "config.json").read_text())
+    assert saved["dataset"] == first["dataset"]  # same file, same SHA-256
+    for config in (saved, first):
+        config["benchmark"]["data"].pop("path")  # absolute in the replay, as written in the spec originally
+    assert saved["benchmark"] == first["benchmark"] and saved["generation"] == first["generation"]

@@ -296,3 +296,29 @@ def test_verifier_parsing_cutting_and_inputs(tmp_path: Path) -> None:
     summary = summarize_records(verified, [judged, unparsed])
     assert {s["metric"]: s["value"] for s in summary["scores"]}["verifier"] == 50.0
     assert summary["verifier_unparsed"] == 1  # counted and reported, and scored 0, never dropped
+
+
+def test_replay_refuses_a_changed_dataset_and_rescore_redoes_scores(tmp_path: Path) -> None:
+    import asyncio
+
+    from pipeline.loaders import dataset_sha256
+    from pipeline.reproduce import load_saved, rescore_benchmark
+
+    spec = load_spec(write_spec(tmp_path))
+    samples = load_samples(spec)
+    config = {"fingerprint": "f", "benchmark": spec.model_dump(mode="json"), "model": "m", "revision": None,
+              "dataset": {"path": str(spec.data_path()), "sha256": dataset_sha256(spec.data_path())}}
+    writer = ArtifactWriter(tmp_path / "run" / spec.name, config)
+    writer.write(finish_record(spec, samples[0], "A0 is it", Provenance(server_id="s", attempts=1)))
+    writer.write(finish_record(spec, samples[1], None, Provenance(error="x", error_kind="timeout")))
+    writer.close()
+    saved = load_saved(tmp_path / "run" / spec.name)
+    assert saved.spec.prompt == spec.prompt and saved.spec.data_path() == spec.data_path()
+    lenient = spec.model_copy(update={"postprocess": ["first_word", "lower"], "source_file": str(tmp_path / "s")})
+    summary = asyncio.run(rescore_benchmark(saved, tmp_path / "rescored", spec=lenient))
+    assert summary["records"] == 2 and summary["failed"] == 1
+    assert summary["scores"][0]["value"] == 50.0  # "a0" now matches; the failed one stays wrong
+    with (tmp_path / "data.jsonl").open("a") as fh:
+        fh.write('{"id": 9, "question": "q", "answer": "a"}\n')
+    with pytest.raises(ArtifactError, match="changed since the run"):
+        load_saved(tmp_path / "run" / spec.name)
