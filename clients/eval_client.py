@@ -30,9 +30,11 @@ from pipeline import (
     load_samples,
     package_versions,
     read_records,
+    render,
     request_body,
     summarize_records,
 )
+from pipeline.media import MediaPool, encode_in_thread
 from pipeline.stages import StageHooks
 from pipeline.verifier import VerifierPool, judge_item, with_judgment
 
@@ -95,6 +97,7 @@ class EvalRun:
         clock: Callable[[], float] = time.monotonic,
         verifier: VerifierPool | None = None,
         stages: StageHooks | None = None,
+        media: MediaPool | None = None,
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -109,6 +112,7 @@ class EvalRun:
         self._clock = clock
         self._counters = _Counters()
         self._stages = stages or StageHooks()
+        self._media = media
         self._work_each = 1.0
         self._post: set[asyncio.Task[None]] = set()
         if spec.verifier and verifier is None:
@@ -146,9 +150,13 @@ class EvalRun:
         if writer.resumed:
             log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
         n_workers = min(self._concurrency, max(1, len(todo)))
-        queue: asyncio.Queue[Sample | None] = asyncio.Queue()
+        prefetching = self._stages.before is not None or bool(self.spec.prompt.media)
+        # Prefetched samples wait in a bounded queue: loading runs ahead of the requests, but no further
+        # than a few chunks (encoded media must not pile up in memory while inference is slower).
+        queue: asyncio.Queue[Sample | None] = asyncio.Queue(
+            maxsize=n_workers + max(1, self._stages.chunk) if prefetching else 0)
         loader: asyncio.Task[None] | None = None
-        if self._stages.before is None:
+        if not prefetching:
             for sample in todo:
                 queue.put_nowait(sample)
             for _ in range(n_workers):
@@ -197,29 +205,33 @@ class EvalRun:
         return EvalSummary(self.spec.name, self._dir, summary, wall, writer.resumed, self._counters.written)
 
     async def _prefetch(self, todo: list[Sample], queue: asyncio.Queue[Sample | None], n_workers: int) -> None:
-        """Loads samples on the CPU stage actors in chunks, several chunks at once, ahead of the workers;
-        chunks are handed on in order, so the run's order (and its tail) stays the dataset's."""
-        assert self._stages.before is not None
+        """Loads samples on the CPU actors in chunks (stage work, media encoding), several chunks at once,
+        ahead of the workers; chunks are handed on in order, so the run's order (and its tail) stays the
+        dataset's. A chunk's slot is freed only once it is in the (bounded) queue: back-pressure."""
         size = max(1, self._stages.chunk)
         chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
         limit = asyncio.Semaphore(max(1, self._stages.prefetch))
 
         async def load(chunk: list[Sample]) -> list[Sample]:
-            async with limit:
-                assert self._stages.before is not None
+            await limit.acquire()
+            if self._stages.before is not None:
                 await self._stages.before(len(chunk))
+            if self.spec.prompt.media:
+                chunk = await (self._media.encode(self.spec, chunk) if self._media is not None
+                               else encode_in_thread(self.spec, chunk))
             return chunk
 
         tasks = [asyncio.create_task(load(chunk)) for chunk in chunks]
         try:
             for task in tasks:
                 for sample in await task:
-                    queue.put_nowait(sample)
+                    await queue.put(sample)
+                limit.release()
         finally:
             for task in tasks:
                 task.cancel()
         for _ in range(n_workers):
-            queue.put_nowait(None)
+            await queue.put(None)
 
     async def _worker(
         self, queue: asyncio.Queue[Sample | None], writer: ArtifactWriter, total: int, started: float
@@ -285,6 +297,10 @@ class EvalRun:
             self._on_progress(EvalProgress(self.spec.name, total, c.done, c.failed, c.retried, self._clock() - started))
 
     async def _evaluate(self, sample: Sample) -> Record:
+        if sample.media is not None and sample.media.error is not None:
+            prov = Provenance(model=self._target.model, error=sample.media.error, error_kind="data",
+                              completed_at=time.time())
+            return finish_record(self.spec, sample, None, prov)
         request = InferenceRequest(
             request_id=f"{self.spec.name}/{sample.sample_id}",
             model=self._target.model,
@@ -324,8 +340,8 @@ DECODE_WEIGHT = 2.0  # a generated token costs about two prompt tokens of GPU ti
 def _work_per_sample(spec: BenchmarkSpec, samples: list[Sample], probe: int = 64) -> float:
     """A rough per-request work estimate (prompt words + weighted answer budget) from a few samples, for
     the dispatcher's shortest-first ordering; the unit only has to be the same across evals."""
-    bodies = [request_body(spec, s) for s in samples[:probe]]
-    words = [len(str(b.get("prompt") or b.get("messages") or "").split()) for b in bodies]
+    system = len((spec.prompt.system or "").split())
+    words = [system + len(render(spec, s).split()) for s in samples[:probe]]  # text only: media not yet encoded
     mean_words = sum(words) / len(words) if words else 0.0
     return mean_words + DECODE_WEIGHT * spec.generation.max_tokens
 

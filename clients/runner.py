@@ -10,6 +10,7 @@ from typing import Any
 from clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget
 from federation import Dispatcher
 from pipeline import BenchmarkSpec
+from pipeline.media import MediaPool
 from pipeline.stages import StageHooks
 from pipeline.verifier import VerifierPool
 
@@ -26,6 +27,7 @@ async def run_evals(
     on_progress: Callable[[EvalProgress], None] | None = None,
     verifier: VerifierPool | None = None,
     stages: dict[str, StageHooks] | None = None,
+    media: MediaPool | None = None,
 ) -> list[EvalSummary]:
     """All evals concurrently; each writes its own artifact directory under `out_dir`."""
     names = [s.name for s in specs]
@@ -36,7 +38,7 @@ async def run_evals(
         EvalRun(
             spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,
             secrets=secrets, on_progress=on_progress, verifier=verifier,
-            stages=(stages or {}).get(spec.name),
+            stages=(stages or {}).get(spec.name), media=media,
         )
         for spec in specs
     ]

@@ -216,6 +216,8 @@ def _verifier_flags(parser: argparse.ArgumentParser) -> None:
                         help="GGUF judge for specs with `verifier: true` (default: Gemma 3 270M from PyPI)")
     parser.add_argument("--verifier-actors", type=_positive_int, default=1, help="Ray CPU actors judging")
     parser.add_argument("--verifier-threads", type=_positive_int, default=1, help="threads per judge actor")
+    parser.add_argument("--media-actors", type=_positive_int, default=2,
+                        help="Ray CPU actors encoding images, audio and video frames (specs with media)")
 
 
 def _ray_flags(parser: argparse.ArgumentParser) -> None:
@@ -530,19 +532,22 @@ async def _eval_through_pool(
 ) -> list[Any]:
     from clients import EvalTarget, run_evals
     from federation import PoolConnection
+    from pipeline.media import MediaPool
 
     verifier = _verifier_pool(args) if any(s.verifier for s in specs) else None
+    # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
+    media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
     try:
-        if verifier is not None:
-            await verifier.ready()
+        await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
         async with PoolConnection(client, policy=plan["policy"]) as pool:
             return await run_evals(
                 specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
-                concurrency=plan["concurrency"], verifier=verifier,
+                concurrency=plan["concurrency"], verifier=verifier, media=media,
                 run_info={"policy": plan["policy"], "concurrency": plan["concurrency"]})
     finally:
-        if verifier is not None:
-            verifier.shutdown()
+        for pool_of_actors in (verifier, media):
+            if pool_of_actors is not None:
+                pool_of_actors.shutdown()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

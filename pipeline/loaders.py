@@ -23,6 +23,7 @@ class Sample:
     fields: dict[str, Any]
     labels: tuple[str, ...]
     line: int
+    media: Any = None  # pipeline.media.EncodedMedia once encoded (on the CPU actors), for chat with media
 
 
 def dataset_sha256(path: Path) -> str:
@@ -165,6 +166,9 @@ def _to_sample(row: dict[str, Any], line: int, spec: BenchmarkSpec, needed: list
             raise ValueError(f"field {name!r} used by the prompt template is null")
         if isinstance(row[name], (dict, list)):
             raise ValueError(f"field {name!r} must be text or a number, not {type(row[name]).__name__}")
+    for media in spec.prompt.media:
+        if not isinstance(row.get(media.field), str) or not row[media.field]:
+            raise ValueError(f"media field {media.field!r} must be a file path")
     if spec.label_field not in row:
         raise ValueError(f"missing label field {spec.label_field!r}")
     return Sample(str(sample_id), row, _labels(row[spec.label_field], spec.label_field), line)

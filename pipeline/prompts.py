@@ -14,10 +14,12 @@ def render(spec: BenchmarkSpec, sample: Sample) -> str:
 
 
 def build_messages(spec: BenchmarkSpec, sample: Sample) -> list[Message]:
+    """The Record's messages: media parts keep their paths and modality fields, never the encoded bytes."""
     messages = []
     if spec.prompt.system:
         messages.append(Message(role="system", content=[TextPart(value=spec.prompt.system)]))
-    messages.append(Message(role="user", content=[TextPart(value=render(spec, sample))]))
+    media = list(sample.media.record_parts) if sample.media is not None else []
+    messages.append(Message(role="user", content=[TextPart(value=render(spec, sample)), *media]))
     return messages
 
 
@@ -32,8 +34,14 @@ def request_body(spec: BenchmarkSpec, sample: Sample) -> dict[str, Any]:
     if spec.prompt.style == "completion":
         body["prompt"] = render(spec, sample)
     else:
-        body["messages"] = [
-            {"role": m.role, "content": "".join(p.value for p in m.content if p.type == "text")}
-            for m in build_messages(spec, sample)
-        ]
+        if spec.prompt.media and sample.media is None:
+            raise ValueError(f"{spec.name}/{sample.sample_id}: media not encoded (pipeline.media encodes it)")
+        body["messages"] = []
+        if spec.prompt.system:
+            body["messages"].append({"role": "system", "content": spec.prompt.system})
+        if sample.media is None:
+            body["messages"].append({"role": "user", "content": render(spec, sample)})
+        else:
+            body["messages"].append({"role": "user", "content": [
+                {"type": "text", "text": render(spec, sample)}, *sample.media.request_parts]})
     return body

@@ -25,14 +25,39 @@ class DataSource(BaseModel):
     limit: int | None = Field(default=None, ge=1)
 
 
+class MediaSpec(BaseModel):
+    """A column holding a media file's path (relative to the data file), sent with the user message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    field: str = Field(min_length=1)
+    type: Literal["image", "audio", "video"]
+    num_frames: int | None = Field(default=None, ge=1, le=256)  # video: frames sent (default 8)
+    sampling: Literal["uniform", "first"] = "uniform"  # video: which frames
+
+    @model_validator(mode="after")
+    def _frames_only_for_video(self) -> MediaSpec:
+        if self.type != "video" and self.num_frames is not None:
+            raise ValueError(f"media field {self.field!r}: num_frames applies to video only")
+        return self
+
+
 class PromptSpec(BaseModel):
-    """`completion`: `template` is rendered into one prompt string. `chat`: into a user message."""
+    """`completion`: `template` is rendered into one prompt string. `chat`: into a user message, followed
+    by the sample's media (images, audio, video frames) in the order of `media`."""
 
     model_config = ConfigDict(extra="forbid")
 
     style: Literal["completion", "chat"] = "completion"
     template: str = Field(min_length=1)
     system: str | None = None
+    media: list[MediaSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _media_needs_chat(self) -> PromptSpec:
+        if self.media and self.style != "chat":
+            raise ValueError("media parts need style: chat (a completion prompt is text only)")
+        return self
 
     @field_validator("template")
     @classmethod
@@ -106,6 +131,8 @@ class BenchmarkSpec(BaseModel):
     def _label_not_in_prompt(self) -> BenchmarkSpec:
         if self.label_field in self.prompt.fields():
             raise ValueError(f"prompt template shows the label field {self.label_field!r} to the model")
+        if self.label_field in {m.field for m in self.prompt.media}:
+            raise ValueError(f"prompt media sends the label field {self.label_field!r} to the model")
         return self
 
     def data_path(self) -> Path:
