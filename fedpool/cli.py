@@ -89,7 +89,49 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     gw.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
     gw.add_argument("--api-key-file", type=Path, help="client:secret[:weight] per line; without it the gateway is open")
+    gw.add_argument("--jobs-dir", type=Path, help="also serve the jobs API (/jobs), jobs kept in this directory")
+    _jobs_server_flags(gw)
     gw.set_defaults(func=cmd_gateway)
+
+    jobs = sub.add_parser("jobs", help="remote evaluation jobs: serve the API, submit, list, show, cancel, logs")
+    jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
+    jserve = jobs_sub.add_parser(
+        "serve", help="serve the jobs API with the gateway and the pool page (one process, one pool connection)",
+        description="Jobs are kept in SQLite under --jobs-dir; a restarted server resumes the jobs that were "
+        "running from their artifacts. Every /jobs call needs the token in JOBS_DIR/jobs.token (or "
+        "FEDPOOL_JOBS_TOKEN).")
+    _ray_flags(jserve)
+    jserve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    jserve.add_argument("--port", type=int, default=8090, help="port (default 8090)")
+    jserve.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
+    jserve.add_argument("--api-key-file", type=Path, help="gateway keys (client:secret[:weight] per line)")
+    jserve.add_argument("--jobs-dir", type=Path, default=Path("~/.fedpool/jobs"), help="jobs database and artifacts")
+    _jobs_server_flags(jserve)
+    jserve.set_defaults(func=cmd_gateway)
+    submit = jobs_sub.add_parser("submit", help="submit benchmark specs as a job (sent inline, data paths absolute)")
+    _jobs_client_flags(submit)
+    submit.add_argument("--spec", type=Path, action="append", required=True, help="benchmark spec YAML (repeatable)")
+    submit.add_argument("--model", required=True, help="served model name to evaluate")
+    submit.add_argument("--revision", help="only servers with this model revision")
+    submit.add_argument("--concurrency", type=_positive_int, default=64, help="requests in flight per eval")
+    submit.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
+    submit.add_argument("--name", help="a name to recognise the job by")
+    submit.add_argument("--wait", action="store_true", help="wait until the job ends; exit 1 unless it is done")
+    submit.set_defaults(func=cmd_jobs_submit)
+    for action, text in (("list", "every job, newest first"), ("show", "one job: state, progress, scores"),
+                         ("cancel", "cancel a queued or running job"), ("logs", "a job's log")):
+        cmd = jobs_sub.add_parser(action, help=text)
+        _jobs_client_flags(cmd)
+        if action != "list":
+            cmd.add_argument("job_id")
+        cmd.set_defaults(func=cmd_jobs_client)
+
+    pool = sub.add_parser("pool", help="the pool at a glance")
+    pool_sub = pool.add_subparsers(dest="pool_command", required=True, metavar="ACTION")
+    pstatus = pool_sub.add_parser("status", help="servers by status, engine and accelerator; capacity and load")
+    _ray_flags(pstatus)
+    pstatus.add_argument("--json", action="store_true")
+    pstatus.set_defaults(func=cmd_pool_status)
 
     ev = sub.add_parser("eval", help="run evaluations through a running pool, or resume a killed run")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True, metavar="ACTION")
@@ -209,6 +251,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
     return parser
+
+
+def _jobs_server_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs-token-file", type=Path,
+                        help="file holding the jobs token (default: JOBS_DIR/jobs.token)")
+    parser.add_argument("--max-running-jobs", type=_positive_int, default=4, help="jobs run at once (default 4)")
+    _verifier_flags(parser)
+
+
+def _jobs_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=os.environ.get("FEDPOOL_JOBS_URL", "http://127.0.0.1:8090"),
+                        help="jobs server (default $FEDPOOL_JOBS_URL or http://127.0.0.1:8090)")
+    parser.add_argument("--jobs-token-file", type=Path,
+                        help="jobs token file (default $FEDPOOL_JOBS_TOKEN or ~/.fedpool/jobs/jobs.token)")
+    parser.add_argument("--json", action="store_true")
 
 
 def _verifier_flags(parser: argparse.ArgumentParser) -> None:
@@ -355,33 +412,175 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             raise CliError(f"{args.api_key_file}: {exc}", EXIT_USAGE) from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         raise CliError("refusing to serve on a non-loopback address without --api-key-file", EXIT_USAGE)
+    jobs_dir = args.jobs_dir.expanduser().resolve() if args.jobs_dir else None
+    jobs_token = None
+    if jobs_dir is not None:
+        from fedpool.jobs import ensure_jobs_token
+
+        given = args.jobs_token_file.read_text(encoding="utf-8").strip() if args.jobs_token_file else None
+        jobs_token = ensure_jobs_token(jobs_dir, given)
     client = _client(args)
-    asyncio.run(_serve_gateway(client, args.host, args.port, args.policy, keys))
+    asyncio.run(_serve_gateway(client, args, keys, jobs_dir, jobs_token))
     return EXIT_OK
 
 
-async def _serve_gateway(client: Any, host: str, port: int, policy: str, keys: Any) -> None:
+async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_dir: Path | None,
+                         jobs_token: str | None) -> None:
     import signal
 
     from aiohttp import web
 
     from federation import DispatchConfig, PoolConnection
     from federation.gateway import Gateway
+    from fedpool.jobs import JobRunner, JobStore
+    from fedpool.server import build_app
 
     # Third-party tools expect a quick 503 for a model nobody serves, not a minute's wait.
-    async with PoolConnection(client, policy=policy, config=DispatchConfig(no_server_timeout_s=10.0)) as pool:
+    config = DispatchConfig(no_server_timeout_s=10.0)
+    async with PoolConnection(client, policy=args.policy, config=config) as pool:
         gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=keys)
-        runner = web.AppRunner(gateway.app(), access_log=None)
+        jobs = None
+        if jobs_dir is not None:
+            jobs = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
+                             verifier_factory=lambda: _verifier_pool(args))
+            await jobs.start()
+        app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=jobs, jobs_token=jobs_token)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        print(f"fedpool gateway on http://{host}:{port}/v1 (policy {policy}, "
-              f"{'api keys required' if keys else 'open, loopback only'}); Ctrl-C to stop", flush=True)
+        await web.TCPSite(runner, args.host, args.port).start()
+        base = f"http://{args.host}:{args.port}"
+        print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
+              f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)
+        if jobs_dir is not None:
+            print(f"jobs API on {base}/jobs (token in {jobs_dir / 'jobs.token'}, jobs in {jobs_dir})", flush=True)
+        print("Ctrl-C to stop", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        if jobs is not None:
+            await jobs.stop()
         await runner.cleanup()
+
+
+def _jobs_client(args: argparse.Namespace) -> Any:
+    from fedpool.jobs_client import JobsClient
+
+    token = os.environ.get("FEDPOOL_JOBS_TOKEN")
+    path = args.jobs_token_file or Path("~/.fedpool/jobs/jobs.token").expanduser()
+    if args.jobs_token_file or not token:
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            raise CliError(f"no jobs token: {path} is not readable; pass --jobs-token-file or set "
+                           "FEDPOOL_JOBS_TOKEN", EXIT_USAGE) from None
+    return JobsClient(args.url, token)
+
+
+def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
+    from fedpool.jobs_client import JobsApiError
+
+    try:
+        return fn()
+    except JobsApiError as exc:
+        code = EXIT_USAGE if exc.status == 400 else EXIT_FAILED
+        raise CliError(f"jobs server: {exc.message}", code) from None
+    except OSError as exc:
+        raise CliError(f"cannot reach the jobs server at {url} ({exc}); start it with `fedpool jobs serve`",
+                       EXIT_UNAVAILABLE) from None
+
+
+def cmd_jobs_submit(args: argparse.Namespace) -> int:
+    from pipeline import load_spec
+    from pipeline.errors import SpecError
+
+    specs = []
+    for path in args.spec:
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        raw = spec.model_dump(mode="json")
+        raw["data"]["path"] = str(spec.data_path().resolve())  # the server has no spec file to resolve against
+        specs.append(raw)
+    client = _jobs_client(args)
+    job = _jobs_call(lambda: client.submit(args.model, specs=specs, revision=args.revision,
+                                           concurrency=args.concurrency, limit=args.limit, name=args.name), args.url)
+    if args.wait:
+        job = _jobs_call(lambda: client.wait(job["id"]), args.url)
+    _emit(args, job, _job_text)
+    return EXIT_OK if not args.wait or job["state"] == "done" else EXIT_FAILED
+
+
+def cmd_jobs_client(args: argparse.Namespace) -> int:
+    client = _jobs_client(args)
+    action = args.jobs_command
+    if action == "list":
+        jobs = _jobs_call(client.list, args.url)
+        if args.json:
+            print(json.dumps({"jobs": jobs}, indent=2))
+        else:
+            print("\n".join(_job_line(j) for j in jobs) if jobs else "(no jobs; submit one with `fedpool jobs submit`)")
+        return EXIT_OK
+    if action == "logs":
+        text = _jobs_call(lambda: client.logs(args.job_id), args.url)
+        print(json.dumps({"id": args.job_id, "log": text}) if args.json else text, end="" if not args.json else "\n")
+        return EXIT_OK
+    call = client.get if action == "show" else client.cancel
+    job = _jobs_call(lambda: call(args.job_id), args.url)
+    _emit(args, job, _job_text)
+    return EXIT_OK
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    done = sum(p.get("done", 0) for p in job["progress"].values())
+    total = sum(p.get("total", 0) for p in job["progress"].values())
+    progress = f"{done}/{total}" if total else "-"
+    return f"{job['id']}  {job['state']:<9}  {progress:>11}  {job['model']}  {job.get('name') or ''}".rstrip()
+
+
+def _job_text(job: dict[str, Any]) -> str:
+    lines = [_job_line(job), f"  artifacts: {job['artifact_dir']}"]
+    for bench, p in job["progress"].items():
+        lines.append(f"  {bench}: {p.get('done')}/{p.get('total')} done, {p.get('failed')} failed")
+    for bench, s in job["scores"].items():
+        lines.append(f"  {bench}: " + ", ".join(f"{x['metric']} {x['value']:.1f} [{x['ci_low']:.1f}, "
+                                                 f"{x['ci_high']:.1f}]" for x in s["scores"]))
+    if job.get("error"):
+        lines.append(f"  error: {job['error']}")
+    return "\n".join(lines)
+
+
+def cmd_pool_status(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    client = _client(args)
+    snapshot = asyncio.run(client.snapshot())
+    entries = snapshot.entries
+    by = Counter((e.status.value, e.engine.value, e.record.accelerator) for e in entries)
+    routable = [e for e in entries if e.status.routable]
+    report = {
+        "version": snapshot.version, "servers": len(entries),
+        "by_status": dict(Counter(e.status.value for e in entries)),
+        "groups": [{"status": s, "engine": g, "accelerator": a, "servers": n} for (s, g, a), n in sorted(by.items())],
+        "models": {m: len(ids) for m, ids in snapshot.models().items()},
+        "capacity_routable": sum(e.capacity for e in routable),
+        "running": sum(e.load.running for e in routable if e.load),
+        "waiting": sum(e.load.waiting for e in routable if e.load),
+        "tokens_per_s": sum(e.load.tokens_per_s or 0.0 for e in routable if e.load),
+    }
+
+    def text(r: dict[str, Any]) -> str:
+        lines = [f"{r['servers']} server(s): " + ", ".join(f"{n} {s}" for s, n in sorted(r["by_status"].items())),
+                 f"routable capacity {r['capacity_routable']} sequences; running {r['running']:.0f}, waiting "
+                 f"{r['waiting']:.0f}, {r['tokens_per_s']:.1f} tokens/s"]
+        lines += [f"  {g['servers']} × {g['engine']} on {g['accelerator']} ({g['status']})" for g in r["groups"]]
+        lines += [f"  model {m}: {n} server(s)" for m, n in sorted(r["models"].items())]
+        return "\n".join(lines)
+
+    _emit(args, report, text)
+    return EXIT_OK
 
 
 EVAL_FILE = "eval.json"

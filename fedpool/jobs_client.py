@@ -1,0 +1,123 @@
+"""Python clients of the jobs API (`fedpool.jobs`): `JobsClient` (blocking, standard library only) and
+`AsyncJobsClient` (aiohttp). Both raise `JobsApiError` with the server's message and HTTP status."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+TERMINAL = ("done", "failed", "cancelled")
+
+
+class JobsApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def job_body(model: str, *, specs: list[dict[str, Any]] | None = None, spec_paths: list[str | Path] | None = None,
+             revision: str | None = None, concurrency: int = 64, limit: int | None = None,
+             name: str | None = None) -> dict[str, Any]:
+    return {"model": model, "revision": revision, "specs": specs or [],
+            "spec_paths": [str(p) for p in spec_paths or []], "concurrency": concurrency, "limit": limit,
+            "name": name}
+
+
+def _message(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode("utf-8", "replace")[:500]
+
+
+class JobsClient:
+    """`JobsClient("http://host:8090", token).submit("model", spec_paths=[...])`."""
+
+    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0):
+        self._url = url.rstrip("/")
+        self._token = token
+        self._timeout = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self._url + path, data=data, method=method, headers={
+            "Authorization": f"Bearer {self._token}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self._timeout) as resp:
+                raw = resp.read()
+                return json.loads(raw) if resp.headers.get_content_type() == "application/json" else raw.decode()
+        except urllib.error.HTTPError as exc:
+            raise JobsApiError(exc.code, _message(exc.read())) from None
+
+    def submit(self, model: str, **kwargs: Any) -> dict[str, Any]:
+        return self._call("POST", "/jobs", job_body(model, **kwargs))
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/jobs")["jobs"]
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/jobs/{job_id}")
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/jobs/{job_id}")
+
+    def logs(self, job_id: str) -> str:
+        return self._call("GET", f"/jobs/{job_id}/logs")
+
+    def wait(self, job_id: str, *, timeout_s: float = 3600.0, poll_s: float = 1.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.get(job_id)
+            if job["state"] in TERMINAL:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job['state']} after {timeout_s:g}s")
+            time.sleep(poll_s)
+
+
+class AsyncJobsClient:
+    """`async with AsyncJobsClient(url, token) as jobs: await jobs.submit(...)`."""
+
+    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0):
+        self._url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> AsyncJobsClient:
+        self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        assert self._session is not None, "use `async with AsyncJobsClient(...)`"
+        async with self._session.request(method, self._url + path, json=body) as resp:
+            raw = await resp.read()
+            if resp.status >= 400:
+                raise JobsApiError(resp.status, _message(raw))
+            return json.loads(raw) if resp.content_type == "application/json" else raw.decode()
+
+    async def submit(self, model: str, **kwargs: Any) -> dict[str, Any]:
+        return await self._call("POST", "/jobs", job_body(model, **kwargs))
+
+    async def list(self) -> list[dict[str, Any]]:
+        return (await self._call("GET", "/jobs"))["jobs"]
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/jobs/{job_id}")
+
+    async def cancel(self, job_id: str) -> dict[str, Any]:
+        return await self._call("DELETE", f"/jobs/{job_id}")
+
+    async def logs(self, job_id: str) -> str:
+        return await self._call("GET", f"/jobs/{job_id}/logs")

@@ -1,0 +1,174 @@
+"""The jobs API on a real local pool: submit several jobs, kill the jobs server mid-run and start it
+again, every job finishes with a complete artifact (each record exactly once); no token, no access."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import ray
+
+from deploy.process import free_port
+from fedpool.jobs_client import AsyncJobsClient, JobsApiError, JobsClient
+from registry import RegistryClient, ServerRecord
+from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLED = ROOT / "pipeline" / "bundled"
+JOBS_TOKEN = "jobs-test-token-0123456789abcdef"
+
+
+def start_server(tmp_path: Path, port: int) -> subprocess.Popen[str]:
+    (tmp_path / "registry.token").write_text(TEST_TOKEN)
+    (tmp_path / "jobs.token.given").write_text(JOBS_TOKEN)
+    log = (tmp_path / f"server-{time.monotonic_ns()}.log").open("w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedpool.cli", "jobs", "serve", "--address", ray.get_runtime_context().gcs_address,
+         "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), "--jobs-dir",
+         str(tmp_path / "jobs"), "--jobs-token-file", str(tmp_path / "jobs.token.given"), "--policy",
+         "least_inflight"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_up(url: str, proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"jobs server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("jobs server did not come up")
+
+
+def get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+def fedpool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fedpool.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def status_of(url: str, path: str, method: str = "GET", token: str | None = None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, method=method, headers=headers), timeout=10):
+            return 200
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+async def test_jobs_survive_a_server_crash_and_finish_complete(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    server = await emulators.start(model="emu-model", max_running=2, decode_s=0.03)  # ~0.15 s a request
+    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(tmp_path, port)
+    try:
+        await asyncio.to_thread(wait_up, url, proc)
+        # No token, wrong token: refused, for reads and writes alike.
+        for method, path in (("GET", "/jobs"), ("POST", "/jobs"), ("GET", "/jobs/x"), ("DELETE", "/jobs/x")):
+            assert await asyncio.to_thread(status_of, url, path, method) == 401
+            assert await asyncio.to_thread(status_of, url, path, method, "wrong") == 401
+        openapi = json.loads(await asyncio.to_thread(get_text, url + "/jobs/openapi.json"))
+        assert set(openapi["paths"]) == {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/logs"}
+
+        jobs = JobsClient(url, JOBS_TOKEN)
+        with pytest.raises(JobsApiError) as bad:
+            await asyncio.to_thread(jobs.submit, "emu-model", specs=[{"name": "x", "data": {"path": "/nope.jsonl"},
+                                                                       "prompt": {"template": "{q}"}}])
+        assert bad.value.status == 400 and "/nope.jsonl" in bad.value.message
+        with pytest.raises(JobsApiError) as bad_field:
+            await asyncio.to_thread(jobs.submit, "emu-model", spec_paths=[BUNDLED / "arith.yaml"], concurrency=0)
+        assert bad_field.value.status == 400 and "concurrency" in bad_field.value.message
+
+        submitted = [
+            await asyncio.to_thread(jobs.submit, "emu-model", spec_paths=[BUNDLED / "arith.yaml"], concurrency=2,
+                                    name="arith-job"),
+            await asyncio.to_thread(jobs.submit, "emu-model", spec_paths=[BUNDLED / "capitals.yaml"], concurrency=2),
+        ]
+        async with AsyncJobsClient(url, JOBS_TOKEN) as ajobs:
+            submitted.append(await ajobs.submit("emu-model", spec_paths=[BUNDLED / "capitals_mc.yaml"], concurrency=2))
+            assert {j["id"] for j in await ajobs.list()} >= {j["id"] for j in submitted}
+        cli = await asyncio.to_thread(
+            fedpool, "jobs", "submit", "--url", url, "--jobs-token-file", str(tmp_path / "jobs.token.given"),
+            "--spec", str(BUNDLED / "arith.yaml"), "--model", "emu-model", "--limit", "10", "--name", "from-cli",
+            "--json")
+        assert cli.returncode == 0, cli.stderr
+        submitted.append(json.loads(cli.stdout))
+        ids = [j["id"] for j in submitted]
+
+        # Kill the server (SIGKILL: no cleanup) once records are being written, then start it again.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            progress = [(await asyncio.to_thread(jobs.get, i))["progress"] for i in ids[:3]]
+            if sum(p.get("done", 0) for job in progress for p in job.values()) >= 10:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("jobs made no progress")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        states_down = {i: None for i in ids}
+        proc = start_server(tmp_path, port)
+        await asyncio.to_thread(wait_up, url, proc)
+        for job_id in ids:
+            states_down[job_id] = (await asyncio.to_thread(jobs.wait, job_id, timeout_s=240, poll_s=0.5))["state"]
+        assert set(states_down.values()) == {"done"}, states_down
+        expected = {"arith": 60, "capitals": 75, "capitals_mc": 60}
+        restarted = 0
+        for job_id in ids:
+            job = await asyncio.to_thread(jobs.get, job_id)
+            for bench, result in job["scores"].items():
+                rows = read_jsonl(Path(result["artifact_dir"]) / "records.jsonl")
+                want = 10 if job["name"] == "from-cli" else expected[bench]
+                assert len(rows) == want and len({r["sample_id"] for r in rows}) == want  # exactly once
+                assert result["records"] == want
+            restarted += job["starts"] > 1
+            log = await asyncio.to_thread(jobs.logs, job_id)
+            assert "queued" in log and "done:" in log
+        assert restarted >= 1  # at least one job was running when the server died, and resumed
+        # Cancel: a queued or running job stops; a finished one cannot be cancelled.
+        long_job = await asyncio.to_thread(jobs.submit, "emu-model", spec_paths=[BUNDLED / "capitals.yaml"],
+                                           concurrency=1)
+        cancelled = await asyncio.to_thread(jobs.cancel, long_job["id"])
+        assert cancelled["state"] == "cancelled"
+        with pytest.raises(JobsApiError) as again:
+            await asyncio.to_thread(jobs.cancel, long_job["id"])
+        assert again.value.status == 409
+        listing = await asyncio.to_thread(fedpool, "jobs", "list", "--url", url, "--jobs-token-file",
+                                          str(tmp_path / "jobs.token.given"))
+        assert listing.returncode == 0 and "cancelled" in listing.stdout and "from-cli" in listing.stdout
+        # The pool page and its data are served by the same process.
+        page = await asyncio.to_thread(get_text, url + "/")
+        assert "<title>fedpool" in page
+        state = json.loads(await asyncio.to_thread(get_text, url + "/pool.json"))
+        assert [s["id"] for s in state["servers"]] == ["emu"]
+        assert JOBS_TOKEN not in json.dumps(state) and TEST_TOKEN not in json.dumps(state)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    logs = await asyncio.to_thread(lambda: "".join(p.read_text() for p in tmp_path.glob("server-*.log")))
+    assert JOBS_TOKEN not in logs and TEST_TOKEN not in logs
+    assert os.stat(tmp_path / "jobs" / "jobs.sqlite").st_size > 0
