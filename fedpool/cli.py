@@ -145,12 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--concurrency", type=_positive_int, default=64, help="requests in flight per eval")
     run.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
     _verifier_flags(run)
+    _quiet_flag(run)
     run.add_argument("--json", action="store_true")
     run.set_defaults(func=cmd_eval_run)
     resume = ev_sub.add_parser("resume", help="finish only the missing records of a run in DIR")
     _ray_flags(resume)
     resume.add_argument("run_dir", type=Path)
     _verifier_flags(resume)
+    _quiet_flag(resume)
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_eval_resume)
     replay = ev_sub.add_parser(
@@ -162,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("artifact", type=Path, help="run directory made by `fedpool eval run`")
     replay.add_argument("--out", type=Path, required=True, help="new artifact directory")
     _verifier_flags(replay)
+    _quiet_flag(replay)
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(func=cmd_eval_replay)
     rescore = ev_sub.add_parser(
@@ -266,6 +269,11 @@ def _jobs_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs-token-file", type=Path,
                         help="jobs token file (default $FEDPOOL_JOBS_TOKEN or ~/.fedpool/jobs/jobs.token)")
     parser.add_argument("--json", action="store_true")
+
+
+def _quiet_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress display (a live table on a terminal, a line every 10 s in logs)")
 
 
 def _verifier_flags(parser: argparse.ArgumentParser) -> None:
@@ -731,6 +739,7 @@ async def _eval_through_pool(
 ) -> list[Any]:
     from clients import EvalTarget, run_evals
     from federation import PoolConnection
+    from fedpool.progress import ProgressView
     from pipeline.media import MediaPool
 
     verifier = _verifier_pool(args) if any(s.verifier for s in specs) else None
@@ -739,10 +748,12 @@ async def _eval_through_pool(
     try:
         await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
         async with PoolConnection(client, policy=plan["policy"]) as pool:
-            return await run_evals(
-                specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
-                concurrency=plan["concurrency"], verifier=verifier, media=media,
-                run_info={"policy": plan["policy"], "concurrency": plan["concurrency"]})
+            view = ProgressView(pool.dispatcher, mode="quiet" if getattr(args, "quiet", False) else "auto")
+            async with view:
+                return await run_evals(
+                    specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
+                    concurrency=plan["concurrency"], verifier=verifier, media=media, on_progress=view.update,
+                    run_info={"policy": plan["policy"], "concurrency": plan["concurrency"]})
     finally:
         for pool_of_actors in (verifier, media):
             if pool_of_actors is not None:
@@ -932,8 +943,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CliError as exc:
             print(f"fedpool: error: {exc}", file=sys.stderr)
             return exc.code
+    from fedpool.config import (
+        ConfigError,
+        add_config_flags,
+        apply_defaults,
+        config_flag,
+        effective_defaults,
+        find_config_file,
+        read_config_file,
+        show,
+    )
+
     parser = build_parser()
+    add_config_flags(parser)
+    try:
+        config_path = find_config_file(config_flag(argv), os.environ)
+        config = read_config_file(config_path) if config_path else {}
+        applied = apply_defaults(parser, config, config_path, os.environ)
+    except ConfigError as exc:
+        print(f"fedpool: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
+    if getattr(args, "show_config", False):
+        print(json.dumps(show(args, effective_defaults(parser, argv), applied), indent=2, default=str))
+        return EXIT_OK
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -15,9 +15,10 @@ from typing import Any, TextIO
 
 import ray
 
-from clients import EvalProgress, EvalSummary, EvalTarget, run_evals
+from clients import EvalSummary, EvalTarget, run_evals
 from federation import DispatchConfig, PoolConnection
 from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
+from fedpool.progress import ProgressView
 from pipeline import BenchmarkSpec, load_spec, package_versions
 from pipeline.artifact import write_json_atomic
 from pipeline.bundled import bundled_spec_paths
@@ -123,16 +124,15 @@ async def _run_pool(
                 specs = [s.model_copy(update={"verifier": True}) for s in specs]
                 verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.servers.model_path))))
                 print("[fedpool] verifier: 1 Ray CPU actor judging every prediction as it completes", file=out)
-            progress = _ProgressPrinter(out)
+            progress = ProgressView(pool.dispatcher, mode="plain", out=out, every_s=PROGRESS_EVERY_S)
             started = time.monotonic()
-            ticker = asyncio.create_task(progress.tick_forever())
             try:
-                summaries = await run_evals(
-                    specs, pool.dispatcher, run_dir, EvalTarget(model=model), concurrency=options.concurrency,
-                    run_info=run_info, secrets=(), on_progress=progress.update, verifier=verifier,
-                )
+                async with progress:
+                    summaries = await run_evals(
+                        specs, pool.dispatcher, run_dir, EvalTarget(model=model), concurrency=options.concurrency,
+                        run_info=run_info, secrets=(), on_progress=progress.update, verifier=verifier,
+                    )
             finally:
-                ticker.cancel()
                 if verifier is not None:
                     verifier.shutdown()
             wall = time.monotonic() - started
@@ -144,25 +144,6 @@ async def _run_pool(
     write_json_atomic(run_dir / "report.json", report.as_json())
     _print_report(report, out)
     return report
-
-
-class _ProgressPrinter:
-    def __init__(self, out: TextIO):
-        self._out = out
-        self._latest: dict[str, EvalProgress] = {}
-        self._started = time.monotonic()
-
-    def update(self, progress: EvalProgress) -> None:
-        self._latest[progress.benchmark] = progress
-
-    async def tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(PROGRESS_EVERY_S)
-            parts = [
-                f"{p.benchmark} {p.done}/{p.total}" + (f" ({p.failed} failed)" if p.failed else "")
-                for p in self._latest.values()
-            ]
-            print(f"[{time.monotonic() - self._started:5.0f}s] " + "  ".join(parts), file=self._out, flush=True)
 
 
 def _print_report(report: DemoReport, out: TextIO) -> None:

@@ -31,7 +31,9 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
     [[], ["demo"], ["gateway"], ["serve"], ["eval", "run"], ["eval", "resume"], ["eval", "replay"],
      ["eval", "rescore"], ["registry", "start"],
      ["registry", "status"], ["server", "add"],
-     ["server", "list"], ["server", "show"], ["server", "drain"], ["server", "remove"]],
+     ["server", "list"], ["server", "show"], ["server", "drain"], ["server", "remove"],
+     ["jobs", "serve"], ["jobs", "submit"], ["jobs", "list"], ["jobs", "show"], ["jobs", "cancel"], ["jobs", "logs"],
+     ["pool", "status"], ["bench", "speedup"]],
 )
 def test_every_command_has_help(args: list[str]) -> None:
     result = run(*args, "--help")
@@ -46,12 +48,50 @@ def test_every_command_has_help(args: list[str]) -> None:
         (["server", "add", "--id", "x"], "the following arguments are required"),
         (["frobnicate"], "invalid choice"),
         (["gateway", "--host", "0.0.0.0"], "refusing to serve on a non-loopback address without --api-key-file"),
+        (["jobs", "submit", "--model", "m"], "the following arguments are required: --spec"),
+        (["eval", "run", "--spec", "x.yaml", "--model", "m", "--out", "o", "--concurrency", "0"], "expected a number"),
+        (["--config", "/nonexistent.toml", "pool", "status"], "--config /nonexistent.toml: no such file"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> None:
     result = run(*args)
     assert result.returncode == 2 and fragment in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_configuration_precedence_flags_then_file_then_environment(tmp_path: Path) -> None:
+    config = tmp_path / "fedpool.toml"
+    config.write_text('policy = "least_inflight"\naddress = "10.0.0.1:6379"\n[gateway]\nport = 9999\n'
+                      '["eval run"]\nconcurrency = 7\n')
+    shown = run("--config", str(config), "gateway", "--port", "1234", "--show-config",
+                env={"FEDPOOL_PORT": "7777", "FEDPOOL_POLICY": "random", "FEDPOOL_HOST": "::1"})
+    assert shown.returncode == 0, shown.stderr
+    options = json.loads(shown.stdout)["options"]
+    assert options["port"] == {"value": 1234, "from": "flag"}
+    assert options["policy"]["value"] == "least_inflight" and options["policy"]["from"].startswith("config file")
+    assert options["host"] == {"value": "::1", "from": "env FEDPOOL_HOST"}
+    assert options["address"]["value"] == "10.0.0.1:6379"
+    run_cfg = json.loads(run("eval", "run", "--spec", "s.yaml", "--model", "m", "--out", "o", "--config", str(config),
+                             "--show-config").stdout)["options"]
+    assert run_cfg["concurrency"]["value"] == 7  # the ["eval run"] table
+    yaml_config = tmp_path / "fedpool.yaml"
+    yaml_config.write_text("jobs:\n  url: http://head:8090\n")
+    assert json.loads(run("jobs", "list", "--config", str(yaml_config), "--show-config").stdout)["options"][
+        "url"]["value"] == "http://head:8090"
+    for text, fragment in (("porty = 1\n", "porty: no such option"), ("[gatway]\nport = 1\n", "[gatway] is not"),
+                           ("policy = 'fastest'\n", "'fastest' is not one of"), ("port = [\n", "not valid TOML")):
+        config.write_text(text)
+        bad = run("--config", str(config), "gateway", "--show-config")
+        assert bad.returncode == 2 and fragment in bad.stderr and str(config) in bad.stderr, (text, bad.stderr)
+    secret = run("gateway", "--show-config", env={"FEDPOOL_API_KEY_FILE": str(tmp_path / "keys.txt")})
+    assert str(tmp_path / "keys.txt") in secret.stdout  # a path is shown; token values are masked (unit test)
+
+
+def test_show_config_masks_secret_values() -> None:
+    from fedpool.config import mask
+
+    assert mask("jobs_token", "s3cr3t") == "***" and mask("api_key", "abc") == "***"
+    assert mask("jobs_token_file", "/x/jobs.token") == "/x/jobs.token" and mask("port", 8080) == 8080
 
 
 def test_server_add_validates_fields_before_connecting() -> None:
@@ -149,6 +189,11 @@ async def test_server_commands_against_a_live_registry(
     again = await cli("server", "add", *common, "--id", "gpu-a", "--url", server.url, "--engine", "vllm",
                       "--model", "served-model")
     assert again.returncode == 0, again.stderr
+    pool = await cli("pool", "status", "--address", address, "--json")
+    assert pool.returncode == 0, pool.stderr
+    report = json.loads(pool.stdout)
+    assert report["servers"] == 1 and report["models"] == {"served-model": 1}
+    assert report["groups"][0]["engine"] == "vllm"
     removed = await cli("server", "remove", *common, "gpu-a")
     assert removed.returncode == 0 and "removed gpu-a" in removed.stdout
     status = await cli("registry", "status", "--address", address, "--json")
