@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from deploy.process import EngineProcess
-from registry import RegistryClient, RegistryError, ServerRecord, adapter_for
+from registry import RegistryClient, RegistryError, ServerRecord, UnknownServerError, adapter_for
 
 log = logging.getLogger("fedpool.deploy")
 
@@ -64,6 +64,12 @@ class ServerLauncher:
             await asyncio.sleep(self._lease.heartbeat_s)
             try:
                 await self._registry.heartbeat(self.record.id, self._lease.ttl_s)
+            except UnknownServerError:  # a registry started afresh (or that removed us): join it again
+                log.warning("registry does not know %s any more; registering it again", self.record.id)
+                try:
+                    await self._registry.register(self.record, lease_ttl_s=self._lease.ttl_s, replace=True)
+                except Exception as exc:
+                    log.warning("re-registering %s failed (%s); will retry", self.record.id, type(exc).__name__)
             except RegistryError as exc:
                 log.warning("heartbeat of %s refused: %s", self.record.id, exc)
             except Exception as exc:  # registry restarting: the lease covers a few missed beats

@@ -551,7 +551,10 @@ async def run_federated(
     dispatch_log: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fedpool-bench-registry-") as state_dir:
         # The control loops run on engine time: an emulated pool at time scale k makes decisions k× as often.
-        registry = RegistryClient.start(Path(state_dir), probe_interval_s=max(0.2, 1.0 / pool.time_scale))
+        # A registry of its own (own namespace): joined to an operator's running cluster, the bench must
+        # neither use their registry nor end it when it is done.
+        registry = RegistryClient.start(Path(state_dir), probe_interval_s=max(0.2, 1.0 / pool.time_scale),
+                                        namespace=f"fedpool-bench-{os.getpid()}")
         await registry.ping()
         try:
             async with started_pool(pool, out_dir / "logs", registry) as servers:

@@ -27,16 +27,17 @@ log = logging.getLogger("fedpool.localpool")
 
 
 def init_local_ray(num_cpus: int | None = None) -> None:
-    """Start (or join) Ray on this machine in the fedpool namespace, quietly."""
+    """Start Ray on this machine, or join the cluster already running here (`ray start`), quietly."""
     if ray.is_initialized():
         return
-    ray.init(
-        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
-        namespace="fedpool",
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+    common: dict[str, object] = {"namespace": "fedpool", "logging_level": logging.WARNING, "log_to_driver": False}
+    try:
+        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **common)
+    except ValueError as exc:  # Ray refuses resource settings when a cluster already runs on this node
+        if "existing cluster" not in str(exc):
+            raise
+        log.info("joining the Ray cluster already running on this machine")
+        ray.init(address="auto", **common)
 
 
 @dataclass(frozen=True, slots=True)

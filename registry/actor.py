@@ -54,6 +54,9 @@ class RegistryConfig(BaseModel):
     # Custom Ray resources that pin the registry and its prober to nodes, e.g. {"fedpool-head": 0.01} with
     # `ray start --head --resources '{"fedpool-head": 1}'`. Empty: anywhere.
     resources: dict[str, float] = Field(default_factory=dict)
+    # The Ray namespace of the registry's named actors: `fedpool` for the pool; a run that needs a registry
+    # of its own in someone's cluster (the speedup benchmark) takes another, so it never finds theirs.
+    namespace: str = Field(default=NAMESPACE, min_length=1)
 
 
 class RegistryActor:
@@ -102,9 +105,9 @@ class RegistryActor:
         if self._prober is None:
             # The prober lives in its own process; it pulls plans from here and hands results back.
             self._prober = ray.remote(ProberActor).options(
-                name=PROBER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                name=PROBER_NAME, namespace=self._config.namespace, lifetime="detached", get_if_exists=True,
                 max_restarts=-1, num_cpus=0, resources=dict(self._config.resources),
-            ).remote(REGISTRY_NAME, NAMESPACE)
+            ).remote(REGISTRY_NAME, self._config.namespace)
             await self._prober.start.remote()
             if self._config.metrics_port is not None and self._metrics_runner is None:
                 await self._serve_metrics()
@@ -304,7 +307,7 @@ def create_registry_actor(config: RegistryConfig) -> ray.actor.ActorHandle:
     remote_cls = ray.remote(RegistryActor)
     return remote_cls.options(
         name=REGISTRY_NAME,
-        namespace=NAMESPACE,
+        namespace=config.namespace,
         lifetime="detached",
         get_if_exists=True,
         max_restarts=-1,
@@ -315,6 +318,6 @@ def create_registry_actor(config: RegistryConfig) -> ray.actor.ActorHandle:
     ).remote(config.model_dump())
 
 
-def get_registry_actor() -> ray.actor.ActorHandle:
+def get_registry_actor(namespace: str = NAMESPACE) -> ray.actor.ActorHandle:
     """The existing registry actor; raises ValueError when none runs in this Ray cluster."""
-    return ray.get_actor(REGISTRY_NAME, namespace=NAMESPACE)
+    return ray.get_actor(REGISTRY_NAME, namespace=namespace)

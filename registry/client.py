@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from registry.actor import RegistryConfig, create_registry_actor, get_registry_actor
+from registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
 from registry.auth import ensure_token, resolve_client_token, token_digest
 from registry.errors import RegistryError
 from registry.records import ServerRecord
@@ -38,9 +38,10 @@ async def _unwrapped(ref: Any) -> Any:
 class RegistryClient:
     """Async access to the registry actor. Holds the token for mutations; reads need none."""
 
-    def __init__(self, handle: ray.actor.ActorHandle, token: str | None = None):
+    def __init__(self, handle: ray.actor.ActorHandle, token: str | None = None, *, namespace: str = NAMESPACE):
         self._handle = handle
         self._token = token
+        self._namespace = namespace
         self._members: tuple[int, dict[str, ServerRecord]] | None = None
         self._last: PoolSnapshot | None = None
 
@@ -56,7 +57,7 @@ class RegistryClient:
         state = Path(state_dir).expanduser().resolve()
         real_token = ensure_token(state, token)
         config = RegistryConfig(state_dir=str(state), token_sha256=token_digest(real_token), **settings)
-        return cls(create_registry_actor(config), real_token)
+        return cls(create_registry_actor(config), real_token, namespace=config.namespace)
 
     @classmethod
     def connect(
@@ -70,12 +71,36 @@ class RegistryClient:
     def handle(self) -> ray.actor.ActorHandle:
         return self._handle
 
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One actor call. If the actor this client knew is gone for good (killed without restart, then
+        started again with `fedpool registry start`), find the new one by name and try once more; while
+        Ray restarts an actor, the same handle keeps working."""
+        try:
+            return await _unwrapped(getattr(self._handle, method).remote(*args, **kwargs))
+        except ray.exceptions.ActorDiedError:
+            self._reconnect()
+            return await _unwrapped(getattr(self._handle, method).remote(*args, **kwargs))
+
+    def _reconnect(self) -> None:
+        """Swap in the registry actor now registered under the name, or raise why there is none."""
+        try:
+            fresh = get_registry_actor(self._namespace)
+        except ValueError:
+            raise RegistryError("the registry actor is gone and no new one runs; start it with "
+                                "`fedpool registry start`") from None
+        if fresh._actor_id == self._handle._actor_id:
+            raise RegistryError("the registry actor died and Ray will not restart it; start a new one with "
+                                "`fedpool registry start`")
+        log.warning("the registry actor was replaced; reconnected to the new one")
+        self._handle = fresh
+        self._members = None
+        self._last = None
+
     async def register(
         self, record: ServerRecord, *, lease_ttl_s: float | None = None, replace: bool = False, verify: bool = True
     ) -> ServerEntry:
-        return await _unwrapped(self._handle.register.remote(
-            record.model_dump(mode="json"), self._token, lease_ttl_s=lease_ttl_s, replace=replace, verify=verify
-        ))
+        return await self._call("register", record.model_dump(mode="json"), self._token, lease_ttl_s=lease_ttl_s,
+                                replace=replace, verify=verify)
 
     async def terminate(self, *, wait_s: float = 5.0) -> None:
         """End the registry this process started (its prober first), for runs that own their registry
@@ -86,33 +111,40 @@ class RegistryClient:
             ray.kill(self._handle, no_restart=True)
         for _ in range(max(1, int(wait_s / 0.05))):
             try:
-                get_registry_actor()
+                get_registry_actor(self._namespace)
             except ValueError:
                 return
             await asyncio.sleep(0.05)
 
     async def deregister(self, server_id: str) -> ServerRecord:
-        return await _unwrapped(self._handle.deregister.remote(server_id, self._token))
+        return await self._call("deregister", server_id, self._token)
 
     async def drain(self, server_id: str) -> ServerEntry:
-        return await _unwrapped(self._handle.drain.remote(server_id, self._token))
+        return await self._call("drain", server_id, self._token)
 
     async def heartbeat(self, server_id: str, ttl_s: float | None = None) -> ServerEntry:
-        return await _unwrapped(self._handle.heartbeat.remote(server_id, self._token, ttl_s))
+        return await self._call("heartbeat", server_id, self._token, ttl_s)
 
     async def report_failure(self, server_id: str, kind: str) -> bool:
-        return await _unwrapped(self._handle.report_failure.remote(server_id, kind))
+        return await self._call("report_failure", server_id, kind)
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
         """The pool now, or once it is newer than `since_version` (waiting up to `timeout_s`).
 
         A version check: when the registry's version is the one this client already holds, the registry
         answers with a few bytes and the held snapshot (immutable, same version, same content) is returned."""
-        known = self._members[0] if self._members is not None else -1
-        held = self._last
-        version, taken_at, membership, records, rows = await _unwrapped(self._handle.snapshot_wire.remote(
-            since_version, timeout_s, known, held.version if held is not None else -1
-        ))
+        for attempt in (1, 2):
+            known = self._members[0] if self._members is not None else -1
+            held = self._last
+            try:
+                version, taken_at, membership, records, rows = await _unwrapped(self._handle.snapshot_wire.remote(
+                    since_version, timeout_s, known, held.version if held is not None else -1
+                ))
+                break
+            except ray.exceptions.ActorDiedError:
+                if attempt == 2:
+                    raise
+                self._reconnect()
         if rows is None:  # only when `held` is of this very version
             assert held is not None and held.version == version
             return held
@@ -129,13 +161,13 @@ class RegistryClient:
         return self._last
 
     async def get(self, server_id: str) -> ServerEntry:
-        return await _unwrapped(self._handle.get.remote(server_id))
+        return await self._call("get", server_id)
 
     async def ping(self) -> dict[str, Any]:
-        return await _unwrapped(self._handle.ping.remote())
+        return await self._call("ping")
 
     async def metrics_text(self) -> str:
-        return (await _unwrapped(self._handle.metrics_text.remote())).decode("utf-8")
+        return (await self._call("metrics_text")).decode("utf-8")
 
 
 class SnapshotWatcher:

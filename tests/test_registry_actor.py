@@ -17,6 +17,7 @@ from registry import (
     PoolSnapshot,
     RegistrationError,
     RegistryClient,
+    RegistryError,
     ServerRecord,
     ServerStatus,
     UnknownServerError,
@@ -174,6 +175,29 @@ async def _snapshot_from_new_incarnation(registry: RegistryClient, old: str) -> 
             pass  # restarting
         await asyncio.sleep(0.2)
     raise AssertionError("registry did not come back")
+
+
+async def test_clients_reconnect_to_a_registry_started_again(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Killed for good (no restart) and started again by an operator: clients holding the old handle (a
+    launcher heartbeating, a watcher) find the new actor by name instead of failing forever."""
+    server = await emulators.start()
+    await registry.register(record(server))
+    ray.kill(registry.handle, no_restart=True)
+    for _ in range(100):
+        try:
+            get_registry_actor()
+        except ValueError:
+            break
+        await asyncio.sleep(0.05)
+    with pytest.raises(RegistryError, match="no new one runs"):
+        await registry.ping()
+    fresh = RegistryClient.start(tmp_path_factory.mktemp("registry-again"), token=TEST_TOKEN, probe_interval_s=0.3)
+    await fresh.register(record(server, "emu-new"))
+    assert (await registry.ping())["servers"] == 1  # the old client found the new actor
+    assert (await registry.snapshot()).ids() == ("emu-new",)
+    assert (await registry.heartbeat("emu-new", 30.0)).id == "emu-new"
 
 
 async def test_snapshot_long_poll_returns_on_change(registry: RegistryClient, emulators: EmulatorFactory) -> None:

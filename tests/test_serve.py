@@ -122,3 +122,42 @@ async def test_serve_emulated_registers_heartbeats_and_deregisters(
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.ray
+async def test_serve_joins_a_registry_started_afresh(
+    registry: RegistryClient, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The registry is killed for good and an operator starts a new one with an empty state directory:
+    `fedpool serve` finds the new actor and registers its server again (its heartbeat is refused)."""
+    from registry.actor import get_registry_actor
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TEST_TOKEN)
+    proc = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-m", "fedpool.cli", "serve", "--address", ray.get_runtime_context().gcs_address,
+         "--token-file-path", str(token_file), "--engine", "emulated", "--model", "emu-served", "--id", "phoenix",
+         "--lease", "1.5", "--log-dir", str(tmp_path / "logs"), "--accelerator", "A100", "--gpus", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    fresh: RegistryClient | None = None
+    try:
+        async def known_to(client: RegistryClient) -> bool:
+            return (await client.snapshot()).get("phoenix") is not None
+
+        await wait_for(lambda: known_to(registry))
+        ray.kill(registry.handle, no_restart=True)
+        for _ in range(100):
+            try:
+                get_registry_actor()
+            except ValueError:
+                break
+            await asyncio.sleep(0.05)
+        fresh = RegistryClient.start(tmp_path_factory.mktemp("afresh"), token=TEST_TOKEN, probe_interval_s=0.3)
+        await wait_for(lambda: known_to(fresh), timeout_s=30)  # type: ignore[arg-type]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.communicate, timeout=30)
+        if fresh is not None:
+            await fresh.terminate()
