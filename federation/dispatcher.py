@@ -124,6 +124,7 @@ class DispatcherStats:
     hedges: int
     inflight_total: int
     servers: tuple[ServerStats, ...]
+    waiting: int = 0  # requests waiting for a slot
 
 
 class Dispatcher:
@@ -574,6 +575,7 @@ class Dispatcher:
             retries=self._retries,
             hedges=self._hedges,
             inflight_total=sum(book.inflight.values()),
+            waiting=sum(1 for queue in self._queues.values() for w in queue if not w.future.done()),
             servers=tuple(
                 ServerStats(
                     server_id=sid,

@@ -1,0 +1,224 @@
+"""Load and soak, bounded: the gateway under many concurrent streaming clients, and the dispatcher over
+100,000 requests; afterwards nothing may be left behind (tasks, file descriptors, in-flight counts) and
+memory may not keep growing.
+
+    python -m benchmarks.soak [--clients 500] [--duration 60] [--dispatcher-requests 100000]
+
+Loopback only: a zero-latency emulated server and the gateway each run in their own process; the clients
+run here, each streaming chat completions one after another until the time is up (loops bounded in count
+and time). The gateway process's RSS, open file descriptors and asyncio tasks are read after a warm-up
+and again when the clients have stopped. Then the dispatcher alone sends `--dispatcher-requests` requests
+through a pool of zero-latency emulated servers in this process and its counters must return to zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import random
+import time
+from typing import Any
+
+import aiohttp
+import psutil
+
+from benchmarks.report import markdown_table, write_report
+
+MODEL = "soak-model"
+
+
+def _child(kind: str, port_out: mp.Queue, stop: mp.Event, measure: mp.Event, tasks_out: mp.Queue,
+           upstream: str | None) -> None:  # runs in a child process
+    from aiohttp import web
+
+    from deploy.emulator import EmulatedServer, EmulatorProfile
+
+    async def main() -> None:
+        if kind == "emulator":
+            server = EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=4096))
+            port_out.put(await server.start())
+            await asyncio.to_thread(stop.wait)
+            await server.stop()
+            return
+        from federation import DispatchConfig, Dispatcher, make_policy, new_session
+        from federation.gateway import Gateway
+        from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+
+        record = ServerRecord(id="emu-0", url=upstream or "", engine="vllm", model=MODEL, capacity=1024)
+        snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 1024, 1.0),))
+        async with new_session() as session:
+            dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"),
+                                    config=DispatchConfig(adaptive_windows=False))
+            runner = web.AppRunner(Gateway(dispatcher, lambda: snap).app(), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port_out.put(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+            while not stop.is_set():
+                if measure.is_set():
+                    measure.clear()
+                    stats = dispatcher.stats()
+                    tasks_out.put((len(asyncio.all_tasks()), stats.inflight_total, stats.waiting))
+                await asyncio.sleep(0.05)
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+async def stream_clients(url: str, clients: int, duration_s: float, max_each: int) -> tuple[int, int, int]:
+    """(streams completed, errors, chunks) from `clients` coroutines streaming back to back."""
+    done = errors = chunks = 0
+    deadline = time.perf_counter() + duration_s
+    connector = aiohttp.TCPConnector(limit=0)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a short story"}], "max_tokens": 16,
+            "stream": True}
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def one(i: int) -> None:
+            nonlocal done, errors, chunks
+            await asyncio.sleep(random.Random(i).uniform(0, 1.0))  # spread the start
+            for _ in range(max_each):
+                if time.perf_counter() > deadline:
+                    return
+                try:
+                    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                        if resp.status != 200:
+                            errors += 1
+                            await resp.read()
+                            continue
+                        finished = False
+                        async for line in resp.content:
+                            if line.startswith(b"data: "):
+                                chunks += 1
+                                finished = finished or line.strip() == b"data: [DONE]"
+                        if finished:
+                            done += 1
+                        else:
+                            errors += 1
+                except (aiohttp.ClientError, TimeoutError):
+                    errors += 1
+
+        await asyncio.gather(*(one(i) for i in range(clients)))
+    return done, errors, chunks
+
+
+def gateway_figures(proc: psutil.Process, measure: mp.Event, tasks_out: mp.Queue) -> dict[str, float]:
+    measure.set()
+    tasks, inflight, waiting = tasks_out.get(timeout=30)
+    return {"rss_mb": proc.memory_info().rss / 2**20, "fds": float(proc.num_fds()), "tasks": float(tasks),
+            "inflight": float(inflight), "waiting": float(waiting)}
+
+
+async def soak_gateway(args: argparse.Namespace) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    ports: mp.Queue = ctx.Queue()
+    tasks_out: mp.Queue = ctx.Queue()
+    stop, measure = ctx.Event(), ctx.Event()
+    emulator = ctx.Process(target=_child, args=("emulator", ports, stop, ctx.Event(), ctx.Queue(), None), daemon=True)
+    emulator.start()
+    upstream = await asyncio.to_thread(ports.get, True, 60)
+    gateway = ctx.Process(target=_child, args=("gateway", ports, stop, measure, tasks_out, upstream), daemon=True)
+    gateway.start()
+    url = await asyncio.to_thread(ports.get, True, 60)
+    proc = psutil.Process(gateway.pid)
+    try:
+        idle = await asyncio.to_thread(gateway_figures, proc, measure, tasks_out)
+        warm = await stream_clients(url, args.clients, args.warmup, 10**9)
+        warmed = await asyncio.to_thread(gateway_figures, proc, measure, tasks_out)
+        started = time.perf_counter()
+        done, errors, chunks = await stream_clients(url, args.clients, args.duration, 10**9)
+        elapsed = time.perf_counter() - started
+        await asyncio.sleep(2.0)  # keep-alive connections close, handlers finish
+        end = await asyncio.to_thread(gateway_figures, proc, measure, tasks_out)
+    finally:
+        stop.set()
+        gateway.join(20)
+        emulator.join(20)
+    return {"idle": idle, "warm": warmed, "end": end, "streams": done, "errors": errors + warm[1],
+            "chunks": chunks, "elapsed_s": elapsed, "warm_streams": warm[0]}
+
+
+async def soak_dispatcher(requests: int, servers: int) -> dict[str, Any]:
+    from deploy.emulator import EmulatedServer, EmulatorProfile
+    from federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+    from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+
+    emus = [EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=256), seed=i)
+            for i in range(servers)]
+    for emu in emus:
+        await emu.start()
+    entries = tuple(ServerEntry(ServerRecord(id=f"emu-{i}", url=e.url, engine="vllm", model=MODEL, capacity=64),
+                                ServerStatus.HEALTHY, 64, 1.0) for i, e in enumerate(emus))
+    snap = PoolSnapshot(1, 0.0, entries)
+    sent = 0
+    started = time.perf_counter()
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted"), config=DispatchConfig())
+
+        async def client(cid: int, count: int) -> None:
+            for k in range(count):
+                await dispatcher.submit(InferenceRequest(
+                    request_id=f"c{cid}-{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS,
+                    body={"prompt": "x", "max_tokens": 1}, client_id=f"eval-{cid % 8}"))
+
+        workers = 256
+        per = requests // workers
+        await asyncio.gather(*(client(c, per) for c in range(workers)))
+        sent = per * workers
+        stats = dispatcher.stats()
+    elapsed = time.perf_counter() - started
+    for emu in emus:
+        await emu.stop()
+    return {"requests": sent, "completed": stats.completed, "failed": stats.failed,
+            "inflight_total": stats.inflight_total, "waiting": stats.waiting,
+            "server_inflight": sum(s.inflight for s in stats.servers), "elapsed_s": elapsed,
+            "per_s": sent / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=500)
+    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the baseline reading")
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--dispatcher-requests", type=int, default=100_000)
+    parser.add_argument("--dispatcher-servers", type=int, default=4)
+    args = parser.parse_args()
+    g = asyncio.run(soak_gateway(args))
+    d = asyncio.run(soak_dispatcher(args.dispatcher_requests, args.dispatcher_servers))
+    warm, end, idle = g["warm"], g["end"], g["idle"]
+    growth = (end["rss_mb"] / warm["rss_mb"] - 1) * 100
+    leaked_tasks = end["tasks"] - idle["tasks"]
+    leaked_fds = end["fds"] - idle["fds"]
+    counters_zero = int(d["inflight_total"] == 0 and d["waiting"] == 0 and d["server_inflight"] == 0
+                        and d["completed"] == d["requests"])
+    rows = [
+        (f"gateway: {args.clients} streaming clients for {args.duration:g} s (after {args.warmup:g} s warm-up)",
+         f"{g['streams']} streams, {g['chunks']} chunks, {g['streams'] / g['elapsed_s']:.0f} streams/s",
+         f"errors {g['errors']}", "0 errors"),
+        ("gateway RSS: idle / after warm-up / end", f"{idle['rss_mb']:.1f} / {warm['rss_mb']:.1f} / "
+         f"{end['rss_mb']:.1f} MiB", f"growth after warm-up {growth:+.1f}%", "< 10%"),
+        ("gateway asyncio tasks: idle / under load / after", f"{idle['tasks']:.0f} / {warm['tasks']:.0f} / "
+         f"{end['tasks']:.0f}", f"left behind {leaked_tasks:+.0f}", "0"),
+        ("gateway open file descriptors: idle / under load / after", f"{idle['fds']:.0f} / {warm['fds']:.0f} / "
+         f"{end['fds']:.0f}", f"left behind {leaked_fds:+.0f}", "0"),
+        ("gateway dispatcher after the load: in flight / waiting", f"{end['inflight']:.0f} / {end['waiting']:.0f}",
+         "", "0 / 0"),
+        (f"dispatcher: {d['requests']} requests, 256 concurrent callers, {args.dispatcher_servers} zero-latency "
+         "servers", f"{d['completed']} completed, {d['failed']} failed, {d['per_s']:.0f} req/s",
+         f"in flight {d['inflight_total']}, waiting {d['waiting']}, per-server in flight {d['server_inflight']}",
+         "all 0"),
+    ]
+    body = ("Loopback only; the emulated server answers at once. All on one 2-core machine.\n\n"
+            + markdown_table(("what", "figures", "check", "target"), rows))
+    for row in rows:
+        print(" | ".join(map(str, row)))
+    write_report("soak", "Load and soak", body, {
+        "clients": args.clients, "errors": g["errors"], "leaked_tasks": int(leaked_tasks),
+        "leaked_fds": int(leaked_fds), "mem_growth_pct": f"{growth:.1f}",
+        "dispatcher_requests": d["requests"], "counters_zero": counters_zero,
+    })
+
+
+if __name__ == "__main__":
+    main()
