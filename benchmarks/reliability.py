@@ -243,6 +243,25 @@ async def run_scenario(name: str, work: Path, *, llama: bool = True) -> tuple[Fi
     return figure, baseline
 
 
+def node_loss() -> Figure:
+    """The Ray worker node hosting the CPU stage actors removed at 50% (`tests/multinode/node_loss.py`,
+    its own process: it needs a multi-node cluster of its own)."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "tests" / "multinode" / "node_loss.py")], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        return Figure("a Ray worker node hosting CPU actors removed at 50%", 135, 0, 0, 0, 0.0, None, False,
+                      f"did not complete: {done.stderr[-300:]}", completed=False)
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    moved = r["worker_node"] not in r["stage_nodes_after"]
+    return Figure("a Ray worker node hosting CPU actors removed at 50%", r["expected"], r["written"],
+                  r["duplicated"], r["failed"], r["wall_s"], None, moved and r["removed"],
+                  "stage actors started again on the head node" if moved else "stage actors did not move")
+
+
 def bad_input_catalogue() -> tuple[int, int]:
     """(passed, total) cases of the bad-input catalogue, run with pytest as CI runs it."""
     import re
@@ -268,6 +287,9 @@ def main() -> None:
         figure, _ = asyncio.run(run_scenario(name, work))
         print(" | ".join(map(str, figure.row())), flush=True)
         figures.append(figure)
+    if not args.scenario:
+        figures.append(node_loss())
+        print(" | ".join(map(str, figures[-1].row())), flush=True)
     bad_inputs, bad_total = bad_input_catalogue()
     rows = [f.row() for f in figures]
     body = (
@@ -283,8 +305,9 @@ def main() -> None:
         "row, spec, record and server-response parsers in the same file. Load and soak: `soak.md`.\n\n"
         "Covered by tests but not measured here: the client process killed at 50% then `eval resume` "
         "(`tests/test_cli.py`), the jobs server killed with jobs running (`tests/test_jobs.py`), a registry "
-        "started afresh under running `fedpool serve` processes (`tests/test_serve.py`). Not built yet: a Ray "
-        "worker node hosting CPU actors removed mid-run."
+        "started afresh under running `fedpool serve` processes (`tests/test_serve.py`). The node-loss row runs "
+        "on a two-node cluster of its own (`tests/multinode/node_loss.py`: two emulated servers, no llama.cpp), "
+        "without a clean-run baseline."
     )
     write_report("reliability", "Reliability under faults", body, {
         "scenarios": len(figures),

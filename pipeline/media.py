@@ -178,7 +178,7 @@ class MediaPool:
     def __init__(self, actors: int = 1, *, num_cpus: float = 1.0):
         import ray
 
-        remote = ray.remote(MediaWorker).options(num_cpus=num_cpus)
+        remote = ray.remote(MediaWorker).options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1)
         self._actors = [remote.remote() for _ in range(max(1, actors))]
         self._busy = [0] * len(self._actors)
 

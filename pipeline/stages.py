@@ -42,6 +42,12 @@ class StageWorker:
     def ready(self) -> bool:
         return True
 
+    def node(self) -> str:
+        """The Ray node this actor runs on (where a restart put it)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def work(self, seconds: float) -> float:
         """Occupies this actor for `seconds` (scaled); returns how long it took."""
         start = time.perf_counter()
@@ -117,7 +123,7 @@ class StagePool:
     """N Ray CPU actors; each call goes to the actor with the fewest calls in flight."""
 
     def __init__(self, actors: int, *, time_scale: float = 1.0, num_cpus: float | None = None,
-                 cpu_bound: bool = False):
+                 cpu_bound: bool = False, actor_options: dict[str, object] | None = None):
         import ray
 
         if actors < 1:
@@ -129,7 +135,10 @@ class StagePool:
             total = float(ray.cluster_resources().get("CPU", 0.0))
             num_cpus = max(0.01, min(1.0, total / (2 * actors))) if total > 0 else 0.0
         self.num_cpus = num_cpus
-        remote = ray.remote(StageWorker).options(num_cpus=num_cpus)
+        # A node that dies takes its actors with it: Ray starts them again elsewhere and retries the calls
+        # that were in flight, so an eval loses no record to a lost CPU node.
+        remote = ray.remote(StageWorker).options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1,
+                                                 **(actor_options or {}))
         self._actors = [remote.remote(time_scale, cpu_bound) for _ in range(actors)]
         self._busy = [0] * actors
 

@@ -146,7 +146,8 @@ class VerifierPool:
         if not Path(config.model_path).exists():
             raise FileNotFoundError(f"verifier model {config.model_path} does not exist")
         self.config = config
-        remote = ray.remote(VerifierWorker).options(num_cpus=config.threads)
+        # Restarted elsewhere (loading the model again) if its node dies; calls in flight are retried.
+        remote = ray.remote(VerifierWorker).options(num_cpus=config.threads, max_restarts=-1, max_task_retries=-1)
         self._actors = [remote.remote(config.model_dump()) for _ in range(config.actors)]
         self._busy = [0] * len(self._actors)
         self.judged = 0

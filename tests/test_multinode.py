@@ -26,3 +26,16 @@ def test_registry_servers_and_cpu_actors_on_different_nodes() -> None:
     assert report["answered_by"] == ["srv-1", "srv-2"]  # the pool spans the nodes
     assert report["scorer_node"] == nodes["srv-2"] != report["registry_node"]
     assert report["scores"] == [1.0] * 20
+
+
+@pytest.mark.ray
+def test_losing_the_node_of_the_cpu_actors_loses_no_record() -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / "node_loss.py")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figure = json.loads(result.stdout.strip().splitlines()[-1])
+    print(figure)
+    assert figure["removed"] and figure["expected"] == 135
+    assert figure["written"] == 135 and figure["duplicated"] == 0 and figure["failed"] == 0
+    assert figure["stage_nodes_before"] == [figure["worker_node"]]  # the actors were on the lost node...
+    assert figure["worker_node"] not in figure["stage_nodes_after"]  # ...and were started again elsewhere
