@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from registry import RegistryClient
-from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl
+from tests.conftest import TEST_TOKEN, EmulatorFactory, files_containing, read_jsonl
 
 FEDPOOL = [sys.executable, "-m", "fedpool.cli"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,8 +117,13 @@ def test_registry_commands_without_a_cluster_say_what_to_do(tmp_path: Path) -> N
 @pytest.mark.llamacpp
 def test_demo_runs_the_main_job_end_to_end(tmp_path: Path) -> None:
     """README command one, small: 2 real llama.cpp servers, 3 concurrent evals, JSON report."""
-    result = run("demo", "--limit", "10", "--json", "--out", str(tmp_path), timeout=600)
+    secrets = {"HF_TOKEN": "hf_demo_secret_0123456789abcdef", "OPENAI_API_KEY": "sk-demo-secret-0123456789abcdef",
+               "FEDPOOL_JOBS_TOKEN": "jobs-demo-secret-0123456789"}
+    result = run("demo", "--limit", "10", "--json", "--out", str(tmp_path), timeout=600, env=secrets)
     assert result.returncode == 0, result.stderr[-3000:]
+    # The secret scan after a full run: no configured secret in any log line, artifact file or output.
+    assert files_containing(tmp_path, list(secrets.values())) == []
+    assert not any(v in result.stdout + result.stderr for v in secrets.values())
     report = json.loads(result.stdout)
     assert set(report["benchmarks"]) == {"arith", "capitals", "capitals_mc"}
     assert set(report["answered"]) == {"llamacpp-0", "llamacpp-1"}
