@@ -125,6 +125,8 @@ class DispatcherStats:
     inflight_total: int
     servers: tuple[ServerStats, ...]
     waiting: int = 0  # requests waiting for a slot
+    decisions: int = 0  # slots granted (each a routing decision)
+    decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
 
 
 class Dispatcher:
@@ -171,6 +173,8 @@ class Dispatcher:
         self._route_cache_snapshot: PoolSnapshot | None = None
         self._client_weights: dict[str, float] = {}
         self._client_remaining: dict[str, float] = {}
+        self._decisions = 0
+        self._decision_s = 0.0
         if self._config.client_order not in ("fair", "shortest_first"):
             raise ValueError(f"client_order must be 'fair' or 'shortest_first', not {self._config.client_order!r}")
         self._shortest_first = self._config.client_order == "shortest_first"
@@ -459,6 +463,13 @@ class Dispatcher:
         client with the fewest requests in flight per unit of weight first, then arrival order."""
         if not self._queues:
             return
+        started = time.perf_counter()
+        try:
+            self._grant_waiting()
+        finally:
+            self._decision_s += time.perf_counter() - started
+
+    def _grant_waiting(self) -> None:
         now = self._clock()
         blocked: set[tuple[object, ...]] = set()
         while True:
@@ -509,6 +520,7 @@ class Dispatcher:
         decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
         server = next(s for s in untried if s.id == decision.server_id)
         waiter.future.set_result(self._take(server, request.client_id, now))
+        self._decisions += 1
         return True
 
     def _take(self, server: ServerEntry, client_id: str, now: float) -> Slot:
@@ -576,6 +588,8 @@ class Dispatcher:
             hedges=self._hedges,
             inflight_total=sum(book.inflight.values()),
             waiting=sum(1 for queue in self._queues.values() for w in queue if not w.future.done()),
+            decisions=self._decisions,
+            decision_s=self._decision_s,
             servers=tuple(
                 ServerStats(
                     server_id=sid,

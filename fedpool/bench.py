@@ -654,9 +654,12 @@ def saturated_cost(profile: EmulatorProfile, prompt: float, completion: float) -
 
 
 def ideal_makespan(sizes: dict[str, int], tokens: dict[str, tuple[float, float]],
-                   profiles: dict[str, EmulatorProfile]) -> tuple[float, dict[str, dict[str, float]]]:
+                   profiles: dict[str, EmulatorProfile], counts: dict[str, int] | None = None,
+                   ) -> tuple[float, dict[str, dict[str, float]]]:
     """Minimum engine-seconds makespan if every request could go anywhere at saturated cost (an LP:
-    minimise T subject to each eval's requests all placed and each server's work ≤ T)."""
+    minimise T subject to each eval's requests all placed and each server's work ≤ T). With `counts`,
+    each profile stands for that many identical servers (their work ≤ count × T): the same optimum for
+    a large pool with a small LP."""
     from scipy.optimize import linprog
 
     evals, servers = sorted(sizes), sorted(profiles)
@@ -677,7 +680,7 @@ def ideal_makespan(sizes: dict[str, int], tokens: dict[str, tuple[float, float]]
         row = [0.0] * nvar
         for e in evals:
             row[index[e, s]] = cost[e, s]
-        row[-1] = -1.0
+        row[-1] = -float((counts or {}).get(s, 1))
         a_ub.append(row)
         b_ub.append(0.0)
     result = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * nvar, method="highs")
