@@ -189,7 +189,8 @@ def main() -> None:
         "fluid; the measured makespan is several times that although neither process is CPU-bound (see the CPU "
         "row), so the gap is in the schedule (slot turnover, waves of long text answers on V100s, the tail), "
         "not in the machine. Not yet explained further. The grant step costs O(servers) per decision with "
-        "`capacity_weighted` (it prices every free server): hundreds of µs at 256 servers."
+        "`capacity_weighted`: it samples 4 candidates, but only after checking every server's admission window, "
+        "so hundreds of µs at 256 servers."
         + "\n\nThe projection to 10,000 servers (what changes: snapshot deltas, sharded registries, "
         "per-route candidate sampling) is in `docs/speedup.md`."
     )
