@@ -132,8 +132,8 @@ def calibrate(levels: list[Level], max_tokens: int, max_running: int) -> dict[st
 
 
 async def run(args: argparse.Namespace) -> tuple[list[Level], list[Level]]:
-    python = ensure_vllm_python()
-    model_dir = ensure_tiny_model(python)
+    python = await asyncio.to_thread(ensure_vllm_python)  # installs it the first time: minutes
+    model_dir = await asyncio.to_thread(ensure_tiny_model, python)
     log_dir = Path(tempfile.mkdtemp(prefix="fedpool-fidelity-"))
     port = free_port()
     spec = EngineSpec(engine="vllm", model=TINY_MODEL_NAME, port=port, model_path=str(model_dir),

@@ -49,7 +49,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     registry = RegistryClient.start(work / "registry", probe_interval_s=1.0)
     await registry.register(ServerRecord(id="emu-0", url=server.url, engine="vllm", model=MODEL,
                                          accelerator="A100", capacity=args.slots))
-    verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma()), actors=args.verifier_actors,
+    model_path = await asyncio.to_thread(ensure_gemma)
+    verifier = VerifierPool(VerifierConfig(model_path=str(model_path), actors=args.verifier_actors,
                                            threads=args.verifier_threads))
     metrics = StagePool(args.metric_actors, num_cpus=1.0, cpu_bound=True)
     try:
@@ -62,7 +63,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             (inference,) = await run_evals([plain], pool.dispatcher, work / "serial", target,
                                            concurrency=args.concurrency)
             inference_s = time.perf_counter() - t0
-            records = read_records(inference.artifact_dir / "records.jsonl")
+            records = await asyncio.to_thread(read_records, inference.artifact_dir / "records.jsonl")
             t1 = time.perf_counter()
             hooks = metrics.hooks(StageCosts(metric_s=args.metric_s))
             assert hooks.after is not None
@@ -78,7 +79,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
                 [spec.model_copy(update={"verifier": True})], pool.dispatcher, work / "overlapped", target,
                 concurrency=args.concurrency, verifier=verifier, stages={spec.name: hooks})
             overlapped_s = time.perf_counter() - t3
-        done = read_records(overlapped.artifact_dir / "records.jsonl")
+        done = await asyncio.to_thread(read_records, overlapped.artifact_dir / "records.jsonl")
         assert len(done) == len(records) == args.records and all(r.verifier is not None for r in done)
         return {
             "records": float(len(records)),

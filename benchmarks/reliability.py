@@ -115,7 +115,8 @@ async def chaos_pool(work: Path, *, emulators: int = 3, llama: bool = True) -> A
             pool.emulators[f"emu-{i}"] = pool.extra[-1]
         if llama:
             port = free_port()
-            config = LlamaServerConfig(model_path=ensure_gemma(), alias=MODEL, port=port, slots=2, threads=1)
+            model_path = await asyncio.to_thread(ensure_gemma)
+            config = LlamaServerConfig(model_path=model_path, alias=MODEL, port=port, slots=2, threads=1)
             pool.llama = llama_server_process(config, work / "llama.log", name="llama-0")
             await pool.llama.start()
             await pool.llama.wait_healthy(config.url + "/health", deadline_s=120)
@@ -184,7 +185,8 @@ async def scenario_kill9(pool: ChaosPool, out: Path, baseline: float | None) -> 
     status = await pool.status()
     ok = fired and status.get("emu-1") == ServerStatus.DOWN and all(
         s == ServerStatus.HEALTHY for k, s in status.items() if k != "emu-1")
-    return Figure("kill -9 one of four servers at 50%", *count(summaries), wall, baseline, ok,
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("kill -9 one of four servers at 50%", *counts, wall, baseline, ok,
                   f"emu-1 {status.get('emu-1')}, others {sorted({s.value for k, s in status.items() if k != 'emu-1'})}")
 
 
@@ -197,7 +199,8 @@ async def scenario_hang(pool: ChaosPool, out: Path, baseline: float | None) -> F
     # requests must make it suspect (not used first) while they are recent.
     ok = hung in (ServerStatus.SUSPECT, ServerStatus.DOWN)
     note = f"hung server {hung.value if hung else 'gone'} (its /health answers; its requests time out, go elsewhere)"
-    return Figure("a server that accepts connections and never answers", *count(summaries), wall, baseline, ok, note)
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("a server that accepts connections and never answers", *counts, wall, baseline, ok, note)
 
 
 async def scenario_flaky(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
@@ -205,7 +208,8 @@ async def scenario_flaky(pool: ChaosPool, out: Path, baseline: float | None) -> 
     wall, summaries, _ = await run_eval(pool, out)
     status = await pool.status()
     ok = all(s.routable for s in status.values())
-    return Figure("10% 5xx and 5% malformed bodies from one server", *count(summaries), wall, baseline, ok,
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("10% 5xx and 5% malformed bodies from one server", *counts, wall, baseline, ok,
                   f"statuses {sorted({s.value for s in status.values()})}")
 
 
@@ -223,7 +227,8 @@ async def scenario_registry_killed(pool: ChaosPool, out: Path, baseline: float |
             break
         await asyncio.sleep(0.1)
     ok = fired and after == before
-    return Figure("the registry actor killed mid-run (Ray restarts it)", *count(summaries), wall, baseline, ok,
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("the registry actor killed mid-run (Ray restarts it)", *counts, wall, baseline, ok,
                   f"{len(after or ())} of {len(before)} servers back after the restart")
 
 

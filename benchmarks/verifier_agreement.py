@@ -41,7 +41,8 @@ def labelled_sample(pairs: int, seed: int) -> list[tuple[JudgeItem, int]]:
 
 async def run(args: argparse.Namespace) -> dict[str, float]:
     sample = labelled_sample(args.pairs, args.seed)
-    pool = VerifierPool(VerifierConfig(model_path=str(ensure_gemma()), actors=args.actors, threads=args.threads))
+    model_path = await asyncio.to_thread(ensure_gemma)  # assembles the GGUF on first use
+    pool = VerifierPool(VerifierConfig(model_path=str(model_path), actors=args.actors, threads=args.threads))
     await pool.judge_many([sample[0][0]])  # load the model before timing
     started = time.perf_counter()
     judgments = await pool.judge_many([item for item, _ in sample])

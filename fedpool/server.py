@@ -4,6 +4,7 @@ over one pool connection, so jobs and gateway clients share every engine."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -65,8 +66,6 @@ def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], P
         return web.Response(text=page, content_type="text/html")
 
     async def state(request: web.Request) -> web.Response:
-        import asyncio
-
         jobs = await asyncio.to_thread(runner.store.list) if runner is not None else None
         return web.json_response(pool_state(snapshot(), dispatcher, runner, jobs),
                                  headers={"Cache-Control": "no-store"})

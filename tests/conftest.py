@@ -156,3 +156,17 @@ def files_containing(root: Path, secrets: list[str]) -> list[str]:
 
 def read_jsonl(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def wait_http_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[type-arg]
+    """Until `url`/health answers; fails at once if the server process `proc` has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"{what} did not come up")

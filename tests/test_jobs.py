@@ -20,7 +20,7 @@ import ray
 from deploy.process import free_port
 from fedpool.jobs_client import AsyncJobsClient, JobsApiError, JobsClient
 from registry import RegistryClient, ServerRecord
-from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl
+from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl, wait_http_up
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,19 +39,6 @@ def start_server(tmp_path: Path, port: int) -> subprocess.Popen[str]:
          "least_inflight"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
-
-
-def wait_up(url: str, proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"jobs server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("jobs server did not come up")
 
 
 def get_text(url: str) -> str:
@@ -82,7 +69,7 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
     url = f"http://127.0.0.1:{port}"
     proc = start_server(tmp_path, port)
     try:
-        await asyncio.to_thread(wait_up, url, proc)
+        await asyncio.to_thread(wait_http_up, url, proc, "jobs server")
         # No token, wrong token: refused, for reads and writes alike.
         for method, path in (("GET", "/jobs"), ("POST", "/jobs"), ("GET", "/jobs/x"), ("DELETE", "/jobs/x")):
             assert await asyncio.to_thread(status_of, url, path, method) == 401
@@ -128,7 +115,7 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
         proc.wait(10)
         states_down = {i: None for i in ids}
         proc = start_server(tmp_path, port)
-        await asyncio.to_thread(wait_up, url, proc)
+        await asyncio.to_thread(wait_http_up, url, proc, "jobs server")
         for job_id in ids:
             states_down[job_id] = (await asyncio.to_thread(jobs.wait, job_id, timeout_s=240, poll_s=0.5))["state"]
         assert set(states_down.values()) == {"done"}, states_down

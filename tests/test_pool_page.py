@@ -9,8 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import ray
 
 from deploy.process import free_port
 from registry import RegistryClient, ServerRecord
-from tests.conftest import TEST_TOKEN, EmulatorFactory
+from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,19 +25,6 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # hosts, which a closed network refuses.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"gateway exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("gateway did not come up")
 
 
 def start_gateway(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
@@ -66,7 +51,7 @@ async def test_pool_page_shows_servers_and_follows_a_failure(
     url = f"http://127.0.0.1:{port}"
     proc = start_gateway(tmp_path, port)
     try:
-        await asyncio.to_thread(wait_up, url, proc)
+        await asyncio.to_thread(wait_http_up, url, proc, "gateway")
         async with async_playwright() as pw:
             browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
             page = await browser.new_page(viewport={"width": 1400, "height": 700})

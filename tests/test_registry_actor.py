@@ -184,13 +184,7 @@ async def test_clients_reconnect_to_a_registry_started_again(
     launcher heartbeating, a watcher) find the new actor by name instead of failing forever."""
     server = await emulators.start()
     await registry.register(record(server))
-    ray.kill(registry.handle, no_restart=True)
-    for _ in range(100):
-        try:
-            get_registry_actor()
-        except ValueError:
-            break
-        await asyncio.sleep(0.05)
+    await registry.terminate()  # killed for good: the name is free when it returns
     with pytest.raises(RegistryError, match="no new one runs"):
         await registry.ping()
     fresh = RegistryClient.start(tmp_path_factory.mktemp("registry-again"), token=TEST_TOKEN, probe_interval_s=0.3)

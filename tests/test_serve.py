@@ -130,7 +130,6 @@ async def test_serve_joins_a_registry_started_afresh(
 ) -> None:
     """The registry is killed for good and an operator starts a new one with an empty state directory:
     `fedpool serve` finds the new actor and registers its server again (its heartbeat is refused)."""
-    from registry.actor import get_registry_actor
 
     token_file = tmp_path / "token"
     token_file.write_text(TEST_TOKEN)
@@ -147,13 +146,7 @@ async def test_serve_joins_a_registry_started_afresh(
             return (await client.snapshot()).get("phoenix") is not None
 
         await wait_for(lambda: known_to(registry))
-        ray.kill(registry.handle, no_restart=True)
-        for _ in range(100):
-            try:
-                get_registry_actor()
-            except ValueError:
-                break
-            await asyncio.sleep(0.05)
+        await registry.terminate()  # killed for good: the name is free when it returns
         fresh = RegistryClient.start(tmp_path_factory.mktemp("afresh"), token=TEST_TOKEN, probe_interval_s=0.3)
         await wait_for(lambda: known_to(fresh), timeout_s=30)  # type: ignore[arg-type]
     finally:

@@ -11,7 +11,6 @@ import json
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import ray
@@ -22,11 +21,11 @@ MODEL = "node-loss-model"
 
 
 async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, object]:
+    from benchmarks.reliability import count
     from clients import EvalProgress, EvalTarget, run_evals
     from deploy.emulator import EmulatedServer, EmulatorProfile
     from federation import PoolConnection
     from pipeline import load_spec
-    from pipeline.artifact import read_records
     from pipeline.bundled import bundled_spec_paths
     from pipeline.stages import StageCosts, StagePool
     from registry import RegistryClient, ServerRecord
@@ -61,14 +60,7 @@ async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, ob
                                     on_progress=progress, stages={s.name: hooks for s in specs})
     wall = time.perf_counter() - started
     placed_after = sorted(set(await asyncio.gather(*(a.node.remote() for a in stages._actors))))
-    written = duplicated = failed = expected = 0
-    for summary in summaries:
-        records = read_records(summary.artifact_dir / "records.jsonl")
-        ids = Counter(r.sample_id for r in records)
-        expected += summary.summary["expected_records"]
-        written += len(records)
-        duplicated += sum(n - 1 for n in ids.values())
-        failed += sum(1 for r in records if r.failed)
+    expected, written, duplicated, failed = await asyncio.to_thread(count, summaries)
     stages.shutdown()
     await registry.terminate()
     for server in servers:
