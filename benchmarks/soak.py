@@ -28,24 +28,28 @@ from benchmarks.report import markdown_table, write_report
 MODEL = "soak-model"
 
 
-def _child(kind: str, port_out: mp.Queue, stop: mp.Event, measure: mp.Event, tasks_out: mp.Queue,
-           upstream: str | None) -> None:  # runs in a child process
-    from aiohttp import web
-
+def _emulator_child(port_out: mp.Queue, stop: mp.Event) -> None:  # runs in a child process
     from deploy.emulator import EmulatedServer, EmulatorProfile
 
     async def main() -> None:
-        if kind == "emulator":
-            server = EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=4096))
-            port_out.put(await server.start())
-            await asyncio.to_thread(stop.wait)
-            await server.stop()
-            return
-        from federation import DispatchConfig, Dispatcher, make_policy, new_session
-        from federation.gateway import Gateway
-        from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+        server = EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=4096))
+        port_out.put(await server.start())
+        await asyncio.to_thread(stop.wait)
+        await server.stop()
 
-        record = ServerRecord(id="emu-0", url=upstream or "", engine="vllm", model=MODEL, capacity=1024)
+    asyncio.run(main())
+
+
+def _gateway_child(port_out: mp.Queue, stop: mp.Event, measure: mp.Event, tasks_out: mp.Queue,
+                   upstream: str) -> None:  # runs in a child process
+    from aiohttp import web
+
+    from federation import DispatchConfig, Dispatcher, make_policy, new_session
+    from federation.gateway import Gateway
+    from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+
+    async def main() -> None:
+        record = ServerRecord(id="emu-0", url=upstream, engine="vllm", model=MODEL, capacity=1024)
         snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 1024, 1.0),))
         async with new_session() as session:
             dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"),
@@ -115,12 +119,10 @@ async def soak_gateway(args: argparse.Namespace) -> dict[str, Any]:
     ports: mp.Queue = ctx.Queue()
     tasks_out: mp.Queue = ctx.Queue()
     stop, measure = ctx.Event(), ctx.Event()
-    unused_event, unused_queue = ctx.Event(), ctx.Queue()  # kept alive until the child has read them
-    emulator = ctx.Process(target=_child, args=("emulator", ports, stop, unused_event, unused_queue, None),
-                           daemon=True)
+    emulator = ctx.Process(target=_emulator_child, args=(ports, stop), daemon=True)
     emulator.start()
     upstream = await asyncio.to_thread(ports.get, True, 60)
-    gateway = ctx.Process(target=_child, args=("gateway", ports, stop, measure, tasks_out, upstream), daemon=True)
+    gateway = ctx.Process(target=_gateway_child, args=(ports, stop, measure, tasks_out, upstream), daemon=True)
     gateway.start()
     url = await asyncio.to_thread(ports.get, True, 60)
     proc = psutil.Process(gateway.pid)
