@@ -1,6 +1,7 @@
 """Routing, admission, retries and failover over the registry's snapshots."""
 
-from federation.dispatcher import DispatchConfig, Dispatcher, DispatcherStats, ServerStats
+from federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
+from federation.dispatcher import Dispatcher
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.policies import Candidate, Policy, RouteContext, RouteDecision, make_policy, policy_names
 from federation.pool import PoolConnection

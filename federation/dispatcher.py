@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.hedging import HedgeTimer, race
 from federation.policies import Policy, RouteContext
 from federation.serverbook import BookSettings, ServerBook
-from federation.transport import Timeouts, open_stream, post_completion
+from federation.stealing import RaceBook, Racer
+from federation.transport import open_stream, post_completion
 from federation.types import Attempt, Completion, InferenceRequest, InferenceResult
 from registry import PoolSnapshot, ServerEntry
 
@@ -27,29 +29,6 @@ log = logging.getLogger("fedpool.dispatcher")
 WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
 MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
 HEDGE_RECHECK_S = 0.1  # how often a straggler looks again for an idle server to hedge on
-
-
-@dataclass(frozen=True, slots=True)
-class DispatchConfig:
-    max_attempts: int = 8
-    backoff_base_s: float = 0.2
-    backoff_max_s: float = 5.0
-    no_server_timeout_s: float = 60.0
-    window_factor: float = 1.0  # admission window ceiling = engine capacity × this
-    adaptive_windows: bool = True  # grow/shrink each server's window from what the dispatcher observes
-    learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
-    breaker_failures: int = 5
-    breaker_cooldown_s: float = 5.0
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    hedging: bool = True  # duplicate stragglers at the tail; only greedy requests (temperature 0)
-    hedge_factor: float = 2.0  # hedge once an attempt takes this × the model's median latency
-    hedge_min_delay_s: float = 0.2
-    learn_period_s: float = 2.0  # how often each server's throughput and admission window are re-decided
-    # Which waiting request is served first when the pool is full. "fair": the client with the fewest
-    # requests in flight per unit of weight (every eval progresses at the same pace). "shortest_first": the
-    # client with the least work left (as it reports with set_client_remaining), fair among equals: evals
-    # finish one after another, so results arrive sooner on average while the pool stays as busy.
-    client_order: str = "fair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +44,6 @@ class _RetryState:
     tried: set[str] = field(default_factory=set)
     counted: int = 0
     resets: int = 0
-
-
-@dataclass(eq=False, slots=True)
-class _Racer:
-    """A hedgeable request in flight on `server`; an idle server may steal it at the tail."""
-
-    request: InferenceRequest
-    server: ServerEntry
-    wake: asyncio.Future[None]  # completed when an idle server has started a copy (a plain future: no task)
-    stolen: tuple[asyncio.Task[Completion], ServerEntry, float] | None = None  # the copy an idle server started
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,33 +69,6 @@ class _Waiter:
     def route_key(self) -> tuple[object, ...]:
         r = self.request
         return (r.model, r.revision, r.pinned_engines, r.pinned_servers)
-
-
-@dataclass(frozen=True, slots=True)
-class ServerStats:
-    server_id: str
-    answered: int
-    failures: dict[str, int]
-    inflight: int
-    window: int
-    completion_tokens: int
-    busy_s: float
-    learned_tokens_per_s: float | None = None
-    window_reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DispatcherStats:
-    submitted: int
-    completed: int
-    failed: int
-    retries: int
-    hedges: int
-    inflight_total: int
-    servers: tuple[ServerStats, ...]
-    waiting: int = 0  # requests waiting for a slot
-    decisions: int = 0  # slots granted (each a routing decision)
-    decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
 
 
 class Dispatcher:
@@ -181,7 +123,7 @@ class Dispatcher:
         self._clients_done: set[str] = set()
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
-        self._racing: dict[str, dict[_Racer, None]] = {}  # server id -> its hedgeable requests, oldest first
+        self._races = RaceBook()  # hedgeable requests in flight, per server: what tail stealing may take
 
     @property
     def policy(self) -> Policy:
@@ -219,9 +161,9 @@ class Dispatcher:
             slot = await self._acquire(request, retry.tried)
             started = self._clock()
             primary = asyncio.create_task(self._attempt(slot, request))
-            racer = _Racer(request, slot.server, asyncio.get_running_loop().create_future()) if hedgeable else None
+            racer = Racer(request, slot.server, asyncio.get_running_loop().create_future()) if hedgeable else None
             if racer is not None:
-                self._racing.setdefault(slot.server.id, {})[racer] = None
+                self._races.add(racer)
             try:
                 winner, others, hedged = await race(
                     primary, slot.server, started,
@@ -232,7 +174,7 @@ class Dispatcher:
                 )
             finally:
                 if racer is not None:
-                    self._forget_racer(racer)
+                    self._races.forget(racer)
                     if racer.stolen is not None:  # stolen in the same tick the race ended: drop the copy
                         racer.stolen[0].cancel()
                         racer.stolen = None
@@ -276,13 +218,6 @@ class Dispatcher:
         finally:
             self._release(slot)
 
-    def _forget_racer(self, racer: _Racer) -> None:
-        racers = self._racing.get(racer.server.id)
-        if racers is not None:
-            racers.pop(racer, None)
-            if not racers:
-                del self._racing[racer.server.id]
-
     def _client_key(self, client_id: str) -> tuple[float, float]:
         """The order clients are served in (smaller first), for waiters and stolen stragglers alike."""
         share = self._client_inflight.get(client_id, 0) / self._client_weights.get(client_id, 1.0)
@@ -306,38 +241,32 @@ class Dispatcher:
                 if best_waiting is None or key < best_waiting:
                     best_waiting = key
         now = self._clock()
+
+        def drain_of(server: ServerEntry) -> float:
+            rate = book.weight_of(server)
+            return book.inflight.get(server.id, 0) / rate if rate > 0 else float("inf")
+
+        def eligible(r: Racer) -> bool:
+            return (r.request.client_id in self._clients_done
+                    and (best_waiting is None or self._client_key(r.request.client_id) < best_waiting)
+                    and r.server.record.revision == thief.record.revision
+                    and any(s.id == thief.id for s in self._servers_for(r.request)))
+
         while book.inflight.get(thief.id, 0) < book.window(thief):
             thief_drain = (book.inflight.get(thief.id, 0) + 1) / thief_rate
-            victim_id, worst = None, thief_drain
-            for sid, racers in self._racing.items():
-                if sid == thief.id or not racers:
-                    continue
-                rate = book.weight_of(next(iter(racers)).server)
-                drain = book.inflight.get(sid, 0) / rate if rate > 0 else float("inf")
-                if drain > worst:
-                    victim_id, worst = sid, drain
+            victim_id = self._races.slowest_other(thief.id, thief_drain, drain_of)
             if victim_id is None:
                 return
-            racers = self._racing[victim_id]
-            victim = next((
-                r for r in reversed(racers)
-                if r.stolen is None and r.request.client_id in self._clients_done
-                and (best_waiting is None or self._client_key(r.request.client_id) < best_waiting)
-                and r.server.record.revision == thief.record.revision
-                and any(s.id == thief.id for s in self._servers_for(r.request))
-            ), None)
+            victim = self._races.take_last(victim_id, eligible)
             if victim is None:
                 return
-            del racers[victim]
-            if not racers:
-                del self._racing[victim_id]
             slot = self._take(thief, victim.request.client_id, now)
             victim.stolen = (asyncio.create_task(self._attempt(slot, victim.request)), thief, now)
             if not victim.wake.done():
                 victim.wake.set_result(None)
 
     def _launch_hedge(
-        self, request: InferenceRequest, primary: ServerEntry, racer: _Racer | None = None
+        self, request: InferenceRequest, primary: ServerEntry, racer: Racer | None = None
     ) -> tuple[asyncio.Task[Completion], ServerEntry, float] | None:
         """A duplicate on another idle server of the same model revision, only at the tail of a run: the
         request's client has nothing left to send and nothing else waits for this model. None otherwise.
@@ -346,12 +275,12 @@ class Dispatcher:
             launched, racer.stolen = racer.stolen, None
             return launched
         if racer is not None:
-            self._forget_racer(racer)
+            self._races.forget(racer)
         launched = self._hedge_on(request, primary)
         if launched is None and racer is not None:
             if racer.wake.done():
                 racer.wake = asyncio.get_running_loop().create_future()
-            self._racing.setdefault(primary.id, {})[racer] = None  # not taken: it may be stolen later
+            self._races.add(racer)  # not taken: it may be stolen later
         return launched
 
     def _hedge_on(
@@ -535,7 +464,7 @@ class Dispatcher:
         self._client_inflight[slot.client_id] -= 1
         if self._client_inflight[slot.client_id] <= 0:
             del self._client_inflight[slot.client_id]
-        if self._config.hedging and self._racing and self._clients_done:
+        if self._config.hedging and self._races and self._clients_done:
             self._steal_for(slot.server)  # before waiters: it only takes stragglers that come first
         self._dispatch_waiting()
 

@@ -8,7 +8,8 @@ import logging
 import random
 from types import TracebackType
 
-from federation.dispatcher import DispatchConfig, Dispatcher
+from federation.dispatch_types import DispatchConfig
+from federation.dispatcher import Dispatcher
 from federation.errors import FailureKind
 from federation.policies import make_policy
 from federation.transport import new_session

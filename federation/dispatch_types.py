@@ -1,0 +1,57 @@
+"""The dispatcher's public value types: how it is configured, and the figures it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from federation.transport import Timeouts
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    max_attempts: int = 8
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 5.0
+    no_server_timeout_s: float = 60.0
+    window_factor: float = 1.0  # admission window ceiling = engine capacity × this
+    adaptive_windows: bool = True  # grow/shrink each server's window from what the dispatcher observes
+    learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 5.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    hedging: bool = True  # duplicate stragglers at the tail; only greedy requests (temperature 0)
+    hedge_factor: float = 2.0  # hedge once an attempt takes this × the model's median latency
+    hedge_min_delay_s: float = 0.2
+    learn_period_s: float = 2.0  # how often each server's throughput and admission window are re-decided
+    # Which waiting request is served first when the pool is full. "fair": the client with the fewest
+    # requests in flight per unit of weight (every eval progresses at the same pace). "shortest_first": the
+    # client with the least work left (as it reports with set_client_remaining), fair among equals: evals
+    # finish one after another, so results arrive sooner on average while the pool stays as busy.
+    client_order: str = "fair"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    server_id: str
+    answered: int
+    failures: dict[str, int]
+    inflight: int
+    window: int
+    completion_tokens: int
+    busy_s: float
+    learned_tokens_per_s: float | None = None
+    window_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    submitted: int
+    completed: int
+    failed: int
+    retries: int
+    hedges: int
+    inflight_total: int
+    servers: tuple[ServerStats, ...]
+    waiting: int = 0  # requests waiting for a slot
+    decisions: int = 0  # slots granted (each a routing decision)
+    decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
