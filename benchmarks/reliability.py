@@ -260,7 +260,8 @@ def node_loss() -> Figure:
     if done.returncode != 0:
         return Figure("a Ray worker node hosting CPU actors removed at 50%", 135, 0, 0, 0, 0.0, None, False,
                       f"did not complete: {done.stderr[-300:]}", completed=False)
-    r = json.loads(done.stdout.strip().splitlines()[-1])
+    # its last JSON line: Ray's raylet may print log lines after it
+    r = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     moved = r["worker_node"] not in r["stage_nodes_after"]
     return Figure("a Ray worker node hosting CPU actors removed at 50%", r["expected"], r["written"],
                   r["duplicated"], r["failed"], r["wall_s"], None, moved and r["removed"],
