@@ -281,7 +281,7 @@ class EvalRun:
             self._verify_queue.task_done()
 
     def _report_remaining(self, samples_left: int) -> None:
-        self._dispatcher.set_client_remaining(self.spec.name, samples_left * self._work_each)
+        self._dispatcher.set_client_remaining(self.spec.name, samples_left * self._work_each, samples_left)
 
     def _finish(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
         if writer.write(record):

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from federation.transport import Timeouts
 
+CLIENT_ORDERS = ("fair", "shortest_first", "longest_answers_first")
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchConfig:
@@ -28,6 +30,10 @@ class DispatchConfig:
     # client with the least work left (as it reports with set_client_remaining), fair among equals: evals
     # finish one after another, so results arrive sooner on average while the pool stays as busy.
     client_order: str = "fair"
+    # Route by a min-makespan plan over clients × servers (federation/planner.py) instead of the policy:
+    # each client's requests go to the servers its plan gives it, re-planned every plan_period_s.
+    planned: bool = False
+    plan_period_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

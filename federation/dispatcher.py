@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
+from federation.dispatch_types import CLIENT_ORDERS, DispatchConfig, DispatcherStats, ServerStats
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.hedging import HedgeTimer, race
+from federation.planner import Planner
 from federation.policies import Policy, RouteContext
 from federation.serverbook import BookSettings, ServerBook
 from federation.stealing import RaceBook, Racer
@@ -117,13 +118,19 @@ class Dispatcher:
         self._client_remaining: dict[str, float] = {}
         self._decisions = 0
         self._decision_s = 0.0
-        if self._config.client_order not in ("fair", "shortest_first"):
-            raise ValueError(f"client_order must be 'fair' or 'shortest_first', not {self._config.client_order!r}")
-        self._shortest_first = self._config.client_order == "shortest_first"
+        if self._config.client_order not in CLIENT_ORDERS:
+            known = ", ".join(CLIENT_ORDERS)
+            raise ValueError(f"client_order must be one of {known}, not {self._config.client_order!r}")
+        self._order = self._config.client_order
+        self._client_answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
         self._clients_done: set[str] = set()
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
         self._races = RaceBook()  # hedgeable requests in flight, per server: what tail stealing may take
+        self._planner = (Planner(clock, self._config.plan_period_s, warmup_s=5 * self._config.plan_period_s,
+                                 order=self._phase_order if self._order != "fair" else None)
+                         if self._config.planned else None)
+        self._client_waiting: Counter[str] = Counter()  # requests queued for a slot, per client
 
     @property
     def policy(self) -> Policy:
@@ -143,9 +150,16 @@ class Dispatcher:
             raise ValueError("client weight must be positive")
         self._client_weights[client_id] = weight
 
-    def set_client_remaining(self, client_id: str, work: float) -> None:
-        """How much work the client has left (any consistent unit); used by client_order="shortest_first"."""
+    def set_client_remaining(self, client_id: str, work: float, requests: int | None = None) -> None:
+        """How much work the client has left (any consistent unit; used by client_order="shortest_first")
+        and, when known, how many requests it has still to complete (used by planned routing)."""
         self._client_remaining[client_id] = max(0.0, work)
+        if requests is not None and self._planner is not None:
+            self._planner.set_remaining(client_id, requests)
+
+    @property
+    def planner(self) -> Planner | None:
+        return self._planner
 
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: waiting requests look again."""
@@ -196,7 +210,9 @@ class Dispatcher:
             assert completion is not None
             latency = winner.finished - winner.started
             retry.attempts.append(Attempt(server.id, winner.started, latency))
-            self._book.note_success(server, completion.completion_tokens or 0, latency)
+            self._book.note_success(self._current(server), completion.completion_tokens or 0, latency)
+            if self._planner is not None:
+                self._planner.note_answer(request.client_id, completion.prompt_tokens, completion.completion_tokens)
             self._hedge_timer.observe(request.model, latency)
             self._completed += 1
             return InferenceResult(
@@ -218,10 +234,19 @@ class Dispatcher:
         finally:
             self._release(slot)
 
+    def _phase_order(self, client_id: str) -> float:
+        """Which client the plan lets finish first (smaller first), as the serving order says."""
+        return self._client_key(client_id)[0]
+
     def _client_key(self, client_id: str) -> tuple[float, float]:
         """The order clients are served in (smaller first), for waiters and stolen stragglers alike."""
         share = self._client_inflight.get(client_id, 0) / self._client_weights.get(client_id, 1.0)
-        first = self._client_remaining.get(client_id, float("inf")) if self._shortest_first else 0.0
+        if self._order == "shortest_first":
+            first = self._client_remaining.get(client_id, float("inf"))
+        elif self._order == "longest_answers_first":
+            first = -self._client_answer.get(client_id, 0.0)
+        else:
+            first = 0.0
         return first, share
 
     def _steal_for(self, thief: ServerEntry) -> None:
@@ -326,7 +351,7 @@ class Dispatcher:
             break
         try:
             yield OpenStream(server, response, tuple(retry.attempts))
-            self._book.note_success(server, 0, self._clock() - started)
+            self._book.note_success(self._current(server), 0, self._clock() - started)
             self._completed += 1
         except BaseException:
             self._failed += 1
@@ -367,6 +392,13 @@ class Dispatcher:
         """Wait for a slot. Waiters are served fairly: the client with the fewest requests in flight per
         unit of weight first, then arrival order; a request that just finished cannot barge ahead."""
         loop = asyncio.get_running_loop()
+        answer = request.body.get("max_tokens")
+        if isinstance(answer, int | float):
+            self._client_answer[request.client_id] = float(answer)
+        if self._planner is not None:
+            self._planner.note_request(request.client_id, _prompt_chars(request),
+                                       float(answer) if isinstance(answer, int | float) else None)
+        self._client_waiting[request.client_id] += 1
         waiter = _Waiter(request, tried, loop.create_future(), next(self._seq),
                          self._clock() + self._config.no_server_timeout_s)
         key = waiter.route_key
@@ -383,6 +415,9 @@ class Dispatcher:
         finally:
             if not waiter.future.done():
                 waiter.future.cancel()  # leaves its queue when it reaches the head
+            self._client_waiting[request.client_id] -= 1
+            if self._client_waiting[request.client_id] <= 0:
+                del self._client_waiting[request.client_id]
             self._route_waiting[key] -= 1
             if self._route_waiting[key] <= 0:
                 del self._route_waiting[key]
@@ -410,7 +445,7 @@ class Dispatcher:
                 if not queue:
                     del self._queues[(cid, route)]
                     continue
-                if route in blocked:
+                if route in blocked or (cid, route) in blocked:
                     continue
                 key = (*self._client_key(cid), queue[0].seq)
                 if best_key is None or key < best_key:
@@ -418,24 +453,42 @@ class Dispatcher:
             if best_queue is None:
                 break
             head = best_queue[0]
-            if self._place(head, now):
+            placed = self._place(head, now)
+            if placed is True:
                 best_queue.popleft()
-            else:
+            elif placed is False:
                 blocked.add(head.route_key)
+            else:  # held by the plan: this client waits for its planned servers; others may go on
+                blocked.add((head.request.client_id, head.route_key))
         if self._queues and self._tick_handle is None:
-            # Re-check while anyone waits: breakers half-open and no-server deadlines pass with time.
-            self._tick_handle = asyncio.get_running_loop().call_later(WAIT_POLL_S, self._tick)
+            # Re-check while anyone waits: breakers half-open and no-server deadlines pass with time (and
+            # the planner's first plan, made once every client has had a moment to send).
+            delay = WAIT_POLL_S
+            if self._planner is not None and self._planner.warming_up():
+                delay = min(delay, self._planner.wait_s() + 1e-3, self._config.plan_period_s / 5)
+            self._tick_handle = asyncio.get_running_loop().call_later(delay, self._tick)
 
     def _tick(self) -> None:
         self._tick_handle = None
         self._dispatch_waiting()
 
-    def _place(self, waiter: _Waiter, now: float) -> bool:
-        """Give the waiter a slot if a server can take it; False when its route is full."""
+    def _place(self, waiter: _Waiter, now: float) -> bool | None:
+        """Give the waiter a slot if a server can take it; False when its route is full, None when the plan
+        holds it for servers that are full."""
         request = waiter.request
         servers = self._servers_for(request)
         open_ = [s for s in servers if self._book.breaker(s.id).allows(now)]
         untried = [s for s in open_ if s.id not in waiter.tried] or open_
+        if self._planner is not None and untried:
+            free_entries = [s for s in untried if self._book.inflight.get(s.id, 0) < self._book.window(s)]
+            if not free_entries:
+                return False
+            pick = self._planner.pick(request.client_id, free_entries, servers, self._client_waiting)
+            if pick is None:
+                return None
+            waiter.future.set_result(self._take(pick, request.client_id, now))
+            self._decisions += 1
+            return True
         free = self._book.free_candidates(untried, self._policy.candidate_limit, self._rng)
         if not free:
             if not servers and now >= waiter.deadline:
@@ -457,10 +510,14 @@ class Dispatcher:
         between), so concurrent picks cannot pile onto one server."""
         self._book.take(server, now)
         self._client_inflight[client_id] += 1
+        if self._planner is not None:
+            self._planner.on_sent(client_id, server.id)
         return Slot(server, client_id, now)
 
     def _release(self, slot: Slot) -> None:
         self._book.release(slot.server.id)
+        if self._planner is not None:
+            self._planner.on_done(slot.client_id, slot.server.id)
         self._client_inflight[slot.client_id] -= 1
         if self._client_inflight[slot.client_id] <= 0:
             del self._client_inflight[slot.client_id]
@@ -491,13 +548,20 @@ class Dispatcher:
             servers = self._route_cache[key] = list(view.entries)
         return servers
 
+    def _current(self, server: ServerEntry) -> ServerEntry:
+        """The server as the newest snapshot has it (its latest scrape): a slot holds the entry of the
+        snapshot it was granted from, which can be many probes old when the answer comes back."""
+        snapshot = self._snapshots()
+        current = snapshot.get(server.id) if snapshot is not None else None
+        return current if current is not None else server
+
     def _backoff(self, failures: int) -> float:
         """Exponential backoff with full jitter."""
         ceiling = min(self._config.backoff_max_s, self._config.backoff_base_s * 2 ** (failures - 1))
         return self._rng.uniform(0, ceiling)
 
     def _note_failure(self, server: ServerEntry, kind: FailureKind) -> None:
-        self._book.note_failure(server, kind)
+        self._book.note_failure(self._current(server), kind)
         if kind.counts_against_server and self._on_failure is not None:
             self._on_failure(server.id, kind)
 
@@ -537,3 +601,17 @@ class Dispatcher:
                 for sid in ids
             ),
         )
+
+
+def _prompt_chars(request: InferenceRequest) -> int:
+    """Characters of prompt text (content parts other than text are not counted)."""
+    if "prompt" in request.body:
+        return len(str(request.body["prompt"]))
+    total = 0
+    for message in request.body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+    return total

@@ -182,7 +182,8 @@ class EvalsConfig(BaseModel):
     stage_actors: int = Field(default=4, ge=1, le=256, description="CPU actors for the federated arm's stages")
     concurrency: int = Field(default=1024, ge=1, description="requests each federated eval keeps in flight")
     policy: str = "capacity_weighted"
-    client_order: Literal["fair", "shortest_first"] = "fair"
+    client_order: Literal["fair", "shortest_first", "longest_answers_first"] = "fair"
+    planned: bool = Field(default=False, description="federated arm: route by the dispatcher's makespan plan")
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     seed: int = 0
     evals: list[EvalConfig] = Field(min_length=1)
@@ -568,7 +569,8 @@ async def run_federated(
                     await verifier.ready()
                 try:
                     dispatch = DispatchConfig(learn_period_s=max(0.1, 2.0 / pool.time_scale),
-                                              client_order=config.client_order)
+                                              client_order=config.client_order, planned=config.planned,
+                                              plan_period_s=max(0.05, 1.0 / pool.time_scale))
                     async with PoolConnection(registry, policy=config.policy, config=dispatch,
                                               seed=config.seed) as conn:
                         await conn.refresh()
@@ -625,14 +627,31 @@ async def _watch_dispatcher(conn: PoolConnection, out: list[dict[str, Any]], sta
         stats = conn.dispatcher.stats()
         snapshot = conn.snapshot
         status = {e.id: e.status.value for e in snapshot.entries} if snapshot else {}
+        loads = {e.id: e.load for e in snapshot.entries} if snapshot else {}
         out.append({
             "t": round(time.monotonic() - started, 2), "inflight": stats.inflight_total, "hedges": stats.hedges,
             "retries": stats.retries,
+            "plan": _plan_of(conn.dispatcher),
             "servers": {s.server_id: {"inflight": s.inflight, "window": s.window, "answered": s.answered,
                                       "reason": s.window_reason, "status": status.get(s.server_id),
-                                      "failures": s.failures} for s in stats.servers},
+                                      "failures": s.failures,
+                                      "engine_running": _load_figure(loads.get(s.server_id), "running"),
+                                      "engine_waiting": _load_figure(loads.get(s.server_id), "waiting"),
+                                      } for s in stats.servers},
         })
         await asyncio.sleep(period_s)
+
+
+def _plan_of(dispatcher: Any) -> dict[str, dict[str, float]] | None:
+    """The dispatcher's current routing plan (client -> server -> requests), when it plans."""
+    planner = dispatcher.planner
+    plan = planner.plan() if planner is not None else None
+    return None if plan is None else {c: {s: round(n, 1) for s, n in q.items()} for c, q in plan.quotas.items()}
+
+
+def _load_figure(load: Any, name: str) -> float | None:
+    """A figure of the registry's last scrape of a server (None before the first)."""
+    return None if load is None else float(getattr(load, name))
 
 
 def _write_json(path: Path, value: Any) -> None:

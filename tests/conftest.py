@@ -53,10 +53,11 @@ class EmulatorFactory:
 
     async def start(
         self, model: str = "emu-model", *, max_running: int = 4, decode_s: float = 0.002,
-        faults: Faults | None = None, seed: int = 0,
+        faults: Faults | None = None, seed: int = 0, prefill_s: float = 0.0,
     ) -> EmulatedServer:
         server = EmulatedServer(
-            model=model, profile=EmulatorProfile(max_running=max_running, decode_s_per_token=decode_s),
+            model=model, profile=EmulatorProfile(max_running=max_running, decode_s_per_token=decode_s,
+                                                 prefill_s_per_token=prefill_s),
             faults=faults, seed=seed,
         )
         await server.start()
