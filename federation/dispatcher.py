@@ -174,7 +174,7 @@ class Dispatcher:
         while True:
             slot = await self._acquire(request, retry.tried)
             started = self._clock()
-            primary = asyncio.create_task(self._attempt(slot, request))
+            primary = self._start_attempt(slot, request)
             racer = Racer(request, slot.server, asyncio.get_running_loop().create_future()) if hedgeable else None
             if racer is not None:
                 self._races.add(racer)
@@ -212,7 +212,8 @@ class Dispatcher:
             retry.attempts.append(Attempt(server.id, winner.started, latency))
             self._book.note_success(self._current(server), completion.completion_tokens or 0, latency)
             if self._planner is not None:
-                self._planner.note_answer(request.client_id, completion.prompt_tokens, completion.completion_tokens)
+                self._planner.note_answer(request.client_id, server, completion.prompt_tokens,
+                                          completion.completion_tokens)
             self._hedge_timer.observe(request.model, latency)
             self._completed += 1
             return InferenceResult(
@@ -227,8 +228,21 @@ class Dispatcher:
                 hedged=hedged,
             )
 
-    async def _attempt(self, slot: Slot, request: InferenceRequest) -> Completion:
-        """One POST on a held slot; the slot is released however it ends (cancellation included)."""
+    def _start_attempt(self, slot: Slot, request: InferenceRequest) -> asyncio.Task[Completion]:
+        """One POST on a held slot, as a task; the slot is released however it ends. A task cancelled before
+        its first step never runs its body (nor its `finally`), so that case releases from a callback."""
+        started = [False]
+        task = asyncio.create_task(self._attempt(slot, request, started))
+
+        def release_if_never_started(done: asyncio.Task[Completion]) -> None:
+            if not started[0]:
+                self._release(slot)
+
+        task.add_done_callback(release_if_never_started)
+        return task
+
+    async def _attempt(self, slot: Slot, request: InferenceRequest, started: list[bool]) -> Completion:
+        started[0] = True
         try:
             return await post_completion(self._session, slot.server.url, request, self._config.timeouts)
         finally:
@@ -286,7 +300,7 @@ class Dispatcher:
             if victim is None:
                 return
             slot = self._take(thief, victim.request.client_id, now)
-            victim.stolen = (asyncio.create_task(self._attempt(slot, victim.request)), thief, now)
+            victim.stolen = (self._start_attempt(slot, victim.request), thief, now)
             if not victim.wake.done():
                 victim.wake.set_result(None)
 
@@ -328,7 +342,7 @@ class Dispatcher:
         decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text()))
         server = next(s for s in servers if s.id == decision.server_id)
         slot = self._take(server, request.client_id, now)
-        return asyncio.create_task(self._attempt(slot, request)), server, now
+        return self._start_attempt(slot, request), server, now
 
     @contextlib.asynccontextmanager
     async def stream(self, request: InferenceRequest) -> AsyncIterator[OpenStream]:
@@ -464,8 +478,10 @@ class Dispatcher:
             # Re-check while anyone waits: breakers half-open and no-server deadlines pass with time (and
             # the planner's first plan, made once every client has had a moment to send).
             delay = WAIT_POLL_S
-            if self._planner is not None and self._planner.warming_up():
-                delay = min(delay, self._planner.wait_s() + 1e-3, self._config.plan_period_s / 5)
+            if self._planner is not None:  # pacing credit grows with time, not with events
+                delay = min(delay, self._config.plan_period_s / 2)
+                if self._planner.warming_up():
+                    delay = min(delay, self._planner.wait_s() + 1e-3, self._config.plan_period_s / 5)
             self._tick_handle = asyncio.get_running_loop().call_later(delay, self._tick)
 
     def _tick(self) -> None:

@@ -27,20 +27,26 @@ class ThroughputEstimator:
     def inflight(self) -> int:
         return self._inflight
 
-    def on_start(self, now: float) -> None:
-        if self._inflight == 0:
-            self._busy_since = now
+    def on_start(self, now: float, inflight_after: int | None = None) -> None:
+        """A request started. `inflight_after`: the caller's own count, when it keeps one (it then wins:
+        attempts cancelled before they finish, like lost hedges, never report a finish)."""
         if self._period_start is None:
             self._period_start = now
-        self._inflight += 1
+        self.sync(now, self._inflight + 1 if inflight_after is None else inflight_after)
 
-    def on_finish(self, tokens: int, now: float) -> float | None:
-        """Record a finished request; returns the new rate when a period closed."""
-        self._inflight = max(0, self._inflight - 1)
-        self._tokens += tokens
-        if self._inflight == 0 and self._busy_since is not None:
+    def sync(self, now: float, inflight: int) -> None:
+        """Set the in-flight count; busy time runs while it is above zero."""
+        if inflight > 0 and self._busy_since is None:
+            self._busy_since = now
+        elif inflight <= 0 and self._busy_since is not None:
             self._busy_s += now - self._busy_since
             self._busy_since = None
+        self._inflight = max(0, inflight)
+
+    def on_finish(self, tokens: int, now: float, inflight_after: int | None = None) -> float | None:
+        """Record a finished request; returns the new rate when a period closed."""
+        self.sync(now, self._inflight - 1 if inflight_after is None else inflight_after)
+        self._tokens += tokens
         if self._period_start is None or now - self._period_start < self.period_s:
             return None
         busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
@@ -82,8 +88,12 @@ class WindowController:
     max_factor: float = 1.0  # never more than capacity × this in flight from one dispatcher
     shrink: float = 0.75
     # A short engine queue keeps the batch full (the engine always has the next prompt ready); only a queue
-    # longer than this fraction of the window (and at least 2) is excess that would lengthen the tail.
+    # longer than this fraction of the capacity (and at least 2) is excess that would lengthen the tail and
+    # bind requests to a server before they need to be. Of the capacity, not of the window: against the
+    # window the allowance shrank with every shrink, and prompt-heavy mixes (where a chunked-prefill engine
+    # always shows a few requests waiting for their first chunk) ratcheted windows down to ~10 of 256.
     queue_tolerance: float = 0.05
+    growth: float = 1.25  # a full window over an engine with no excess queue grows by this factor (≥ +1)
     # Shrink when this period's median per-token latency exceeds this × the median of the last
     # `baseline_periods` periods: sudden inflation (a queue building inside the engine). Not against the
     # best ever seen: with mixed workloads (long prompts with short answers beside chat-length answers)
@@ -104,6 +114,10 @@ class WindowController:
     def limit(self) -> int:
         return max(1, int(self.window))
 
+    @property
+    def queue_allowance(self) -> float:
+        return max(2.0, self.queue_tolerance * self.capacity)
+
     def decide(self, obs: WindowObservation) -> WindowDecision:
         ceiling = max(1.0, self.capacity * self.max_factor)
         inflated = False
@@ -116,17 +130,20 @@ class WindowController:
                 recent.popleft()
         if obs.rate_limited:
             decision = WindowDecision(max(1.0, self.window * self.shrink), f"{obs.rate_limited} × HTTP 429")
-        elif obs.scraped_waiting >= max(2.0, self.queue_tolerance * self.window):
+        elif obs.scraped_waiting >= self.queue_allowance:
             if obs.inflight is not None:
                 # What the engine is actually running for us, plus a short queue: one step to the right size,
                 # not a shrink per period while a queue we built earlier drains.
-                target = obs.inflight - obs.scraped_waiting + max(2.0, self.queue_tolerance * self.window)
+                target = obs.inflight - obs.scraped_waiting + self.queue_allowance
                 new = max(1.0, min(self.window, target))
             else:
                 new = max(1.0, self.window * self.shrink)
             decision = WindowDecision(new, f"engine queue {obs.scraped_waiting:g}")
         elif inflated:
             decision = WindowDecision(max(1.0, self.window * self.shrink), "latency inflation")
+        elif obs.window_was_full and obs.scraped_waiting < self.queue_allowance / 2:
+            grown = max(self.window + 1, self.window * self.growth)
+            decision = WindowDecision(min(ceiling, grown), "full window, engine not queueing")
         elif obs.window_was_full and obs.throughput >= 0.98 * self._last_throughput:
             decision = WindowDecision(min(ceiling, self.window + 1), "throughput held or rose at a full window")
         else:
@@ -160,17 +177,22 @@ class ServerLearning:
         return self.controller.limit if self.adaptive else max(1, int(capacity * self.controller.max_factor))
 
     def on_start(self, now: float, inflight_after: int, window: int) -> None:
-        self.estimator.on_start(now)
+        self.estimator.on_start(now, inflight_after)
         if inflight_after >= window:
             self._full = True
 
     def on_rate_limited(self) -> None:
         self._rate_limited += 1
 
-    def on_finish(self, tokens: int, latency_s: float, now: float, scraped_waiting: float) -> WindowDecision | None:
+    def on_release(self, now: float, inflight_after: int) -> None:
+        """A slot was given back (answered, failed or cancelled)."""
+        self.estimator.sync(now, inflight_after)
+
+    def on_finish(self, tokens: int, latency_s: float, now: float, scraped_waiting: float,
+                  inflight: int | None = None) -> WindowDecision | None:
         if tokens > 0:
             self._latencies.append(latency_s / tokens)
-        rate = self.estimator.on_finish(tokens, now)
+        rate = self.estimator.on_finish(tokens, now, inflight)
         if rate is None or not self.adaptive:
             return None
         ordered = sorted(self._latencies)

@@ -24,6 +24,7 @@ the request itself (characters ÷ 4, max_tokens) until the first answer. Pure: n
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,55 @@ class _Shape:
         return self.completion_sum / self.answered if self.answered else self.prior_completion
 
 
+@dataclass(slots=True)
+class _Speed:
+    """How fast a server really works, against its roofline price: priced work of the requests it answered
+    ÷ the time it had requests in flight, both decaying with time constant `tau_s`. The data sheet gives
+    ratios an engine does not reach (kernels, KV limits, chunking); this corrects them from what is seen."""
+
+    tau_s: float
+    work: float = 0.0
+    busy_s: float = 0.0
+    answered: int = 0
+    inflight: int = 0
+    _busy_since: float | None = None
+    _at: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            keep = math.exp(-(now - self._at) / self.tau_s)
+            if self._busy_since is not None:
+                self.busy_s += now - self._busy_since
+                self._busy_since = now
+            self.work *= keep
+            self.busy_s *= keep
+        self._at = now
+
+    def started(self, now: float) -> None:
+        self._decay(now)
+        self.inflight += 1
+        if self._busy_since is None:
+            self._busy_since = now
+
+    def ended(self, now: float) -> None:
+        self._decay(now)
+        self.inflight = max(0, self.inflight - 1)
+        if self.inflight == 0 and self._busy_since is not None:
+            self.busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def answered_work(self, now: float, work: float) -> None:
+        self._decay(now)
+        self.work += work
+        self.answered += 1
+
+    def factor(self, now: float, min_answers: int) -> float | None:
+        self._decay(now)
+        if self.answered < min_answers or self.busy_s <= 0 or self.work <= 0:
+            return None
+        return self.work / self.busy_s
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     made_at: float
@@ -113,6 +163,27 @@ class Planner:
     _first_request_at: float | None = None
     _servers_key: tuple[str, ...] = ()
     plans_made: int = 0
+    # Interference: a chunked-prefill step carrying a long prompt is a slow step for every sequence decoding
+    # beside it, so a long answer co-located with a stream of long prompts advances one token per prompt
+    # chunk. A server running long answers (mean ≥ long_answer_tokens) takes no long prompts
+    # (≥ long_prompt_tokens) until they drain; the prompts wait for their other planned servers. None: off.
+    long_answer_tokens: float | None = 128.0
+    long_prompt_tokens: float = 512.0
+    # Count what servers already hold in the plan's loads. Off: a server holding a long queue made every
+    # plan degenerate (the makespan was set by that server, so the LP put all unsent work of a client on
+    # any one server that stayed under it, and left others idle). The admission windows already keep a
+    # loaded server from taking more; the plan splits the unsent work by rate.
+    count_held: bool = False
+    calibrate: bool = True  # correct each server's roofline price by the speed it shows (see _Speed)
+    calibration_answers: int = 20  # answers a server needs before its own speed is trusted
+    _speed: dict[str, _Speed] = field(default_factory=dict)
+    # Pacing: prompts are sent to a server no faster than `pace_headroom` × the prompt tokens per second it
+    # has shown (from its calibrated speed), with bursts of at most `pace_horizon_periods` plan periods of
+    # that. A count window alone let a server that had just run 256 short-prompt requests take 256 long
+    # prompts in one moment when they finished: a queue of many seconds bound to one server. None: off.
+    pace_headroom: float | None = 1.5
+    pace_horizon_periods: float = 2.0
+    _credit: dict[str, tuple[float, float]] = field(default_factory=dict)  # server -> (tokens, at)
 
     # ---- what the dispatcher reports ---------------------------------------------------------------
     def set_remaining(self, client_id: str, requests: int) -> None:
@@ -126,20 +197,68 @@ class Planner:
             shape.prior_prompt = max(1.0, prompt_chars / CHARS_PER_TOKEN)
             shape.prior_completion = max(1.0, 0.75 * max_tokens) if max_tokens else 256.0
 
-    def note_answer(self, client_id: str, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+    def note_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
+                    completion_tokens: int | None) -> None:
         shape = self._shapes.setdefault(client_id, _Shape())
         if prompt_tokens is None or completion_tokens is None:
             return
         shape.prompt_sum += prompt_tokens
         shape.completion_sum += completion_tokens
         shape.answered += 1
+        self._speed_of(server.id).answered_work(self.clock(), server_cost(server).of(prompt_tokens, completion_tokens))
+
+    def _speed_of(self, server_id: str) -> _Speed:
+        speed = self._speed.get(server_id)
+        if speed is None:
+            speed = self._speed[server_id] = _Speed(tau_s=20 * self.period_s)
+        return speed
+
+    def speed_factors(self, servers: Sequence[ServerEntry]) -> dict[str, float]:
+        """Each server's price divisor: its measured speed against the roofline, relative to the others;
+        servers not measured yet get the mean of those that are (1.0 when none is)."""
+        now = self.clock()
+        known = {s.id: f for s in servers
+                 if self.calibrate and (f := self._speed_of(s.id).factor(now, self.calibration_answers)) is not None}
+        mean = sum(known.values()) / len(known) if known else 1.0
+        return {s.id: known.get(s.id, mean) / mean for s in servers}
+
+    def _prompt_rate(self, server: ServerEntry) -> float | None:
+        """Prompt tokens per second the server has shown (None until calibrated)."""
+        if self.pace_headroom is None:
+            return None
+        factor = self._speed_of(server.id).factor(self.clock(), self.calibration_answers)
+        if factor is None:
+            return None
+        return factor / server_cost(server).prefill_s_per_token
+
+    def admits(self, client_id: str, server: ServerEntry) -> bool:
+        """Whether this client's next prompt may go to the server now (pacing; see pace_headroom)."""
+        rate = self._prompt_rate(server)
+        if rate is None or self.pace_headroom is None:
+            return True
+        now = self.clock()
+        pace = rate * self.pace_headroom
+        cap = pace * self.pace_horizon_periods * self.period_s
+        tokens, at = self._credit.get(server.id, (cap, now))
+        tokens = min(cap, tokens + pace * max(0.0, now - at))
+        self._credit[server.id] = (tokens, now)
+        return tokens > 0
+
+    def _spend(self, client_id: str, server_id: str) -> None:
+        credit = self._credit.get(server_id)
+        shape = self._shapes.get(client_id)
+        if credit is not None and shape is not None:
+            self._credit[server_id] = (credit[0] - shape.prompt, credit[1])
 
     def on_sent(self, client_id: str, server_id: str) -> None:
+        self._spend(client_id, server_id)
         self._inflight[client_id] += 1
         self._sent.setdefault(client_id, Counter())[server_id] += 1
         self._on_server.setdefault(server_id, Counter())[client_id] += 1
+        self._speed_of(server_id).started(self.clock())
 
     def on_done(self, client_id: str, server_id: str) -> None:
+        self._speed_of(server_id).ended(self.clock())
         self._inflight[client_id] -= 1
         if self._inflight[client_id] <= 0:
             del self._inflight[client_id]
@@ -165,12 +284,25 @@ class Planner:
         best_left = 0.0
         for server in free:
             quota = quotas.get(server.id, 0.0)
-            if quota <= MIN_SHARE:
+            if quota <= MIN_SHARE or self._interferes(client_id, server.id) or not self.admits(client_id, server):
                 continue
             left = (quota - sent.get(server.id, 0)) / quota  # share of the quota still to send
             if best is None or left > best_left:
                 best, best_left = server, left
         return best
+
+    def _interferes(self, client_id: str, server_id: str) -> bool:
+        """Would this client's long prompts stall long answers running on the server?"""
+        if self.long_answer_tokens is None:
+            return False
+        shape = self._shapes.get(client_id)
+        if shape is None or shape.prompt < self.long_prompt_tokens:
+            return False
+        for other, n in self._on_server.get(server_id, Counter()).items():
+            theirs = self._shapes.get(other)
+            if n > 0 and other != client_id and theirs is not None and theirs.completion >= self.long_answer_tokens:
+                return True
+        return False
 
     def plan(self) -> Plan | None:
         return self._plan
@@ -218,10 +350,11 @@ class Planner:
         if not clients or not servers:
             return Plan(now, 0.0, {})
         costs = {s.id: server_cost(s) for s in servers}
-        cost = {(c, s.id): max(1e-12, costs[s.id].of(self._shapes[c].prompt, self._shapes[c].completion))
+        speed = self.speed_factors(servers)
+        cost = {(c, s.id): max(1e-12, costs[s.id].of(self._shapes[c].prompt, self._shapes[c].completion) / speed[s.id])
                 for c in clients for s in servers}
-        held = {  # what each server already holds, priced the same way
-            s.id: sum(n * costs[s.id].of(self._shapes[c].prompt, self._shapes[c].completion)
+        held = {} if not self.count_held else {  # what each server already holds, priced the same way
+            s.id: sum(n * costs[s.id].of(self._shapes[c].prompt, self._shapes[c].completion) / speed[s.id]
                       for c, n in self._on_server.get(s.id, Counter()).items() if c in self._shapes)
             for s in servers
         }

@@ -61,6 +61,9 @@ class ServerBook:
         if self.inflight[server_id] <= 0:
             del self.inflight[server_id]
         self._log_inflight(server_id)
+        learning = self.learning.get(server_id)
+        if learning is not None:
+            learning.on_release(self._clock(), self.inflight.get(server_id, 0))
 
     # ---- what a policy sees -------------------------------------------------------------------
     def free_candidates(
@@ -109,14 +112,16 @@ class ServerBook:
         learning = self.learning_for(server)
         if kind is FailureKind.RATE_LIMITED:
             learning.on_rate_limited()
-        learning.on_finish(0, 0.0, self._clock(), server.load.waiting if server.load else 0.0)
+        learning.on_finish(0, 0.0, self._clock(), server.load.waiting if server.load else 0.0,
+                           self.inflight.get(server.id, 0))
         self.failures.setdefault(server.id, Counter())[kind.value] += 1
         if kind.counts_against_server:
             self.breaker(server.id).on_failure(self._clock())
 
     def note_success(self, server: ServerEntry, tokens: int, latency_s: float) -> None:
         decision = self.learning_for(server).on_finish(
-            tokens, latency_s, self._clock(), server.load.waiting if server.load else 0.0
+            tokens, latency_s, self._clock(), server.load.waiting if server.load else 0.0,
+            self.inflight.get(server.id, 0),
         )
         if decision is not None:
             log.debug("window of %s now %.1f: %s", server.id, decision.window, decision.reason)

@@ -38,6 +38,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from federation import policy_names
+    from federation.dispatch_types import CLIENT_ORDERS
 
     parser = argparse.ArgumentParser(
         prog="fedpool", description="Federated inference-pool scheduler for model evaluation."
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, required=True, help="artifact directory (resume with `eval resume`)")
     run.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
     run.add_argument("--concurrency", type=_positive_int, default=64, help="requests in flight per eval")
+    run.add_argument("--client-order", choices=CLIENT_ORDERS, default="fair",
+                     help="which eval's waiting request is served first when the pool is full")
+    run.add_argument("--planned", action="store_true",
+                     help="route by the dispatcher's makespan plan over evals x servers (docs/architecture.md)")
     run.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
     _verifier_flags(run)
     _quiet_flag(run)
@@ -600,6 +605,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
     plan = {
         "specs": [str(p.resolve()) for p in args.spec], "model": args.model, "revision": args.revision,
         "policy": args.policy, "concurrency": args.concurrency, "limit": args.limit,
+        "client_order": args.client_order, "planned": args.planned,
     }
     out = args.out.resolve()
     if (out / EVAL_FILE).exists():
@@ -653,7 +659,8 @@ def cmd_eval_replay(args: argparse.Namespace) -> int:
         write_json_atomic(path, b.spec.model_dump(mode="json"))
         paths.append(str(path))
     plan = {"specs": paths, "model": model, "revision": revision, "policy": before.get("policy", "capacity_weighted"),
-            "concurrency": before.get("concurrency", 64), "limit": None, "replay_of": str(source)}
+            "concurrency": before.get("concurrency", 64), "limit": None, "replay_of": str(source),
+            "client_order": before.get("client_order", "fair"), "planned": before.get("planned", False)}
     write_json_atomic(out / EVAL_FILE, plan)
     return _run_eval(args, out, plan, [b.spec for b in saved])
 
@@ -738,7 +745,7 @@ async def _eval_through_pool(
     client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace
 ) -> list[Any]:
     from clients import EvalTarget, run_evals
-    from federation import PoolConnection
+    from federation import DispatchConfig, PoolConnection
     from fedpool.progress import ProgressView
     from pipeline.media import MediaPool
 
@@ -747,13 +754,15 @@ async def _eval_through_pool(
     media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
     try:
         await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
-        async with PoolConnection(client, policy=plan["policy"]) as pool:
+        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"), planned=plan.get("planned", False))
+        async with PoolConnection(client, policy=plan["policy"], config=dispatch) as pool:
             view = ProgressView(pool.dispatcher, mode="quiet" if getattr(args, "quiet", False) else "auto")
             async with view:
                 return await run_evals(
                     specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
                     concurrency=plan["concurrency"], verifier=verifier, media=media, on_progress=view.update,
-                    run_info={"policy": plan["policy"], "concurrency": plan["concurrency"]})
+                    run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
+                              "client_order": dispatch.client_order, "planned": dispatch.planned})
     finally:
         for pool_of_actors in (verifier, media):
             if pool_of_actors is not None:

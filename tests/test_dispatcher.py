@@ -378,3 +378,47 @@ async def test_shortest_first_serves_the_client_with_least_work_left(emulators: 
         assert done[1:] == expected, (order, done)
     with pytest.raises(ValueError, match="client_order"):
         Dispatcher(None, lambda: snap, make_policy("round_robin"), config=DispatchConfig(client_order="lifo"))  # type: ignore[arg-type]
+
+
+async def test_window_decisions_read_the_newest_scrape_not_the_granting_snapshot(
+        emulators: EmulatorFactory) -> None:
+    """A slot keeps the entry of the snapshot it was granted from; the window decision taken when its answer
+    comes back must read the newest scrape (an engine queue that appeared meanwhile), or queues of 100+
+    never shrink the window."""
+    import time
+
+    from registry import LoadSample
+
+    server = await emulators.start(max_running=8, decode_s=0.01)
+    base = snapshot_of([server], capacity=8).entries[0]
+    current = [PoolSnapshot(version=1, taken_at=0.0, entries=(base,))]
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: current[0], make_policy("least_inflight"),
+                                config=DispatchConfig(learn_period_s=0.005))
+        tasks = [asyncio.create_task(dispatcher.submit(request(i))) for i in range(8)]
+        await asyncio.sleep(0.01)  # all eight granted from version 1 (no load known)
+        queued = ServerEntry(record=base.record, status=base.status, capacity=8, weight=base.weight,
+                             load=LoadSample(running=2, waiting=6, observed_at=time.time()))
+        current[0] = PoolSnapshot(version=2, taken_at=0.0, entries=(queued,))
+        await asyncio.gather(*tasks)
+    (stats,) = dispatcher.stats().servers
+    assert stats.window < 8 and stats.window_reason is not None and "engine queue" in stats.window_reason
+
+
+async def test_an_attempt_cancelled_before_it_starts_gives_its_slot_back(emulators: EmulatorFactory) -> None:
+    """A task cancelled before its first step never runs its body: a hedge copy launched and cancelled in
+    the same tick used to keep its slot (and its server's in-flight count) for ever."""
+    server = await emulators.start(max_running=2, decode_s=0.01)
+    snap = snapshot_of([server], capacity=2)
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        entry = snap.entries[0]
+        slot = dispatcher._take(entry, "c", 0.0)
+        task = dispatcher._start_attempt(slot, request(1))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert dispatcher.inflight() == {}
+        # and one that did start releases exactly once
+        slot = dispatcher._take(entry, "c", 0.0)
+        done = await dispatcher._start_attempt(slot, request(2))
+        assert done.text and dispatcher.inflight() == {}

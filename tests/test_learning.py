@@ -38,13 +38,21 @@ def obs(**kw: object) -> WindowObservation:
     return WindowObservation(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def test_window_grows_while_throughput_holds_and_shrinks_on_queueing() -> None:
+def test_window_grows_while_the_engine_does_not_queue_and_shrinks_on_queueing() -> None:
     ctl = WindowController(capacity=8, window=4, max_factor=1.0)
-    assert ctl.decide(obs(throughput=100)).window == 5
-    assert ctl.decide(obs(throughput=120)).window == 6
+    assert ctl.decide(obs(throughput=100)).window == 5  # at least +1
+    assert ctl.decide(obs(throughput=120)).window == pytest.approx(6.25)  # then × 1.25
     d = ctl.decide(obs(throughput=120, scraped_waiting=3))
     assert d.window == pytest.approx(4.5) and "queue" in d.reason
     assert ctl.limit == 4
+    # With an exact in-flight count the window drops in one step to what the engine runs plus the allowance.
+    big = WindowController(capacity=256)
+    d = big.decide(obs(scraped_waiting=150, inflight=250))
+    assert d.window == pytest.approx(250 - 150 + 0.05 * 256)
+    # The allowance is a share of the capacity, not of the window: a queue under it no longer shrinks a
+    # small window (it used to ratchet windows down under prompt-heavy load).
+    assert big.decide(obs(scraped_waiting=10, inflight=100, window_was_full=False)).reason == "steady"
+    assert big.decide(obs(scraped_waiting=3, inflight=100)).reason == "full window, engine not queueing"
 
 
 def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> None:

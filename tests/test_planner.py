@@ -94,7 +94,7 @@ def test_planner_waits_for_every_announced_client_then_follows_quotas() -> None:
     if others:
         assert planner.pick("text", others, route, {"text": 40}) is None
     # Answers replace the prior shape; completions free what the servers hold.
-    planner.note_answer("video", 7000, 20)
+    planner.note_answer("video", fast, 7000, 20)
     for sid, n in picks.items():
         for _ in range(n):
             planner.on_done("video", sid)
@@ -154,3 +154,49 @@ async def test_longest_answers_first_serves_the_longest_answers_first(emulators:
         others = [asyncio.create_task(one(c, i, n)) for i in range(3) for c, n in (("short", 2), ("long", 16))]
         await asyncio.gather(blocker, *others)
     assert done[1:] == ["long"] * 3 + ["short"] * 3
+
+
+def test_long_prompts_wait_while_long_answers_run_on_a_server() -> None:
+    now = [0.0]
+    planner = Planner(lambda: now[0], period_s=1.0, warmup_s=0.0)
+    a, b = entry("a", "A100"), entry("b", "A100")
+    for client, chars, answer in (("video", 28000, 32), ("text", 1000, 512)):
+        planner.set_remaining(client, 50)
+        planner.note_request(client, prompt_chars=chars, max_tokens=answer)
+    planner.on_sent("text", "a")  # a long answer decodes on `a`
+    assert planner._interferes("video", "a") and not planner._interferes("video", "b")
+    assert not planner._interferes("text", "a")  # short prompts may join it
+    picks = {getattr(planner.pick("video", [a, b], [a, b], {"video": 50, "text": 50}), "id", None)
+             for _ in range(3)}
+    assert picks == {"b"}  # never `a` while the long answer runs there
+    planner.on_done("text", "a")
+    assert not planner._interferes("video", "a")
+    planner.long_answer_tokens = None  # the rule can be switched off
+    planner.on_sent("text", "a")
+    assert not planner._interferes("video", "a")
+
+
+def test_prompts_are_paced_to_what_a_server_has_shown_it_prefills() -> None:
+    now = [0.0]
+    planner = Planner(lambda: now[0], period_s=1.0, warmup_s=0.0, calibration_answers=2)
+    a = entry("a", "A100")
+    planner.note_request("video", prompt_chars=28000, max_tokens=32)
+    assert planner.admits("video", a)  # not calibrated yet: no pacing
+    # The server answers 4 prompts of 7000 tokens while busy for 1 s.
+    for _ in range(4):
+        planner.on_sent("video", "a")
+    now[0] = 1.0
+    for _ in range(4):
+        planner.note_answer("video", a, 7000, 20)
+        planner.on_done("video", "a")
+    rate = planner._prompt_rate(a)
+    assert rate == pytest.approx(28000 + 80 * server_cost(a).decode_s_per_token / server_cost(a).prefill_s_per_token,
+                                 rel=0.1)  # busy time decays while it accrues
+    # A burst of at most 1.5 × rate × 2 periods of prompt tokens, then it waits for credit.
+    sent = 0
+    while planner.admits("video", a) and sent < 100:
+        planner.on_sent("video", "a")
+        sent += 1
+    assert 5 <= sent <= 13
+    now[0] += 1.0  # a second later there is credit again
+    assert planner.admits("video", a)
