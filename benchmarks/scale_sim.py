@@ -86,12 +86,16 @@ async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], 
     started = time.perf_counter()
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy(args.policy, random.Random(0)),
-                                config=DispatchConfig(hedging=False, adaptive_windows=not args.fixed_windows))
+                                config=DispatchConfig(hedging=False, adaptive_windows=not args.fixed_windows,
+                                                      planned=args.planned))
 
         async def one_eval(name: str, modality: str, size: int) -> None:
             prompt_tokens, answer = SHAPES[modality]
             rng = random.Random(name)
             queue = list(range(size))
+            left = [size]
+            # What an EvalRun reports: work left (for shortest_first) and requests left (for the planner).
+            dispatcher.set_client_remaining(name, float(size * (prompt_tokens + answer)), size)
 
             async def worker() -> None:
                 while queue:
@@ -100,6 +104,8 @@ async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], 
                     await dispatcher.submit(InferenceRequest(
                         request_id=f"{name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=name,
                         body={"prompt": prompt, "max_tokens": answer, "ignore_eos": True}))
+                    left[0] -= 1
+                    dispatcher.set_client_remaining(name, float(left[0] * (prompt_tokens + answer)), left[0])
 
             await asyncio.gather(*(worker() for _ in range(min(args.concurrency, size))))
             finished[name] = time.perf_counter() - started
@@ -126,6 +132,8 @@ def main() -> None:
     parser.add_argument("--policy", default="capacity_weighted")
     parser.add_argument("--fixed-windows", action="store_true",
                         help="admission windows fixed at each server's capacity (no learning)")
+    parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
+    parser.add_argument("--name", default="scale_sim", help="report name: results/NAME.md")
     args = parser.parse_args()
     profiles = pool_profiles(args.max_running)
     counts = {name: max(1, round(args.servers * share)) for name, _, share in GROUPS}
@@ -182,7 +190,8 @@ def main() -> None:
         ("in flight after the run", str(r["inflight_end"]), "must be 0"),
     ]
     body = (
-        f"Policy `{args.policy}`, {args.concurrency} requests in flight per eval, one dispatcher in one process; "
+        ("Planned routing (`--planned`)" if args.planned else f"Policy `{args.policy}`")
+        + f", {args.concurrency} requests in flight per eval, one dispatcher in one process; "
         "the emulated servers in another process on the same 2 cores.\n\n"
         + markdown_table(("what", "figure", "note"), rows)
         + "\n\nHow to read it: the LP bound assumes every server's batch stays full and work splits like a "
@@ -196,7 +205,7 @@ def main() -> None:
     )
     for row in rows:
         print(f"{row[0]:<40} {row[1]}")
-    write_report("scale_sim", f"Scale by simulation: {len(urls)} servers, {len(evals)} evals", body, {
+    write_report(args.name, f"Scale by simulation: {len(urls)} servers, {len(evals)} evals", body, {
         "servers": len(urls), "evals": len(evals), "requests": requests,
         "decision_us": f"{per_decision_us:.0f}", "cpu_ms_per_request": f"{per_request_cpu_ms:.2f}",
         "makespan_s": f"{r['wall_s']:.1f}", "vs_ideal": f"{r['wall_s'] / ideal_s:.2f}",

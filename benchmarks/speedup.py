@@ -66,8 +66,9 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
     lines += [
         "", "## Evals", "",
         f"Conventional: static batches of {cfg.batch_size}, loading before each batch, scoring after inference, "
-        f"each eval on its own server(s). Federated: all evals at once, policy `{cfg.policy}`, "
-        f"client order `{cfg.client_order}`, "
+        f"each eval on its own server(s). Federated: all evals at once, "
+        + ("routed by the dispatcher's plan (`planned: true`), " if cfg.planned else f"policy `{cfg.policy}`, ")
+        + f"client order `{cfg.client_order}`, "
         f"{cfg.stage_actors} CPU stage actors, up to {cfg.concurrency} requests in flight per eval.",
         "",
     ]

@@ -450,6 +450,7 @@ class Dispatcher:
     def _grant_waiting(self) -> None:
         now = self._clock()
         blocked: set[tuple[object, ...]] = set()
+        full_kinds: set[str] = set()  # planned routing: server kinds found with no free slot in this pass
         while True:
             best_queue: deque[_Waiter] | None = None
             best_key: tuple[float, float, int] | None = None
@@ -467,7 +468,7 @@ class Dispatcher:
             if best_queue is None:
                 break
             head = best_queue[0]
-            placed = self._place(head, now)
+            placed = self._place(head, now, full_kinds)
             if placed is True:
                 best_queue.popleft()
             elif placed is False:
@@ -488,23 +489,29 @@ class Dispatcher:
         self._tick_handle = None
         self._dispatch_waiting()
 
-    def _place(self, waiter: _Waiter, now: float) -> bool | None:
+    def _place(self, waiter: _Waiter, now: float, full_kinds: set[str] | None = None) -> bool | None:
         """Give the waiter a slot if a server can take it; False when its route is full, None when the plan
         holds it for servers that are full."""
         request = waiter.request
         servers = self._servers_for(request)
-        open_ = [s for s in servers if self._book.breaker(s.id).allows(now)]
-        untried = [s for s in open_ if s.id not in waiter.tried] or open_
-        if self._planner is not None and untried:
-            free_entries = [s for s in untried if self._book.inflight.get(s.id, 0) < self._book.window(s)]
-            if not free_entries:
-                return False
-            pick = self._planner.pick(request.client_id, free_entries, servers, self._client_waiting)
+        if self._planner is not None and servers:
+            book, tried = self._book, waiter.tried
+
+            def usable(server: ServerEntry, avoid_tried: bool = True) -> bool:
+                return ((not avoid_tried or server.id not in tried) and book.breaker(server.id).allows(now)
+                        and book.inflight.get(server.id, 0) < book.window(server))
+
+            pick = self._planner.pick(request.client_id, servers, self._client_waiting, usable, full_kinds)
+            if pick is None and tried:  # every planned server was tried: any of them again, as below
+                pick = self._planner.pick(request.client_id, servers, self._client_waiting,
+                                          lambda s: usable(s, avoid_tried=False))
             if pick is None:
-                return None
+                return None  # held for its planned servers (which are full); other clients may go on
             waiter.future.set_result(self._take(pick, request.client_id, now))
             self._decisions += 1
             return True
+        open_ = [s for s in servers if self._book.breaker(s.id).allows(now)]
+        untried = [s for s in open_ if s.id not in waiter.tried] or open_
         free = self._book.free_candidates(untried, self._policy.candidate_limit, self._rng)
         if not free:
             if not servers and now >= waiter.deadline:

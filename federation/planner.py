@@ -29,8 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from registry import ServerEntry
-from registry.weights import accelerator_roofline
+from registry import ServerEntry, accelerator_roofline
 
 log = logging.getLogger("fedpool.planner")
 
@@ -139,6 +138,9 @@ class Plan:
     made_at: float
     makespan: float  # nominal seconds (ServerCost units)
     quotas: Mapping[str, Mapping[str, float]]  # client -> server -> requests to send there
+    kind_quotas: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # client -> kind -> requests
+    members: Mapping[str, Sequence[ServerEntry]] = field(default_factory=dict)  # kind -> its servers
+    kind_of: Mapping[str, str] = field(default_factory=dict)  # server id -> kind
 
 
 @dataclass
@@ -155,7 +157,9 @@ class Planner:
     _remaining: dict[str, int] = field(default_factory=dict)  # client -> requests not yet answered
     _inflight: Counter[str] = field(default_factory=Counter)  # client -> requests on servers
     _on_server: dict[str, Counter[str]] = field(default_factory=dict)  # server -> client -> in flight there
-    _sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> server -> n
+    _sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> kind -> n
+    _cursor: dict[tuple[str, str], int] = field(default_factory=dict)  # round-robin position per client, kind
+    _route_ref: Sequence[ServerEntry] | None = None
     # The first plan waits (at most warmup_s after the first request) for every client that said how much
     # it has to send its first request: a plan made for the first client alone would hand it every server.
     warmup_s: float = 0.5
@@ -169,21 +173,13 @@ class Planner:
     # (≥ long_prompt_tokens) until they drain; the prompts wait for their other planned servers. None: off.
     long_answer_tokens: float | None = 128.0
     long_prompt_tokens: float = 512.0
-    # Count what servers already hold in the plan's loads. Off: a server holding a long queue made every
-    # plan degenerate (the makespan was set by that server, so the LP put all unsent work of a client on
-    # any one server that stayed under it, and left others idle). The admission windows already keep a
-    # loaded server from taking more; the plan splits the unsent work by rate.
-    count_held: bool = False
+    # What servers already hold is not priced into the plan: a server holding a long queue made every plan
+    # degenerate (it fixed T, and the LP put all unsent work of a client on any one server that stayed under
+    # it while the rest idled). The admission windows keep a loaded server from taking more; the plan splits
+    # the unsent work by rate.
     calibrate: bool = True  # correct each server's roofline price by the speed it shows (see _Speed)
     calibration_answers: int = 20  # answers a server needs before its own speed is trusted
     _speed: dict[str, _Speed] = field(default_factory=dict)
-    # Pacing: prompts are sent to a server no faster than `pace_headroom` × the prompt tokens per second it
-    # has shown (from its calibrated speed), with bursts of at most `pace_horizon_periods` plan periods of
-    # that. A count window alone let a server that had just run 256 short-prompt requests take 256 long
-    # prompts in one moment when they finished: a queue of many seconds bound to one server. None: off.
-    pace_headroom: float | None = 1.5
-    pace_horizon_periods: float = 2.0
-    _credit: dict[str, tuple[float, float]] = field(default_factory=dict)  # server -> (tokens, at)
 
     # ---- what the dispatcher reports ---------------------------------------------------------------
     def set_remaining(self, client_id: str, requests: int) -> None:
@@ -222,38 +218,11 @@ class Planner:
         mean = sum(known.values()) / len(known) if known else 1.0
         return {s.id: known.get(s.id, mean) / mean for s in servers}
 
-    def _prompt_rate(self, server: ServerEntry) -> float | None:
-        """Prompt tokens per second the server has shown (None until calibrated)."""
-        if self.pace_headroom is None:
-            return None
-        factor = self._speed_of(server.id).factor(self.clock(), self.calibration_answers)
-        if factor is None:
-            return None
-        return factor / server_cost(server).prefill_s_per_token
-
-    def admits(self, client_id: str, server: ServerEntry) -> bool:
-        """Whether this client's next prompt may go to the server now (pacing; see pace_headroom)."""
-        rate = self._prompt_rate(server)
-        if rate is None or self.pace_headroom is None:
-            return True
-        now = self.clock()
-        pace = rate * self.pace_headroom
-        cap = pace * self.pace_horizon_periods * self.period_s
-        tokens, at = self._credit.get(server.id, (cap, now))
-        tokens = min(cap, tokens + pace * max(0.0, now - at))
-        self._credit[server.id] = (tokens, now)
-        return tokens > 0
-
-    def _spend(self, client_id: str, server_id: str) -> None:
-        credit = self._credit.get(server_id)
-        shape = self._shapes.get(client_id)
-        if credit is not None and shape is not None:
-            self._credit[server_id] = (credit[0] - shape.prompt, credit[1])
-
     def on_sent(self, client_id: str, server_id: str) -> None:
-        self._spend(client_id, server_id)
         self._inflight[client_id] += 1
-        self._sent.setdefault(client_id, Counter())[server_id] += 1
+        kind = self._plan.kind_of.get(server_id) if self._plan is not None else None
+        if kind is not None:
+            self._sent.setdefault(client_id, Counter())[kind] += 1
         self._on_server.setdefault(server_id, Counter())[client_id] += 1
         self._speed_of(server_id).started(self.clock())
 
@@ -269,27 +238,40 @@ class Planner:
                 del there[client_id]
 
     # ---- routing -----------------------------------------------------------------------------------
-    def pick(self, client_id: str, free: Sequence[ServerEntry], route: Sequence[ServerEntry],
-             waiting: Mapping[str, int]) -> ServerEntry | None:
-        """The free server with the most of this client's plan quota left; None: its planned servers are
-        full, so the request waits for them. `waiting` counts each client's requests queued for a slot."""
+    def pick(self, client_id: str, route: Sequence[ServerEntry], waiting: Mapping[str, int],
+             usable: Callable[[ServerEntry], bool], full: set[str] | None = None) -> ServerEntry | None:
+        """A server of this client's plan that is `usable` (a free slot, breaker closed, not tried), from the
+        kind with the most of the client's quota left, round-robin within the kind; None: its planned
+        servers are full, so the request waits for them. `waiting` counts each client's queued requests.
+        Costs O(kinds + servers looked at), not O(pool): a kind's scan stops at its first usable server, and
+        a kind found with no usable server is added to `full` (the caller's, for one grant pass) and skipped
+        by later picks of the pass."""
         if self.warming_up():
             return None
         plan = self._current_plan(route, waiting, client_id)
-        quotas = plan.quotas.get(client_id)
+        quotas = plan.kind_quotas.get(client_id)
         if not quotas:
             return None
         sent = self._sent.get(client_id, Counter())
-        best: ServerEntry | None = None
-        best_left = 0.0
-        for server in free:
-            quota = quotas.get(server.id, 0.0)
-            if quota <= MIN_SHARE or self._interferes(client_id, server.id) or not self.admits(client_id, server):
+        kinds = sorted((k for k, q in quotas.items() if q > MIN_SHARE),
+                       key=lambda k: (sent.get(k, 0) - quotas[k]) / quotas[k])  # most quota left first
+        for kind in kinds:
+            if full is not None and kind in full:
                 continue
-            left = (quota - sent.get(server.id, 0)) / quota  # share of the quota still to send
-            if best is None or left > best_left:
-                best, best_left = server, left
-        return best
+            members = plan.members[kind]
+            start = self._cursor.get((client_id, kind), 0)
+            any_usable = False
+            for i in range(len(members)):
+                server = members[(start + i) % len(members)]
+                if not usable(server):
+                    continue
+                any_usable = True
+                if not self._interferes(client_id, server.id):
+                    self._cursor[client_id, kind] = (start + i + 1) % len(members)
+                    return server
+            if not any_usable and full is not None:
+                full.add(kind)
+        return None
 
     def _interferes(self, client_id: str, server_id: str) -> bool:
         """Would this client's long prompts stall long answers running on the server?"""
@@ -320,12 +302,14 @@ class Planner:
 
     def _current_plan(self, route: Sequence[ServerEntry], waiting: Mapping[str, int], client_id: str) -> Plan:
         now = self.clock()
-        key = tuple(sorted(s.id for s in route))
+        if route is not self._route_ref:  # the dispatcher keeps one list per route and snapshot version
+            key = tuple(sorted(s.id for s in route))
+            if key != self._servers_key:
+                self._plan = None
+            self._servers_key, self._route_ref = key, route
         newcomer = self._plan is not None and client_id not in self._plan.quotas and client_id in self._shapes
-        if (self._plan is None or key != self._servers_key or now - self._plan.made_at >= self.period_s
-                or newcomer):
+        if self._plan is None or now - self._plan.made_at >= self.period_s or newcomer:
             self._plan = self._solve(route, waiting, now)
-            self._servers_key = key
             self._sent = {}
             self.plans_made += 1
         return self._plan
@@ -348,31 +332,43 @@ class Planner:
         clients = sorted(c for c in unsent if c in self._shapes)
         servers = list(route)
         if not clients or not servers:
-            return Plan(now, 0.0, {})
-        costs = {s.id: server_cost(s) for s in servers}
+            return Plan(now, 0.0, {})  # nothing to plan: every client waits for the next plan
+        # Servers of one kind (accelerator, GPUs, capacity) form one LP column weighted by their measured
+        # speeds: the LP is as small as the number of kinds, and identical servers cannot swap roles from one
+        # plan to the next (a degenerate LP flipped a client between two equal V100s every period).
         speed = self.speed_factors(servers)
-        cost = {(c, s.id): max(1e-12, costs[s.id].of(self._shapes[c].prompt, self._shapes[c].completion) / speed[s.id])
-                for c in clients for s in servers}
-        held = {} if not self.count_held else {  # what each server already holds, priced the same way
-            s.id: sum(n * costs[s.id].of(self._shapes[c].prompt, self._shapes[c].completion) / speed[s.id]
-                      for c, n in self._on_server.get(s.id, Counter()).items() if c in self._shapes)
-            for s in servers
-        }
-        ids = [s.id for s in servers]
+        kinds: dict[tuple[str, int, int], list[ServerEntry]] = {}
+        for server in servers:
+            kinds.setdefault((server.record.accelerator, server.record.gpu_count, server.capacity), []).append(server)
+        columns = {f"{k[0]}x{k[1]}/{k[2]}": members for k, members in kinds.items()}
+        weight = {col: sum(speed[m.id] for m in members) for col, members in columns.items()}
+        cost = {}
+        for col, members in columns.items():
+            unit = server_cost(members[0])
+            for c in clients:
+                cost[c, col] = max(1e-12, unit.of(self._shapes[c].prompt, self._shapes[c].completion))
+        ids = sorted(columns)
         counts = {c: unsent[c] for c in clients}
-        makespan, x = solve_plan(clients, ids, counts, cost, held)
+        makespan, by_kind = solve_plan(clients, ids, counts, cost, None, weight)
         if self.order is not None and 1 < len(clients) and len(clients) ** 2 * len(ids) <= MAX_PHASE_VARIABLES:
             ranked = sorted(clients, key=lambda c: (self.order(c), c))  # type: ignore[misc]
-            phased = solve_phased_plan(ranked, ids, counts, cost, held, makespan * (1 + self.makespan_slack))
+            phased = solve_phased_plan(ranked, ids, counts, cost, {}, makespan * (1 + self.makespan_slack), weight)
             if phased is not None:
-                x = phased
-        return Plan(now, makespan, x)
+                by_kind = phased
+        x: dict[str, dict[str, float]] = {}
+        for c, quotas in by_kind.items():
+            for col, n in quotas.items():
+                for member in columns[col]:  # a kind's share split by each member's speed
+                    x.setdefault(c, {})[member.id] = n * speed[member.id] / weight[col]
+        kind_of = {m.id: col for col, members in columns.items() for m in members}
+        return Plan(now, makespan, x, by_kind, columns, kind_of)
 
 
 def solve_plan(clients: Sequence[str], servers: Sequence[str], counts: Mapping[str, float],
                cost: Mapping[tuple[str, str], float], held: Mapping[str, float] | None = None,
-               ) -> tuple[float, dict[str, dict[str, float]]]:
-    """min T s.t. Σ_s x[c,s] = counts[c], held[s] + Σ_c x[c,s]·cost[c,s] ≤ T, x ≥ 0 (HiGHS)."""
+               capacity: Mapping[str, float] | None = None) -> tuple[float, dict[str, dict[str, float]]]:
+    """min T s.t. Σ_s x[c,s] = counts[c], held[s] + Σ_c x[c,s]·cost[c,s] ≤ capacity[s]·T, x ≥ 0 (HiGHS).
+    `capacity` (default 1): how many servers' worth of work a column stands for."""
     from scipy.optimize import linprog
 
     nc, ns = len(clients), len(servers)
@@ -391,7 +387,7 @@ def solve_plan(clients: Sequence[str], servers: Sequence[str], counts: Mapping[s
         row = [0.0] * nvar
         for i, c in enumerate(clients):
             row[i * ns + j] = cost[c, s]
-        row[-1] = -1.0
+        row[-1] = -float((capacity or {}).get(s, 1.0))
         a_ub.append(row)
         b_ub.append(-float((held or {}).get(s, 0.0)))
     result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * nvar,
@@ -405,7 +401,7 @@ def solve_plan(clients: Sequence[str], servers: Sequence[str], counts: Mapping[s
 
 def solve_phased_plan(ranked: Sequence[str], servers: Sequence[str], counts: Mapping[str, float],
                       cost: Mapping[tuple[str, str], float], held: Mapping[str, float], limit: float,
-                      ) -> dict[str, dict[str, float]] | None:
+                      capacity: Mapping[str, float] | None = None) -> dict[str, dict[str, float]] | None:
     """Clients finish in the order given: phase k ends when client k is done. Variables x[c,s,k] (client c's
     requests on server s during phase k ≤ rank(c)) and phase lengths L_k; each server's work in a phase
     (held work counted in the first) ≤ L_k; every client done by the end of its phase; Σ L_k ≤ limit.
@@ -437,7 +433,7 @@ def solve_phased_plan(ranked: Sequence[str], servers: Sequence[str], counts: Map
             row = [0.0] * nvar
             for i in range(k, k_count):
                 row[index[i, j, k]] = cost[ranked[i], s]
-            row[base + k] = -1.0
+            row[base + k] = -float((capacity or {}).get(s, 1.0))
             a_ub.append(row)
             b_ub.append(-float(held.get(s, 0.0)) if k == 0 else 0.0)
     row = [0.0] * nvar

@@ -184,6 +184,9 @@ class EvalsConfig(BaseModel):
     policy: str = "capacity_weighted"
     client_order: Literal["fair", "shortest_first", "longest_answers_first"] = "fair"
     planned: bool = Field(default=False, description="federated arm: route by the dispatcher's makespan plan")
+    window_factor: float = Field(default=1.0, gt=0, le=64,
+                                 description="federated arm: admission window ceiling = engine capacity × this")
+    adaptive_windows: bool = Field(default=True, description="federated arm: windows follow the engine queue")
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
     seed: int = 0
     evals: list[EvalConfig] = Field(min_length=1)
@@ -570,6 +573,8 @@ async def run_federated(
                 try:
                     dispatch = DispatchConfig(learn_period_s=max(0.1, 2.0 / pool.time_scale),
                                               client_order=config.client_order, planned=config.planned,
+                                              window_factor=config.window_factor,
+                                              adaptive_windows=config.adaptive_windows,
                                               plan_period_s=max(0.05, 1.0 / pool.time_scale))
                     async with PoolConnection(registry, policy=config.policy, config=dispatch,
                                               seed=config.seed) as conn:

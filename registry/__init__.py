@@ -6,9 +6,10 @@ from registry.client import RegistryClient, SnapshotWatcher
 from registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
 from registry.records import Engine, ServerRecord
 from registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
-from registry.weights import ACCELERATOR_SPEED, prior_weight
+from registry.weights import ACCELERATOR_ROOFLINE, ACCELERATOR_SPEED, accelerator_roofline, prior_weight
 
 __all__ = [
+    "ACCELERATOR_ROOFLINE",
     "ACCELERATOR_SPEED",
     "NAMESPACE",
     "REGISTRY_NAME",
@@ -28,6 +29,7 @@ __all__ = [
     "ServerStatus",
     "SnapshotWatcher",
     "UnknownServerError",
+    "accelerator_roofline",
     "adapter_for",
     "prior_weight",
 ]
