@@ -9,13 +9,14 @@ token per prefill step and becomes the run's straggler. And accelerators differ 
 fast. Spreading every eval over every server in proportion to capacity ignores both.
 
 What. Every `period_s` the planner solves: minimise T subject to each client's unsent requests placed
-(x[c, s] ≥ 0, Σ_s x[c, s] = unsent[c]) and each server's work, what it already holds plus what the plan
-adds, at most T. A request's cost on a server is its prefill tokens ÷ the server's prefill rate plus its
-answer tokens × the server's decode cost per token at full batch (rates from the accelerator's data
-sheet: dense fp16 TFLOPS and HBM bandwidth, × GPUs). The solution is a vertex: each client lands on few
-servers, and decode-heavy clients end up apart from prefill-heavy ones — the split the engines reward.
-The dispatcher then grants a client's request only on a server of its plan, the one with the most plan
-quota left; when those are full the request waits for them (a later plan may move it).
+(x[c, s] ≥ 0, Σ_s x[c, s] = unsent[c]) and each server's share of that work at most T (servers of one
+kind are one column, weighted by their measured speeds). A request's cost on a server is its prefill
+tokens ÷ the server's prefill rate plus its answer tokens × the server's decode cost per token at full
+batch (rates from the accelerator's data sheet: dense fp16 TFLOPS and HBM bandwidth, × GPUs). The
+solution is a vertex: each client lands on few servers, and decode-heavy clients end up apart from
+prefill-heavy ones — the split the engines reward. The dispatcher then grants a client's request only on
+a server of its plan (the kind with the most plan quota left, round-robin within it); when those are
+full the request waits for them (a later plan may move it).
 
 Shapes are learned per client from the answers' usage (prompt and completion tokens), with a prior from
 the request itself (characters ÷ 4, max_tokens) until the first answer. Pure: no I/O, clock injected.
@@ -256,22 +257,24 @@ class Planner:
         kinds = sorted((k for k, q in quotas.items() if q > MIN_SHARE),
                        key=lambda k: (sent.get(k, 0) - quotas[k]) / quotas[k])  # most quota left first
         for kind in kinds:
-            if full is not None and kind in full:
+            if full is not None and (kind in full or (f"{kind}\0long" in full and self._long_prompt(client_id))):
                 continue
             members = plan.members[kind]
             start = self._cursor.get((client_id, kind), 0)
-            any_usable = False
             for i in range(len(members)):
                 server = members[(start + i) % len(members)]
-                if not usable(server):
-                    continue
-                any_usable = True
-                if not self._interferes(client_id, server.id):
+                if usable(server) and not self._interferes(client_id, server.id):
                     self._cursor[client_id, kind] = (start + i + 1) % len(members)
                     return server
-            if not any_usable and full is not None:
-                full.add(kind)
+            if full is not None:
+                # Nothing here for this client in this pass: for a long-prompt client that may be the rule
+                # below, so only long-prompt clients skip the kind from now on; for others it is full.
+                full.add(kind if not self._long_prompt(client_id) else f"{kind}\0long")
         return None
+
+    def _long_prompt(self, client_id: str) -> bool:
+        shape = self._shapes.get(client_id)
+        return self.long_answer_tokens is not None and shape is not None and shape.prompt >= self.long_prompt_tokens
 
     def _interferes(self, client_id: str, server_id: str) -> bool:
         """Would this client's long prompts stall long answers running on the server?"""
