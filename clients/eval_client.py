@@ -146,6 +146,9 @@ class EvalRun:
         total = len(samples)
         self._counters.done = total - len(todo)
         self._work_each = _work_per_sample(self.spec, todo)
+        # The planner's first guess at this eval's shape, before any answer reports real token counts.
+        self._dispatcher.set_client_shape(self.spec.name, _mean_prompt_words(self.spec, todo),
+                                          self.spec.generation.max_tokens)
         self._report_remaining(len(todo))
         if writer.resumed:
             log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
@@ -337,13 +340,17 @@ class EvalRun:
 DECODE_WEIGHT = 2.0  # a generated token costs about two prompt tokens of GPU time in a full batch
 
 
+def _mean_prompt_words(spec: BenchmarkSpec, samples: list[Sample], probe: int = 64) -> float:
+    """Mean prompt length in words over a few samples (text only: media are not encoded yet)."""
+    system = len((spec.prompt.system or "").split())
+    words = [system + len(render(spec, s).split()) for s in samples[:probe]]
+    return sum(words) / len(words) if words else 0.0
+
+
 def _work_per_sample(spec: BenchmarkSpec, samples: list[Sample], probe: int = 64) -> float:
     """A rough per-request work estimate (prompt words + weighted answer budget) from a few samples, for
     the dispatcher's shortest-first ordering; the unit only has to be the same across evals."""
-    system = len((spec.prompt.system or "").split())
-    words = [system + len(render(spec, s).split()) for s in samples[:probe]]  # text only: media not yet encoded
-    mean_words = sum(words) / len(words) if words else 0.0
-    return mean_words + DECODE_WEIGHT * spec.generation.max_tokens
+    return _mean_prompt_words(spec, samples, probe) + DECODE_WEIGHT * spec.generation.max_tokens
 
 
 def _attempt_info(attempt: Any) -> AttemptInfo:

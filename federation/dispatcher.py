@@ -157,6 +157,12 @@ class Dispatcher:
         if requests is not None and self._planner is not None:
             self._planner.set_remaining(client_id, requests)
 
+    def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
+        """A client's expected prompt length and answer budget, before its first request: the planner's prior
+        (answers' usage replaces it), so the first plan need not wait for this client to send."""
+        if self._planner is not None:
+            self._planner.note_prior(client_id, prompt_tokens, max_tokens)
+
     @property
     def planner(self) -> Planner | None:
         return self._planner

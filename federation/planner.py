@@ -75,6 +75,7 @@ class _Shape:
     prompt_sum: float = 0.0
     completion_sum: float = 0.0
     answered: int = 0
+    announced: bool = False  # the prior came from the client itself (set_client_shape)
 
     @property
     def prompt(self) -> float:
@@ -186,11 +187,18 @@ class Planner:
     def set_remaining(self, client_id: str, requests: int) -> None:
         self._remaining[client_id] = max(0, requests)
 
+    def note_prior(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
+        """What the client says it will send (prompt tokens, answer budget), before it sends."""
+        shape = self._shapes.setdefault(client_id, _Shape())
+        shape.prior_prompt = max(1.0, prompt_tokens)
+        shape.prior_completion = max(1.0, 0.75 * max_tokens) if max_tokens else 256.0
+        shape.announced = True
+
     def note_request(self, client_id: str, prompt_chars: int, max_tokens: float | None) -> None:
         if self._first_request_at is None:
             self._first_request_at = self.clock()
         shape = self._shapes.setdefault(client_id, _Shape())
-        if not shape.answered:
+        if not shape.answered and not shape.announced:
             shape.prior_prompt = max(1.0, prompt_chars / CHARS_PER_TOKEN)
             shape.prior_completion = max(1.0, 0.75 * max_tokens) if max_tokens else 256.0
 

@@ -282,3 +282,32 @@ async def test_eval_killed_midway_then_resumed_loses_and_doubles_nothing(
     for config in (saved, first):
         config["benchmark"]["data"].pop("path")  # absolute in the replay, as written in the spec originally
     assert saved["benchmark"] == first["benchmark"] and saved["generation"] == first["generation"]
+
+
+@pytest.mark.ray
+async def test_eval_run_routes_by_plan_with_a_client_order(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """`fedpool eval run --planned --client-order shortest_first`: two benchmarks over two servers through the
+    planner; every record once, and the routing settings saved for resume and in each artifact's config."""
+    from registry import ServerRecord
+
+    for i in range(2):
+        server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine="vllm", model="emu-model",
+                                             accelerator="A100" if i else "V100", gpu_count=1, capacity=4))
+    address = ray.get_runtime_context().gcs_address
+    out = tmp_path / "run"
+    specs = [ROOT / "pipeline" / "bundled" / name for name in ("arith.yaml", "capitals.yaml")]
+    done = await asyncio.to_thread(
+        run, "eval", "run", "--address", address, *(a for s in specs for a in ("--spec", str(s))), "--model",
+        "emu-model", "--out", str(out), "--planned", "--client-order", "shortest_first", "--json", timeout=240)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["planned"] is True and saved["client_order"] == "shortest_first"
+    for name in ("arith", "capitals"):
+        rows = read_jsonl(out / name / "records.jsonl")
+        ids = [r["sample_id"] for r in rows]
+        assert ids and len(ids) == len(set(ids)) and not any(r["provenance"]["error"] for r in rows)
+        config = json.loads((out / name / "config.json").read_text())
+        assert config["planned"] is True and config["client_order"] == "shortest_first"

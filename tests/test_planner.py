@@ -176,3 +176,21 @@ def test_long_prompts_wait_while_long_answers_run_on_a_server() -> None:
     planner.long_answer_tokens = None  # the rule can be switched off
     planner.on_sent("text", "a")
     assert not planner._interferes("video", "a")
+
+
+def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
+    now = [0.0]
+    planner = Planner(lambda: now[0], period_s=1.0, warmup_s=0.5)
+    fast, slow = entry("fast", "A100"), entry("slow", "V100")
+    for client in ("video", "text"):
+        planner.set_remaining(client, 10)
+    planner.note_request("video", prompt_chars=28000, max_tokens=32)
+    assert planner.warming_up()  # text has not sent, nor said what it will send
+    planner.note_prior("text", prompt_tokens=250, max_tokens=512)
+    assert not planner.warming_up()
+    assert planner.pick("video", [fast, slow], {"video": 10, "text": 10}, lambda s: True) is not None
+    plan = planner.plan()
+    assert plan is not None and set(plan.quotas) == {"video", "text"}
+    # A later request's characters do not overwrite what the client announced.
+    planner.note_request("text", prompt_chars=40, max_tokens=512)
+    assert planner._shapes["text"].prompt == 250
