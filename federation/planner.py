@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from registry import ServerEntry, accelerator_roofline
@@ -39,7 +39,7 @@ DECODE_BW_EFFICIENCY = 0.75  # share of peak HBM bandwidth a decode step reaches
 FULL_BATCH_STEP_FACTOR = 2.0  # a step at full batch costs about twice a batch-of-one step (KV reads, MLP)
 CHARS_PER_TOKEN = 4.0  # prior for a prompt's tokens before any answer reported usage
 MIN_SHARE = 1e-6
-MAX_PHASE_VARIABLES = 20_000  # clients² × servers above which only the makespan plan is made
+MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +323,8 @@ class Planner:
             self._plan = self._solve(route, waiting, now)
             self._sent = {}
             self.plans_made += 1
+            log.debug("plan %d: %s", self.plans_made, {c: {k: round(n) for k, n in q.items()}
+                                                       for c, q in self._plan.kind_quotas.items()})
         return self._plan
 
     def _unsent(self, waiting: Mapping[str, int]) -> dict[str, int]:
@@ -462,11 +464,3 @@ def solve_phased_plan(ranked: Sequence[str], servers: Sequence[str], counts: Map
             plan.setdefault(ranked[i], {}).setdefault(servers[j], 0.0)
             plan[ranked[i]][servers[j]] += float(result.x[v])
     return plan
-
-
-def describe(plan: Plan | None, clients: Iterable[str] = ()) -> str:
-    if plan is None:
-        return "no plan yet"
-    parts = [f"{c}: " + ", ".join(f"{s} {n:.0f}" for s, n in sorted(plan.quotas.get(c, {}).items()))
-             for c in (clients or sorted(plan.quotas))]
-    return "; ".join(parts)
