@@ -26,7 +26,7 @@ import secrets
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -130,14 +130,21 @@ class JobStore:
             rows = db.execute("SELECT * FROM jobs ORDER BY created_at DESC").fetchall()
         return [_job(r) for r in rows]
 
-    def update(self, job_id: str, **fields: Any) -> None:
+    def update(self, job_id: str, *, only_from: Iterable[str] | None = None, **fields: Any) -> bool:
+        """Set fields; with `only_from`, only while the job's state is one of those (compare-and-set in one
+        statement, so a cancel and a start racing each other cannot overwrite one another). True if set."""
         allowed = {"state", "started_at", "finished_at", "progress", "scores", "error", "attempts"}
         if not fields or set(fields) - allowed:
             raise ValueError(f"cannot update {sorted(set(fields) - allowed)}")
         values = [json.dumps(v) if k in ("progress", "scores") else v for k, v in fields.items()]
         sets = ", ".join(f"{k} = ?" for k in fields)
-        with self._db() as db:
-            db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values, job_id))  # column names are fixed above
+        where, params = "id = ?", [job_id]
+        if only_from is not None:
+            states = list(only_from)
+            where += f" AND state IN ({', '.join('?' for _ in states)})"
+            params += states
+        with self._db() as db:  # column names are fixed above
+            return db.execute(f"UPDATE jobs SET {sets} WHERE {where}", (*values, *params)).rowcount > 0
 
     def requeue_interrupted(self) -> list[str]:
         """Jobs left running by a server that stopped: queued again (they resume from their artifact)."""
@@ -231,7 +238,9 @@ class JobRunner:
         job = await asyncio.to_thread(self.store.get, job_id)
         if job is None or job.state in FINAL_STATES:
             return False
-        await asyncio.to_thread(self.store.update, job_id, state="cancelled", finished_at=self._clock())
+        if not await asyncio.to_thread(self.store.update, job_id, only_from=("queued", "running"),
+                                       state="cancelled", finished_at=self._clock()):
+            return False  # it finished (or was cancelled) in the meantime
         await asyncio.to_thread(self.store.log, job_id, "cancelled by request")
         task = self._tasks.get(job_id)
         if task is not None:
@@ -257,8 +266,10 @@ class JobRunner:
             if job is None or job.state != "queued":
                 return
             request = JobRequest.model_validate(job.request)
-            await asyncio.to_thread(store.update, job_id, state="running", started_at=job.started_at or self._clock(),
-                                    attempts=job.attempts + 1, error=None)
+            if not await asyncio.to_thread(store.update, job_id, only_from=("queued",), state="running",
+                                           started_at=job.started_at or self._clock(), attempts=job.attempts + 1,
+                                           error=None):
+                return  # cancelled between the read and the start
             await asyncio.to_thread(store.log, job_id, f"running (start {job.attempts + 1}) on model {request.model}")
             specs = await asyncio.to_thread(resolve_specs, request)
             verifier = None
@@ -282,11 +293,12 @@ class JobRunner:
             scores = {s.benchmark: {"scores": s.summary["scores"], "records": s.summary["records"],
                                     "failed": s.summary["failed"], "artifact_dir": str(s.artifact_dir)}
                       for s in summaries}
-            await asyncio.to_thread(store.update, job_id, state="done", finished_at=self._clock(), scores=scores,
-                                    progress=self.live.get(job_id, {}))
-            lines = [f"{b}: " + ", ".join(f"{x['metric']} {x['value']:.1f}" for x in v["scores"])
-                     for b, v in scores.items()]
-            await asyncio.to_thread(store.log, job_id, "done: " + "; ".join(lines))
+            if await asyncio.to_thread(store.update, job_id, only_from=("running",), state="done",
+                                       finished_at=self._clock(), scores=scores,
+                                       progress=self.live.get(job_id, {})):
+                lines = [f"{b}: " + ", ".join(f"{x['metric']} {x['value']:.1f}" for x in v["scores"])
+                         for b, v in scores.items()]
+                await asyncio.to_thread(store.log, job_id, "done: " + "; ".join(lines))
         except asyncio.CancelledError:
             current = await asyncio.to_thread(store.get, job_id)
             if current is not None and current.state == "running":  # a server stop: resumed at next start
@@ -294,12 +306,14 @@ class JobRunner:
             raise
         except (PipelineError, ValidationError, ValueError, OSError) as exc:
             message = f"{type(exc).__name__}: {exc}"
-            await asyncio.to_thread(store.update, job_id, state="failed", finished_at=self._clock(), error=message)
+            await asyncio.to_thread(store.update, job_id, only_from=("queued", "running"), state="failed",
+                                    finished_at=self._clock(), error=message)
             await asyncio.to_thread(store.log, job_id, f"failed: {message}")
         except Exception as exc:  # anything else: the job fails with the error, the server goes on
             log.exception("job %s failed", job_id)
             message = f"{type(exc).__name__}: {exc}"
-            await asyncio.to_thread(store.update, job_id, state="failed", finished_at=self._clock(), error=message)
+            await asyncio.to_thread(store.update, job_id, only_from=("queued", "running"), state="failed",
+                                    finished_at=self._clock(), error=message)
             await asyncio.to_thread(store.log, job_id, f"failed: {message}")
         finally:
             self._tasks.pop(job_id, None)

@@ -159,3 +159,24 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
     logs = await asyncio.to_thread(lambda: "".join(p.read_text() for p in tmp_path.glob("server-*.log")))
     assert JOBS_TOKEN not in logs and TEST_TOKEN not in logs
     assert os.stat(tmp_path / "jobs" / "jobs.sqlite").st_size > 0
+
+
+def test_a_cancel_and_a_start_racing_cannot_overwrite_each_other(tmp_path: Path) -> None:
+    """The jobs store's state changes are compare-and-set: a job cancelled between the runner's read and its
+    start stays cancelled (it used to be set back to running, then could be cancelled again), and a job that
+    finished cannot be cancelled afterwards."""
+    from fedpool.jobs import JobRequest, JobStore
+
+    store = JobStore(tmp_path / "jobs")
+    job = store.create(JobRequest(model="m", spec_paths=[str(tmp_path / "s.yaml")]), now=0.0)
+    assert store.update(job.id, only_from=("queued", "running"), state="cancelled", finished_at=1.0)
+    assert not store.update(job.id, only_from=("queued",), state="running", started_at=1.0)  # the late start
+    current = store.get(job.id)
+    assert current is not None and current.state == "cancelled"
+    assert not store.update(job.id, only_from=("queued", "running"), state="cancelled")  # again: refused
+    other = store.create(JobRequest(model="m", spec_paths=[str(tmp_path / "s.yaml")]), now=0.0)
+    assert store.update(other.id, only_from=("queued",), state="running", started_at=1.0)
+    assert store.update(other.id, only_from=("running",), state="done", finished_at=2.0)
+    assert not store.update(other.id, only_from=("queued", "running"), state="cancelled")
+    done = store.get(other.id)
+    assert done is not None and done.state == "done"
