@@ -36,6 +36,7 @@ from clients.conventional import BaselineResult, BaselineServer, ConventionalEva
 from deploy import EngineProcess, free_port
 from deploy.emulator import PROFILES, EmulatorProfile
 from federation import DispatchConfig, PoolConnection, new_session
+from federation.planner import solve_plan
 from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from pipeline import BenchmarkSpec, load_spec, read_records
 from pipeline.bundled import bundled_spec_paths
@@ -684,34 +685,15 @@ def ideal_makespan(sizes: dict[str, int], tokens: dict[str, tuple[float, float]]
     minimise T subject to each eval's requests all placed and each server's work ≤ T). With `counts`,
     each profile stands for that many identical servers (their work ≤ count × T): the same optimum for
     a large pool with a small LP."""
-    from scipy.optimize import linprog
-
     evals, servers = sorted(sizes), sorted(profiles)
     cost = {(e, s): saturated_cost(profiles[s], *tokens[e]) for e in evals for s in servers}
-    nvar = len(evals) * len(servers) + 1  # x[e,s] then T
-    index = {(e, s): i * len(servers) + j for i, e in enumerate(evals) for j, s in enumerate(servers)}
-    c = [0.0] * nvar
-    c[-1] = 1.0
-    a_eq, b_eq = [], []
-    for e in evals:
-        row = [0.0] * nvar
-        for s in servers:
-            row[index[e, s]] = 1.0
-        a_eq.append(row)
-        b_eq.append(float(sizes[e]))
-    a_ub, b_ub = [], []
-    for s in servers:
-        row = [0.0] * nvar
-        for e in evals:
-            row[index[e, s]] = cost[e, s]
-        row[-1] = -float((counts or {}).get(s, 1))
-        a_ub.append(row)
-        b_ub.append(0.0)
-    result = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * nvar, method="highs")
-    if not result.success:
-        raise RuntimeError(f"ideal makespan LP failed: {result.message}")
-    plan = {e: {s: float(result.x[index[e, s]]) for s in servers} for e in evals}
-    return float(result.x[-1]), plan
+    capacity = {s: float((counts or {}).get(s, 1)) for s in servers}
+    try:
+        makespan, placed = solve_plan(evals, servers, {e: float(sizes[e]) for e in evals}, cost, capacity=capacity)
+    except RuntimeError as exc:
+        raise RuntimeError(f"ideal makespan LP failed: {exc}") from None
+    plan = {e: {s: placed.get(e, {}).get(s, 0.0) for s in servers} for e in evals}
+    return makespan, plan
 
 
 # ---- the whole comparison --------------------------------------------------------------------------------
