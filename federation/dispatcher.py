@@ -416,7 +416,7 @@ class Dispatcher:
         if isinstance(answer, int | float):
             self._client_answer[request.client_id] = float(answer)
         if self._planner is not None:
-            self._planner.note_request(request.client_id, _prompt_chars(request),
+            self._planner.note_request(request.client_id, request.prompt_chars(),
                                        float(answer) if isinstance(answer, int | float) else None)
         self._client_waiting[request.client_id] += 1
         waiter = _Waiter(request, tried, loop.create_future(), next(self._seq),
@@ -631,16 +631,3 @@ class Dispatcher:
             ),
         )
 
-
-def _prompt_chars(request: InferenceRequest) -> int:
-    """Characters of prompt text (content parts other than text are not counted)."""
-    if "prompt" in request.body:
-        return len(str(request.body["prompt"]))
-    total = 0
-    for message in request.body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
-    return total

@@ -30,6 +30,19 @@ class InferenceRequest:
     def payload(self) -> dict[str, Any]:
         return {**self.body, "model": self.model, "stream": False}
 
+    def prompt_chars(self) -> int:
+        """Characters of prompt text (content parts other than text are not counted)."""
+        if "prompt" in self.body:
+            return len(str(self.body["prompt"]))
+        total = 0
+        for message in self.body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+        return total
+
     def prefix_text(self, length: int = 256) -> str:
         """The start of the prompt, for prefix-affinity routing."""
         if "prompt" in self.body:
