@@ -96,7 +96,6 @@ class _Speed:
     work: float = 0.0
     busy_s: float = 0.0
     answered: int = 0
-    inflight: int = 0
     _busy_since: float | None = None
     _at: float | None = None
 
@@ -110,16 +109,12 @@ class _Speed:
             self.busy_s *= keep
         self._at = now
 
-    def started(self, now: float) -> None:
+    def sync(self, now: float, inflight: int) -> None:
+        """The server's requests in flight changed to `inflight`: busy time runs while it is above zero."""
         self._decay(now)
-        self.inflight += 1
-        if self._busy_since is None:
+        if inflight > 0 and self._busy_since is None:
             self._busy_since = now
-
-    def ended(self, now: float) -> None:
-        self._decay(now)
-        self.inflight = max(0, self.inflight - 1)
-        if self.inflight == 0 and self._busy_since is not None:
+        elif inflight <= 0 and self._busy_since is not None:
             self.busy_s += now - self._busy_since
             self._busy_since = None
 
@@ -233,10 +228,9 @@ class Planner:
         if kind is not None:
             self._sent.setdefault(client_id, Counter())[kind] += 1
         self._on_server.setdefault(server_id, Counter())[client_id] += 1
-        self._speed_of(server_id).started(self.clock())
+        self._speed_of(server_id).sync(self.clock(), sum(self._on_server[server_id].values()))
 
     def on_done(self, client_id: str, server_id: str) -> None:
-        self._speed_of(server_id).ended(self.clock())
         self._inflight[client_id] -= 1
         if self._inflight[client_id] <= 0:
             del self._inflight[client_id]
@@ -245,6 +239,7 @@ class Planner:
             there[client_id] -= 1
             if there[client_id] <= 0:
                 del there[client_id]
+        self._speed_of(server_id).sync(self.clock(), sum(there.values()) if there else 0)
 
     # ---- routing -----------------------------------------------------------------------------------
     def pick(self, client_id: str, route: Sequence[ServerEntry], waiting: Mapping[str, int],
