@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from federation.dispatch_types import CLIENT_ORDERS, DispatchConfig, DispatcherStats, ServerStats
+from federation.dispatch_types import DispatchConfig, DispatcherStats
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.hedging import HedgeTimer, race
+from federation.ordering import ClientOrder
 from federation.planner import Planner
 from federation.policies import Policy, RouteContext
 from federation.serverbook import BookSettings, ServerBook
@@ -114,21 +115,15 @@ class Dispatcher:
         self._route_cache: dict[tuple[object, ...], list[ServerEntry]] = {}
         self._route_cache_version = -1
         self._route_cache_snapshot: PoolSnapshot | None = None
-        self._client_weights: dict[str, float] = {}
-        self._client_remaining: dict[str, float] = {}
         self._decisions = 0
         self._decision_s = 0.0
-        if self._config.client_order not in CLIENT_ORDERS:
-            known = ", ".join(CLIENT_ORDERS)
-            raise ValueError(f"client_order must be one of {known}, not {self._config.client_order!r}")
-        self._order = self._config.client_order
-        self._client_answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
+        self._order = ClientOrder(self._config.client_order)
         self._clients_done: set[str] = set()
         self._hedge_timer = HedgeTimer(self._config.hedge_factor, self._config.hedge_min_delay_s)
         self._hedges = 0
         self._races = RaceBook()  # hedgeable requests in flight, per server: what tail stealing may take
         self._planner = (Planner(clock, self._config.plan_period_s, warmup_s=5 * self._config.plan_period_s,
-                                 order=self._phase_order if self._order != "fair" else None)
+                                 order=self._order.first if self._order.name != "fair" else None)
                          if self._config.planned else None)
         self._client_waiting: Counter[str] = Counter()  # requests queued for a slot, per client
 
@@ -146,14 +141,12 @@ class Dispatcher:
 
     def set_client_weight(self, client_id: str, weight: float) -> None:
         """Weighted fair share when the pool is saturated: a client of weight 2 gets twice the slots."""
-        if weight <= 0:
-            raise ValueError("client weight must be positive")
-        self._client_weights[client_id] = weight
+        self._order.set_weight(client_id, weight)
 
     def set_client_remaining(self, client_id: str, work: float, requests: int | None = None) -> None:
         """How much work the client has left (any consistent unit; used by client_order="shortest_first")
         and, when known, how many requests it has still to complete (used by planned routing)."""
-        self._client_remaining[client_id] = max(0.0, work)
+        self._order.set_remaining(client_id, work)
         if requests is not None and self._planner is not None:
             self._planner.set_remaining(client_id, requests)
 
@@ -254,20 +247,9 @@ class Dispatcher:
         finally:
             self._release(slot)
 
-    def _phase_order(self, client_id: str) -> float:
-        """Which client the plan lets finish first (smaller first), as the serving order says."""
-        return self._client_key(client_id)[0]
-
     def _client_key(self, client_id: str) -> tuple[float, float]:
         """The order clients are served in (smaller first), for waiters and stolen stragglers alike."""
-        share = self._client_inflight.get(client_id, 0) / self._client_weights.get(client_id, 1.0)
-        if self._order == "shortest_first":
-            first = self._client_remaining.get(client_id, float("inf"))
-        elif self._order == "longest_answers_first":
-            first = -self._client_answer.get(client_id, 0.0)
-        else:
-            first = 0.0
-        return first, share
+        return self._order.key(client_id, self._client_inflight.get(client_id, 0))
 
     def _steal_for(self, thief: ServerEntry) -> None:
         """Tail stealing. `thief` just freed a slot; a client that has sent everything may have requests
@@ -414,7 +396,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         answer = request.body.get("max_tokens")
         if isinstance(answer, int | float):
-            self._client_answer[request.client_id] = float(answer)
+            self._order.note_answer_length(request.client_id, float(answer))
         if self._planner is not None:
             self._planner.note_request(request.client_id, request.prompt_chars(),
                                        float(answer) if isinstance(answer, int | float) else None)
@@ -598,36 +580,16 @@ class Dispatcher:
         return dict(self._book.inflight)
 
     def stats(self) -> DispatcherStats:
-        book = self._book
         snapshot = self._snapshots()
-        windows = {e.id: book.window(e) for e in snapshot.entries} if snapshot else {}
-        ids = sorted(set(book.answered) | set(book.failures) | set(book.inflight) | set(windows))
         return DispatcherStats(
             submitted=self._submitted,
             completed=self._completed,
             failed=self._failed,
             retries=self._retries,
             hedges=self._hedges,
-            inflight_total=sum(book.inflight.values()),
+            inflight_total=sum(self._book.inflight.values()),
             waiting=sum(1 for queue in self._queues.values() for w in queue if not w.future.done()),
             decisions=self._decisions,
             decision_s=self._decision_s,
-            servers=tuple(
-                ServerStats(
-                    server_id=sid,
-                    answered=book.answered.get(sid, 0),
-                    failures=dict(book.failures.get(sid, {})),
-                    inflight=book.inflight.get(sid, 0),
-                    window=windows.get(sid, 0),
-                    completion_tokens=book.tokens.get(sid, 0),
-                    busy_s=book.busy_s.get(sid, 0.0),
-                    learned_tokens_per_s=book.learning[sid].estimator.rate if sid in book.learning else None,
-                    window_reason=(
-                        book.learning[sid].last_decision.reason  # type: ignore[union-attr]
-                        if sid in book.learning and book.learning[sid].last_decision else None
-                    ),
-                )
-                for sid in ids
-            ),
+            servers=self._book.server_stats(snapshot.entries if snapshot else ()),
         )
-

@@ -7,10 +7,11 @@ import bisect
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from federation.breaker import CircuitBreaker
+from federation.dispatch_types import ServerStats
 from federation.errors import FailureKind
 from federation.learning import LEARN_PERIOD_S, ServerLearning
 from federation.policies import Candidate
@@ -129,6 +130,28 @@ class ServerBook:
         self.answered[server.id] += 1
         self.tokens[server.id] += tokens
         self.busy_s[server.id] += latency_s
+
+    def server_stats(self, entries: Iterable[ServerEntry]) -> tuple[ServerStats, ...]:
+        """Per-server figures: every server answered, failed or in flight here, and those of `entries`."""
+        windows = {e.id: self.window(e) for e in entries}
+        ids = sorted(set(self.answered) | set(self.failures) | set(self.inflight) | set(windows))
+        return tuple(
+            ServerStats(
+                server_id=sid,
+                answered=self.answered.get(sid, 0),
+                failures=dict(self.failures.get(sid, {})),
+                inflight=self.inflight.get(sid, 0),
+                window=windows.get(sid, 0),
+                completion_tokens=self.tokens.get(sid, 0),
+                busy_s=self.busy_s.get(sid, 0.0),
+                learned_tokens_per_s=self.learning[sid].estimator.rate if sid in self.learning else None,
+                window_reason=(
+                    self.learning[sid].last_decision.reason  # type: ignore[union-attr]
+                    if sid in self.learning and self.learning[sid].last_decision else None
+                ),
+            )
+            for sid in ids
+        )
 
     # ---- internals ----------------------------------------------------------------------------
     def _candidate(self, server: ServerEntry) -> Candidate:
