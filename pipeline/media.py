@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.actors import cpu_actor_options
 from pipeline.errors import DataError
 from pipeline.loaders import Sample
 from pipeline.schema import AudioPart, ContentPart, ImagePart, VideoPart
@@ -178,7 +179,7 @@ class MediaPool:
     def __init__(self, actors: int = 1, *, num_cpus: float = 1.0):
         import ray
 
-        remote = ray.remote(MediaWorker).options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1)
+        remote = ray.remote(MediaWorker).options(**cpu_actor_options(num_cpus))
         self._actors = [remote.remote() for _ in range(max(1, actors))]
         self._busy = [0] * len(self._actors)
 

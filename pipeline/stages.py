@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.actors import cpu_actor_options
+
 
 class StageCosts(BaseModel):
     """CPU seconds per item of each stage (engine-time seconds: divided by the run's time scale)."""
@@ -137,8 +139,7 @@ class StagePool:
         self.num_cpus = num_cpus
         # A node that dies takes its actors with it: Ray starts them again elsewhere and retries the calls
         # that were in flight, so an eval loses no record to a lost CPU node.
-        remote = ray.remote(StageWorker).options(num_cpus=num_cpus, max_restarts=-1, max_task_retries=-1,
-                                                 **(actor_options or {}))
+        remote = ray.remote(StageWorker).options(**cpu_actor_options(num_cpus, actor_options))
         self._actors = [remote.remote(time_scale, cpu_bound) for _ in range(actors)]
         self._busy = [0] * actors
 
