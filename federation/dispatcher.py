@@ -112,6 +112,7 @@ class Dispatcher:
         self._client_inflight: Counter[str] = Counter()
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
+        self._grant_soon: asyncio.Handle | None = None  # one grant pass for every request submitted in a tick
         self._route_cache: dict[tuple[object, ...], list[ServerEntry]] = {}
         self._route_cache_version = -1
         self._route_cache_snapshot: PoolSnapshot | None = None
@@ -130,6 +131,10 @@ class Dispatcher:
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def client_order(self) -> str:
+        return self._order.name
 
     def client_done_sending(self, client_id: str, done: bool = True) -> None:
         """A client says it has nothing left to send: its outstanding requests are the tail of its run,
@@ -406,7 +411,11 @@ class Dispatcher:
         key = waiter.route_key
         self._queues.setdefault((request.client_id, key), deque()).append(waiter)
         self._route_waiting[key] += 1
-        self._dispatch_waiting()
+        # Granted on the loop's next turn, not here: requests that arrive together (evals starting at once,
+        # a client refilling its workers) are granted in one pass, in the client order, instead of in the
+        # order their coroutines happened to run.
+        if self._grant_soon is None:
+            self._grant_soon = loop.call_soon(self._grant_submitted)
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -423,6 +432,10 @@ class Dispatcher:
             self._route_waiting[key] -= 1
             if self._route_waiting[key] <= 0:
                 del self._route_waiting[key]
+
+    def _grant_submitted(self) -> None:
+        self._grant_soon = None
+        self._dispatch_waiting()
 
     def _dispatch_waiting(self) -> None:
         """Grant free slots to waiters (synchronous: choice and count happen in one step). Fair: the

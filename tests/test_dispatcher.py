@@ -380,6 +380,27 @@ async def test_shortest_first_serves_the_client_with_least_work_left(emulators: 
         Dispatcher(None, lambda: snap, make_policy("round_robin"), config=DispatchConfig(client_order="lifo"))  # type: ignore[arg-type]
 
 
+async def test_requests_submitted_together_are_granted_in_the_client_order(emulators: EmulatorFactory) -> None:
+    """Requests that arrive in the same turn of the loop (evals starting together) share one grant pass: with
+    one free slot and shortest_first, the client with the least work gets it even though the other client's
+    request was submitted first."""
+    server = await emulators.start(max_running=1, decode_s=0.01)
+    snap = snapshot_of([server], capacity=1)
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"),
+                                config=DispatchConfig(client_order="shortest_first"))
+        dispatcher.set_client_remaining("big", 1000.0)
+        dispatcher.set_client_remaining("small", 10.0)
+        done: list[str] = []
+
+        async def one(client: str, i: int) -> None:
+            await dispatcher.submit(request(i, client_id=client))
+            done.append(client)
+
+        await asyncio.gather(*(one(c, i) for i, c in enumerate(["big", "big", "small", "small"])))
+    assert done == ["small", "small", "big", "big"], done
+
+
 async def test_window_decisions_read_the_newest_scrape_not_the_granting_snapshot(
         emulators: EmulatorFactory) -> None:
     """A slot keeps the entry of the snapshot it was granted from; the window decision taken when its answer
