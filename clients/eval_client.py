@@ -36,7 +36,7 @@ from pipeline import (
 )
 from pipeline.media import MediaPool, encode_in_thread
 from pipeline.stages import StageHooks
-from pipeline.verifier import VerifierPool, judge_item, with_judgment
+from pipeline.verifier import VerifierPool, judge_item, judge_prompt_words, with_judgment
 
 log = logging.getLogger("fedpool.client")
 
@@ -69,6 +69,24 @@ class EvalSummary:
     wall_time_s: float
     resumed: int = 0
     written: int = 0
+
+
+class StartLine:
+    """Where evals started together wait for each other before sending (see EvalRun.run)."""
+
+    def __init__(self, evals: int):
+        self._left = evals
+        self._open = asyncio.Event()
+        if evals <= 0:
+            self._open.set()
+
+    def arrive(self) -> None:
+        self._left -= 1
+        if self._left <= 0:
+            self._open.set()
+
+    async def wait(self) -> None:
+        await self._open.wait()
 
 
 @dataclass
@@ -137,19 +155,31 @@ class EvalRun:
             **self._run_info,
         }
 
-    async def run(self) -> EvalSummary:
+    async def run(self, start_line: StartLine | None = None) -> EvalSummary:
+        """Run the eval to its end. With a start line shared by evals started together, this one sends its
+        first request only once every one of them has loaded its samples and told the dispatcher how much
+        work it has: the first grants then follow the client order, not which dataset loaded first."""
         started = self._clock()
-        samples = await asyncio.to_thread(load_samples, self.spec)
-        data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())
-        writer = await asyncio.to_thread(ArtifactWriter, self._dir, self._config(data_hash), secrets=self._secrets)
-        todo = [s for s in samples if s.sample_id not in writer.done_ids]
-        total = len(samples)
-        self._counters.done = total - len(todo)
-        self._work_each = _work_per_sample(self.spec, todo)
-        # The planner's first guess at this eval's shape, before any answer reports real token counts.
-        self._dispatcher.set_client_shape(self.spec.name, _mean_prompt_words(self.spec, todo),
-                                          self.spec.generation.max_tokens)
-        self._report_remaining(len(todo))
+        try:
+            samples = await asyncio.to_thread(load_samples, self.spec)
+            data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())
+            writer = await asyncio.to_thread(ArtifactWriter, self._dir, self._config(data_hash),
+                                             secrets=self._secrets)
+            todo = [s for s in samples if s.sample_id not in writer.done_ids]
+            total = len(samples)
+            self._counters.done = total - len(todo)
+            self._work_each = _work_per_sample(self.spec, todo)
+            if self._verifier is not None and self._verifier.config.shares_engine_cores:
+                self._work_each += _judge_work_per_sample(self.spec, todo, self._verifier.config.max_tokens)
+            # The planner's first guess at this eval's shape, before any answer reports real token counts.
+            self._dispatcher.set_client_shape(self.spec.name, _mean_prompt_words(self.spec, todo),
+                                              self.spec.generation.max_tokens)
+            self._report_remaining(len(todo))
+        finally:
+            if start_line is not None:
+                start_line.arrive()  # an eval that failed to load must not hold the others back
+        if start_line is not None:
+            await start_line.wait()
         if writer.resumed:
             log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
         n_workers = min(self._concurrency, max(1, len(todo)))
@@ -351,6 +381,16 @@ def _work_per_sample(spec: BenchmarkSpec, samples: list[Sample], probe: int = 64
     """A rough per-request work estimate (prompt words + weighted answer budget) from a few samples, for
     the dispatcher's shortest-first ordering; the unit only has to be the same across evals."""
     return _mean_prompt_words(spec, samples, probe) + DECODE_WEIGHT * spec.generation.max_tokens
+
+
+def _judge_work_per_sample(spec: BenchmarkSpec, samples: list[Sample], judge_max_tokens: int,
+                           probe: int = 64) -> float:
+    """What judging one record costs, in _work_per_sample's unit: the judge's prompt (its template around
+    the question, the options and an answer as long as the answer budget) plus its own answer budget."""
+    few = samples[:probe]
+    options = sum(sum(letter in s.fields for letter in "ABCDEFGHIJ") for s in few) / len(few) if few else 0.0
+    prompt = judge_prompt_words(_mean_prompt_words(spec, few), spec.generation.max_tokens, options)
+    return prompt + DECODE_WEIGHT * judge_max_tokens
 
 
 def _attempt_info(attempt: Any) -> AttemptInfo:

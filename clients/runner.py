@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget
+from clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget, StartLine
 from federation import Dispatcher
 from pipeline import BenchmarkSpec
 from pipeline.media import MediaPool
@@ -42,4 +42,8 @@ async def run_evals(
         )
         for spec in specs
     ]
-    return list(await asyncio.gather(*(run.run() for run in runs)))
+    # Under an order other than fair, the first grants must already follow it: every eval waits at the start
+    # line until all have loaded their samples and reported their work. Under fair there is nothing to
+    # wait for (every eval starts with nothing in flight), and each eval starts as soon as it has loaded.
+    start_line = StartLine(len(runs)) if dispatcher.client_order != "fair" else None
+    return list(await asyncio.gather(*(run.run(start_line) for run in runs)))

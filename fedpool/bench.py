@@ -289,14 +289,16 @@ def _spec_path(ref: str) -> Path:
     return Path(ref)
 
 
-def verifier_config(config: EvalsConfig, evals: Sequence[PreparedEval]) -> VerifierConfig | None:
-    """The judge's settings when any eval asks for it (the model file is fetched once, here)."""
+def verifier_config(config: EvalsConfig, evals: Sequence[PreparedEval], pool: PoolConfig) -> VerifierConfig | None:
+    """The judge's settings when any eval asks for it (the model file is fetched once, here). Judges share
+    the cores of llama.cpp servers started on this machine."""
     if not any(p.spec.verifier for p in evals):
         return None
     from deploy import ensure_gemma
 
     path = config.verifier.model_path or str(ensure_gemma(None))
-    return VerifierConfig(model_path=path, actors=config.verifier.actors, threads=config.verifier.threads)
+    return VerifierConfig(model_path=path, actors=config.verifier.actors, threads=config.verifier.threads,
+                          shares_engine_cores=pool.local_llamacpp is not None)
 
 
 # ---- the pool, started fresh for each arm ---------------------------------------------------------------
@@ -510,7 +512,7 @@ def _token_means(records: Sequence[Any]) -> tuple[float, float]:
 async def run_conventional(
     pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float
 ) -> ArmResult:
-    judge = await asyncio.to_thread(verifier_config, config, evals)
+    judge = await asyncio.to_thread(verifier_config, config, evals, pool)
     async with started_pool(pool, out_dir / "logs", None) as servers:
         by_id = {s.record.id: s for s in servers}
         assignment = assign_servers(evals, servers)
@@ -563,7 +565,7 @@ async def run_federated(
         await registry.ping()
         try:
             async with started_pool(pool, out_dir / "logs", registry) as servers:
-                judge = await asyncio.to_thread(verifier_config, config, evals)
+                judge = await asyncio.to_thread(verifier_config, config, evals, pool)
                 verifier = VerifierPool(judge) if judge is not None else None
                 needs_stages = any(p.costs.load_s + p.costs.metric_s + p.costs.verify_s > 0 for p in evals)
                 stages = StagePool(config.stage_actors, time_scale=pool.time_scale) if needs_stages else None

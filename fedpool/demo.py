@@ -122,7 +122,9 @@ async def _run_pool(
                 from pipeline.verifier import VerifierConfig, VerifierPool
 
                 specs = [s.model_copy(update={"verifier": True}) for s in specs]
-                verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.servers.model_path))))
+                # The judge runs beside the local llama.cpp servers, on the same cores.
+                verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.servers.model_path)),
+                                                       shares_engine_cores=True))
                 print("[fedpool] verifier: 1 Ray CPU actor judging every prediction as it completes", file=out)
             progress = ProgressView(pool.dispatcher, mode="plain", out=out, every_s=PROGRESS_EVERY_S)
             started = time.monotonic()

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.actors import cpu_actor_options
 from pipeline.schema import Record
 
 _RATING = re.compile(r"Rating:\s*([01])\s*$", re.MULTILINE)
@@ -51,6 +52,11 @@ class VerifierConfig(BaseModel):
     n_ctx: int = Field(default=2048, ge=256)
     max_tokens: int = Field(default=64, ge=8, le=1024)
     field_chars: int = Field(default=800, ge=64)  # longer fields are cut head + tail
+    # The judges run on the cores the inference engines use (CPU engines on this machine, as in the local
+    # pool): a judgment then costs the pool what an inference call costs, and client_order="shortest_first"
+    # counts an eval's judge calls in the work it has left. Off for GPU pools, where judging overlaps
+    # inference instead of competing with it.
+    shares_engine_cores: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,12 @@ def judge_prompt(item: JudgeItem, field_chars: int) -> str:
     )
 
 
+def judge_prompt_words(question_words: float, answer_words: float, options: float = 0.0) -> float:
+    """About how many words a judge prompt has: the template around a question, its options (a few words
+    each) and an answer."""
+    return len(JUDGE_TEMPLATE.split()) + question_words + answer_words + 4 * options
+
+
 def parse_judgment(text: str) -> Judgment:
     """The verdict is the last `Rating: 0|1` standing at a line end; the explanation is what precedes it."""
     # The prompt ends in "Explanation:", so the completion starts with the explanation itself.
@@ -147,7 +159,7 @@ class VerifierPool:
             raise FileNotFoundError(f"verifier model {config.model_path} does not exist")
         self.config = config
         # Restarted elsewhere (loading the model again) if its node dies; calls in flight are retried.
-        remote = ray.remote(VerifierWorker).options(num_cpus=config.threads, max_restarts=-1, max_task_retries=-1)
+        remote = ray.remote(VerifierWorker).options(**cpu_actor_options(config.threads))
         self._actors = [remote.remote(config.model_dump()) for _ in range(config.actors)]
         self._busy = [0] * len(self._actors)
         self.judged = 0

@@ -8,8 +8,9 @@ import pytest
 
 from clients import EvalTarget, run_evals
 from deploy.models import ensure_gemma
-from federation import PoolConnection
+from federation import DispatchConfig, PoolConnection
 from pipeline import load_spec
+from pipeline.actors import cpu_actor_options
 from pipeline.bundled import bundled_spec_paths
 from pipeline.verifier import JudgeItem, VerifierConfig, VerifierPool
 from registry import RegistryClient, ServerRecord
@@ -23,6 +24,29 @@ def verifier_pool(ray_cluster: None) -> VerifierPool:
     pool = VerifierPool(VerifierConfig(model_path=str(ensure_gemma()), actors=1, threads=1))
     yield pool
     pool.shutdown()
+
+
+async def test_cpu_actors_run_at_the_eval_processes_priority(verifier_pool: VerifierPool) -> None:
+    """Ray starts workers at niceness 15; a judge or stage actor there gets ~3% of a core shared with a CPU
+    engine at 0. Every fedpool CPU actor runs at niceness 0, like the eval's own process."""
+    import os
+
+    from pipeline.stages import StagePool
+
+    judge_nice = await verifier_pool._actors[0].__ray_call__.remote(lambda _self: os.nice(0))
+    stages = StagePool(1, num_cpus=0.1)
+    try:
+        await stages.ready()
+        stage_nice = await stages._actors[0].__ray_call__.remote(lambda _self: os.nice(0))
+    finally:
+        stages.shutdown()
+    assert (judge_nice, stage_nice) == (0, 0)
+
+
+def test_actor_options_keep_a_callers_environment() -> None:
+    options = cpu_actor_options(0.5, {"runtime_env": {"env_vars": {"X": "1"}, "pip": ["a"]}, "name": "n"})
+    assert options["runtime_env"] == {"pip": ["a"], "env_vars": {"RAY_worker_niceness": "0", "X": "1"}}
+    assert (options["num_cpus"], options["name"], options["max_restarts"]) == (0.5, "n", -1)
 
 
 async def test_real_judgments_come_back_parsed_or_counted(verifier_pool: VerifierPool) -> None:
@@ -51,3 +75,36 @@ async def test_every_record_of_a_verified_eval_is_judged_once(
     assert summary.summary["verifier_unparsed"] == sum(not r["verifier"]["parsed"] for r in records)
     with pytest.raises(ValueError, match="asks for the verifier"):
         await run_evals([spec], pool.dispatcher, tmp_path / "other", EvalTarget(model="emu-model"))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_judge_calls_count_as_work_left_when_judges_share_the_engines_cores(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path, shared: bool
+) -> None:
+    """shortest_first, one slot: 4 judged multiple-choice samples are less inference than 12 arith samples,
+    so they go first, unless the judges run on the engines' cores: then each judgment costs the pool as
+    much as an inference call and the arith eval has less work left. Both evals start together, so the first
+    grant already follows the order."""
+    server = await emulators.start(model="emu-model", max_running=1)
+    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=1))
+    paths = {p.stem: p for p in bundled_spec_paths()}
+    judged = load_spec(paths["capitals_mc"])
+    judged = judged.model_copy(update={"verifier": True, "data": judged.data.model_copy(update={"limit": 4})})
+    arith = load_spec(paths["arith"])
+    arith = arith.model_copy(update={"data": arith.data.model_copy(update={"limit": 12})})
+    judges = VerifierPool(VerifierConfig(model_path=str(ensure_gemma()), actors=1, threads=1,
+                                         shares_engine_cores=shared))
+    try:
+        await judges.ready()
+        async with PoolConnection(registry, config=DispatchConfig(client_order="shortest_first")) as pool:
+            summaries = await run_evals([judged, arith], pool.dispatcher, tmp_path, EvalTarget(model="emu-model"),
+                                        verifier=judges)
+    finally:
+        judges.shutdown()
+    answered = {s.benchmark: sorted(r["provenance"]["completed_at"] for r in read_jsonl(
+        s.artifact_dir / "records.jsonl")) for s in summaries}
+    assert [len(answered["capitals_mc"]), len(answered["arith"])] == [4, 12]
+    if shared:
+        assert answered["arith"][-1] < answered["capitals_mc"][0], answered
+    else:
+        assert answered["capitals_mc"][-1] < answered["arith"][0], answered
