@@ -473,13 +473,19 @@ class ArmResult:
 
 def assign_servers(evals: Sequence[PreparedEval], servers: Sequence[LiveServer]) -> dict[str, list[str]]:
     """Split the GPUs among the evals the way a fair operator would: the heaviest eval gets the fastest
-    server; spare servers go to the heaviest evals in turn; with fewer servers than evals, evals share."""
+    server; spare servers go to the heaviest evals in turn. With fewer servers than evals, evals share:
+    heaviest first, each onto the server that would finish its load soonest with it (longest processing
+    time first), so the light evals share a server rather than one of them joining the heaviest."""
     order = sorted(evals, key=PreparedEval.estimated_work, reverse=True)
     fastest = sorted(servers, key=lambda s: s.speed, reverse=True)
     out: dict[str, list[str]] = {p.spec.name: [] for p in evals}
-    if len(fastest) <= len(order):
-        for i, p in enumerate(order):
-            out[p.spec.name].append(fastest[i % len(fastest)].record.id)
+    if len(fastest) < len(order):
+        load = {s.record.id: 0.0 for s in fastest}
+        for p in order:
+            work = p.estimated_work()
+            best = min(fastest, key=lambda s: (load[s.record.id] + work) / s.speed)  # ties: the fastest
+            load[best.record.id] += work
+            out[p.spec.name].append(best.record.id)
         return out
     for i, s in enumerate(fastest):
         out[order[i % len(order)].spec.name].append(s.record.id)

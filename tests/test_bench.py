@@ -67,6 +67,11 @@ def test_conventional_split_gives_the_heaviest_eval_the_fastest_server(tmp_path:
     assert split["big"][0] == "a100" and len(split["big"]) == 2 and len(split["small"]) == 1
     shared = assign_servers(evals, [v100a])
     assert shared == {"big": ["v100a"], "small": ["v100a"]}  # fewer servers than evals: they share
+    three = prepare_evals(EvalsConfig.model_validate({"evals": [
+        *config.model_dump()["evals"], {"name": "tiny", "size": 5, "prompt_tokens": 50, "max_tokens": 8}]}),
+        tmp_path / "three")
+    # The two light evals share the second server; neither joins the heavy one (round robin would).
+    assert assign_servers(three, [v100a, v100b]) == {"big": ["v100a"], "small": ["v100b"], "tiny": ["v100b"]}
 
 
 def test_ideal_is_the_fluid_split_over_server_speeds() -> None:
