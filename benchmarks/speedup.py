@@ -59,9 +59,15 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
         for name in sorted({s.profile for s in pool.emulated}):
             profile = next(report.profiles[s.id] for s in pool.emulated if s.profile == name)
             lines.append(f"- `{name}`: {profile.source}")
+    elif pool.local_llamacpp is not None:
+        local = pool.local_llamacpp
+        lines.append(markdown_table(
+            ["server", "engine", "accelerator", "slots", "threads", "context per slot"],
+            [[sid, "llama.cpp (started here)", "cpu", local.slots, local.threads, local.ctx_per_slot]
+             for sid in fed.server_ids]))
     else:
-        lines.append(markdown_table(["server", "engine", "accelerator"],
-                                    [[sid, "", ""] for sid in fed.server_ids]))
+        lines.append(markdown_table(["server", "engine", "accelerator", "url"],
+                                    [[s.id, s.engine.value, s.accelerator, s.url] for s in pool.servers]))
     cfg = report.evals_config
     lines += [
         "", "## Evals", "",
