@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from federation.transport import Timeouts
+from federation.types import Attempt
+from registry import ServerEntry
 
 CLIENT_ORDERS = ("fair", "shortest_first", "longest_answers_first")
 
@@ -61,3 +65,21 @@ class DispatcherStats:
     waiting: int = 0  # requests waiting for a slot
     decisions: int = 0  # slots granted (each a routing decision)
     decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A place held in a server's admission window for one attempt of a client's request."""
+
+    server: ServerEntry
+    client_id: str
+    acquired_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    """An upstream response being streamed; read `response.content`."""
+
+    server: ServerEntry
+    response: aiohttp.ClientResponse
+    attempts: tuple[Attempt, ...]

@@ -10,16 +10,18 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
-from federation.dispatch_types import DispatchConfig, DispatcherStats
+from federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream, Slot
 from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from federation.hedging import HedgeTimer, race
 from federation.ordering import ClientOrder
 from federation.planner import Planner
 from federation.policies import Policy, RouteContext
+from federation.retries import RetryState, backoff_s
+from federation.routes import Routes
 from federation.serverbook import BookSettings, ServerBook
 from federation.stealing import RaceBook, Racer
 from federation.transport import open_stream, post_completion
@@ -29,32 +31,7 @@ from registry import PoolSnapshot, ServerEntry
 log = logging.getLogger("fedpool.dispatcher")
 
 WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
-MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
 HEDGE_RECHECK_S = 0.1  # how often a straggler looks again for an idle server to hedge on
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    server: ServerEntry
-    client_id: str
-    acquired_at: float
-
-
-@dataclass(slots=True)
-class _RetryState:
-    attempts: list[Attempt] = field(default_factory=list)
-    tried: set[str] = field(default_factory=set)
-    counted: int = 0
-    resets: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class OpenStream:
-    """An upstream response being streamed; read `response.content`."""
-
-    server: ServerEntry
-    response: aiohttp.ClientResponse
-    attempts: tuple[Attempt, ...]
 
 
 @dataclass(eq=False, slots=True)
@@ -69,8 +46,7 @@ class _Waiter:
 
     @property
     def route_key(self) -> tuple[object, ...]:
-        r = self.request
-        return (r.model, r.revision, r.pinned_engines, r.pinned_servers)
+        return self.request.route_key()
 
 
 class Dispatcher:
@@ -104,6 +80,9 @@ class Dispatcher:
                          self._config.learn_period_s),
             clock=clock, wall_clock=wall_clock,
         )
+        # A new snapshot may change the servers and their priors: the scale that puts priors on the learned
+        # rates is computed again.
+        self._routes = Routes(snapshots, on_new_snapshot=self._book.forget_rate_scale)
         self._submitted = self._completed = self._failed = self._retries = 0
         # Waiting requests, FIFO per (client, route): a grant looks at each queue's head only, so it costs
         # O(clients × routes), not O(waiters). Cancelled waiters are dropped lazily when they reach a head.
@@ -113,9 +92,6 @@ class Dispatcher:
         self._seq = itertools.count()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._grant_soon: asyncio.Handle | None = None  # one grant pass for every request submitted in a tick
-        self._route_cache: dict[tuple[object, ...], list[ServerEntry]] = {}
-        self._route_cache_version = -1
-        self._route_cache_snapshot: PoolSnapshot | None = None
         self._decisions = 0
         self._decision_s = 0.0
         self._order = ClientOrder(self._config.client_order)
@@ -173,7 +149,7 @@ class Dispatcher:
     async def submit(self, request: InferenceRequest) -> InferenceResult:
         """Complete the request exactly once or raise RequestFailed / NoServerError after every retry."""
         self._submitted += 1
-        retry = _RetryState()
+        retry = RetryState()
         hedgeable = self._config.hedging and request.body.get("temperature") == 0
         while True:
             slot = await self._acquire(request, retry.tried)
@@ -214,7 +190,7 @@ class Dispatcher:
             assert completion is not None
             latency = winner.finished - winner.started
             retry.attempts.append(Attempt(server.id, winner.started, latency))
-            self._book.note_success(self._current(server), completion.completion_tokens or 0, latency)
+            self._book.note_success(self._routes.current(server), completion.completion_tokens or 0, latency)
             if self._planner is not None:
                 self._planner.note_answer(request.client_id, server, completion.prompt_tokens,
                                           completion.completion_tokens)
@@ -262,10 +238,6 @@ class Dispatcher:
         The thief starts a copy of the one queued there last, if that client comes before every waiting
         request in the serving order; the first answer wins and the other copy is cancelled (the engine
         drops it). So one eval's stragglers do not wait behind a slow server while a fast one has room."""
-        book = self._book
-        thief_rate = book.weight_of(thief)
-        if thief_rate <= 0:
-            return
         best_waiting: tuple[float, float] | None = None
         for (cid, _route), queue in self._queues.items():
             if any(not w.future.done() for w in itertools.islice(queue, 4)):
@@ -274,24 +246,13 @@ class Dispatcher:
                     best_waiting = key
         now = self._clock()
 
-        def drain_of(server: ServerEntry) -> float:
-            rate = book.weight_of(server)
-            return book.inflight.get(server.id, 0) / rate if rate > 0 else float("inf")
-
         def eligible(r: Racer) -> bool:
             return (r.request.client_id in self._clients_done
                     and (best_waiting is None or self._client_key(r.request.client_id) < best_waiting)
                     and r.server.record.revision == thief.record.revision
-                    and any(s.id == thief.id for s in self._servers_for(r.request)))
+                    and any(s.id == thief.id for s in self._routes.servers_for(r.request)))
 
-        while book.inflight.get(thief.id, 0) < book.window(thief):
-            thief_drain = (book.inflight.get(thief.id, 0) + 1) / thief_rate
-            victim_id = self._races.slowest_other(thief.id, thief_drain, drain_of)
-            if victim_id is None:
-                return
-            victim = self._races.take_last(victim_id, eligible)
-            if victim is None:
-                return
+        for victim in self._races.stealable(thief, self._book, eligible):
             slot = self._take(thief, victim.request.client_id, now)
             victim.stolen = (self._start_attempt(slot, victim.request), thief, now)
             if not victim.wake.done():
@@ -320,12 +281,12 @@ class Dispatcher:
     ) -> tuple[asyncio.Task[Completion], ServerEntry, float] | None:
         if request.client_id not in self._clients_done:
             return None
-        key = (request.model, request.revision, request.pinned_engines, request.pinned_servers)
+        key = request.route_key()
         if self._route_waiting.get(key):
             return None
         now = self._clock()
         servers = [
-            s for s in self._servers_for(request)
+            s for s in self._routes.servers_for(request)
             if s.id != primary.id and s.record.revision == primary.record.revision
             and self._book.breaker(s.id).allows(now)
         ]
@@ -344,7 +305,7 @@ class Dispatcher:
         Failures before the first byte are retried elsewhere like any request; once bytes have gone to
         the caller the stream cannot move, and a break is the caller's to report."""
         self._submitted += 1
-        retry = _RetryState()
+        retry = RetryState()
         while True:
             slot = await self._acquire(request, retry.tried)
             server = slot.server
@@ -358,7 +319,7 @@ class Dispatcher:
             break
         try:
             yield OpenStream(server, response, tuple(retry.attempts))
-            self._book.note_success(self._current(server), 0, self._clock() - started)
+            self._book.note_success(self._routes.current(server), 0, self._clock() - started)
             self._completed += 1
         except BaseException:
             self._failed += 1
@@ -367,33 +328,25 @@ class Dispatcher:
             response.release()
             self._release(slot)
 
-    def _record_failure(self, server: ServerEntry, started: float, err: AttemptError, retry: _RetryState) -> None:
-        retry.attempts.append(Attempt(server.id, started, self._clock() - started, err.kind, err.detail))
+    def _record_failure(self, server: ServerEntry, started: float, err: AttemptError, retry: RetryState) -> None:
+        retry.record(server.id, started, self._clock(), err)
         self._note_failure(server, err.kind)
 
     async def _after_failure(
-        self, request: InferenceRequest, server: ServerEntry, started: float, err: AttemptError, retry: _RetryState
+        self, request: InferenceRequest, server: ServerEntry, started: float, err: AttemptError, retry: RetryState
     ) -> None:
-        """Record a failed attempt; return to retry (after backoff) or raise RequestFailed."""
+        """Record a failed attempt; return to retry (at once or after a backoff) or raise RequestFailed."""
         self._record_failure(server, started, err, retry)
-        if not err.kind.retriable:
+        if err.kind.retriable:
+            self._retries += 1
+        try:
+            at_once = retry.retry_at_once(request.request_id, server.id, err, self._config.max_attempts)
+        except RequestFailed:
             self._failed += 1
-            raise RequestFailed(
-                f"request {request.request_id} refused by {server.id}: {err}", tuple(retry.attempts), err.kind
-            ) from err
-        self._retries += 1
-        if err.kind is FailureKind.RESET and retry.resets < MAX_RESET_RETRIES:
-            retry.resets += 1
-            return  # the request never reached the server: retry at once
-        retry.counted += 1
-        retry.tried.add(server.id)
-        if retry.counted >= self._config.max_attempts:
-            self._failed += 1
-            raise RequestFailed(
-                f"request {request.request_id} failed {retry.counted} times; last: {err}",
-                tuple(retry.attempts), err.kind,
-            ) from err
-        await self._sleep(self._backoff(retry.counted))
+            raise
+        if not at_once:
+            await self._sleep(backoff_s(retry.counted, self._config.backoff_base_s, self._config.backoff_max_s,
+                                        self._rng))
 
     async def _acquire(self, request: InferenceRequest, tried: set[str]) -> Slot:
         """Wait for a slot. Waiters are served fairly: the client with the fewest requests in flight per
@@ -494,7 +447,7 @@ class Dispatcher:
         """Give the waiter a slot if a server can take it; False when its route is full, None when the plan
         holds it for servers that are full."""
         request = waiter.request
-        servers = self._servers_for(request)
+        servers = self._routes.servers_for(request)
         if self._planner is not None and servers:
             book, tried = self._book, waiter.tried
 
@@ -550,42 +503,8 @@ class Dispatcher:
         self._dispatch_waiting()
 
     # ---- bookkeeping --------------------------------------------------------------------------
-    def _servers_for(self, request: InferenceRequest) -> list[ServerEntry]:
-        """Routable servers for the request's route, computed once per snapshot version and route."""
-        snapshot = self._snapshots()
-        if snapshot is None:
-            return []
-        key = (request.model, request.revision, request.pinned_engines, request.pinned_servers)
-        if self._route_cache_version != snapshot.version or self._route_cache_snapshot is not snapshot:
-            self._route_cache.clear()
-            self._route_cache_version, self._route_cache_snapshot = snapshot.version, snapshot
-            self._book.forget_rate_scale()
-        servers = self._route_cache.get(key)
-        if servers is None:
-            view = snapshot.filter(
-                model=request.model,
-                revision=request.revision,
-                engines=request.pinned_engines,
-                server_ids=request.pinned_servers,
-                routable_only=True,
-            )
-            servers = self._route_cache[key] = list(view.entries)
-        return servers
-
-    def _current(self, server: ServerEntry) -> ServerEntry:
-        """The server as the newest snapshot has it (its latest scrape): a slot holds the entry of the
-        snapshot it was granted from, which can be many probes old when the answer comes back."""
-        snapshot = self._snapshots()
-        current = snapshot.get(server.id) if snapshot is not None else None
-        return current if current is not None else server
-
-    def _backoff(self, failures: int) -> float:
-        """Exponential backoff with full jitter."""
-        ceiling = min(self._config.backoff_max_s, self._config.backoff_base_s * 2 ** (failures - 1))
-        return self._rng.uniform(0, ceiling)
-
     def _note_failure(self, server: ServerEntry, kind: FailureKind) -> None:
-        self._book.note_failure(self._current(server), kind)
+        self._book.note_failure(self._routes.current(server), kind)
         if kind.counts_against_server and self._on_failure is not None:
             self._on_failure(server.id, kind)
 

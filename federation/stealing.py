@@ -5,9 +5,10 @@ and races the copy; this only keeps the book and picks the candidate)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from federation.serverbook import ServerBook
 from federation.types import Completion, InferenceRequest
 from registry import ServerEntry
 
@@ -59,3 +60,26 @@ class RaceBook:
         if victim is not None:
             self.forget(victim)
         return victim
+
+    def stealable(self, thief: ServerEntry, book: ServerBook, eligible: Callable[[Racer], bool]) -> Iterator[Racer]:
+        """The racers `thief` should copy, out of the book, one at a time while it has room in its window:
+        each time the one queued last on the server whose queue drains slowest (in flight ÷ learned rate),
+        if that is slower than the thief would drain with one more. The caller takes the thief's slot for
+        each before asking for the next."""
+        thief_rate = book.weight_of(thief)
+        if thief_rate <= 0:
+            return
+
+        def drain_of(server: ServerEntry) -> float:
+            rate = book.weight_of(server)
+            return book.inflight.get(server.id, 0) / rate if rate > 0 else float("inf")
+
+        while book.inflight.get(thief.id, 0) < book.window(thief):
+            thief_drain = (book.inflight.get(thief.id, 0) + 1) / thief_rate
+            victim_id = self.slowest_other(thief.id, thief_drain, drain_of)
+            if victim_id is None:
+                return
+            victim = self.take_last(victim_id, eligible)
+            if victim is None:
+                return
+            yield victim

@@ -43,6 +43,10 @@ class InferenceRequest:
                 total += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
         return total
 
+    def route_key(self) -> tuple[object, ...]:
+        """What decides which servers may serve it: model, revision, pinned engines and servers."""
+        return (self.model, self.revision, self.pinned_engines, self.pinned_servers)
+
     def prefix_text(self, length: int = 256) -> str:
         """The start of the prompt, for prefix-affinity routing."""
         if "prompt" in self.body:

@@ -443,3 +443,29 @@ async def test_an_attempt_cancelled_before_it_starts_gives_its_slot_back(emulato
         slot = dispatcher._take(entry, "c", 0.0)
         done = await dispatcher._start_attempt(slot, request(2))
         assert done.text and dispatcher.inflight() == {}
+
+
+def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None:
+    """A stale connection is retried at once (3 times at most), a server failure after a backoff and away from
+    that server, a refused request never; max_attempts counts only the failures that are the server's."""
+    from federation.errors import AttemptError
+    from federation.retries import MAX_RESET_RETRIES, RetryState
+
+    retry = RetryState()
+    reset = AttemptError(FailureKind.RESET, "closed")
+    for _ in range(MAX_RESET_RETRIES):
+        retry.record("s0", 0.0, 0.1, reset)
+        assert retry.retry_at_once("r", "s0", reset, max_attempts=2) is True
+    retry.record("s0", 0.0, 0.1, reset)
+    assert retry.retry_at_once("r", "s0", reset, max_attempts=2) is False  # out of free resets: counted
+    assert retry.tried == {"s0"} and retry.counted == 1
+    down = AttemptError(FailureKind.CONNECT, "refused connection")
+    retry.record("s1", 0.0, 0.1, down)
+    with pytest.raises(RequestFailed, match="failed 2 times"):
+        retry.retry_at_once("r", "s1", down, max_attempts=2)
+    refused = AttemptError(FailureKind.REQUEST_ERROR, "400 bad request")
+    fresh = RetryState()
+    fresh.record("s0", 0.0, 0.1, refused)
+    with pytest.raises(RequestFailed, match="refused by s0") as info:
+        fresh.retry_at_once("r", "s0", refused, max_attempts=8)
+    assert len(info.value.attempts) == 1 and fresh.counted == 0
