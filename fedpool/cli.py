@@ -8,22 +8,25 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
-
-DEFAULT_STATE_DIR = Path("~/.fedpool/registry")
-
-
-class CliError(Exception):
-    def __init__(self, message: str, code: int = EXIT_FAILED):
-        self.code = code
-        super().__init__(message)
+from fedpool.cli_eval import cmd_eval_replay, cmd_eval_rescore, cmd_eval_resume, cmd_eval_run, verifier_pool
+from fedpool.cli_jobs import cmd_jobs_client, cmd_jobs_submit
+from fedpool.cli_support import (
+    DEFAULT_STATE_DIR,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    connect_ray,
+    emit,
+    ray_token_auth_if_available,
+    registry_client,
+    validation_message,
+)
 
 
 def _positive_int(text: str) -> int:
@@ -328,38 +331,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _ray_token_auth_if_available() -> None:
-    """Ray 2.60's `ray start` turns token authentication on by itself when a token exists
-    (~/.ray/auth_token, made by any earlier local `ray.init()`), but a driver joining with
-    `ray.init(address=...)` only sends the token when RAY_AUTH_MODE=token: it is then refused with
-    "InvalidAuthToken". Sending a token to a cluster without authentication does no harm, so a driver
-    that has a token sends it, unless RAY_AUTH_MODE says otherwise (a local cluster that `ray.init()`
-    starts uses token authentication by default anyway)."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
-    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
-        os.environ["RAY_AUTH_MODE"] = "token"
-
-
-def _connect_ray(address: str) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address != "auto" and not _tcp_reachable(address):
-        raise CliError(
-            f"cannot reach a Ray cluster at {address!r}; start one with `ray start --head` "
-            "or pass --address HOST:PORT of a running head node", EXIT_UNAVAILABLE,
-        )
-    try:
-        ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
-    except ConnectionError as exc:
-        raise CliError(
-            f"cannot reach a Ray cluster at {address!r} ({exc}); start one with `ray start --head`", EXIT_UNAVAILABLE
-        ) from None
-
-
 def _parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
     labels = {}
     for item in items:
@@ -370,46 +341,24 @@ def _parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]
     return labels
 
 
-def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
-    import socket
-
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-def _client(args: argparse.Namespace):
-    from registry import RegistryClient
-
-    _connect_ray(args.address)
-    try:
-        return RegistryClient.connect(token_file=args.token_path, state_dir=args.state_dir.expanduser())
-    except ValueError:
-        raise CliError("no registry runs in this Ray cluster; start it with `fedpool registry start`",
-                       EXIT_UNAVAILABLE) from None
-
-
 def cmd_registry_start(args: argparse.Namespace) -> int:
     from registry import RegistryClient
 
-    _connect_ray(args.address)
+    connect_ray(args.address)
     token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
     client = RegistryClient.start(args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval,
                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                   resources={args.pin_resource: 0.01} if args.pin_resource else {})
     info = asyncio.run(client.ping())
-    _emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
+    emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
           f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)")
     return EXIT_OK
 
 
 def cmd_registry_status(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = registry_client(args)
     info = asyncio.run(client.ping())
-    _emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
+    emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
           f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms")
     return EXIT_OK
 
@@ -432,7 +381,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
         given = args.jobs_token_file.read_text(encoding="utf-8").strip() if args.jobs_token_file else None
         jobs_token = ensure_jobs_token(jobs_dir, given)
-    client = _client(args)
+    client = registry_client(args)
     asyncio.run(_serve_gateway(client, args, keys, jobs_dir, jobs_token))
     return EXIT_OK
 
@@ -455,7 +404,7 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
         jobs = None
         if jobs_dir is not None:
             jobs = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
-                             verifier_factory=lambda: _verifier_pool(args))
+                             verifier_factory=lambda: verifier_pool(args))
             await jobs.start()
         app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=jobs, jobs_token=jobs_token)
         runner = web.AppRunner(app, access_log=None)
@@ -477,98 +426,10 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
         await runner.cleanup()
 
 
-def _jobs_client(args: argparse.Namespace) -> Any:
-    from fedpool.jobs_client import JobsClient
-
-    token = os.environ.get("FEDPOOL_JOBS_TOKEN")
-    path = args.jobs_token_file or Path("~/.fedpool/jobs/jobs.token").expanduser()
-    if args.jobs_token_file or not token:
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except OSError:
-            raise CliError(f"no jobs token: {path} is not readable; pass --jobs-token-file or set "
-                           "FEDPOOL_JOBS_TOKEN", EXIT_USAGE) from None
-    return JobsClient(args.url, token)
-
-
-def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
-    from fedpool.jobs_client import JobsApiError
-
-    try:
-        return fn()
-    except JobsApiError as exc:
-        code = EXIT_USAGE if exc.status == 400 else EXIT_FAILED
-        raise CliError(f"jobs server: {exc.message}", code) from None
-    except OSError as exc:
-        raise CliError(f"cannot reach the jobs server at {url} ({exc}); start it with `fedpool jobs serve`",
-                       EXIT_UNAVAILABLE) from None
-
-
-def cmd_jobs_submit(args: argparse.Namespace) -> int:
-    from pipeline import load_spec
-    from pipeline.errors import SpecError
-
-    specs = []
-    for path in args.spec:
-        try:
-            spec = load_spec(path)
-        except SpecError as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
-        raw = spec.model_dump(mode="json")
-        raw["data"]["path"] = str(spec.data_path().resolve())  # the server has no spec file to resolve against
-        specs.append(raw)
-    client = _jobs_client(args)
-    job = _jobs_call(lambda: client.submit(args.model, specs=specs, revision=args.revision,
-                                           concurrency=args.concurrency, limit=args.limit, name=args.name), args.url)
-    if args.wait:
-        job = _jobs_call(lambda: client.wait(job["id"]), args.url)
-    _emit(args, job, _job_text)
-    return EXIT_OK if not args.wait or job["state"] == "done" else EXIT_FAILED
-
-
-def cmd_jobs_client(args: argparse.Namespace) -> int:
-    client = _jobs_client(args)
-    action = args.jobs_command
-    if action == "list":
-        jobs = _jobs_call(client.list, args.url)
-        if args.json:
-            print(json.dumps({"jobs": jobs}, indent=2))
-        else:
-            print("\n".join(_job_line(j) for j in jobs) if jobs else "(no jobs; submit one with `fedpool jobs submit`)")
-        return EXIT_OK
-    if action == "logs":
-        text = _jobs_call(lambda: client.logs(args.job_id), args.url)
-        print(json.dumps({"id": args.job_id, "log": text}) if args.json else text, end="" if not args.json else "\n")
-        return EXIT_OK
-    call = client.get if action == "show" else client.cancel
-    job = _jobs_call(lambda: call(args.job_id), args.url)
-    _emit(args, job, _job_text)
-    return EXIT_OK
-
-
-def _job_line(job: dict[str, Any]) -> str:
-    done = sum(p.get("done", 0) for p in job["progress"].values())
-    total = sum(p.get("total", 0) for p in job["progress"].values())
-    progress = f"{done}/{total}" if total else "-"
-    return f"{job['id']}  {job['state']:<9}  {progress:>11}  {job['model']}  {job.get('name') or ''}".rstrip()
-
-
-def _job_text(job: dict[str, Any]) -> str:
-    lines = [_job_line(job), f"  artifacts: {job['artifact_dir']}"]
-    for bench, p in job["progress"].items():
-        lines.append(f"  {bench}: {p.get('done')}/{p.get('total')} done, {p.get('failed')} failed")
-    for bench, s in job["scores"].items():
-        lines.append(f"  {bench}: " + ", ".join(f"{x['metric']} {x['value']:.1f} [{x['ci_low']:.1f}, "
-                                                 f"{x['ci_high']:.1f}]" for x in s["scores"]))
-    if job.get("error"):
-        lines.append(f"  error: {job['error']}")
-    return "\n".join(lines)
-
-
 def cmd_pool_status(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    client = _client(args)
+    client = registry_client(args)
     snapshot = asyncio.run(client.snapshot())
     entries = snapshot.entries
     by = Counter((e.status.value, e.engine.value, e.record.accelerator) for e in entries)
@@ -592,181 +453,8 @@ def cmd_pool_status(args: argparse.Namespace) -> int:
         lines += [f"  model {m}: {n} server(s)" for m, n in sorted(r["models"].items())]
         return "\n".join(lines)
 
-    _emit(args, report, text)
+    emit(args, report, text)
     return EXIT_OK
-
-
-EVAL_FILE = "eval.json"
-
-
-def cmd_eval_run(args: argparse.Namespace) -> int:
-    from pipeline.artifact import write_json_atomic
-
-    plan = {
-        "specs": [str(p.resolve()) for p in args.spec], "model": args.model, "revision": args.revision,
-        "policy": args.policy, "concurrency": args.concurrency, "limit": args.limit,
-        "client_order": args.client_order, "planned": args.planned,
-    }
-    out = args.out.resolve()
-    if (out / EVAL_FILE).exists():
-        raise CliError(f"{out} already holds a run; use `fedpool eval resume {out}` or another --out", EXIT_USAGE)
-    specs = _load_eval_specs(plan)  # bad specs stop here, before anything is written
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / EVAL_FILE, plan)
-    return _run_eval(args, out, plan, specs)
-
-
-def cmd_eval_resume(args: argparse.Namespace) -> int:
-    out = args.run_dir.resolve()
-    try:
-        plan = json.loads((out / EVAL_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CliError(f"{out} has no {EVAL_FILE}: not a directory made by `fedpool eval run`", EXIT_USAGE) from None
-    return _run_eval(args, out, plan, _load_eval_specs(plan))
-
-
-def _load_eval_specs(plan: dict[str, Any]) -> list[Any]:
-    from fedpool.demo import load_specs
-
-    return load_specs(tuple(Path(p) for p in plan["specs"]), plan.get("limit"))
-
-
-def cmd_eval_replay(args: argparse.Namespace) -> int:
-    from pipeline.artifact import write_json_atomic
-    from pipeline.errors import ArtifactError
-    from pipeline.reproduce import replay_specs
-
-    source = args.artifact.resolve()
-    try:
-        saved = replay_specs(source)
-        plan_file = source / EVAL_FILE
-        before = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.exists() else {}
-    except ArtifactError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
-    models = {(b.config.get("model"), b.config.get("revision")) for b in saved}
-    if len(models) != 1:
-        raise CliError(f"{source}: its benchmarks were run against different models {sorted(map(str, models))}",
-                       EXIT_USAGE)
-    (model, revision), = models
-    out = args.out.resolve()
-    if (out / EVAL_FILE).exists():
-        raise CliError(f"{out} already holds a run; replay into a new --out", EXIT_USAGE)
-    spec_dir = out / "replayed-specs"  # the specs as saved, so `fedpool eval resume` works on the replay too
-    spec_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for b in saved:
-        path = spec_dir / f"{b.spec.name}.json"
-        write_json_atomic(path, b.spec.model_dump(mode="json"))
-        paths.append(str(path))
-    plan = {"specs": paths, "model": model, "revision": revision, "policy": before.get("policy", "capacity_weighted"),
-            "concurrency": before.get("concurrency", 64), "limit": None, "replay_of": str(source),
-            "client_order": before.get("client_order", "fair"), "planned": before.get("planned", False)}
-    write_json_atomic(out / EVAL_FILE, plan)
-    return _run_eval(args, out, plan, [b.spec for b in saved])
-
-
-def cmd_eval_rescore(args: argparse.Namespace) -> int:
-    from pipeline import load_spec
-    from pipeline.errors import ArtifactError, SpecError
-    from pipeline.reproduce import benchmark_dirs, load_saved, rescoring_spec
-
-    try:
-        saved = [load_saved(d, check_data=False) for d in benchmark_dirs(args.artifact)]
-        new_specs = {s.name: s for s in (load_spec(p) for p in args.spec)}
-        unknown = sorted(set(new_specs) - {b.spec.name for b in saved})
-        if unknown:
-            raise CliError(f"--spec for {', '.join(unknown)}: not a benchmark of {args.artifact}", EXIT_USAGE)
-        use = [rescoring_spec(b.spec, new_specs.get(b.spec.name)) for b in saved]
-    except (ArtifactError, SpecError) as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
-    out = args.out.resolve()
-    if any((out / spec.name).exists() for spec in use):
-        raise CliError(f"{out} already holds a rescore of these benchmarks; use another --out", EXIT_USAGE)
-    needs_judge = any(spec.verifier for spec in use)
-    if needs_judge:
-        from fedpool.localpool import init_local_ray
-
-        init_local_ray()
-    summaries = asyncio.run(_rescore_all(saved, use, out, args, needs_judge))
-    if args.json:
-        print(json.dumps({"out": str(out), "benchmarks": summaries}, indent=2, default=str))
-    else:
-        for summary in summaries:
-            scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in summary["scores"])
-            print(f"{summary['benchmark']}: {summary['records']} records rescored ({summary['failed']} failed); "
-                  f"{scores}; {out / summary['benchmark']}")
-    return EXIT_OK
-
-
-async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: argparse.Namespace,
-                       needs_judge: bool) -> list[dict[str, Any]]:
-    from pipeline.reproduce import rescore_benchmark
-
-    verifier = _verifier_pool(args) if needs_judge else None
-    try:
-        if verifier is not None:
-            await verifier.ready()
-        judge = verifier.judge if verifier is not None else None
-        return list(await asyncio.gather(*(rescore_benchmark(b, out, spec=s, judge=judge) for b, s in zip(
-            saved, use, strict=True))))
-    finally:
-        if verifier is not None:
-            verifier.shutdown()
-
-
-def _verifier_pool(args: argparse.Namespace) -> Any:
-    from deploy.models import ensure_gemma
-    from pipeline.verifier import VerifierConfig, VerifierPool
-
-    model = args.verifier_model or ensure_gemma()
-    try:
-        return VerifierPool(VerifierConfig(model_path=str(model), actors=args.verifier_actors,
-                                           threads=args.verifier_threads))
-    except FileNotFoundError as exc:
-        raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
-
-
-def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: list[Any]) -> int:
-    client = _client(args)
-    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args))
-    rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
-            for s in summaries}
-    if args.json:
-        print(json.dumps({"run_dir": str(out), "benchmarks": rows}, indent=2, default=str))
-    else:
-        for s in summaries:
-            scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in s.summary["scores"])
-            print(f"{s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
-                  f"{s.summary['failed']} failed); {scores}; {s.artifact_dir}")
-    return EXIT_OK
-
-
-async def _eval_through_pool(
-    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace
-) -> list[Any]:
-    from clients import EvalTarget, run_evals
-    from federation import DispatchConfig, PoolConnection
-    from fedpool.progress import ProgressView
-    from pipeline.media import MediaPool
-
-    verifier = _verifier_pool(args) if any(s.verifier for s in specs) else None
-    # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
-    media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
-    try:
-        await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
-        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"), planned=plan.get("planned", False))
-        async with PoolConnection(client, policy=plan["policy"], config=dispatch) as pool:
-            view = ProgressView(pool.dispatcher, mode="quiet" if getattr(args, "quiet", False) else "auto")
-            async with view:
-                return await run_evals(
-                    specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
-                    concurrency=plan["concurrency"], verifier=verifier, media=media, on_progress=view.update,
-                    run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
-                              "client_order": dispatch.client_order, "planned": dispatch.planned})
-    finally:
-        for pool_of_actors in (verifier, media):
-            if pool_of_actors is not None:
-                pool_of_actors.shutdown()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -799,8 +487,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             capacity=args.capacity, labels={**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine},
         )
     except ValidationError as exc:
-        raise CliError(_validation_message(exc), EXIT_USAGE) from None
-    client = _client(args)
+        raise CliError(validation_message(exc), EXIT_USAGE) from None
+    client = registry_client(args)
     return asyncio.run(_serve_engine(client, record, argv, args))
 
 
@@ -847,16 +535,16 @@ def cmd_server_add(args: argparse.Namespace) -> int:
             accelerator=args.accelerator, gpu_count=args.gpus, capacity=args.capacity, labels=labels,
         )
     except ValidationError as exc:
-        raise CliError(_validation_message(exc), EXIT_USAGE) from None
-    client = _client(args)
+        raise CliError(validation_message(exc), EXIT_USAGE) from None
+    client = registry_client(args)
     entry = asyncio.run(client.register(record, replace=args.replace))
-    _emit(args, _entry_json(entry), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
+    emit(args, _entry_json(entry), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
           f"{e['accelerator']}), capacity {e['capacity']}, status {e['status']}")
     return EXIT_OK
 
 
 def cmd_server_list(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = registry_client(args)
     snapshot = asyncio.run(client.snapshot())
     if args.model:
         snapshot = snapshot.filter(model=args.model)
@@ -869,23 +557,23 @@ def cmd_server_list(args: argparse.Namespace) -> int:
 
 
 def cmd_server_show(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = registry_client(args)
     entry = asyncio.run(client.get(args.server_id))
-    _emit(args, _entry_json(entry), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
+    emit(args, _entry_json(entry), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
     return EXIT_OK
 
 
 def cmd_server_drain(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = registry_client(args)
     entry = asyncio.run(client.drain(args.server_id))
-    _emit(args, _entry_json(entry), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
+    emit(args, _entry_json(entry), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
     return EXIT_OK
 
 
 def cmd_server_remove(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = registry_client(args)
     record = asyncio.run(client.deregister(args.server_id))
-    _emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
+    emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
     return EXIT_OK
 
 
@@ -933,19 +621,9 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def _emit(args: argparse.Namespace, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
-    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else human(data))
-
-
-def _validation_message(exc: Any) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _ray_token_auth_if_available()  # before Ray is imported (build_parser imports it): it reads the mode once
+    ray_token_auth_if_available()  # before Ray is imported (build_parser imports it): it reads the mode once
     if argv[:2] == ["bench", "speedup"]:  # its options are the benchmark script's own
         try:
             return cmd_bench_speedup(argparse.Namespace(bench_args=argv[2:]))

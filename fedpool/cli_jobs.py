@@ -1,0 +1,100 @@
+"""`fedpool jobs submit | list | show | cancel | logs`: evaluations as jobs on a `fedpool gateway --jobs`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedpool.cli_support import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, emit
+
+
+def _jobs_client(args: argparse.Namespace) -> Any:
+    from fedpool.jobs_client import JobsClient
+
+    token = os.environ.get("FEDPOOL_JOBS_TOKEN")
+    path = args.jobs_token_file or Path("~/.fedpool/jobs/jobs.token").expanduser()
+    if args.jobs_token_file or not token:
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            raise CliError(f"no jobs token: {path} is not readable; pass --jobs-token-file or set "
+                           "FEDPOOL_JOBS_TOKEN", EXIT_USAGE) from None
+    return JobsClient(args.url, token)
+
+
+def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
+    from fedpool.jobs_client import JobsApiError
+
+    try:
+        return fn()
+    except JobsApiError as exc:
+        code = EXIT_USAGE if exc.status == 400 else EXIT_FAILED
+        raise CliError(f"jobs server: {exc.message}", code) from None
+    except OSError as exc:
+        raise CliError(f"cannot reach the jobs server at {url} ({exc}); start it with `fedpool jobs serve`",
+                       EXIT_UNAVAILABLE) from None
+
+
+def cmd_jobs_submit(args: argparse.Namespace) -> int:
+    from pipeline import load_spec
+    from pipeline.errors import SpecError
+
+    specs = []
+    for path in args.spec:
+        try:
+            spec = load_spec(path)
+        except SpecError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        raw = spec.model_dump(mode="json")
+        raw["data"]["path"] = str(spec.data_path().resolve())  # the server has no spec file to resolve against
+        specs.append(raw)
+    client = _jobs_client(args)
+    job = _jobs_call(lambda: client.submit(args.model, specs=specs, revision=args.revision,
+                                           concurrency=args.concurrency, limit=args.limit, name=args.name), args.url)
+    if args.wait:
+        job = _jobs_call(lambda: client.wait(job["id"]), args.url)
+    emit(args, job, _job_text)
+    return EXIT_OK if not args.wait or job["state"] == "done" else EXIT_FAILED
+
+
+def cmd_jobs_client(args: argparse.Namespace) -> int:
+    client = _jobs_client(args)
+    action = args.jobs_command
+    if action == "list":
+        jobs = _jobs_call(client.list, args.url)
+        if args.json:
+            print(json.dumps({"jobs": jobs}, indent=2))
+        else:
+            print("\n".join(_job_line(j) for j in jobs) if jobs else "(no jobs; submit one with `fedpool jobs submit`)")
+        return EXIT_OK
+    if action == "logs":
+        text = _jobs_call(lambda: client.logs(args.job_id), args.url)
+        print(json.dumps({"id": args.job_id, "log": text}) if args.json else text, end="" if not args.json else "\n")
+        return EXIT_OK
+    call = client.get if action == "show" else client.cancel
+    job = _jobs_call(lambda: call(args.job_id), args.url)
+    emit(args, job, _job_text)
+    return EXIT_OK
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    done = sum(p.get("done", 0) for p in job["progress"].values())
+    total = sum(p.get("total", 0) for p in job["progress"].values())
+    progress = f"{done}/{total}" if total else "-"
+    return f"{job['id']}  {job['state']:<9}  {progress:>11}  {job['model']}  {job.get('name') or ''}".rstrip()
+
+
+def _job_text(job: dict[str, Any]) -> str:
+    lines = [_job_line(job), f"  artifacts: {job['artifact_dir']}"]
+    for bench, p in job["progress"].items():
+        lines.append(f"  {bench}: {p.get('done')}/{p.get('total')} done, {p.get('failed')} failed")
+    for bench, s in job["scores"].items():
+        lines.append(f"  {bench}: " + ", ".join(f"{x['metric']} {x['value']:.1f} [{x['ci_low']:.1f}, "
+                                                 f"{x['ci_high']:.1f}]" for x in s["scores"]))
+    if job.get("error"):
+        lines.append(f"  error: {job['error']}")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""What every `fedpool` command shares: exit codes, the error it reports, joining Ray and the registry,
+printing --json or a table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+DEFAULT_STATE_DIR = Path("~/.fedpool/registry")
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILED):
+        self.code = code
+        super().__init__(message)
+
+
+def ray_token_auth_if_available() -> None:
+    """Ray 2.60's `ray start` turns token authentication on by itself when a token exists
+    (~/.ray/auth_token, made by any earlier local `ray.init()`), but a driver joining with
+    `ray.init(address=...)` only sends the token when RAY_AUTH_MODE=token: it is then refused with
+    "InvalidAuthToken". Sending a token to a cluster without authentication does no harm, so a driver
+    that has a token sends it, unless RAY_AUTH_MODE says otherwise (a local cluster that `ray.init()`
+    starts uses token authentication by default anyway)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def connect_ray(address: str) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address != "auto" and not _tcp_reachable(address):
+        raise CliError(
+            f"cannot reach a Ray cluster at {address!r}; start one with `ray start --head` "
+            "or pass --address HOST:PORT of a running head node", EXIT_UNAVAILABLE,
+        )
+    try:
+        ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as exc:
+        raise CliError(
+            f"cannot reach a Ray cluster at {address!r} ({exc}); start one with `ray start --head`", EXIT_UNAVAILABLE
+        ) from None
+
+
+def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def registry_client(args: argparse.Namespace) -> Any:
+    from registry import RegistryClient
+
+    connect_ray(args.address)
+    try:
+        return RegistryClient.connect(token_file=args.token_path, state_dir=args.state_dir.expanduser())
+    except ValueError:
+        raise CliError("no registry runs in this Ray cluster; start it with `fedpool registry start`",
+                       EXIT_UNAVAILABLE) from None
+
+
+def emit(args: argparse.Namespace, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
+    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else human(data))
+
+
+def validation_message(exc: Any) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
+    )
