@@ -89,6 +89,10 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
         ["eval", "modality", "size", "prompt tok (mean)", "answer tok (mean)", "max_tokens", "load ms/item",
          "score+verify ms/item", "conventional servers"], rows))
     lines += ["", "## Wall time", ""]
+    if len(report.runs) > 1:
+        lines += [f"Medians over {len(report.runs)} runs of both arms (arms alternating); every run is listed "
+                  "under \"Runs\" below. Busy shares and token counts are from the run with the median makespan.",
+                  ""]
     rows = []
     for p in report.evals:
         name = p.spec.name
@@ -105,6 +109,16 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
          "speedup", "records conv/fed", "failed conv/fed", "same score"], rows))
     lines += ["", f"Speedup, mean over evals: **{report.speedup_avg:.2f}×** (min {report.speedup_min:.2f}×); "
               f"makespan speedup {report.makespan_speedup:.2f}×."]
+    if len(report.runs) > 1:
+        lines += ["", "### Runs", "", "Wall seconds, conventional / federated, and each run's own speedups.", ""]
+        names = [p.spec.name for p in report.evals]
+        rows = []
+        for i, (c, f) in enumerate(report.runs, 1):
+            each = [c.evals[n].wall_s / max(f.evals[n].wall_s, 1e-9) for n in names]
+            rows.append([i, *(f"{c.evals[n].wall_s:.1f} / {f.evals[n].wall_s:.1f}" for n in names),
+                         f"{c.makespan_s:.1f} / {f.makespan_s:.1f}", f"{sum(each) / len(each):.2f}×",
+                         f"{min(each):.2f}×"])
+        lines.append(markdown_table(["run", *names, "makespan", "mean speedup", "min speedup"], rows))
     by_mod: dict[str, list[float]] = {}
     for p in report.evals:
         by_mod.setdefault(p.modality, []).append(report.speedup(p.spec.name))
@@ -215,11 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="speedup", help="report name: results/NAME.md (default speedup)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, help="where both arms write artifacts (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, help="run both arms this many times and report medians "
+                        "(default: the evals file's `repeats`, else 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         pool = load_pool_config(args.pool)
         evals = load_evals_config(args.evals)
+        if args.repeats is not None:
+            if not 1 <= args.repeats <= 20:
+                raise BenchConfigError(f"--repeats {args.repeats}: expected 1 to 20")
+            evals = evals.model_copy(update={"repeats": args.repeats})
     except BenchConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

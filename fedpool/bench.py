@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -189,6 +191,8 @@ class EvalsConfig(BaseModel):
                                  description="federated arm: admission window ceiling = engine capacity × this")
     adaptive_windows: bool = Field(default=True, description="federated arm: windows follow the engine queue")
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
+    repeats: int = Field(default=1, ge=1, le=20,
+                         description="run both arms this many times; wall times and makespans are the medians")
     seed: int = 0
     evals: list[EvalConfig] = Field(min_length=1)
 
@@ -715,6 +719,7 @@ class SpeedupReport:
     ideal_s: float | None  # wall seconds (engine seconds ÷ time_scale)
     ideal_plan: dict[str, dict[str, float]] | None
     profiles: dict[str, EmulatorProfile]
+    runs: list[tuple[ArmResult, ArmResult]] = field(default_factory=list)  # (conventional, federated) per run
 
     def speedup(self, name: str) -> float:
         return self.conventional.evals[name].wall_s / max(self.federated.evals[name].wall_s, 1e-9)
@@ -747,15 +752,34 @@ async def run_speedup(pool: PoolConfig, config: EvalsConfig, out_dir: Path, *, p
     # on a 2-core machine (the engines run outside Ray either way).
     init_local_ray(num_cpus=max(4, os.cpu_count() or 1))
     evals = await asyncio.to_thread(prepare_evals, config, out_dir / "data")
-    arms: dict[str, ArmResult] = {}
-    for mode in order:
-        log.info("speedup: %s arm", mode)
-        runner = run_conventional if mode == "conventional" else run_federated
-        arms[mode] = await runner(pool, evals, config, out_dir / mode, period_s)
+    runs: list[dict[str, ArmResult]] = []
+    for r in range(config.repeats):  # the arms alternate, so a slow drift of the machine hits both
+        arms: dict[str, ArmResult] = {}
+        for mode in order:
+            log.info("speedup: %s arm, run %d of %d", mode, r + 1, config.repeats)
+            runner = run_conventional if mode == "conventional" else run_federated
+            where = out_dir / mode if config.repeats == 1 else out_dir / f"run{r + 1}" / mode
+            arms[mode] = await runner(pool, evals, config, where, period_s)
+        runs.append(arms)
+    conventional = median_arm([a["conventional"] for a in runs])
+    federated = median_arm([a["federated"] for a in runs])
     profiles = {s.id: s.resolved(pool.output_spread) for s in pool.emulated}
     ideal_s = plan = None
     if pool.is_emulated:
         sizes = {p.spec.name: p.size for p in evals}
-        engine_s, plan = ideal_makespan(sizes, arms["federated"].tokens, profiles)
+        engine_s, plan = ideal_makespan(sizes, federated.tokens, profiles)
         ideal_s = engine_s / pool.time_scale
-    return SpeedupReport(pool, config, evals, arms["conventional"], arms["federated"], ideal_s, plan, profiles)
+    return SpeedupReport(pool, config, evals, conventional, federated, ideal_s, plan, profiles,
+                         runs=[(a["conventional"], a["federated"]) for a in runs])
+
+
+def median_arm(arms: Sequence[ArmResult]) -> ArmResult:
+    """One arm over several runs: each eval's wall time and the makespan are the medians over the runs;
+    busy traces, token counts and assignments are those of the run whose makespan is the median (the lower
+    middle one for an even count), so the busy shares stay consistent with a makespan."""
+    if len(arms) == 1:
+        return arms[0]
+    middle = sorted(arms, key=lambda a: a.makespan_s)[(len(arms) - 1) // 2]
+    evals = {name: dataclasses.replace(outcome, wall_s=statistics.median(a.evals[name].wall_s for a in arms))
+             for name, outcome in middle.evals.items()}
+    return dataclasses.replace(middle, evals=evals, makespan_s=statistics.median(a.makespan_s for a in arms))

@@ -8,13 +8,17 @@ import pytest
 
 from deploy.emulator import PROFILES
 from fedpool.bench import (
+    ArmResult,
     BenchConfigError,
+    BusyTrace,
+    EvalOutcome,
     EvalsConfig,
     LiveServer,
     assign_servers,
     ideal_makespan,
     load_evals_config,
     load_pool_config,
+    median_arm,
     prepare_evals,
     saturated_cost,
 )
@@ -107,3 +111,17 @@ def test_a_small_comparison_end_to_end_writes_its_report(ray_cluster: None, tmp_
         for name, size in (("text", 64), ("image", 96)):
             lines = (runs[0] / arm / name / "records.jsonl").read_text().splitlines()
             assert len(lines) == size, (arm, name)
+
+
+def test_repeated_runs_report_medians_and_keep_the_median_runs_traces() -> None:
+    """Per-eval wall times and the makespan are medians over the runs; the busy trace is the median run's."""
+    def arm(makespan: float, walls: dict[str, float]) -> ArmResult:
+        return ArmResult("federated", makespan, {n: EvalOutcome(n, "text", 1, w, 1, 0, None, {}) for n, w in
+                                                 walls.items()}, BusyTrace(makespan), ["s0"])
+
+    runs = [arm(10.0, {"a": 3.0, "b": 10.0}), arm(30.0, {"a": 1.0, "b": 30.0}), arm(20.0, {"a": 8.0, "b": 20.0})]
+    merged = median_arm(runs)
+    assert merged.makespan_s == 20.0 and {n: o.wall_s for n, o in merged.evals.items()} == {"a": 3.0, "b": 20.0}
+    assert merged.busy is runs[2].busy  # the run whose makespan is the median
+    assert median_arm(runs[:1]) is runs[0]
+    assert median_arm(runs[:2]).makespan_s == 20.0 and median_arm(runs[:2]).busy is runs[0].busy  # lower middle
