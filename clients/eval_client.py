@@ -35,6 +35,7 @@ from pipeline import (
     summarize_records,
 )
 from pipeline.media import MediaPool, encode_in_thread
+from pipeline.postprocess import OPTION_LETTERS
 from pipeline.stages import StageHooks
 from pipeline.verifier import VerifierPool, judge_item, judge_prompt_words, with_judgment
 
@@ -168,12 +169,12 @@ class EvalRun:
             todo = [s for s in samples if s.sample_id not in writer.done_ids]
             total = len(samples)
             self._counters.done = total - len(todo)
-            self._work_each = _work_per_sample(self.spec, todo)
+            words = _mean_prompt_words(self.spec, todo)  # rendered once: work estimate and planner prior alike
+            self._work_each = words + DECODE_WEIGHT * self.spec.generation.max_tokens
             if self._verifier is not None and self._verifier.config.shares_engine_cores:
-                self._work_each += _judge_work_per_sample(self.spec, todo, self._verifier.config.max_tokens)
+                self._work_each += _judge_work_per_sample(self.spec, todo, words, self._verifier.config.max_tokens)
             # The planner's first guess at this eval's shape, before any answer reports real token counts.
-            self._dispatcher.set_client_shape(self.spec.name, _mean_prompt_words(self.spec, todo),
-                                              self.spec.generation.max_tokens)
+            self._dispatcher.set_client_shape(self.spec.name, words, self.spec.generation.max_tokens)
             self._report_remaining(len(todo))
         finally:
             if start_line is not None:
@@ -377,19 +378,14 @@ def _mean_prompt_words(spec: BenchmarkSpec, samples: list[Sample], probe: int = 
     return sum(words) / len(words) if words else 0.0
 
 
-def _work_per_sample(spec: BenchmarkSpec, samples: list[Sample], probe: int = 64) -> float:
-    """A rough per-request work estimate (prompt words + weighted answer budget) from a few samples, for
-    the dispatcher's shortest-first ordering; the unit only has to be the same across evals."""
-    return _mean_prompt_words(spec, samples, probe) + DECODE_WEIGHT * spec.generation.max_tokens
-
-
-def _judge_work_per_sample(spec: BenchmarkSpec, samples: list[Sample], judge_max_tokens: int,
-                           probe: int = 64) -> float:
-    """What judging one record costs, in _work_per_sample's unit: the judge's prompt (its template around
-    the question, the options and an answer as long as the answer budget) plus its own answer budget."""
+def _judge_work_per_sample(spec: BenchmarkSpec, samples: list[Sample], question_words: float,
+                           judge_max_tokens: int, probe: int = 64) -> float:
+    """What judging one record costs, in the unit of the work estimate (prompt words + DECODE_WEIGHT ×
+    answer tokens): the judge's prompt (its template around the question, the options and an answer as
+    long as the answer budget) plus its own answer budget."""
     few = samples[:probe]
-    options = sum(sum(letter in s.fields for letter in "ABCDEFGHIJ") for s in few) / len(few) if few else 0.0
-    prompt = judge_prompt_words(_mean_prompt_words(spec, few), spec.generation.max_tokens, options)
+    options = sum(sum(letter in s.fields for letter in OPTION_LETTERS) for s in few) / len(few) if few else 0.0
+    prompt = judge_prompt_words(question_words, spec.generation.max_tokens, options)
     return prompt + DECODE_WEIGHT * judge_max_tokens
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.actors import cpu_actor_options
+from pipeline.postprocess import OPTION_LETTERS
 from pipeline.schema import Record
 
 _RATING = re.compile(r"Rating:\s*([01])\s*$", re.MULTILINE)
@@ -80,7 +81,7 @@ def judge_item(record: Record) -> JudgeItem:
     question = record.prompt or " ".join(
         part.value for m in record.messages if m.role == "user" for part in m.content if part.type == "text"
     )
-    options = tuple(f"{letter}. {record.sample[letter]}" for letter in "ABCDEFGHIJ" if letter in record.sample)
+    options = tuple(f"{letter}. {record.sample[letter]}" for letter in OPTION_LETTERS if letter in record.sample)
     prediction = record.output.text.prediction[0] if record.output.text.prediction else ""
     return JudgeItem(question=question, reference=record.label[0] if record.label else "", prediction=prediction,
                      options=options)
