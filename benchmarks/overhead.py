@@ -1,7 +1,7 @@
 """What routing through fedpool costs: dispatcher decisions per second, and the latency the gateway adds
 over calling the server directly, at fixed request rates (open loop) against a zero-latency server.
 
-    python -m benchmarks.overhead --rates 200 1000 --duration 10
+    python -m fedpool.benchmarks.overhead --rates 200 1000 --duration 10
 
 Baseline printed beside the result: the same requests sent straight to the emulated server; and
 LiteLLM's documented ~12 ms median overhead at ~1k RPS with two instances (its docs).
@@ -16,16 +16,14 @@ import random
 import time
 
 import aiohttp
-
-from benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.report import markdown_table, write_report
 
 LITELLM_MEDIAN_MS = 12.0
 
 
 def _serve(kind: str, port_out: mp.Queue, stop: mp.Event, upstream: str | None) -> None:  # child process
     from aiohttp import web
-
-    from deploy.emulator import EmulatedServer, EmulatorProfile
+    from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 
     async def main() -> None:
         if kind == "emulator":
@@ -34,9 +32,9 @@ def _serve(kind: str, port_out: mp.Queue, stop: mp.Event, upstream: str | None) 
             await asyncio.to_thread(stop.wait)
             await server.stop()
             return
-        from federation import DispatchConfig, Dispatcher, make_policy, new_session
-        from federation.gateway import Gateway
-        from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+        from fedpool.federation import DispatchConfig, Dispatcher, make_policy, new_session
+        from fedpool.federation.gateway import Gateway
+        from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
         record = ServerRecord(id="emu-0", url=upstream or "", engine="vllm", model="bench-model", capacity=512)
         snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 512, 1.0),))
@@ -95,9 +93,9 @@ def pct(values: list[float], q: float) -> float:
 
 async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
     """Placement decisions (policy choice + in-flight accounting) without I/O: acquire then release."""
-    from federation import Dispatcher, InferenceRequest, make_policy, new_session
-    from federation.types import Endpoint
-    from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.federation import Dispatcher, InferenceRequest, make_policy, new_session
+    from fedpool.federation.types import Endpoint
+    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     entries = tuple(
         ServerEntry(ServerRecord(id=f"s{i}", url=f"http://127.0.0.1:{20000 + i}", engine="vllm", model="m",

@@ -2,7 +2,7 @@
 run with its stages overlapped (fedpool) and one after another (inference, then metrics, then the
 verifier, as OmniEvaluator's public code and most harnesses do).
 
-    python -m benchmarks.pipeline_overlap [--records 40] [--metric-s 0.4] [--verifier-actors 1]
+    python -m fedpool.benchmarks.pipeline_overlap [--records 40] [--metric-s 0.4] [--verifier-actors 1]
 
 Real parts: local Ray, the registry actor, an emulated vLLM server (its timing model makes inference a
 stage of known length), the real verifier (llama-cpp-python with Gemma 3 270M on Ray CPU actors), and a
@@ -22,18 +22,17 @@ import time
 from pathlib import Path
 
 import ray
-
-from benchmarks.report import markdown_table, write_report
-from clients import EvalTarget, run_evals
-from deploy.emulator import EmulatedServer, EmulatorProfile
-from deploy.models import ensure_gemma
-from federation import PoolConnection
-from pipeline import load_spec
-from pipeline.artifact import read_records
-from pipeline.bundled import bundled_spec_paths
-from pipeline.stages import StageCosts, StagePool
-from pipeline.verifier import VerifierConfig, VerifierPool, judge_item
-from registry import RegistryClient, ServerRecord
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.clients import EvalTarget, run_evals
+from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
+from fedpool.deploy.models import ensure_gemma
+from fedpool.federation import PoolConnection
+from fedpool.pipeline import load_spec
+from fedpool.pipeline.artifact import read_records
+from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.pipeline.stages import StageCosts, StagePool
+from fedpool.pipeline.verifier import VerifierConfig, VerifierPool, judge_item
+from fedpool.registry import RegistryClient, ServerRecord
 
 MODEL = "overlap-model"
 

@@ -1,7 +1,7 @@
 """Routing policies side by side on a heterogeneous emulated pool (2 × A100-like + 4 × V100-like servers,
 mixed prompt and output lengths), each against the ideal makespan of that pool.
 
-    python -m benchmarks.policies --requests 3000 --speedup 2
+    python -m fedpool.benchmarks.policies --requests 3000 --speedup 2
 
 The ideal is total work ÷ aggregate saturated throughput: every server kept saturated for the whole run
 with nothing left over (a fluid bound no schedule beats), with the engine model's costs (prefill is
@@ -20,11 +20,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from benchmarks.report import markdown_table, write_report
-from deploy.emulator import EmulatedServer, EmulatorProfile
-from federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
+from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+
 from fedpool.bench import saturated_cost
-from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
 POLICIES = ("capacity_weighted", "least_inflight", "power_of_two", "round_robin", "random", "prefix_affinity")
 

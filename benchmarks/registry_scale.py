@@ -1,7 +1,7 @@
 """Registry at scale: N emulated servers probed every interval; probe-cycle time, the registry actor's
 CPU use, and snapshot latency seen by many concurrent clients.
 
-    python -m benchmarks.registry_scale --servers 1000 --interval 1.0 --duration 20 --clients 100 --poll 0.5
+    python -m fedpool.benchmarks.registry_scale --servers 1000 --interval 1.0 --duration 20 --clients 100 --poll 0.5
 
 The emulated servers (real aiohttp servers, one port each) run in a separate process; the registry is
 the real Ray actor; the clients are coroutines in reader actors calling `RegistryClient.snapshot()`.
@@ -24,15 +24,14 @@ from pathlib import Path
 
 import psutil
 import ray
-
-from benchmarks.report import markdown_table, write_report
-from registry import RegistryClient, ServerRecord
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.registry import RegistryClient, ServerRecord
 
 PRODUCTION_STACK_SCRAPE_S = 30.0
 
 
 def _farm(n: int, ports_out: mp.Queue, stop: mp.Event) -> None:  # runs in a child process
-    from deploy.emulator import EmulatedServer
+    from fedpool.deploy.emulator import EmulatedServer
 
     async def main() -> None:
         servers = [EmulatedServer(model="scale-model", seed=i) for i in range(n)]
@@ -51,7 +50,7 @@ class SnapshotReaders:
     on a cluster would; returns the latencies it saw."""
 
     def __init__(self, count: int, seed: int):
-        from registry import RegistryClient
+        from fedpool.registry import RegistryClient
 
         self._clients = [RegistryClient.connect() for _ in range(count)]
         self._rng = random.Random(seed)

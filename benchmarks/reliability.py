@@ -1,7 +1,7 @@
 """Faults on a real local pool: does every record of an eval end in the artifact exactly once, does the run
 complete, and is the pool's status right afterwards?
 
-    python -m benchmarks.reliability            # every scenario; writes benchmarks/results/reliability.md
+    python -m fedpool.benchmarks.reliability            # every scenario; writes benchmarks/results/reliability.md
 
 The pool: local Ray, the registry actor, three emulated vLLM servers (each its own process, so a
 `kill -9` is real) and one real llama.cpp server (Gemma 3 270M), all serving one model name. The evals:
@@ -28,19 +28,19 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.clients import EvalProgress, EvalTarget, run_evals
+from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_process
+from fedpool.deploy.models import ensure_gemma
+from fedpool.deploy.process import EngineProcess, free_port
+from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation.transport import Timeouts
+from fedpool.pipeline import load_spec
+from fedpool.pipeline.artifact import read_records
+from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.registry import RegistryClient, ServerRecord, ServerStatus
 
-from benchmarks.report import markdown_table, write_report
-from clients import EvalProgress, EvalTarget, run_evals
-from deploy.llamacpp import LlamaServerConfig, llama_server_process
-from deploy.models import ensure_gemma
-from deploy.process import EngineProcess, free_port
-from federation import DispatchConfig, PoolConnection
-from federation.transport import Timeouts
 from fedpool.localpool import init_local_ray
-from pipeline import load_spec
-from pipeline.artifact import read_records
-from pipeline.bundled import bundled_spec_paths
-from registry import RegistryClient, ServerRecord, ServerStatus
 
 log = logging.getLogger("fedpool.reliability")
 MODEL = "chaos-model"
@@ -90,8 +90,9 @@ class ChaosPool:
     async def add_emulator(self, server_id: str, *faults: str) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = EngineProcess(server_id, [sys.executable, "-m", "deploy.emulator", "--model", MODEL, "--port", str(port),
-                                         "--profile-json", SLOW_PROFILE, *faults], self.work / f"{server_id}.log")
+        argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL, "--port", str(port),
+                "--profile-json", SLOW_PROFILE, *faults]
+        proc = EngineProcess(server_id, argv, self.work / f"{server_id}.log")
         await proc.start()
         await proc.wait_healthy(url + "/health", deadline_s=30)
         self.extra.append(proc)

@@ -47,7 +47,7 @@ def write_report(
 ) -> Path:
     """Write benchmarks/results/NAME.md; the last line is the machine-readable `result:` line."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks." + Path(sys.argv[0]).stem + (
+    command = "python -m fedpool.benchmarks." + Path(sys.argv[0]).stem + (
         " " + shlex.join(sys.argv[1:]) if sys.argv[1:] else ""
     )
     text = (

@@ -1,7 +1,7 @@
 """Scale by simulation: the dispatcher and a routing policy driving 256 emulated servers for 64 concurrent
 evals, with the emulators running faster than real time so it fits a few minutes on a laptop.
 
-    python -m benchmarks.scale_sim [--servers 256] [--evals 64] [--speedup 2] [--policy capacity_weighted]
+    python -m fedpool.benchmarks.scale_sim [--servers 256] [--evals 64] [--speedup 2] [--policy capacity_weighted]
 
 The pool mixes a quarter A100-vLLM, a quarter A100-SGLang and half V100-vLLM servers (the data-sheet
 profiles of `deploy/emulator.py`, max running sequences capped at `--max-running` so the 64 evals keep
@@ -27,9 +27,9 @@ import time
 from dataclasses import asdict, replace
 
 import psutil
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 
-from benchmarks.report import markdown_table, write_report
-from deploy.emulator import PROFILES, EmulatorProfile
 from fedpool.bench import ideal_makespan
 
 MODEL = "sim-7b"
@@ -48,7 +48,7 @@ def pool_profiles(max_running: int) -> dict[str, EmulatorProfile]:
 
 
 def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Queue, stop: mp.Event) -> None:
-    from deploy.emulator import EmulatedServer
+    from fedpool.deploy.emulator import EmulatedServer
 
     profiles = {k: EmulatorProfile(**v) for k, v in json.loads(profiles_json).items()}
 
@@ -69,9 +69,9 @@ def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Qu
 
 async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], args: argparse.Namespace,
                 ) -> dict[str, object]:
-    from federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-    from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
-    from registry.weights import prior_weight
+    from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.registry.weights import prior_weight
 
     accel = {name: acc for name, acc, _ in GROUPS}
     entries = []

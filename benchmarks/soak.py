@@ -2,7 +2,7 @@
 100,000 requests; afterwards nothing may be left behind (tasks, file descriptors, in-flight counts) and
 memory may not keep growing.
 
-    python -m benchmarks.soak [--clients 500] [--duration 60] [--dispatcher-requests 100000]
+    python -m fedpool.benchmarks.soak [--clients 500] [--duration 60] [--dispatcher-requests 100000]
 
 Loopback only: a zero-latency emulated server and the gateway each run in their own process; the clients
 run here, each streaming chat completions one after another until the time is up (loops bounded in count
@@ -22,14 +22,13 @@ from typing import Any
 
 import aiohttp
 import psutil
-
-from benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.report import markdown_table, write_report
 
 MODEL = "soak-model"
 
 
 def _emulator_child(port_out: mp.Queue, stop: mp.Event) -> None:  # runs in a child process
-    from deploy.emulator import EmulatedServer, EmulatorProfile
+    from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 
     async def main() -> None:
         server = EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=4096))
@@ -43,10 +42,9 @@ def _emulator_child(port_out: mp.Queue, stop: mp.Event) -> None:  # runs in a ch
 def _gateway_child(port_out: mp.Queue, stop: mp.Event, measure: mp.Event, tasks_out: mp.Queue,
                    upstream: str) -> None:  # runs in a child process
     from aiohttp import web
-
-    from federation import DispatchConfig, Dispatcher, make_policy, new_session
-    from federation.gateway import Gateway
-    from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.federation import DispatchConfig, Dispatcher, make_policy, new_session
+    from fedpool.federation.gateway import Gateway
+    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     async def main() -> None:
         record = ServerRecord(id="emu-0", url=upstream, engine="vllm", model=MODEL, capacity=1024)
@@ -150,9 +148,9 @@ async def soak_gateway(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def soak_dispatcher(requests: int, servers: int) -> dict[str, Any]:
-    from deploy.emulator import EmulatedServer, EmulatorProfile
-    from federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-    from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
+    from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     emus = [EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=256), seed=i)
             for i in range(servers)]

@@ -1,6 +1,6 @@
 """Wall-time speedup of federated over conventional evaluation, on the same servers (`fedpool bench speedup`).
 
-    python -m benchmarks.speedup --pool benchmarks/configs/table7_pool.yaml \\
+    python -m fedpool.benchmarks.speedup --pool benchmarks/configs/table7_pool.yaml \\
         --evals benchmarks/configs/table7_evals.yaml --name speedup_emulated
 
 Writes benchmarks/results/NAME.md (command, machine, date, pool, evals, both arms, the ideal) with PNG
@@ -17,7 +17,8 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchmarks.report import RESULTS_DIR, markdown_table, write_report
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+
 from fedpool.bench import (
     ArmResult,
     BenchConfigError,

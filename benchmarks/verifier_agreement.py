@@ -2,7 +2,7 @@
 its speed. The sample: countries from the bundled capitals benchmark, each with a right answer and a
 wrong one (another country's capital), so half the verdicts should be 1 and half 0.
 
-    python -m benchmarks.verifier_agreement --pairs 20
+    python -m fedpool.benchmarks.verifier_agreement --pairs 20
 
 Baseline beside it: always answering 1 (or 0) agrees 50% of the time on this balanced sample; the
 OmniEval verifier (Qwen3-0.6B fine-tuned) reports 85.0% on its own human-verified test split, and plain
@@ -18,11 +18,10 @@ import random
 import time
 
 import ray
-
-from benchmarks.report import markdown_table, write_report
-from deploy.models import ensure_gemma
-from pipeline.bundled import BUNDLED_DIR
-from pipeline.verifier import JudgeItem, VerifierConfig, VerifierPool
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.deploy.models import ensure_gemma
+from fedpool.pipeline.bundled import BUNDLED_DIR
+from fedpool.pipeline.verifier import JudgeItem, VerifierConfig, VerifierPool
 
 
 def labelled_sample(pairs: int, seed: int) -> list[tuple[JudgeItem, int]]:

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-
-from federation import AttemptError, Endpoint, InferenceRequest, Timeouts, post_completion
-from pipeline import (
+from fedpool.federation import AttemptError, Endpoint, InferenceRequest, Timeouts, post_completion
+from fedpool.pipeline import (
     ArtifactWriter,
     BenchmarkSpec,
     Provenance,
@@ -42,8 +41,8 @@ from pipeline import (
     request_body,
     summarize_records,
 )
-from pipeline.stages import StageCosts, spend_inline
-from pipeline.verifier import VerifierConfig, VerifierWorker, judge_item, with_judgment
+from fedpool.pipeline.stages import StageCosts, spend_inline
+from fedpool.pipeline.verifier import VerifierConfig, VerifierWorker, judge_item, with_judgment
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from federation import (
+from fedpool.federation import (
     Dispatcher,
     Endpoint,
     InferenceRequest,
@@ -18,7 +18,7 @@ from federation import (
     NoServerError,
     RequestFailed,
 )
-from pipeline import (
+from fedpool.pipeline import (
     ArtifactWriter,
     AttemptInfo,
     BenchmarkSpec,
@@ -34,10 +34,10 @@ from pipeline import (
     request_body,
     summarize_records,
 )
-from pipeline.media import MediaPool, encode_in_thread
-from pipeline.postprocess import OPTION_LETTERS
-from pipeline.stages import StageHooks
-from pipeline.verifier import VerifierPool, judge_item, judge_prompt_words, with_judgment
+from fedpool.pipeline.media import MediaPool, encode_in_thread
+from fedpool.pipeline.postprocess import OPTION_LETTERS
+from fedpool.pipeline.stages import StageHooks
+from fedpool.pipeline.verifier import VerifierPool, judge_item, judge_prompt_words, with_judgment
 
 log = logging.getLogger("fedpool.client")
 

@@ -7,12 +7,12 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget, StartLine
-from federation import Dispatcher
-from pipeline import BenchmarkSpec
-from pipeline.media import MediaPool
-from pipeline.stages import StageHooks
-from pipeline.verifier import VerifierPool
+from fedpool.clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget, StartLine
+from fedpool.federation import Dispatcher
+from fedpool.pipeline import BenchmarkSpec
+from fedpool.pipeline.media import MediaPool
+from fedpool.pipeline.stages import StageHooks
+from fedpool.pipeline.verifier import VerifierPool
 
 
 async def run_evals(

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-
-from deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
+from fedpool.deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
 
@@ -411,7 +410,7 @@ PROFILES = {
                                          decode_s_per_token=0.024, batch_slowdown=0.03, default_output_tokens=4096,
                                          source="illustrative round numbers"),
     # The real vLLM 0.32.0 CPU server on this project's 2-core CI machine serving deploy/tiny_hf_model.py
-    # (float32, --max-num-seqs 8). Measured (`python -m benchmarks.emulator_fidelity --calibrate`, 64 prompt
+    # (float32, --max-num-seqs 8). Measured (`python -m fedpool.benchmarks.emulator_fidelity --calibrate`, 64 prompt
     # + 64 output tokens, two runs): median latency 89–108 / 95–106 / 100–112 / 117–144 / 212–249 ms at
     # 1 / 2 / 4 / 8 / 16 concurrent (run-to-run spread of the real server ≈ ±10%). Fitted:
     # latency = overhead + 64 × step, step = decode × (1 + slowdown × (n − 1)); overhead 3 ms (HTTP and
@@ -450,11 +449,11 @@ def profile_from_json(text: str) -> EmulatorProfile:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m deploy.emulator --model NAME --port N [--profile P] [--speedup K] [faults]`."""
+    """`python -m fedpool.deploy.emulator --model NAME --port N [--profile P] [--speedup K] [faults]`."""
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(prog="python -m deploy.emulator", description="vLLM-style emulated server")
+    parser = argparse.ArgumentParser(prog="python -m fedpool.deploy.emulator", description="vLLM-style emulated server")
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.llamacpp import LlamaServerConfig, llama_server_binary
+from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,7 @@ def engine_argv(spec: EngineSpec) -> list[str]:
                                    slots=spec.capacity or 4, threads=spec.threads, extra_args=spec.extra_args)
         return config.argv(llama_server_binary())
     if spec.engine == "emulated":
-        return [spec.python, "-m", "deploy.emulator", "--model", spec.model, "--host", spec.host, "--port",
+        return [spec.python, "-m", "fedpool.deploy.emulator", "--model", spec.model, "--host", spec.host, "--port",
                 str(spec.port), "--profile", spec.profile, "--speedup", str(spec.speedup), *spec.extra_args]
     raise ValueError(f"unknown engine {spec.engine!r}; use vllm, sglang, llamacpp or emulated")
 
@@ -67,7 +67,7 @@ def registry_engine(engine: str, profile: str = "tiny") -> str:
     """The registry adapter an engine is probed with (an emulator speaks its profile's protocol)."""
     if engine != "emulated":
         return engine
-    from deploy.emulator import PROFILES
+    from fedpool.deploy.emulator import PROFILES
 
     if profile not in PROFILES:
         raise ValueError(f"unknown emulator profile {profile!r}; known: {', '.join(sorted(PROFILES))}")

@@ -7,8 +7,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from deploy.process import EngineProcess
-from registry import RegistryClient, RegistryError, ServerRecord, UnknownServerError, adapter_for
+from fedpool.deploy.process import EngineProcess
+from fedpool.registry import RegistryClient, RegistryError, ServerRecord, UnknownServerError, adapter_for
 
 log = logging.getLogger("fedpool.deploy")
 

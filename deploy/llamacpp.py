@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.process import EngineProcess
+from fedpool.deploy.process import EngineProcess
 
 
 class LlamaServerNotInstalled(RuntimeError):

@@ -1,12 +1,12 @@
 """Routing, admission, retries and failover over the registry's snapshots."""
 
-from federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
-from federation.dispatcher import Dispatcher
-from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from federation.policies import Candidate, Policy, RouteContext, RouteDecision, make_policy, policy_names
-from federation.pool import PoolConnection
-from federation.transport import Timeouts, new_session, post_completion
-from federation.types import Attempt, Completion, Endpoint, InferenceRequest, InferenceResult
+from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from fedpool.federation.policies import Candidate, Policy, RouteContext, RouteDecision, make_policy, policy_names
+from fedpool.federation.pool import PoolConnection
+from fedpool.federation.transport import Timeouts, new_session, post_completion
+from fedpool.federation.types import Attempt, Completion, Endpoint, InferenceRequest, InferenceResult
 
 __all__ = [
     "Attempt",

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import aiohttp
-
-from federation.transport import Timeouts
-from federation.types import Attempt
-from registry import ServerEntry
+from fedpool.federation.transport import Timeouts
+from fedpool.federation.types import Attempt
+from fedpool.registry import ServerEntry
 
 CLIENT_ORDERS = ("fair", "shortest_first", "longest_answers_first")
 

@@ -13,20 +13,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
-
-from federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream, Slot
-from federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from federation.hedging import HedgeTimer, race
-from federation.ordering import ClientOrder
-from federation.planner import Planner
-from federation.policies import Policy, RouteContext
-from federation.retries import RetryState, backoff_s
-from federation.routes import Routes
-from federation.serverbook import BookSettings, ServerBook
-from federation.stealing import RaceBook, Racer
-from federation.transport import open_stream, post_completion
-from federation.types import Attempt, Completion, InferenceRequest, InferenceResult
-from registry import PoolSnapshot, ServerEntry
+from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream, Slot
+from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from fedpool.federation.hedging import HedgeTimer, race
+from fedpool.federation.ordering import ClientOrder
+from fedpool.federation.planner import Planner
+from fedpool.federation.policies import Policy, RouteContext
+from fedpool.federation.retries import RetryState, backoff_s
+from fedpool.federation.routes import Routes
+from fedpool.federation.serverbook import BookSettings, ServerBook
+from fedpool.federation.stealing import RaceBook, Racer
+from fedpool.federation.transport import open_stream, post_completion
+from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
+from fedpool.registry import PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
 

@@ -15,12 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.errors import FailureKind, NoServerError, RequestFailed
+from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.registry import PoolSnapshot
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from federation.dispatcher import Dispatcher
-from federation.errors import FailureKind, NoServerError, RequestFailed
-from federation.types import Endpoint, InferenceRequest
-from registry import PoolSnapshot
 
 log = logging.getLogger("fedpool.gateway")
 

@@ -12,9 +12,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from federation.errors import AttemptError
-from federation.types import Completion
-from registry import ServerEntry
+from fedpool.federation.errors import AttemptError
+from fedpool.federation.types import Completion
+from fedpool.registry import ServerEntry
 
 Launch = Callable[[], "tuple[asyncio.Task[Completion], ServerEntry, float] | None"]
 

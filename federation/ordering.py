@@ -7,7 +7,7 @@ asking for the longest answers (max_tokens) first, fair among equals. Pure bookk
 
 from __future__ import annotations
 
-from federation.dispatch_types import CLIENT_ORDERS
+from fedpool.federation.dispatch_types import CLIENT_ORDERS
 
 
 class ClientOrder:

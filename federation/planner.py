@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from registry import ServerEntry, accelerator_roofline
+from fedpool.registry import ServerEntry, accelerator_roofline
 
 log = logging.getLogger("fedpool.planner")
 

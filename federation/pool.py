@@ -8,12 +8,12 @@ import logging
 import random
 from types import TracebackType
 
-from federation.dispatch_types import DispatchConfig
-from federation.dispatcher import Dispatcher
-from federation.errors import FailureKind
-from federation.policies import make_policy
-from federation.transport import new_session
-from registry import PoolSnapshot, RegistryClient, SnapshotWatcher
+from fedpool.federation.dispatch_types import DispatchConfig
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.errors import FailureKind
+from fedpool.federation.policies import make_policy
+from fedpool.federation.transport import new_session
+from fedpool.registry import PoolSnapshot, RegistryClient, SnapshotWatcher
 
 log = logging.getLogger("fedpool.pool")
 

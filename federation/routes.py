@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from federation.types import InferenceRequest
-from registry import PoolSnapshot, ServerEntry
+from fedpool.federation.types import InferenceRequest
+from fedpool.registry import PoolSnapshot, ServerEntry
 
 
 class Routes:

@@ -10,12 +10,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from federation.breaker import CircuitBreaker
-from federation.dispatch_types import ServerStats
-from federation.errors import FailureKind
-from federation.learning import LEARN_PERIOD_S, ServerLearning
-from federation.policies import Candidate
-from registry import ServerEntry
+from fedpool.federation.breaker import CircuitBreaker
+from fedpool.federation.dispatch_types import ServerStats
+from fedpool.federation.errors import FailureKind
+from fedpool.federation.learning import LEARN_PERIOD_S, ServerLearning
+from fedpool.federation.policies import Candidate
+from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
 

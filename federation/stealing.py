@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from federation.serverbook import ServerBook
-from federation.types import Completion, InferenceRequest
-from registry import ServerEntry
+from fedpool.federation.serverbook import ServerBook
+from fedpool.federation.types import Completion, InferenceRequest
+from fedpool.registry import ServerEntry
 
 
 @dataclass(eq=False, slots=True)

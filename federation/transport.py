@@ -8,9 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
-
-from federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
-from federation.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
+from fedpool.federation.types import Completion, Endpoint, InferenceRequest
 
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from federation.errors import FailureKind
+from fedpool.federation.errors import FailureKind
 
 
 class Endpoint(StrEnum):

@@ -33,19 +33,19 @@ from typing import Annotated, Any, Literal, TypeVar
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
-from clients import EvalTarget, run_evals
-from clients.conventional import BaselineResult, BaselineServer, ConventionalEval
-from deploy import EngineProcess, free_port
-from deploy.emulator import PROFILES, EmulatorProfile
-from federation import DispatchConfig, PoolConnection, new_session
-from federation.planner import solve_plan
+from fedpool.clients import EvalTarget, run_evals
+from fedpool.clients.conventional import BaselineResult, BaselineServer, ConventionalEval
+from fedpool.deploy import EngineProcess, free_port
+from fedpool.deploy.emulator import PROFILES, EmulatorProfile
+from fedpool.federation import DispatchConfig, PoolConnection, new_session
+from fedpool.federation.planner import solve_plan
 from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
-from pipeline import BenchmarkSpec, load_spec, read_records
-from pipeline.bundled import bundled_spec_paths
-from pipeline.stages import StageCosts, StagePool
-from pipeline.verifier import VerifierConfig, VerifierPool
-from pipeline.yamlfile import field_problems, read_yaml
-from registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
+from fedpool.pipeline import BenchmarkSpec, load_spec, read_records
+from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.pipeline.stages import StageCosts, StagePool
+from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
+from fedpool.pipeline.yamlfile import field_problems, read_yaml
+from fedpool.registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
 
 log = logging.getLogger("fedpool.bench")
 
@@ -232,7 +232,7 @@ class PreparedEval:
 
 
 def _mean_prompt_tokens(spec: BenchmarkSpec) -> tuple[int, float]:
-    from pipeline import load_samples, request_body
+    from fedpool.pipeline import load_samples, request_body
 
     samples = load_samples(spec)
     words = [len(json.dumps(request_body(spec, s).get("prompt") or request_body(spec, s).get("messages")).split())
@@ -298,7 +298,7 @@ def verifier_config(config: EvalsConfig, evals: Sequence[PreparedEval], pool: Po
     the cores of llama.cpp servers started on this machine."""
     if not any(p.spec.verifier for p in evals):
         return None
-    from deploy import ensure_gemma
+    from fedpool.deploy import ensure_gemma
 
     path = config.verifier.model_path or str(ensure_gemma(None))
     return VerifierConfig(model_path=path, actors=config.verifier.actors, threads=config.verifier.threads,
@@ -349,7 +349,7 @@ async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClie
         for s in config.emulated:
             profile = s.resolved(config.output_spread)
             port = free_port()
-            argv = [sys.executable, "-m", "deploy.emulator", "--model", config.model, "--port", str(port),
+            argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", config.model, "--port", str(port),
                     "--profile-json", json.dumps(asdict(profile)), "--speedup", str(config.time_scale)]
             process = EngineProcess(name=s.id, argv=argv, log_path=log_dir / f"{s.id}.log")
             await process.start()

@@ -40,8 +40,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from federation import policy_names
-    from federation.dispatch_types import CLIENT_ORDERS
+    from fedpool.federation import policy_names
+    from fedpool.federation.dispatch_types import CLIENT_ORDERS
 
     parser = argparse.ArgumentParser(
         prog="fedpool", description="Federated inference-pool scheduler for model evaluation."
@@ -302,7 +302,7 @@ def _ray_flags(parser: argparse.ArgumentParser) -> None:
 # ---- commands -----------------------------------------------------------------------------------
 def cmd_bench_speedup(args: argparse.Namespace) -> int:
     try:
-        from benchmarks.speedup import main as speedup_main
+        from fedpool.benchmarks.speedup import main as speedup_main
     except ImportError as exc:  # scipy/matplotlib live in the `bench` extra
         raise CliError(f"the speedup benchmark needs the bench extra: pip install 'fedpool[bench]' ({exc})",
                        EXIT_USAGE) from None
@@ -312,7 +312,7 @@ def cmd_bench_speedup(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fedpool.demo import DemoOptions, report_json, run_demo
     from fedpool.localpool import LocalServerSpec
-    from pipeline.bundled import bundled_spec_paths
+    from fedpool.pipeline.bundled import bundled_spec_paths
 
     options = DemoOptions(
         out_root=args.out,
@@ -342,7 +342,7 @@ def _parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]
 
 
 def cmd_registry_start(args: argparse.Namespace) -> int:
-    from registry import RegistryClient
+    from fedpool.registry import RegistryClient
 
     connect_ray(args.address)
     token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
@@ -364,7 +364,7 @@ def cmd_registry_status(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from federation.gateway import parse_api_keys
+    from fedpool.federation.gateway import parse_api_keys
 
     keys = None
     if args.api_key_file:
@@ -392,8 +392,8 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
 
     from aiohttp import web
 
-    from federation import DispatchConfig, PoolConnection
-    from federation.gateway import Gateway
+    from fedpool.federation import DispatchConfig, PoolConnection
+    from fedpool.federation.gateway import Gateway
     from fedpool.jobs import JobRunner, JobStore
     from fedpool.server import build_app
 
@@ -462,9 +462,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from deploy import free_port
-    from deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
-    from registry import ServerRecord
+    from fedpool.deploy import free_port
+    from fedpool.deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
+    from fedpool.registry import ServerRecord
 
     port = args.port or free_port(args.host)
     extra = tuple(a for a in args.engine_args if a != "--")
@@ -495,7 +495,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def _serve_engine(client: Any, record: Any, argv: list[str], args: argparse.Namespace) -> int:
     import signal
 
-    from deploy import EngineProcess, LeaseSettings, ServerLauncher
+    from fedpool.deploy import EngineProcess, LeaseSettings, ServerLauncher
 
     log_path = args.log_dir.expanduser() / f"{record.id}.log"
     process = EngineProcess(record.id, argv, log_path, env=args.engine_env)
@@ -526,7 +526,7 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], args: argpars
 def cmd_server_add(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from registry import ServerRecord
+    from fedpool.registry import ServerRecord
 
     labels = _parse_labels(args.label)
     try:
@@ -658,9 +658,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from deploy import EngineStartError, LlamaServerNotInstalled
-    from pipeline import PipelineError
-    from registry import RegistryError
+    from fedpool.deploy import EngineStartError, LlamaServerNotInstalled
+    from fedpool.pipeline import PipelineError
+    from fedpool.registry import RegistryError
 
     try:
         return args.func(args)

@@ -13,7 +13,7 @@ from fedpool.cli_support import EXIT_OK, EXIT_USAGE, CliError, registry_client
 EVAL_FILE = "eval.json"
 
 def cmd_eval_run(args: argparse.Namespace) -> int:
-    from pipeline.artifact import write_json_atomic
+    from fedpool.pipeline.artifact import write_json_atomic
 
     plan = {
         "specs": [str(p.resolve()) for p in args.spec], "model": args.model, "revision": args.revision,
@@ -45,9 +45,9 @@ def _load_eval_specs(plan: dict[str, Any]) -> list[Any]:
 
 
 def cmd_eval_replay(args: argparse.Namespace) -> int:
-    from pipeline.artifact import write_json_atomic
-    from pipeline.errors import ArtifactError
-    from pipeline.reproduce import replay_specs
+    from fedpool.pipeline.artifact import write_json_atomic
+    from fedpool.pipeline.errors import ArtifactError
+    from fedpool.pipeline.reproduce import replay_specs
 
     source = args.artifact.resolve()
     try:
@@ -79,9 +79,9 @@ def cmd_eval_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_rescore(args: argparse.Namespace) -> int:
-    from pipeline import load_spec
-    from pipeline.errors import ArtifactError, SpecError
-    from pipeline.reproduce import benchmark_dirs, load_saved, rescoring_spec
+    from fedpool.pipeline import load_spec
+    from fedpool.pipeline.errors import ArtifactError, SpecError
+    from fedpool.pipeline.reproduce import benchmark_dirs, load_saved, rescoring_spec
 
     try:
         saved = [load_saved(d, check_data=False) for d in benchmark_dirs(args.artifact)]
@@ -113,7 +113,7 @@ def cmd_eval_rescore(args: argparse.Namespace) -> int:
 
 async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: argparse.Namespace,
                        needs_judge: bool) -> list[dict[str, Any]]:
-    from pipeline.reproduce import rescore_benchmark
+    from fedpool.pipeline.reproduce import rescore_benchmark
 
     verifier = verifier_pool(args) if needs_judge else None
     try:
@@ -128,8 +128,8 @@ async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: argpar
 
 
 def verifier_pool(args: argparse.Namespace) -> Any:
-    from deploy.models import ensure_gemma
-    from pipeline.verifier import VerifierConfig, VerifierPool
+    from fedpool.deploy.models import ensure_gemma
+    from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 
     model = args.verifier_model or ensure_gemma()
     try:
@@ -157,10 +157,10 @@ def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: 
 async def _eval_through_pool(
     client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace
 ) -> list[Any]:
-    from clients import EvalTarget, run_evals
-    from federation import DispatchConfig, PoolConnection
+    from fedpool.clients import EvalTarget, run_evals
+    from fedpool.federation import DispatchConfig, PoolConnection
+    from fedpool.pipeline.media import MediaPool
     from fedpool.progress import ProgressView
-    from pipeline.media import MediaPool
 
     verifier = verifier_pool(args) if any(s.verifier for s in specs) else None
     # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.

@@ -40,8 +40,8 @@ def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
 
 
 def cmd_jobs_submit(args: argparse.Namespace) -> int:
-    from pipeline import load_spec
-    from pipeline.errors import SpecError
+    from fedpool.pipeline import load_spec
+    from fedpool.pipeline.errors import SpecError
 
     specs = []
     for path in args.spec:

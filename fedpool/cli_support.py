@@ -68,7 +68,7 @@ def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
 
 
 def registry_client(args: argparse.Namespace) -> Any:
-    from registry import RegistryClient
+    from fedpool.registry import RegistryClient
 
     connect_ray(args.address)
     try:

@@ -15,14 +15,14 @@ from typing import Any, TextIO
 
 import ray
 
-from clients import EvalSummary, EvalTarget, run_evals
-from federation import DispatchConfig, PoolConnection
+from fedpool.clients import EvalSummary, EvalTarget, run_evals
+from fedpool.federation import DispatchConfig, PoolConnection
 from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
+from fedpool.pipeline import BenchmarkSpec, load_spec, package_versions
+from fedpool.pipeline.artifact import write_json_atomic
+from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.progress import ProgressView
-from pipeline import BenchmarkSpec, load_spec, package_versions
-from pipeline.artifact import write_json_atomic
-from pipeline.bundled import bundled_spec_paths
-from registry import RegistryClient
+from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.demo")
 PROGRESS_EVERY_S = 5.0
@@ -118,8 +118,8 @@ async def _run_pool(
                   f"(policy {options.policy}): {', '.join(s.name for s in specs)}", file=out, flush=True)
             verifier = None
             if options.verifier:
-                from deploy import ensure_gemma
-                from pipeline.verifier import VerifierConfig, VerifierPool
+                from fedpool.deploy import ensure_gemma
+                from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 
                 specs = [s.model_copy(update={"verifier": True}) for s in specs]
                 # The judge runs beside the local llama.cpp servers, on the same cores.

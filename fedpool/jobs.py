@@ -34,11 +34,11 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clients import EvalProgress, EvalTarget, run_evals
-from federation import Dispatcher
-from pipeline import BenchmarkSpec, load_samples, load_spec, spec_from_dict
-from pipeline.errors import PipelineError
-from pipeline.yamlfile import field_problems
+from fedpool.clients import EvalProgress, EvalTarget, run_evals
+from fedpool.federation import Dispatcher
+from fedpool.pipeline import BenchmarkSpec, load_samples, load_spec, spec_from_dict
+from fedpool.pipeline.errors import PipelineError
+from fedpool.pipeline.yamlfile import field_problems
 
 log = logging.getLogger("fedpool.jobs")
 

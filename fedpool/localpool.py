@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ray
 
-from deploy import (
+from fedpool.deploy import (
     GEMMA_ALIAS,
     LeaseSettings,
     LlamaServerConfig,
@@ -21,7 +21,7 @@ from deploy import (
     free_port,
     llama_server_process,
 )
-from registry import Engine, RegistryClient, ServerRecord
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 
 log = logging.getLogger("fedpool.localpool")
 

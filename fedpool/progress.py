@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from clients import EvalProgress
-from federation import Dispatcher
+from fedpool.clients import EvalProgress
+from fedpool.federation import Dispatcher
 
 PLAIN_EVERY_S = 10.0
 LIVE_EVERY_S = 0.5

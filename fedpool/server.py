@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
-from federation import Dispatcher
-from federation.gateway import Gateway
+from fedpool.federation import Dispatcher
+from fedpool.federation.gateway import Gateway
 from fedpool.jobs import JobRunner, JobsApi
-from registry import PoolSnapshot
+from fedpool.registry import PoolSnapshot
 
 
 def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: JobRunner | None,

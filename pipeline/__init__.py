@@ -1,14 +1,14 @@
 """Records, artifacts, data loading, prompts, post-processing and metrics. No networking here."""
 
-from pipeline.artifact import ArtifactWriter, package_versions, read_records, redact, secrets_from_env
-from pipeline.errors import ArtifactError, DataError, PipelineError, SpecError
-from pipeline.loaders import Sample, dataset_sha256, load_samples
-from pipeline.metrics import METRICS, Score, aggregate
-from pipeline.postprocess import POSTPROCESSORS, apply_postprocess, split_reasoning
-from pipeline.prompts import build_messages, render, request_body
-from pipeline.schema import AttemptInfo, Message, Output, Provenance, Record, TextOutput, TextPart
-from pipeline.scoring import finish_record, rescore_record, summarize_records
-from pipeline.spec import BenchmarkSpec, GenerationParams, PromptSpec, load_spec, spec_from_dict
+from fedpool.pipeline.artifact import ArtifactWriter, package_versions, read_records, redact, secrets_from_env
+from fedpool.pipeline.errors import ArtifactError, DataError, PipelineError, SpecError
+from fedpool.pipeline.loaders import Sample, dataset_sha256, load_samples
+from fedpool.pipeline.metrics import METRICS, Score, aggregate
+from fedpool.pipeline.postprocess import POSTPROCESSORS, apply_postprocess, split_reasoning
+from fedpool.pipeline.prompts import build_messages, render, request_body
+from fedpool.pipeline.schema import AttemptInfo, Message, Output, Provenance, Record, TextOutput, TextPart
+from fedpool.pipeline.scoring import finish_record, rescore_record, summarize_records
+from fedpool.pipeline.spec import BenchmarkSpec, GenerationParams, PromptSpec, load_spec, spec_from_dict
 
 __all__ = [
     "METRICS",

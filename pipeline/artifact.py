@@ -12,8 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ArtifactError
-from pipeline.schema import Record
+from fedpool.pipeline.errors import ArtifactError
+from fedpool.pipeline.schema import Record
 
 RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import DataError
-from pipeline.spec import BenchmarkSpec
+from fedpool.pipeline.errors import DataError
+from fedpool.pipeline.spec import BenchmarkSpec
 
 MAX_ROW_BYTES = 8 * 1024 * 1024
 MAX_REPORTED_PROBLEMS = 20

@@ -18,11 +18,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.actors import cpu_actor_options
-from pipeline.errors import DataError
-from pipeline.loaders import Sample
-from pipeline.schema import AudioPart, ContentPart, ImagePart, VideoPart
-from pipeline.spec import BenchmarkSpec, MediaSpec
+from fedpool.pipeline.actors import cpu_actor_options
+from fedpool.pipeline.errors import DataError
+from fedpool.pipeline.loaders import Sample
+from fedpool.pipeline.schema import AudioPart, ContentPart, ImagePart, VideoPart
+from fedpool.pipeline.spec import BenchmarkSpec, MediaSpec
 
 MAX_MEDIA_BYTES = 20 * 1024 * 1024  # per file (per frame for frame directories)
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif",

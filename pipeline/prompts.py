@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.loaders import Sample
-from pipeline.schema import Message, TextPart
-from pipeline.spec import BenchmarkSpec
+from fedpool.pipeline.loaders import Sample
+from fedpool.pipeline.schema import Message, TextPart
+from fedpool.pipeline.spec import BenchmarkSpec
 
 
 def render(spec: BenchmarkSpec, sample: Sample) -> str:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifact import CONFIG_FILE, RECORDS_FILE, ArtifactWriter, read_records
-from pipeline.errors import ArtifactError, SpecError
-from pipeline.loaders import dataset_sha256
-from pipeline.schema import Record
-from pipeline.scoring import rescore_record, summarize_records
-from pipeline.spec import BenchmarkSpec, spec_from_dict
-from pipeline.verifier import JudgeItem, Judgment, judge_item, with_judgment
+from fedpool.pipeline.artifact import CONFIG_FILE, RECORDS_FILE, ArtifactWriter, read_records
+from fedpool.pipeline.errors import ArtifactError, SpecError
+from fedpool.pipeline.loaders import dataset_sha256
+from fedpool.pipeline.schema import Record
+from fedpool.pipeline.scoring import rescore_record, summarize_records
+from fedpool.pipeline.spec import BenchmarkSpec, spec_from_dict
+from fedpool.pipeline.verifier import JudgeItem, Judgment, judge_item, with_judgment
 
 # What a rescore may change: everything else decides the model's answers, so changing it needs inference.
 RESCORABLE_FIELDS = frozenset({"postprocess", "metrics", "verifier", "description", "version"})

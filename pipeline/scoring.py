@@ -6,12 +6,12 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.loaders import Sample
-from pipeline.metrics import METRICS, Score, aggregate, aggregate_corpus, score_sample, worst_value
-from pipeline.postprocess import apply_postprocess, split_reasoning
-from pipeline.prompts import build_messages, render
-from pipeline.schema import Output, Provenance, Record, TextOutput
-from pipeline.spec import BenchmarkSpec
+from fedpool.pipeline.loaders import Sample
+from fedpool.pipeline.metrics import METRICS, Score, aggregate, aggregate_corpus, score_sample, worst_value
+from fedpool.pipeline.postprocess import apply_postprocess, split_reasoning
+from fedpool.pipeline.prompts import build_messages, render
+from fedpool.pipeline.schema import Output, Provenance, Record, TextOutput
+from fedpool.pipeline.spec import BenchmarkSpec
 
 
 def finish_record(

@@ -7,12 +7,11 @@ import string
 from pathlib import Path
 from typing import Any, Literal
 
+from fedpool.pipeline.errors import SpecError
+from fedpool.pipeline.metrics import METRICS
+from fedpool.pipeline.postprocess import POSTPROCESSORS
+from fedpool.pipeline.yamlfile import field_problems, read_yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from pipeline.errors import SpecError
-from pipeline.metrics import METRICS
-from pipeline.postprocess import POSTPROCESSORS
-from pipeline.yamlfile import field_problems, read_yaml
 
 
 class DataSource(BaseModel):

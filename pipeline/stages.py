@@ -15,9 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from fedpool.pipeline.actors import cpu_actor_options
 from pydantic import BaseModel, ConfigDict, Field
-
-from pipeline.actors import cpu_actor_options
 
 
 class StageCosts(BaseModel):

@@ -14,16 +14,15 @@ from typing import Any
 
 import aiohttp
 import ray
+from fedpool.registry.auth import check_token
+from fedpool.registry.checks import verify_server
+from fedpool.registry.persistence import StateStore
+from fedpool.registry.prober import ProbePlan, ProberActor
+from fedpool.registry.records import ServerRecord
+from fedpool.registry.snapshot import ProbeRow, ServerEntry, probe_from_row
+from fedpool.registry.state import RegistryState, RegistryTimings
+from fedpool.registry.status import StatusThresholds
 from pydantic import BaseModel, ConfigDict, Field
-
-from registry.auth import check_token
-from registry.checks import verify_server
-from registry.persistence import StateStore
-from registry.prober import ProbePlan, ProberActor
-from registry.records import ServerRecord
-from registry.snapshot import ProbeRow, ServerEntry, probe_from_row
-from registry.state import RegistryState, RegistryTimings
-from registry.status import StatusThresholds
 
 log = logging.getLogger("fedpool.registry")
 
@@ -128,7 +127,7 @@ class RegistryActor:
 
     async def metrics_text(self) -> bytes:
         """The pool in Prometheus text format."""
-        from registry.exporter import pool_metrics_text
+        from fedpool.registry.exporter import pool_metrics_text
 
         stats = {"last_probe_cycle_s": self._last_cycle_s, "probe_cycles": float(self._probe_cycles)}
         return pool_metrics_text(self._state.snapshot(), stats)
@@ -219,7 +218,7 @@ class RegistryActor:
         if verify:
             capacity = await verify_server(self._session, server, timeout_s=self._config.check_timeout_s)
         else:
-            from registry.adapters import adapter_for
+            from fedpool.registry.adapters import adapter_for
 
             capacity = server.capacity or adapter_for(server.engine).default_capacity
         self._state.check_duplicate(server, replace=replace)  # again: another call may have raced us

@@ -8,7 +8,7 @@ import os
 import secrets
 from pathlib import Path
 
-from registry.errors import AuthError
+from fedpool.registry.errors import AuthError
 
 TOKEN_FILE = "registry.token"
 TOKEN_ENV = "FEDPOOL_REGISTRY_TOKEN"

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import aiohttp
-
-from registry.adapters import adapter_for
-from registry.errors import RegistrationError
-from registry.records import ServerRecord
+from fedpool.registry.adapters import adapter_for
+from fedpool.registry.errors import RegistrationError
+from fedpool.registry.records import ServerRecord
 
 
 async def verify_server(

@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
-
-from registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
-from registry.auth import ensure_token, resolve_client_token, token_digest
-from registry.errors import RegistryError
-from registry.records import ServerRecord
-from registry.snapshot import PoolSnapshot, ServerEntry
-from registry.weights import prior_weight
+from fedpool.registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
+from fedpool.registry.auth import ensure_token, resolve_client_token, token_digest
+from fedpool.registry.errors import RegistryError
+from fedpool.registry.records import ServerRecord
+from fedpool.registry.snapshot import PoolSnapshot, ServerEntry
+from fedpool.registry.weights import prior_weight
 
 log = logging.getLogger("fedpool.registry")
 

@@ -9,10 +9,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
-
-from registry.adapters import MetricsParseError, adapter_for
-from registry.records import ServerRecord
-from registry.snapshot import ProbeResult, probe_to_row
+from fedpool.registry.adapters import MetricsParseError, adapter_for
+from fedpool.registry.records import ServerRecord
+from fedpool.registry.snapshot import ProbeResult, probe_to_row
 
 log = logging.getLogger("fedpool.registry")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from registry.records import Engine, ServerRecord
+from fedpool.registry.records import Engine, ServerRecord
 
 
 class ServerStatus(StrEnum):

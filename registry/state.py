@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from registry.errors import RegistrationError, UnknownServerError
-from registry.records import ServerRecord
-from registry.snapshot import (
+from fedpool.registry.errors import RegistrationError, UnknownServerError
+from fedpool.registry.records import ServerRecord
+from fedpool.registry.snapshot import (
     LoadSample,
     PoolSnapshot,
     ProbeResult,
@@ -19,8 +19,8 @@ from registry.snapshot import (
     WireRow,
     entry_from_row,
 )
-from registry.status import StatusThresholds, derive_status
-from registry.weights import prior_weight
+from fedpool.registry.status import StatusThresholds, derive_status
+from fedpool.registry.weights import prior_weight
 
 PROBE_HISTORY_LEN = 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from registry.snapshot import ProbeResult, ServerStatus
+from fedpool.registry.snapshot import ProbeResult, ServerStatus
 
 
 @dataclass(frozen=True, slots=True)

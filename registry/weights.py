@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from registry.records import ServerRecord
+from fedpool.registry.records import ServerRecord
 
 # Relative decode throughput of one device for the same model, V100 = 1.0. Rounded from published
 # figures: A100 ≈ 2× V100 (HBM bandwidth 1.9–2.0 TB/s vs 0.9 TB/s, memory-bound decode), H100 SXM

@@ -15,12 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-
-from deploy.emulator import EmulatedServer, EmulatorProfile, Faults
-from deploy.llamacpp import LlamaServerConfig, llama_server_binary
-from deploy.models import GEMMA_ALIAS, ensure_gemma
-from deploy.process import free_port
-from registry import RegistryClient
+from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile, Faults
+from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
+from fedpool.deploy.models import GEMMA_ALIAS, ensure_gemma
+from fedpool.deploy.process import free_port
+from fedpool.registry import RegistryClient
 
 TEST_TOKEN = "test-registry-token-7f3a9c"
 

@@ -12,21 +12,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fedpool.federation import Endpoint
+from fedpool.federation.errors import AttemptError, FailureKind
+from fedpool.federation.transport import parse_completion
+from fedpool.pipeline import ArtifactWriter, DataError, SpecError, load_samples, load_spec, spec_from_dict
+from fedpool.pipeline.errors import ArtifactError, PipelineError
+from fedpool.pipeline.media import encode_sample
+from fedpool.pipeline.schema import Record
+from fedpool.pipeline.spec import MediaSpec
+from fedpool.registry import ServerRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from federation import Endpoint
-from federation.errors import AttemptError, FailureKind
-from federation.transport import parse_completion
 from fedpool.config import ConfigError, apply_defaults, read_config_file
 from fedpool.jobs import JobRequest, resolve_specs
-from pipeline import ArtifactWriter, DataError, SpecError, load_samples, load_spec, spec_from_dict
-from pipeline.errors import ArtifactError, PipelineError
-from pipeline.media import encode_sample
-from pipeline.schema import Record
-from pipeline.spec import MediaSpec
-from registry import ServerRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "name: t\ndata: {path: d.jsonl}\nprompt: {template: 'Q: {q}'}\n"

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fedpool.deploy.emulator import PROFILES
+from fedpool.registry import Engine, ServerRecord
 
-from deploy.emulator import PROFILES
 from fedpool.bench import (
     ArmResult,
     BenchConfigError,
@@ -22,7 +23,6 @@ from fedpool.bench import (
     prepare_evals,
     saturated_cost,
 )
-from registry import Engine, ServerRecord
 
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 
@@ -91,7 +91,7 @@ def test_ideal_is_the_fluid_split_over_server_speeds() -> None:
 def test_a_small_comparison_end_to_end_writes_its_report(ray_cluster: None, tmp_path: Path) -> None:
     """Both arms on freshly started emulated servers; the report carries both, the ideal and the result line.
     The emulator's answers depend only on the prompt, so both arms must score every eval the same."""
-    from benchmarks.speedup import main
+    from fedpool.benchmarks.speedup import main
 
     rc = main(["--pool", str(CONFIGS / "small_pool.yaml"), "--evals", str(CONFIGS / "small_evals.yaml"),
                "--name", "speedup_test", "--results-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")])

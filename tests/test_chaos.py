@@ -1,14 +1,13 @@
 """Faults on a real local pool (Ray, the registry actor, emulated servers in their own processes, a real
 llama.cpp server): every record exactly once, the run completes, the pool's status right afterwards.
-The same scenarios write benchmarks/results/reliability.md (`python -m benchmarks.reliability`)."""
+The same scenarios write benchmarks/results/reliability.md (`python -m fedpool.benchmarks.reliability`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-from benchmarks.reliability import SCENARIOS, run_scenario
+from fedpool.benchmarks.reliability import SCENARIOS, run_scenario
 
 pytestmark = [pytest.mark.ray, pytest.mark.llamacpp]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import ray
+from fedpool.registry import RegistryClient
 
-from registry import RegistryClient
 from tests.conftest import TEST_TOKEN, EmulatorFactory, files_containing, read_jsonl
 
 FEDPOOL = [sys.executable, "-m", "fedpool.cli"]
@@ -213,7 +213,7 @@ def count_lines(path: Path) -> int:
 async def test_eval_killed_midway_then_resumed_loses_and_doubles_nothing(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:
-    from registry import ServerRecord
+    from fedpool.registry import ServerRecord
 
     server = await emulators.start(model="emu-model", max_running=2, decode_s=0.02)  # ~0.16 s a request
     await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
@@ -290,7 +290,7 @@ async def test_eval_run_routes_by_plan_with_a_client_order(
 ) -> None:
     """`fedpool eval run --planned --client-order shortest_first`: two benchmarks over two servers through the
     planner; every record once, and the routing settings saved for resume and in each artifact's config."""
-    from registry import ServerRecord
+    from fedpool.registry import ServerRecord
 
     for i in range(2):
         server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)

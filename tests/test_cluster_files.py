@@ -19,14 +19,14 @@ import kubernetes_validate
 import psutil
 import pytest
 import yaml
+from fedpool.deploy.process import free_port
+from fedpool.federation.gateway import _Metrics as GatewayMetrics
+from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+from fedpool.registry.exporter import pool_metrics_text
+from fedpool.registry.snapshot import LoadSample
 from prometheus_client import generate_latest
 
-from deploy.process import free_port
-from federation.gateway import _Metrics as GatewayMetrics
 from fedpool.cli import build_parser
-from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
-from registry.exporter import pool_metrics_text
-from registry.snapshot import LoadSample
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import aiohttp
-
-from clients.conventional import BaselineServer, ConventionalEval, shards
-from deploy.emulator import EmulatedServer, EmulatorProfile
-from pipeline import BenchmarkSpec, read_records
-from pipeline.stages import StageCosts
+from fedpool.clients.conventional import BaselineServer, ConventionalEval, shards
+from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
+from fedpool.pipeline import BenchmarkSpec, read_records
+from fedpool.pipeline.stages import StageCosts
 
 SCALE = 20.0  # emulated engine seconds per wall second
 

@@ -7,9 +7,8 @@ import random
 from collections import Counter
 
 import pytest
-
-from deploy.emulator import EmulatedServer, Faults
-from federation import (
+from fedpool.deploy.emulator import EmulatedServer, Faults
+from fedpool.federation import (
     DispatchConfig,
     Dispatcher,
     Endpoint,
@@ -21,7 +20,8 @@ from federation import (
     make_policy,
     new_session,
 )
-from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+
 from tests.conftest import EmulatorFactory
 
 
@@ -229,7 +229,7 @@ async def test_heterogeneous_pool_gets_work_in_proportion_to_speed(emulators: Em
 async def test_other_clients_load_on_a_shared_server_shrinks_our_window(emulators: EmulatorFactory) -> None:
     import time
 
-    from registry import LoadSample
+    from fedpool.registry import LoadSample
 
     server = await emulators.start(max_running=4, decode_s=0.01)
     base = snapshot_of([server], capacity=4).entries[0]
@@ -279,8 +279,7 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
 
 def test_failures_are_classified_by_type_not_message() -> None:
     import aiohttp
-
-    from federation.errors import classify_exception, kind_for_status
+    from fedpool.federation.errors import classify_exception, kind_for_status
 
     disconnected = aiohttp.ServerDisconnectedError()
     assert classify_exception(disconnected, reused_connection=True) is FailureKind.RESET  # stale keep-alive
@@ -294,7 +293,7 @@ def test_failures_are_classified_by_type_not_message() -> None:
 
 
 async def test_a_server_that_slows_down_loses_share(emulators: EmulatorFactory) -> None:
-    from deploy.emulator import EmulatorProfile
+    from fedpool.deploy.emulator import EmulatorProfile
 
     steady = await emulators.start(max_running=8, decode_s=0.004)
     slowing = await emulators.start(max_running=8, decode_s=0.004)
@@ -408,7 +407,7 @@ async def test_window_decisions_read_the_newest_scrape_not_the_granting_snapshot
     never shrink the window."""
     import time
 
-    from registry import LoadSample
+    from fedpool.registry import LoadSample
 
     server = await emulators.start(max_running=8, decode_s=0.01)
     base = snapshot_of([server], capacity=8).entries[0]
@@ -448,8 +447,8 @@ async def test_an_attempt_cancelled_before_it_starts_gives_its_slot_back(emulato
 def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None:
     """A stale connection is retried at once (3 times at most), a server failure after a backoff and away from
     that server, a refused request never; max_attempts counts only the failures that are the server's."""
-    from federation.errors import AttemptError
-    from federation.retries import MAX_RESET_RETRIES, RetryState
+    from fedpool.federation.errors import AttemptError
+    from fedpool.federation.retries import MAX_RESET_RETRIES, RetryState
 
     retry = RetryState()
     reset = AttemptError(FailureKind.RESET, "closed")

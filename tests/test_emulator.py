@@ -7,9 +7,8 @@ import time
 
 import aiohttp
 import pytest
-
-from deploy.batching import BLOCK, BatchEngine, PromptTooLong, prompt_blocks
-from deploy.emulator import PROFILES, EmulatedServer, EmulatorProfile, profile_from_json
+from fedpool.deploy.batching import BLOCK, BatchEngine, PromptTooLong, prompt_blocks
+from fedpool.deploy.emulator import PROFILES, EmulatedServer, EmulatorProfile, profile_from_json
 
 FAST = 10.0  # engine seconds per wall second in these tests (slow enough that timing is the model)
 

@@ -15,11 +15,11 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation.gateway import ApiKey, Gateway, parse_api_keys
+from fedpool.registry import RegistryClient, ServerRecord
 from prometheus_client.parser import text_string_to_metric_families
 
-from federation import DispatchConfig, PoolConnection
-from federation.gateway import ApiKey, Gateway, parse_api_keys
-from registry import RegistryClient, ServerRecord
 from tests.conftest import EmulatorFactory
 
 pytestmark = pytest.mark.ray

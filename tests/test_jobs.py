@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import ray
+from fedpool.deploy.process import free_port
+from fedpool.registry import RegistryClient, ServerRecord
 
-from deploy.process import free_port
 from fedpool.jobs_client import AsyncJobsClient, JobsApiError, JobsClient
-from registry import RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl, wait_http_up
 
 pytestmark = pytest.mark.ray

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from federation.learning import ThroughputEstimator, WindowController, WindowObservation
+from fedpool.federation.learning import ThroughputEstimator, WindowController, WindowObservation
 
 
 def test_throughput_counts_busy_time_only() -> None:

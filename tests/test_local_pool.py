@@ -8,13 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from fedpool.clients import EvalTarget, run_evals
+from fedpool.deploy import LeaseSettings, LlamaServerConfig, ServerLauncher, free_port, llama_server_process
+from fedpool.federation import PoolConnection
+from fedpool.pipeline import load_spec
+from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.registry import Engine, RegistryClient, ServerRecord, ServerStatus
 
-from clients import EvalTarget, run_evals
-from deploy import LeaseSettings, LlamaServerConfig, ServerLauncher, free_port, llama_server_process
-from federation import PoolConnection
-from pipeline import load_spec
-from pipeline.bundled import bundled_spec_paths
-from registry import Engine, RegistryClient, ServerRecord, ServerStatus
 from tests.conftest import TEST_TOKEN, LlamaServers, files_containing, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.llamacpp]

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from fedpool.clients import EvalTarget, run_evals
+from fedpool.federation import PoolConnection
+from fedpool.pipeline import SpecError, load_samples, load_spec, request_body
+from fedpool.pipeline.errors import DataError
+from fedpool.pipeline.media import MediaPool, encode_in_thread, encode_sample, sample_indices
+from fedpool.pipeline.spec import MediaSpec
+from fedpool.registry import RegistryClient, ServerRecord
 
-from clients import EvalTarget, run_evals
-from federation import PoolConnection
-from pipeline import SpecError, load_samples, load_spec, request_body
-from pipeline.errors import DataError
-from pipeline.media import MediaPool, encode_in_thread, encode_sample, sample_indices
-from pipeline.spec import MediaSpec
-from registry import RegistryClient, ServerRecord
 from tests.conftest import read_jsonl
 
 

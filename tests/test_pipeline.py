@@ -8,8 +8,7 @@ from pathlib import Path
 import jiwer
 import pytest
 import sacrebleu
-
-from pipeline import (
+from fedpool.pipeline import (
     ArtifactError,
     ArtifactWriter,
     DataError,
@@ -26,9 +25,9 @@ from pipeline import (
     split_reasoning,
     summarize_records,
 )
-from pipeline.bundled import bundled_spec_paths
-from pipeline.loaders import dataset_sha256
-from pipeline.metrics import aggregate_corpus, anls, bleu, exact_match, token_f1, wer
+from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.pipeline.loaders import dataset_sha256
+from fedpool.pipeline.metrics import aggregate_corpus, anls, bleu, exact_match, token_f1, wer
 
 SPEC_YAML = """\
 name: tiny
@@ -275,7 +274,14 @@ def test_option_letter_maps_text_answers_to_their_option(raw: str, letter: str) 
 
 
 def test_verifier_parsing_cutting_and_inputs(tmp_path: Path) -> None:
-    from pipeline.verifier import JudgeItem, cut_head_tail, judge_item, judge_prompt, parse_judgment, with_judgment
+    from fedpool.pipeline.verifier import (
+        JudgeItem,
+        cut_head_tail,
+        judge_item,
+        judge_prompt,
+        parse_judgment,
+        with_judgment,
+    )
 
     assert parse_judgment(" Matches.\nRating: 1").rating == 1
     assert parse_judgment(" First said Rating: 1 then\nRating: 0\n").rating == 0  # the last one at a line end
@@ -301,8 +307,8 @@ def test_verifier_parsing_cutting_and_inputs(tmp_path: Path) -> None:
 def test_replay_refuses_a_changed_dataset_and_rescore_redoes_scores(tmp_path: Path) -> None:
     import asyncio
 
-    from pipeline.loaders import dataset_sha256
-    from pipeline.reproduce import load_saved, rescore_benchmark
+    from fedpool.pipeline.loaders import dataset_sha256
+    from fedpool.pipeline.reproduce import load_saved, rescore_benchmark
 
     spec = load_spec(write_spec(tmp_path))
     samples = load_samples(spec)

@@ -6,10 +6,10 @@ import asyncio
 from collections import Counter
 
 import pytest
+from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+from fedpool.federation.planner import Planner, server_cost, solve_phased_plan, solve_plan
+from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
-from federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-from federation.planner import Planner, server_cost, solve_phased_plan, solve_plan
-from registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import EmulatorFactory
 
 

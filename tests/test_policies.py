@@ -6,8 +6,7 @@ import random
 from collections import Counter
 
 import pytest
-
-from federation import Candidate, RouteContext, make_policy, policy_names
+from fedpool.federation import Candidate, RouteContext, make_policy, policy_names
 
 
 def cand(sid: str, inflight: int = 0, weight: float = 1.0, waiting: float = 0.0, window: int = 8) -> Candidate:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import ray
+from fedpool.deploy.process import free_port
+from fedpool.registry import RegistryClient, ServerRecord
 
-from deploy.process import free_port
-from registry import RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
 
 pytestmark = pytest.mark.ray

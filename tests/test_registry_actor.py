@@ -9,10 +9,9 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import pytest
 import ray
-
-from deploy.emulator import EmulatedServer
-from deploy.process import free_port
-from registry import (
+from fedpool.deploy.emulator import EmulatedServer
+from fedpool.deploy.process import free_port
+from fedpool.registry import (
     AuthError,
     PoolSnapshot,
     RegistrationError,
@@ -22,7 +21,8 @@ from registry import (
     ServerStatus,
     UnknownServerError,
 )
-from registry.actor import get_registry_actor
+from fedpool.registry.actor import get_registry_actor
+
 from tests.conftest import TEST_TOKEN, EmulatorFactory
 
 pytestmark = pytest.mark.ray
@@ -251,7 +251,7 @@ async def test_prometheus_export_of_the_pool(registry: RegistryClient, emulators
 async def test_emulator_speaks_both_protocols_to_the_unchanged_adapters(
     registry: RegistryClient, emulators: EmulatorFactory
 ) -> None:
-    from deploy.emulator import PROFILES, EmulatedServer
+    from fedpool.deploy.emulator import PROFILES, EmulatedServer
 
     vllm_like = await emulators.start(model="m-vllm")
     sglang_like = EmulatedServer(model="m-sglang", profile=PROFILES["sglang-a100-illustrative"])

@@ -6,17 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
+from fedpool.registry import Engine, LoadSample, ProbeResult, RegistrationError, ServerRecord, ServerStatus, adapter_for
+from fedpool.registry.adapters import MetricsParseError
+from fedpool.registry.adapters.base import MetricSamples
+from fedpool.registry.adapters.vllm import VllmAdapter
+from fedpool.registry.auth import check_token, ensure_token, token_digest
+from fedpool.registry.errors import AuthError, UnknownServerError
+from fedpool.registry.persistence import StateStore
+from fedpool.registry.state import RegistryState, RegistryTimings
+from fedpool.registry.status import StatusThresholds, derive_status
 from pydantic import ValidationError
-
-from registry import Engine, LoadSample, ProbeResult, RegistrationError, ServerRecord, ServerStatus, adapter_for
-from registry.adapters import MetricsParseError
-from registry.adapters.base import MetricSamples
-from registry.adapters.vllm import VllmAdapter
-from registry.auth import check_token, ensure_token, token_digest
-from registry.errors import AuthError, UnknownServerError
-from registry.persistence import StateStore
-from registry.state import RegistryState, RegistryTimings
-from registry.status import StatusThresholds, derive_status
 
 METRICS = Path(__file__).parent / "data" / "metrics"
 
@@ -267,7 +266,7 @@ def test_slow_probes_of_a_busy_engine_are_not_failures_for_a_while() -> None:
 
 
 def test_wire_rows_rebuild_the_same_snapshot_lazily() -> None:
-    from registry import PoolSnapshot, prior_weight
+    from fedpool.registry import PoolSnapshot, prior_weight
 
     clock = Clock()
     state = RegistryState(clock=clock)
@@ -289,7 +288,7 @@ def test_wire_rows_rebuild_the_same_snapshot_lazily() -> None:
 
 
 def test_only_wanted_families_reach_the_parser() -> None:
-    from registry.adapters.base import select_families
+    from fedpool.registry.adapters.base import select_families
 
     text = (METRICS / "vllm_dp2.txt").read_text()
     kept = select_families(text, frozenset({"vllm:num_requests_running"}))
@@ -303,7 +302,7 @@ def test_only_wanted_families_reach_the_parser() -> None:
 
 
 def test_probe_rows_round_trip() -> None:
-    from registry.snapshot import probe_from_row, probe_to_row
+    from fedpool.registry.snapshot import probe_from_row, probe_to_row
 
     full = ProbeResult("s1", True, 0.01, 5.0, None, LoadSample(2, 1, 4.0, 0.5, 100.0, None, 8))
     bare = ProbeResult("s2", False, 1.0, 5.0, "refused", None, busy=True)

@@ -76,8 +76,8 @@ def test_every_listener_binds_loopback_by_default() -> None:
     for names, dest in ((("gateway",), "host"), (("jobs", "serve"), "host"), (("registry", "start"), "metrics_host"),
                         (("serve",), "host")):
         assert default_of(subparser(*names), dest) == "127.0.0.1", names
-    from deploy.emulator import EmulatedServer
-    from registry.actor import RegistryConfig
+    from fedpool.deploy.emulator import EmulatedServer
+    from fedpool.registry.actor import RegistryConfig
 
     assert EmulatedServer(model="m")._host == "127.0.0.1"
     assert RegistryConfig(state_dir="/x", token_sha256="0" * 64).metrics_host == "127.0.0.1"

@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
+from fedpool.deploy.engines import EngineSpec, engine_argv, gpu_family
+from fedpool.registry import RegistryClient
 
-from deploy.engines import EngineSpec, engine_argv, gpu_family
-from registry import RegistryClient
 from tests.conftest import TEST_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def test_vllm_and_llamacpp_command_lines() -> None:
 
 
 def test_emulated_engines_register_with_their_profiles_protocol() -> None:
-    from deploy.engines import registry_engine
+    from fedpool.deploy.engines import registry_engine
 
     assert registry_engine("emulated", "a100-illustrative") == "vllm"
     assert registry_engine("emulated", "sglang-a100-illustrative") == "sglang"

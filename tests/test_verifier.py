@@ -5,15 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fedpool.clients import EvalTarget, run_evals
+from fedpool.deploy.models import ensure_gemma
+from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.pipeline import load_spec
+from fedpool.pipeline.actors import cpu_actor_options
+from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.pipeline.verifier import JudgeItem, VerifierConfig, VerifierPool
+from fedpool.registry import RegistryClient, ServerRecord
 
-from clients import EvalTarget, run_evals
-from deploy.models import ensure_gemma
-from federation import DispatchConfig, PoolConnection
-from pipeline import load_spec
-from pipeline.actors import cpu_actor_options
-from pipeline.bundled import bundled_spec_paths
-from pipeline.verifier import JudgeItem, VerifierConfig, VerifierPool
-from registry import RegistryClient, ServerRecord
 from tests.conftest import EmulatorFactory, read_jsonl
 
 pytestmark = pytest.mark.ray
@@ -31,7 +31,7 @@ async def test_cpu_actors_run_at_the_eval_processes_priority(verifier_pool: Veri
     engine at 0. Every fedpool CPU actor runs at niceness 0, like the eval's own process."""
     import os
 
-    from pipeline.stages import StagePool
+    from fedpool.pipeline.stages import StagePool
 
     judge_nice = await verifier_pool._actors[0].__ray_call__.remote(lambda _self: os.nice(0))
     stages = StagePool(1, num_cpus=0.1)

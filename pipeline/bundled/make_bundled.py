@@ -1,4 +1,4 @@
-"""Regenerate the bundled benchmarks: `python -m pipeline.bundled.make_bundled`. Deterministic (seeded)."""
+"""Regenerate the bundled benchmarks: `python -m fedpool.pipeline.bundled.make_bundled`. Deterministic (seeded)."""
 
 from __future__ import annotations
 

@@ -7,10 +7,9 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import aiohttp
+from fedpool.registry.records import Engine
+from fedpool.registry.snapshot import LoadSample
 from prometheus_client.parser import text_string_to_metric_families
-
-from registry.records import Engine
-from registry.snapshot import LoadSample
 
 _ADAPTERS: dict[Engine, type[EngineAdapter]] = {}
 

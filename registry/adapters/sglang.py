@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import aiohttp
-
-from registry.adapters.base import EngineAdapter, MetricSamples
-from registry.records import Engine
-from registry.snapshot import LoadSample
+from fedpool.registry.adapters.base import EngineAdapter, MetricSamples
+from fedpool.registry.records import Engine
+from fedpool.registry.snapshot import LoadSample
 
 RUNNING = "sglang:num_running_reqs"
 WAITING = "sglang:num_queue_reqs"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from registry.adapters.base import EngineAdapter, MetricSamples
-from registry.records import Engine
-from registry.snapshot import LoadSample
+from fedpool.registry.adapters.base import EngineAdapter, MetricSamples
+from fedpool.registry.records import Engine
+from fedpool.registry.snapshot import LoadSample
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"

@@ -23,8 +23,8 @@ class NodeLauncher:
         self._server = None
 
     async def launch(self, server_id: str) -> dict[str, str]:
-        from deploy.emulator import EmulatedServer
-        from registry import RegistryClient, ServerRecord
+        from fedpool.deploy.emulator import EmulatedServer
+        from fedpool.registry import RegistryClient, ServerRecord
 
         self._server = EmulatedServer(model="multi-model")
         url = await self._server.start()
@@ -38,15 +38,15 @@ class ScoringActor:
     """A CPU stage: post-processing and metrics of finished predictions."""
 
     def score(self, predictions: list[str], labels: list[str]) -> dict[str, object]:
-        from pipeline.metrics import exact_match
+        from fedpool.pipeline.metrics import exact_match
 
         return {"node": ray.get_runtime_context().get_node_id(),
                 "scores": [exact_match(p, [label]) for p, label in zip(predictions, labels, strict=True)]}
 
 
 async def main() -> dict[str, object]:
-    from federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
-    from registry import RegistryClient
+    from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
+    from fedpool.registry import RegistryClient
 
     state = Path(tempfile.mkdtemp(prefix="fedpool-multinode-"))
     registry = RegistryClient.start(state, token="multinode-token-123", probe_interval_s=0.5,

@@ -21,14 +21,14 @@ MODEL = "node-loss-model"
 
 
 async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, object]:
-    from benchmarks.reliability import count
-    from clients import EvalProgress, EvalTarget, run_evals
-    from deploy.emulator import EmulatedServer, EmulatorProfile
-    from federation import PoolConnection
-    from pipeline import load_spec
-    from pipeline.bundled import bundled_spec_paths
-    from pipeline.stages import StageCosts, StagePool
-    from registry import RegistryClient, ServerRecord
+    from fedpool.benchmarks.reliability import count
+    from fedpool.clients import EvalProgress, EvalTarget, run_evals
+    from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
+    from fedpool.federation import PoolConnection
+    from fedpool.pipeline import load_spec
+    from fedpool.pipeline.bundled import bundled_spec_paths
+    from fedpool.pipeline.stages import StageCosts, StagePool
+    from fedpool.registry import RegistryClient, ServerRecord
 
     work = Path(tempfile.mkdtemp(prefix="fedpool-node-loss-"))
     registry = RegistryClient.start(work / "registry", token="node-loss-token-1234", probe_interval_s=0.5)
