@@ -103,7 +103,7 @@ async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
         for i in range(servers)
     )
     snap = PoolSnapshot(1, 0.0, entries)
-    request = InferenceRequest("r", "m", Endpoint.COMPLETIONS, {"prompt": "x"})
+    request = InferenceRequest("r", "m", Endpoint.COMPLETIONS, prompt="x")
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(0)))
         start = time.perf_counter()

@@ -21,11 +21,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.speedup_engine import saturated_cost
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
 from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
-
-from fedpool.bench import saturated_cost
 
 POLICIES = ("capacity_weighted", "least_inflight", "power_of_two", "round_robin", "random", "prefix_affinity")
 
@@ -87,8 +86,8 @@ async def run_policy(name: str, jobs: list[tuple[int, int]], args: argparse.Name
                         return
                     i, (prompt, out) = queue.pop()
                     body = {"prompt": " ".join(["w"] * prompt), "max_tokens": out, "temperature": 0}
-                    await dispatcher.submit(InferenceRequest(f"r{i}", "bench-model", Endpoint.COMPLETIONS, body,
-                                                             client_id=client))
+                    await dispatcher.submit(InferenceRequest.from_body(
+                        body, request_id=f"r{i}", model="bench-model", endpoint=Endpoint.COMPLETIONS, client_id=client))
 
             started = time.perf_counter()
             await asyncio.gather(*(worker(f"eval-{c % args.clients}") for c in range(args.clients * args.per_client)))

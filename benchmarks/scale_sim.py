@@ -28,9 +28,8 @@ from dataclasses import asdict, replace
 
 import psutil
 from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.speedup_engine import ideal_makespan
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
-
-from fedpool.bench import ideal_makespan
 
 MODEL = "sim-7b"
 SHAPES = {  # modality: (prompt tokens, answer tokens), as benchmarks/configs/table7_evals.yaml
@@ -85,9 +84,9 @@ async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], 
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy(args.policy, random.Random(0)),
-                                config=DispatchConfig(hedging=False, adaptive_windows=not args.fixed_windows,
-                                                      planned=args.planned))
+        policy = make_policy("planned" if args.planned else args.policy, random.Random(0))
+        dispatcher = Dispatcher(session, lambda: snap, policy,
+                                config=DispatchConfig(hedging=False, adaptive_windows=not args.fixed_windows))
 
         async def one_eval(name: str, modality: str, size: int) -> None:
             prompt_tokens, answer = SHAPES[modality]
@@ -101,9 +100,9 @@ async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], 
                 while queue:
                     k = queue.pop()
                     prompt = " ".join(rng.choice(words) for _ in range(prompt_tokens))
-                    await dispatcher.submit(InferenceRequest(
-                        request_id=f"{name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=name,
-                        body={"prompt": prompt, "max_tokens": answer, "ignore_eos": True}))
+                    await dispatcher.submit(InferenceRequest.from_body(
+                        {"prompt": prompt, "max_tokens": answer, "ignore_eos": True},
+                        request_id=f"{name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=name))
                     left[0] -= 1
                     dispatcher.set_client_remaining(name, float(left[0] * (prompt_tokens + answer)), left[0])
 

@@ -149,7 +149,15 @@ async def soak_gateway(args: argparse.Namespace) -> dict[str, Any]:
 
 async def soak_dispatcher(requests: int, servers: int) -> dict[str, Any]:
     from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
-    from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+    from fedpool.federation import (
+        DispatchConfig,
+        Dispatcher,
+        Endpoint,
+        InferenceRequest,
+        SamplingParams,
+        make_policy,
+        new_session,
+    )
     from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     emus = [EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=256), seed=i)
@@ -168,7 +176,7 @@ async def soak_dispatcher(requests: int, servers: int) -> dict[str, Any]:
             for k in range(count):
                 await dispatcher.submit(InferenceRequest(
                     request_id=f"c{cid}-{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS,
-                    body={"prompt": "x", "max_tokens": 1}, client_id=f"eval-{cid % 8}"))
+                    prompt="x", params=SamplingParams(max_tokens=1), client_id=f"eval-{cid % 8}"))
 
         workers = min(256, requests)
         per, extra = divmod(requests, workers)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpool.federation import (
+    Attempt,
     Dispatcher,
     Endpoint,
     InferenceRequest,
@@ -22,6 +23,7 @@ from fedpool.pipeline import (
     ArtifactWriter,
     AttemptInfo,
     BenchmarkSpec,
+    ErrorKind,
     Provenance,
     Record,
     Sample,
@@ -298,7 +300,7 @@ class EvalRun:
         if self._verify_queue is not None and not record.failed:
             await self._verify_queue.put(record)  # bounded: a slow verifier slows inference, not memory
             return
-        self._finish(record, writer, total, started)
+        await self._finish(record, writer, total, started)
 
     async def _verify_stage(self, writer: ArtifactWriter, total: int, started: float) -> None:
         """Judges finished records on the verifier's CPU actors while inference goes on."""
@@ -311,14 +313,14 @@ class EvalRun:
             except Exception as exc:  # a broken judge must not lose the record: it is written unjudged
                 log.warning("%s/%s: verifier failed (%s)", record.benchmark, record.sample_id, type(exc).__name__)
                 record = with_judgment(record, None)
-            self._finish(record, writer, total, started)
+            await self._finish(record, writer, total, started)
             self._verify_queue.task_done()
 
     def _report_remaining(self, samples_left: int) -> None:
         self._dispatcher.set_client_remaining(self.spec.name, samples_left * self._work_each, samples_left)
 
-    def _finish(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
-        if writer.write(record):
+    async def _finish(self, record: Record, writer: ArtifactWriter, total: int, started: float) -> None:
+        if await writer.append(record):
             self._counters.written += 1
         self._counters.done += 1
         self._report_remaining(total - self._counters.done)
@@ -332,18 +334,19 @@ class EvalRun:
 
     async def _evaluate(self, sample: Sample) -> Record:
         if sample.media is not None and sample.media.error is not None:
-            prov = Provenance(model=self._target.model, error=sample.media.error, error_kind="data",
+            prov = Provenance(model=self._target.model, error=sample.media.error, error_kind=ErrorKind.DATA,
                               completed_at=time.time())
             return finish_record(self.spec, sample, None, prov)
-        request = InferenceRequest(
+        request = InferenceRequest.from_body(
+            request_body(self.spec, sample),
             request_id=f"{self.spec.name}/{sample.sample_id}",
             model=self._target.model,
             revision=self._target.revision,
             endpoint=Endpoint.COMPLETIONS if self.spec.prompt.style == "completion" else Endpoint.CHAT,
-            body=request_body(self.spec, sample),
             client_id=self.spec.name,
             pinned_engines=self._target.pinned_engines,
             pinned_servers=self._target.pinned_servers,
+            reproducible=self.spec.generation.bit_reproducible,
         )
         try:
             result = await self._dispatcher.submit(request)
@@ -353,13 +356,13 @@ class EvalRun:
                 attempts=len(exc.attempts),
                 attempt_log=[_attempt_info(a) for a in exc.attempts],
                 error=str(exc),
-                error_kind=exc.last_kind.value if exc.last_kind else None,
+                error_kind=ErrorKind(exc.last_kind.value) if exc.last_kind else None,
                 completed_at=time.time(),
             )
             return finish_record(self.spec, sample, None, prov)
         except NoServerError as exc:
             prov = Provenance(
-                model=self._target.model, error=str(exc), error_kind="no_server", completed_at=time.time()
+                model=self._target.model, error=str(exc), error_kind=ErrorKind.NO_SERVER, completed_at=time.time()
             )
             return finish_record(self.spec, sample, None, prov)
         return finish_record(
@@ -389,12 +392,13 @@ def _judge_work_per_sample(spec: BenchmarkSpec, samples: list[Sample], question_
     return prompt + DECODE_WEIGHT * judge_max_tokens
 
 
-def _attempt_info(attempt: Any) -> AttemptInfo:
+def _attempt_info(attempt: Attempt) -> AttemptInfo:
     return AttemptInfo(
         server_id=attempt.server_id,
         latency_s=attempt.latency_s,
-        failure=attempt.failure.value if attempt.failure else None,
+        failure=ErrorKind(attempt.failure.value) if attempt.failure else None,
         detail=attempt.detail,
+        lost_race=attempt.lost_race,
     )
 
 

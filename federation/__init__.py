@@ -3,10 +3,26 @@
 from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from fedpool.federation.policies import Candidate, Policy, RouteContext, RouteDecision, make_policy, policy_names
+from fedpool.federation.planner import PlannedRouting  # registers the `planned` policy
+from fedpool.federation.policies import (
+    Candidate,
+    Hold,
+    Policy,
+    RouteContext,
+    RouteDecision,
+    make_policy,
+    policy_names,
+)
 from fedpool.federation.pool import PoolConnection
 from fedpool.federation.transport import Timeouts, new_session, post_completion
-from fedpool.federation.types import Attempt, Completion, Endpoint, InferenceRequest, InferenceResult
+from fedpool.federation.types import (
+    Attempt,
+    Completion,
+    Endpoint,
+    InferenceRequest,
+    InferenceResult,
+    SamplingParams,
+)
 
 __all__ = [
     "Attempt",
@@ -18,14 +34,17 @@ __all__ = [
     "DispatcherStats",
     "Endpoint",
     "FailureKind",
+    "Hold",
     "InferenceRequest",
     "InferenceResult",
     "NoServerError",
+    "PlannedRouting",
     "Policy",
     "PoolConnection",
     "RequestFailed",
     "RouteContext",
     "RouteDecision",
+    "SamplingParams",
     "ServerStats",
     "Timeouts",
     "make_policy",

@@ -33,10 +33,6 @@ class DispatchConfig:
     # client with the least work left (as it reports with set_client_remaining), fair among equals: evals
     # finish one after another, so results arrive sooner on average while the pool stays as busy.
     client_order: str = "fair"
-    # Route by a min-makespan plan over clients × servers (federation/planner.py) instead of the policy:
-    # each client's requests go to the servers its plan gives it, re-planned every plan_period_s.
-    planned: bool = False
-    plan_period_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

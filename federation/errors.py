@@ -12,28 +12,35 @@ class FailureKind(StrEnum):
     CONNECT = "connect"  # nothing listening, refused, DNS
     RESET = "reset"  # a reused keep-alive connection closed by the server: retried at once, not its fault
     TIMEOUT = "timeout"  # connect, first byte or total deadline passed
+    STALLED = "stalled"  # no first byte within the first-byte timeout, and a copy elsewhere answered first
     RATE_LIMITED = "rate_limited"  # HTTP 429
     SERVER_ERROR = "server_error"  # HTTP 5xx (and 404/other 4xx that mean "not here")
     BAD_RESPONSE = "bad_response"  # 200 with a body that is not a valid completion
     REQUEST_ERROR = "request_error"  # HTTP 400/413/422: the request itself is wrong; retrying cannot help
+    NO_SERVER = "no_server"  # no routable server serves the model (and revision) in time
+    UNEXPECTED = "unexpected"  # an exception fedpool has no class for: a bug on this side, not the server's
 
     @property
     def retriable(self) -> bool:
-        return self is not FailureKind.REQUEST_ERROR
+        return self not in (FailureKind.REQUEST_ERROR, FailureKind.UNEXPECTED, FailureKind.NO_SERVER)
 
     @property
     def counts_against_server(self) -> bool:
-        return self not in (FailureKind.RESET, FailureKind.REQUEST_ERROR)
+        """Whether it says something about the server (breakers, the registry's passive failure reports)."""
+        return self not in (FailureKind.RESET, FailureKind.REQUEST_ERROR, FailureKind.UNEXPECTED,
+                            FailureKind.NO_SERVER)
 
 
 class AttemptError(Exception):
     """One attempt at one server failed; `kind` says how."""
 
-    def __init__(self, kind: FailureKind, detail: str, *, status: int | None = None):
+    def __init__(self, kind: FailureKind, detail: str, *, status: int | None = None,
+                 upstream_message: str | None = None):
         self.kind = kind
         self.detail = detail
         self.status = status
-        super().__init__(f"{kind.value}: {detail}")
+        self.upstream_message = upstream_message  # the engine's own error text (HTTP errors), for the caller
+        super().__init__(f"{kind.value}: {detail}" + (f" ({upstream_message})" if upstream_message else ""))
 
 
 class NoServerError(Exception):
@@ -43,9 +50,12 @@ class NoServerError(Exception):
 class RequestFailed(Exception):
     """Every attempt failed; carries the attempts so the record can say what happened."""
 
-    def __init__(self, message: str, attempts: tuple[object, ...], last_kind: FailureKind | None):
+    def __init__(self, message: str, attempts: tuple[object, ...], last_kind: FailureKind | None,
+                 last_error: AttemptError | None = None, server_id: str | None = None):
         self.attempts = attempts
         self.last_kind = last_kind
+        self.last_error = last_error  # the last attempt's failure (its status and engine message)
+        self.server_id = server_id  # the server that refused or failed it last
         super().__init__(message)
 
 
@@ -73,4 +83,6 @@ def classify_exception(exc: BaseException, *, reused_connection: bool) -> Failur
         return FailureKind.BAD_RESPONSE
     if isinstance(exc, aiohttp.ClientResponseError):
         return kind_for_status(exc.status)
-    return FailureKind.CONNECT
+    if isinstance(exc, aiohttp.ClientError):
+        return FailureKind.CONNECT  # the remaining transport failures (invalid URL, TLS, proxy) are the link's
+    return FailureKind.UNEXPECTED

@@ -157,11 +157,13 @@ class Gateway:
         needed = "prompt" if endpoint is Endpoint.COMPLETIONS else "messages"
         if needed not in body:
             return _error(400, f"field '{needed}' is required", "invalid_request_error", param=needed)
-        inner = {k: v for k, v in body.items() if k not in ("model", "stream")}
-        req = InferenceRequest(
-            request_id=f"gw-{uuid.uuid4().hex[:16]}", model=model, endpoint=endpoint, body=inner, client_id=client,
-            revision=request.headers.get("X-Model-Revision") or None,
-        )
+        try:
+            req = InferenceRequest.from_body(
+                body, request_id=f"gw-{uuid.uuid4().hex[:16]}", model=model, endpoint=endpoint, client_id=client,
+                revision=request.headers.get("X-Model-Revision") or None,
+            )
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request_error")
         try:
             if body.get("stream"):
                 return await self._relay_stream(request, req)

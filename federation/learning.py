@@ -1,8 +1,9 @@
-"""What the dispatcher learns from its own traffic: each server's throughput (EWMA of generated tokens per
-busy second) and an adaptive admission window. Pure: the clock is passed in, nothing does I/O."""
+"""What the dispatcher learns from its own traffic: each server's throughput (generated tokens per busy
+second, decayed) and an adaptive admission window. Pure: the clock is passed in, nothing does I/O."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -11,53 +12,38 @@ LEARN_PERIOD_S = 2.0  # throughput and window decisions are made at most this of
 
 
 @dataclass
-class ThroughputEstimator:
-    """Tokens per second of wall time during which this dispatcher had work on the server."""
+class BusyRate:
+    """An amount (generated tokens, priced work) per busy second, both exponentially decayed with time
+    constant `tau_s`. Busy seconds are the ledger's (`InflightLedger.busy_s`, cumulative), so every rate a
+    dispatcher learns is measured against the same busy time: seconds with at least one of its requests on
+    the server, idle gaps not counted."""
 
-    alpha: float = 0.3
-    period_s: float = LEARN_PERIOD_S
-    rate: float | None = None  # EWMA, tokens/s
-    _inflight: int = 0
-    _busy_since: float | None = None
-    _busy_s: float = 0.0
-    _tokens: int = 0
-    _period_start: float | None = None
+    tau_s: float
+    amount: float = 0.0
+    busy: float = 0.0
+    answered: int = 0
+    _at: float | None = None
+    _busy_seen: float = 0.0
 
-    @property
-    def inflight(self) -> int:
-        return self._inflight
+    def add(self, now: float, busy_total_s: float, amount: float) -> None:
+        self._advance(now, busy_total_s)
+        self.amount += amount
+        self.answered += 1
 
-    def on_start(self, now: float, inflight_after: int | None = None) -> None:
-        """A request started. `inflight_after`: the caller's own count, when it keeps one (it then wins:
-        attempts cancelled before they finish, like lost hedges, never report a finish)."""
-        if self._period_start is None:
-            self._period_start = now
-        self.sync(now, self._inflight + 1 if inflight_after is None else inflight_after)
-
-    def sync(self, now: float, inflight: int) -> None:
-        """Set the in-flight count; busy time runs while it is above zero."""
-        if inflight > 0 and self._busy_since is None:
-            self._busy_since = now
-        elif inflight <= 0 and self._busy_since is not None:
-            self._busy_s += now - self._busy_since
-            self._busy_since = None
-        self._inflight = max(0, inflight)
-
-    def on_finish(self, tokens: int, now: float, inflight_after: int | None = None) -> float | None:
-        """Record a finished request; returns the new rate when a period closed."""
-        self.sync(now, self._inflight - 1 if inflight_after is None else inflight_after)
-        self._tokens += tokens
-        if self._period_start is None or now - self._period_start < self.period_s:
+    def value(self, now: float, busy_total_s: float, min_answers: int = 1) -> float | None:
+        self._advance(now, busy_total_s)
+        if self.answered < min_answers or self.busy <= 0 or self.amount <= 0:
             return None
-        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
-        if self._busy_since is not None:
-            self._busy_since = now
-        self._period_start, self._busy_s, tokens, self._tokens = now, 0.0, self._tokens, 0
-        if busy <= 0 or tokens <= 0:
-            return None
-        sample = tokens / busy
-        self.rate = sample if self.rate is None else self.alpha * sample + (1 - self.alpha) * self.rate
-        return self.rate
+        return self.amount / self.busy
+
+    def _advance(self, now: float, busy_total_s: float) -> None:
+        if self._at is not None and now > self._at:
+            keep = math.exp(-(now - self._at) / self.tau_s)
+            self.amount *= keep
+            self.busy *= keep
+        self.busy += max(0.0, busy_total_s - self._busy_seen)
+        self._busy_seen = busy_total_s
+        self._at = now
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,21 +141,25 @@ class WindowController:
 
 @dataclass
 class ServerLearning:
-    """Everything one dispatcher learns about one server: its throughput and its admission window."""
+    """Everything one dispatcher learns about one server: its throughput (tokens per busy second, decayed
+    over ~3 learning periods) and its admission window, re-decided once per period."""
 
-    estimator: ThroughputEstimator
+    rate: BusyRate
     controller: WindowController
+    period_s: float = LEARN_PERIOD_S
     adaptive: bool = True
     last_decision: WindowDecision | None = None
+    tokens_per_s: float | None = None  # the rate as of the last closed period (what weights compare)
     _latencies: list[float] = field(default_factory=list)
     _rate_limited: int = 0
     _full: bool = False
+    _period_start: float | None = None
 
     @classmethod
     def for_capacity(
         cls, capacity: int, *, adaptive: bool, max_factor: float, period_s: float = LEARN_PERIOD_S
     ) -> ServerLearning:
-        return cls(ThroughputEstimator(period_s=period_s), WindowController(capacity, max_factor=max_factor), adaptive)
+        return cls(BusyRate(tau_s=3 * period_s), WindowController(capacity, max_factor=max_factor), period_s, adaptive)
 
     def window(self, capacity: int) -> int:
         if self.controller.capacity != capacity:  # the registry learned a new capacity: start over from it
@@ -177,23 +167,28 @@ class ServerLearning:
         return self.controller.limit if self.adaptive else max(1, int(capacity * self.controller.max_factor))
 
     def on_start(self, now: float, inflight_after: int, window: int) -> None:
-        self.estimator.on_start(now, inflight_after)
+        if self._period_start is None:
+            self._period_start = now
         if inflight_after >= window:
             self._full = True
 
     def on_rate_limited(self) -> None:
         self._rate_limited += 1
 
-    def on_release(self, now: float, inflight_after: int) -> None:
-        """A slot was given back (answered, failed or cancelled)."""
-        self.estimator.sync(now, inflight_after)
-
-    def on_finish(self, tokens: int, latency_s: float, now: float, scraped_waiting: float,
-                  inflight: int | None = None) -> WindowDecision | None:
+    def on_finish(self, tokens: int, latency_s: float, now: float, busy_total_s: float, scraped_waiting: float,
+                  inflight: int) -> WindowDecision | None:
+        """An answer (or a failure, with 0 tokens) came back; at most once a period, the window is re-decided."""
         if tokens > 0:
             self._latencies.append(latency_s / tokens)
-        rate = self.estimator.on_finish(tokens, now, inflight)
-        if rate is None or not self.adaptive:
+            self.rate.add(now, busy_total_s, tokens)
+        if self._period_start is None or now - self._period_start < self.period_s:
+            return None
+        self._period_start = now
+        rate = self.rate.value(now, busy_total_s)
+        if rate is None:
+            return None
+        self.tokens_per_s = rate
+        if not self.adaptive:
             return None
         ordered = sorted(self._latencies)
         obs = WindowObservation(
@@ -202,7 +197,7 @@ class ServerLearning:
             scraped_waiting=scraped_waiting,
             rate_limited=self._rate_limited,
             window_was_full=self._full,
-            inflight=self.estimator.inflight,
+            inflight=inflight,
         )
         self._latencies, self._rate_limited, self._full = [], 0, False
         self.last_decision = self.controller.decide(obs)

@@ -1,7 +1,10 @@
 """Routing policies: small pure strategy classes behind one interface, registered by name.
 
-A policy sees only the candidates that have a free admission-window slot and returns a decision; the
-dispatcher acts on it. No I/O, no clock reads of their own, randomness from an injected Random.
+The dispatcher asks a policy to `place` one waiting request on a view of its route; the policy answers
+with a server id, or with a `Hold` (nothing free for this route, or for this client); the dispatcher acts
+on it. Most policies only `choose` among a few candidates with a free admission-window slot (the default
+`place` samples them); planned routing (`federation/planner.py`) looks at the whole route. No I/O, no
+clock reads of their own, randomness from an injected Random.
 """
 
 from __future__ import annotations
@@ -10,9 +13,16 @@ import bisect
 import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from fedpool.registry import ServerEntry
+
+if TYPE_CHECKING:
+    from fedpool.federation.clientbook import ClientBook
+    from fedpool.federation.ledger import InflightLedger
 
 _POLICIES: dict[str, type[Policy]] = {}
 
@@ -47,6 +57,42 @@ class RouteContext:
 
     request_id: str
     prefix: str = ""
+    client_id: str = "default"
+
+
+class Hold(StrEnum):
+    """Why a waiting request was not placed now."""
+
+    ROUTE_FULL = "route_full"  # no server of its route can take a request: no client of that route goes now
+    CLIENT_HELD = "client_held"  # this client waits for its own (planned) servers; others of the route may go
+
+
+class RouteView(Protocol):
+    """One waiting request's route as the dispatcher shows it to a policy, for one decision."""
+
+    @property
+    def servers(self) -> Sequence[ServerEntry]:
+        """Every routable server of the route (model, revision, pins), room or not."""
+
+    @property
+    def memo(self) -> set[str]:
+        """Scratch a policy may fill during one grant pass (cleared between passes)."""
+
+    def free_candidates(self, limit: int | None) -> list[Candidate]:
+        """Servers with a free window slot and a closed breaker, untried by this request where possible;
+        at most `limit` of them, sampled without visiting every server."""
+
+    def usable(self, server: ServerEntry, *, avoid_tried: bool = True) -> bool:
+        """Whether the request may be sent to `server` now (room, breaker, not already failed on it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchState:
+    """What a dispatcher shares with its policy when it adopts it: read-only views of its books."""
+
+    ledger: InflightLedger
+    clients: ClientBook
+    clock: Callable[[], float]
 
 
 class Policy(ABC):
@@ -54,6 +100,31 @@ class Policy(ABC):
 
     name: ClassVar[str]
     candidate_limit: int | None = None  # a policy that looks at a random sample of k servers says k
+
+    def attach(self, state: DispatchState) -> None:
+        """Called once by the dispatcher that uses this policy. Policies that need more than the candidates
+        (the planner) keep the state."""
+        return None
+
+    def place(self, route: RouteView, context: RouteContext) -> str | Hold:
+        """The server for one waiting request, or why it waits. Default: `choose` among sampled candidates."""
+        free = route.free_candidates(self.candidate_limit)
+        if not free:
+            return Hold.ROUTE_FULL
+        return self.choose(free, context).server_id
+
+    def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
+                       completion_tokens: int | None) -> None:
+        """An answer came back (usage as the engine reported it). Default: nothing to learn."""
+        return None
+
+    def recheck_s(self) -> float | None:
+        """While requests wait, look again within this many seconds (None: on events and the usual poll)."""
+        return None
+
+    def describe(self) -> dict[str, Any] | None:
+        """The policy's own state worth logging (JSON-able), if it keeps any."""
+        return None
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

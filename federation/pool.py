@@ -7,6 +7,7 @@ import contextlib
 import logging
 import random
 from types import TracebackType
+from typing import Any
 
 from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.dispatcher import Dispatcher
@@ -32,12 +33,14 @@ class PoolConnection:
         registry: RegistryClient,
         *,
         policy: str = "capacity_weighted",
+        policy_options: dict[str, Any] | None = None,
         config: DispatchConfig | None = None,
         seed: int = 0,
         poll_timeout_s: float = 5.0,
     ):
         self._registry = registry
         self._policy_name = policy
+        self._policy_options = dict(policy_options or {})
         self._config = config or DispatchConfig()
         self._seed = seed
         self._poll_timeout_s = poll_timeout_s
@@ -64,7 +67,7 @@ class PoolConnection:
         self._dispatcher = Dispatcher(
             self._session,
             lambda: self._watcher.latest if self._watcher else None,
-            make_policy(self._policy_name, rng),
+            make_policy(self._policy_name, rng, **self._policy_options),
             config=self._config,
             rng=rng,
             on_failure=self._report,

@@ -29,7 +29,7 @@ class RetryState:
         RequestFailed when the request must not be tried again (refused, or out of attempts)."""
         if not err.kind.retriable:
             raise RequestFailed(
-                f"request {request_id} refused by {server_id}: {err}", tuple(self.attempts), err.kind
+                f"request {request_id} refused by {server_id}: {err}", tuple(self.attempts), err.kind, err, server_id
             ) from err
         if err.kind is FailureKind.RESET and self.resets < MAX_RESET_RETRIES:
             self.resets += 1
@@ -39,6 +39,7 @@ class RetryState:
         if self.counted >= max_attempts:
             raise RequestFailed(
                 f"request {request_id} failed {self.counted} times; last: {err}", tuple(self.attempts), err.kind,
+                err, server_id,
             ) from err
         return False
 

@@ -1,25 +1,25 @@
-"""What one dispatcher knows about each server: its in-flight count (with a history to line up with the
-registry's scrapes), admission window, learned throughput, circuit breaker and answer counters."""
+"""What one dispatcher knows about each server beyond the ledger's counts: its admission window, learned
+throughput, circuit breaker and answer counters; and the candidates a policy sees."""
 
 from __future__ import annotations
 
-import bisect
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from fedpool.federation.breaker import CircuitBreaker
 from fedpool.federation.dispatch_types import ServerStats
 from fedpool.federation.errors import FailureKind
 from fedpool.federation.learning import LEARN_PERIOD_S, ServerLearning
+from fedpool.federation.ledger import InflightLedger
 from fedpool.federation.policies import Candidate
 from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
 
-INFLIGHT_LOG_LEN = 4096  # (time, in-flight) changes kept per server to line up with stale scrapes
+SAMPLE_TRIES = 4  # random draws per wanted candidate before a sampled choice scans the whole route
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,46 +33,48 @@ class BookSettings:
 
 
 class ServerBook:
-    def __init__(self, settings: BookSettings, *, clock: Callable[[], float], wall_clock: Callable[[], float]):
+    def __init__(self, settings: BookSettings, ledger: InflightLedger, *, clock: Callable[[], float]):
         self._settings = settings
+        self.ledger = ledger
         self._clock = clock
-        self._wall_clock = wall_clock  # the registry stamps scrapes with wall-clock time
-        self.inflight: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
+        self.last_answer_at: dict[str, float] = {}  # monotonic time of each server's latest answer
         self.tokens: Counter[str] = Counter()
-        self.busy_s: Counter[str] = Counter()
+        self.busy_s: Counter[str] = Counter()  # summed answer latencies (what the stats report)
         self.failures: dict[str, Counter[str]] = {}
         self.learning: dict[str, ServerLearning] = {}
         self._breakers: dict[str, CircuitBreaker] = {}
-        self._inflight_log: dict[str, list[tuple[float, int]]] = {}
-        self._inflight_log_trimmed: set[str] = set()
         self._priors: dict[str, float] = {}
         self._rate_scale_at = -1.0
         self._rate_scale_value = 1.0
 
     # ---- slots --------------------------------------------------------------------------------
-    def take(self, server: ServerEntry, now: float) -> None:
-        self.inflight[server.id] += 1
-        self._log_inflight(server.id)
+    def take(self, server: ServerEntry, client_id: str, now: float) -> None:
+        after = self.ledger.take(server.id, client_id)
         self.breaker(server.id).on_dispatch(now)
-        self.learning_for(server).on_start(now, self.inflight[server.id], self.window(server))
+        self.learning_for(server).on_start(now, after, self.window(server))
 
-    def release(self, server_id: str) -> None:
-        self.inflight[server_id] -= 1
-        if self.inflight[server_id] <= 0:
-            del self.inflight[server_id]
-        self._log_inflight(server_id)
-        learning = self.learning.get(server_id)
-        if learning is not None:
-            learning.on_release(self._clock(), self.inflight.get(server_id, 0))
+    def has_room(self, server: ServerEntry) -> bool:
+        return self.ledger.on_server(server.id) < self.window(server)
 
     # ---- what a policy sees -------------------------------------------------------------------
     def free_candidates(
-        self, servers: list[ServerEntry], limit: int | None, rng: random.Random
+        self, servers: Sequence[ServerEntry], limit: int | None, rng: random.Random,
+        accept: Callable[[ServerEntry], bool] | None = None,
     ) -> list[Candidate]:
-        """Candidates with a free window slot. For policies that only look at a random sample, only the
-        sample is built (a decision over 256 servers then costs what one over 4 does)."""
-        free = [s for s in servers if self.inflight.get(s.id, 0) < self.window(s)]
+        """Candidates with a free window slot (and `accept`ed). A policy that looks at a random sample of
+        `limit` servers gets one drawn without visiting every server (a few random draws each; the whole route
+        is scanned only when those find too few), so a decision over 256 servers costs what one over 4 does."""
+        ok = accept or self.has_room
+        if limit is not None and len(servers) > SAMPLE_TRIES * limit:
+            picked: dict[str, ServerEntry] = {}
+            for _ in range(SAMPLE_TRIES * limit):
+                server = servers[rng.randrange(len(servers))]
+                if server.id not in picked and ok(server):
+                    picked[server.id] = server
+                    if len(picked) == limit:
+                        return [self._candidate(s) for s in picked.values()]
+        free = [s for s in servers if ok(s)]
         if limit is not None and len(free) > limit:
             free = rng.sample(free, limit)
         return [self._candidate(s) for s in free]
@@ -84,7 +86,7 @@ class ServerBook:
         load = server.load
         if load is not None:
             # The scrape is up to a probe interval old: compare it with what *we* had in flight then.
-            others = max(0.0, load.running + load.waiting - self._own_inflight_at(server.id, load.observed_at))
+            others = max(0.0, load.running + load.waiting - self.ledger.at(server.id, load.observed_at))
             window = min(window, max(1, int(server.capacity - others)))
         return max(1, window)
 
@@ -113,20 +115,22 @@ class ServerBook:
         learning = self.learning_for(server)
         if kind is FailureKind.RATE_LIMITED:
             learning.on_rate_limited()
-        learning.on_finish(0, 0.0, self._clock(), server.load.waiting if server.load else 0.0,
-                           self.inflight.get(server.id, 0))
+        now = self._clock()
+        learning.on_finish(0, 0.0, now, self.ledger.busy_s(server.id), server.load.waiting if server.load else 0.0,
+                           self.ledger.on_server(server.id))
         self.failures.setdefault(server.id, Counter())[kind.value] += 1
         if kind.counts_against_server:
-            self.breaker(server.id).on_failure(self._clock())
+            self.breaker(server.id).on_failure(now)
 
     def note_success(self, server: ServerEntry, tokens: int, latency_s: float) -> None:
         decision = self.learning_for(server).on_finish(
-            tokens, latency_s, self._clock(), server.load.waiting if server.load else 0.0,
-            self.inflight.get(server.id, 0),
+            tokens, latency_s, self._clock(), self.ledger.busy_s(server.id),
+            server.load.waiting if server.load else 0.0, self.ledger.on_server(server.id),
         )
         if decision is not None:
             log.debug("window of %s now %.1f: %s", server.id, decision.window, decision.reason)
         self.breaker(server.id).on_success()
+        self.last_answer_at[server.id] = self._clock()
         self.answered[server.id] += 1
         self.tokens[server.id] += tokens
         self.busy_s[server.id] += latency_s
@@ -134,17 +138,17 @@ class ServerBook:
     def server_stats(self, entries: Iterable[ServerEntry]) -> tuple[ServerStats, ...]:
         """Per-server figures: every server answered, failed or in flight here, and those of `entries`."""
         windows = {e.id: self.window(e) for e in entries}
-        ids = sorted(set(self.answered) | set(self.failures) | set(self.inflight) | set(windows))
+        ids = sorted(set(self.answered) | set(self.failures) | self.ledger.servers() | set(windows))
         return tuple(
             ServerStats(
                 server_id=sid,
                 answered=self.answered.get(sid, 0),
                 failures=dict(self.failures.get(sid, {})),
-                inflight=self.inflight.get(sid, 0),
+                inflight=self.ledger.on_server(sid),
                 window=windows.get(sid, 0),
                 completion_tokens=self.tokens.get(sid, 0),
                 busy_s=self.busy_s.get(sid, 0.0),
-                learned_tokens_per_s=self.learning[sid].estimator.rate if sid in self.learning else None,
+                learned_tokens_per_s=self.learning[sid].tokens_per_s if sid in self.learning else None,
                 window_reason=(
                     self.learning[sid].last_decision.reason  # type: ignore[union-attr]
                     if sid in self.learning and self.learning[sid].last_decision else None
@@ -159,28 +163,30 @@ class ServerBook:
         self._priors[server.id] = server.weight * server.capacity
         return Candidate(
             server_id=server.id,
-            inflight=self.inflight.get(server.id, 0),
+            inflight=self.ledger.on_server(server.id),
             window=self.window(server),
             capacity=server.capacity,
-            weight=self._weight(server),
+            weight=self.weight_of(server),
             scraped_waiting=load.waiting if load else 0.0,
             scraped_running=load.running if load else 0.0,
         )
 
     def weight_of(self, server: ServerEntry) -> float:
-        """Relative throughput of a server (what weighted policies and tail stealing compare)."""
-        return self._weight(server)
-
-    def _weight(self, server: ServerEntry) -> float:
         """Relative throughput: learned tokens/s where known, else the accelerator prior × capacity, put
         on the same scale through the servers whose rate is known."""
         prior = server.weight * server.capacity
         if not self._settings.learn_throughput:
             return prior
         learned = self.learning.get(server.id)
-        if learned is not None and learned.estimator.rate:
-            return learned.estimator.rate
+        if learned is not None and learned.tokens_per_s:
+            return learned.tokens_per_s
         return prior * self._rate_scale()
+
+    def drain_s(self, server: ServerEntry, extra: int = 0) -> float:
+        """How long the server would take to finish what this dispatcher has there (+ extra), in units of
+        its relative throughput (what tail stealing compares)."""
+        rate = self.weight_of(server)
+        return (self.ledger.on_server(server.id) + extra) / rate if rate > 0 else float("inf")
 
     def _rate_scale(self) -> float:
         """Mean learned-rate / prior over the servers with a learned rate (1.0 when none): puts priors on
@@ -188,29 +194,9 @@ class ServerBook:
         now = self._clock()
         if now - self._rate_scale_at >= self._settings.learn_period_s or self._rate_scale_at < 0:
             ratios = [
-                lrn.estimator.rate / self._priors[sid] for sid, lrn in self.learning.items()
-                if lrn.estimator.rate and self._priors.get(sid)
+                lrn.tokens_per_s / self._priors[sid] for sid, lrn in self.learning.items()
+                if lrn.tokens_per_s and self._priors.get(sid)
             ]
             self._rate_scale_value = sum(ratios) / len(ratios) if ratios else 1.0
             self._rate_scale_at = now
         return self._rate_scale_value
-
-    def _log_inflight(self, server_id: str) -> None:
-        log_ = self._inflight_log.get(server_id)
-        if log_ is None:
-            log_ = self._inflight_log[server_id] = []
-        log_.append((self._wall_clock(), self.inflight.get(server_id, 0)))
-        if len(log_) > 2 * INFLIGHT_LOG_LEN:  # a list (bisect needs O(1) indexing), trimmed in halves
-            del log_[:INFLIGHT_LOG_LEN]
-            self._inflight_log_trimmed.add(server_id)
-
-    def _own_inflight_at(self, server_id: str, wall_time: float) -> int:
-        """Our in-flight count at that wall-clock time. Before the first logged change it was 0, unless the
-        log was truncated: then the largest count it holds (so other clients' load is never overestimated)."""
-        log_ = self._inflight_log.get(server_id)
-        if not log_:
-            return 0
-        index = bisect.bisect_right(log_, (wall_time, float("inf"))) - 1
-        if index < 0:
-            return max(n for _, n in log_) if server_id in self._inflight_log_trimmed else 0
-        return log_[index][1]

@@ -66,17 +66,10 @@ class RaceBook:
         each time the one queued last on the server whose queue drains slowest (in flight ÷ learned rate),
         if that is slower than the thief would drain with one more. The caller takes the thief's slot for
         each before asking for the next."""
-        thief_rate = book.weight_of(thief)
-        if thief_rate <= 0:
+        if book.weight_of(thief) <= 0:
             return
-
-        def drain_of(server: ServerEntry) -> float:
-            rate = book.weight_of(server)
-            return book.inflight.get(server.id, 0) / rate if rate > 0 else float("inf")
-
-        while book.inflight.get(thief.id, 0) < book.window(thief):
-            thief_drain = (book.inflight.get(thief.id, 0) + 1) / thief_rate
-            victim_id = self.slowest_other(thief.id, thief_drain, drain_of)
+        while book.has_room(thief):
+            victim_id = self.slowest_other(thief.id, book.drain_s(thief, extra=1), book.drain_s)
             if victim_id is None:
                 return
             victim = self.take_last(victim_id, eligible)

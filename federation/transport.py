@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -11,7 +12,10 @@ import aiohttp
 from fedpool.federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
 from fedpool.federation.types import Completion, Endpoint, InferenceRequest
 
+log = logging.getLogger("fedpool.transport")
+
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
+MAX_ERROR_MESSAGE_CHARS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,15 +64,50 @@ async def post_completion(
         ) as resp:
             raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
             if resp.status != 200:
-                raise AttemptError(kind_for_status(resp.status), f"HTTP {resp.status}", status=resp.status)
+                raise http_error(resp.status, raw)
             if len(raw) > MAX_RESPONSE_BYTES:
                 raise AttemptError(FailureKind.BAD_RESPONSE, "response larger than 16 MiB")
     except AttemptError:
         raise
     except Exception as exc:
-        kind = classify_exception(exc, reused_connection=trace.reused)
-        raise AttemptError(kind, type(exc).__name__) from exc
+        raise transport_error(exc, trace.reused) from exc
     return parse_completion(raw, request.endpoint)
+
+
+def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError:
+    kind = classify_exception(exc, reused_connection=reused_connection)
+    if kind is FailureKind.UNEXPECTED:
+        log.warning("unexpected %s on the request path: %s", type(exc).__name__, str(exc)[:300])
+        return AttemptError(kind, f"{type(exc).__name__}: {str(exc)[:300]}")
+    return AttemptError(kind, type(exc).__name__)
+
+
+def http_error(status: int, raw: bytes) -> AttemptError:
+    """A non-200 answer as an AttemptError carrying the engine's own message (vLLM, SGLang and llama.cpp put
+    it in `{"error": {"message": ...}}`, older SGLang in `{"message": ...}`; otherwise the body's text)."""
+    return AttemptError(kind_for_status(status), f"HTTP {status}", status=status,
+                        upstream_message=upstream_message(raw))
+
+
+def upstream_message(raw: bytes, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | None:
+    text = raw[: 4 * limit].decode("utf-8", errors="replace").strip()
+    if not text:
+        return None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:limit]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"][:limit]
+        if isinstance(error, str):
+            return error[:limit]
+        if isinstance(body.get("message"), str):
+            return body["message"][:limit]
+        if isinstance(body.get("detail"), str):
+            return body["detail"][:limit]
+    return text[:limit]
 
 
 async def open_stream(
@@ -88,11 +127,15 @@ async def open_stream(
             trace_request_ctx=trace,
         )
     except Exception as exc:
-        kind = classify_exception(exc, reused_connection=trace.reused)
-        raise AttemptError(kind, type(exc).__name__) from exc
+        raise transport_error(exc, trace.reused) from exc
     if resp.status != 200:
-        resp.release()
-        raise AttemptError(kind_for_status(resp.status), f"HTTP {resp.status}", status=resp.status)
+        try:
+            raw = await resp.content.read(64 * 1024)
+        except Exception:  # the body of an error is a courtesy; the status decides
+            raw = b""
+        finally:
+            resp.release()
+        raise http_error(resp.status, raw)
     return resp
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -14,29 +15,104 @@ class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
 
 
+# OpenAI generation fields fedpool reads itself; every other field of a body is passed through as given.
+_TYPED_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Generation parameters, typed where fedpool reads them (the hot path never looks into a dict)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # other OpenAI fields, sent as given
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: a second copy of the request gives the same answer (modulo batch numerics)."""
+        return self.temperature == 0
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> SamplingParams:
+        """From a body's generation fields. Values of the wrong type raise ValueError naming the field."""
+        def number(name: str, kind: type) -> Any:
+            value = fields.get(name)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+                raise ValueError(f"field {name!r} must be {'an integer' if kind is int else 'a number'}")
+            return kind(value)
+
+        stop = fields.get("stop")
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop):
+            stop = tuple(stop)
+        elif stop is not None:
+            raise ValueError("field 'stop' must be a string or a list of strings")
+        return cls(number("max_tokens", int), number("temperature", float), number("top_p", float),
+                   number("seed", int), stop, {k: v for k, v in fields.items() if k not in _TYPED_FIELDS})
+
+    def as_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        for name in _TYPED_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = list(value) if name == "stop" else value
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
-    """One OpenAI-compatible request. `body` holds prompt or messages and generation parameters."""
+    """One OpenAI-compatible request: a prompt (completions) or messages (chat), with typed parameters."""
 
     request_id: str
     model: str
     endpoint: Endpoint
-    body: dict[str, Any]
+    prompt: str | tuple[Any, ...] | None = None  # a string, or a batch/token list as OpenAI allows (sent as given)
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
     revision: str | None = None
     client_id: str = "default"
     pinned_engines: tuple[str, ...] | None = None
     pinned_servers: tuple[str, ...] | None = None
+    reproducible: bool = False  # bit-for-bit results asked for: never raced against a copy elsewhere
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any], **fields: Any) -> InferenceRequest:
+        """Split an OpenAI body (without `model` and `stream`) into prompt or messages and parameters."""
+        rest = {k: v for k, v in body.items() if k not in ("prompt", "messages", "model", "stream")}
+        prompt = body.get("prompt")
+        messages = body.get("messages")
+        return cls(prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
+                   messages=tuple(messages) if isinstance(messages, list | tuple) else messages,
+                   params=SamplingParams.from_fields(rest), **fields)
 
     def payload(self) -> dict[str, Any]:
-        return {**self.body, "model": self.model, "stream": False}
+        body: dict[str, Any] = self.params.as_fields()
+        if self.prompt is not None:
+            body["prompt"] = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
+        if self.messages is not None:
+            body["messages"] = list(self.messages)
+        return {**body, "model": self.model, "stream": False}
+
+    @property
+    def hedgeable(self) -> bool:
+        """A copy elsewhere cannot change what is recorded: greedy decoding, and no bit-reproducibility asked."""
+        return self.params.greedy and not self.reproducible
 
     def prompt_chars(self) -> int:
         """Characters of prompt text (content parts other than text are not counted)."""
-        if "prompt" in self.body:
-            return len(str(self.body["prompt"]))
+        if isinstance(self.prompt, str):
+            return len(self.prompt)
+        if self.prompt is not None:
+            return sum(len(p) for p in self.prompt if isinstance(p, str))
         total = 0
-        for message in self.body.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
+        for message in self.messages or ():
+            content = message.get("content") if isinstance(message, Mapping) else None
             if isinstance(content, str):
                 total += len(content)
             elif isinstance(content, list):
@@ -49,10 +125,9 @@ class InferenceRequest:
 
     def prefix_text(self, length: int = 256) -> str:
         """The start of the prompt, for prefix-affinity routing."""
-        if "prompt" in self.body:
-            return str(self.body["prompt"])[:length]
-        messages = self.body.get("messages") or []
-        return repr(messages)[:length]
+        if self.prompt is not None:
+            return (self.prompt if isinstance(self.prompt, str) else repr(list(self.prompt)))[:length]
+        return repr(list(self.messages or ()))[:length]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +139,7 @@ class Attempt:
     latency_s: float
     failure: FailureKind | None = None
     detail: str | None = None
+    lost_race: bool = False  # a copy raced against another that answered first, cancelled unfinished
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,8 +17,8 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
 
     plan = {
         "specs": [str(p.resolve()) for p in args.spec], "model": args.model, "revision": args.revision,
-        "policy": args.policy, "concurrency": args.concurrency, "limit": args.limit,
-        "client_order": args.client_order, "planned": args.planned,
+        "policy": "planned" if args.planned else args.policy, "concurrency": args.concurrency, "limit": args.limit,
+        "client_order": args.client_order, "planned": args.planned or args.policy == "planned",
     }
     out = args.out.resolve()
     if (out / EVAL_FILE).exists():
@@ -97,7 +97,7 @@ def cmd_eval_rescore(args: argparse.Namespace) -> int:
         raise CliError(f"{out} already holds a rescore of these benchmarks; use another --out", EXIT_USAGE)
     needs_judge = any(spec.verifier for spec in use)
     if needs_judge:
-        from fedpool.localpool import init_local_ray
+        from fedpool.deploy.localpool import init_local_ray
 
         init_local_ray()
     summaries = asyncio.run(_rescore_all(saved, use, out, args, needs_judge))
@@ -167,15 +167,16 @@ async def _eval_through_pool(
     media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
     try:
         await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
-        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"), planned=plan.get("planned", False))
-        async with PoolConnection(client, policy=plan["policy"], config=dispatch) as pool:
+        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"))
+        policy = "planned" if plan.get("planned") else plan["policy"]  # runs saved before `planned` was a policy
+        async with PoolConnection(client, policy=policy, config=dispatch) as pool:
             view = ProgressView(pool.dispatcher, mode="quiet" if getattr(args, "quiet", False) else "auto")
             async with view:
                 return await run_evals(
                     specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
                     concurrency=plan["concurrency"], verifier=verifier, media=media, on_progress=view.update,
                     run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
-                              "client_order": dispatch.client_order, "planned": dispatch.planned})
+                              "client_order": dispatch.client_order, "planned": policy == "planned"})
     finally:
         for pool_of_actors in (verifier, media):
             if pool_of_actors is not None:

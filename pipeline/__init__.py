@@ -6,7 +6,16 @@ from fedpool.pipeline.loaders import Sample, dataset_sha256, load_samples
 from fedpool.pipeline.metrics import METRICS, Score, aggregate
 from fedpool.pipeline.postprocess import POSTPROCESSORS, apply_postprocess, split_reasoning
 from fedpool.pipeline.prompts import build_messages, render, request_body
-from fedpool.pipeline.schema import AttemptInfo, Message, Output, Provenance, Record, TextOutput, TextPart
+from fedpool.pipeline.schema import (
+    AttemptInfo,
+    ErrorKind,
+    Message,
+    Output,
+    Provenance,
+    Record,
+    TextOutput,
+    TextPart,
+)
 from fedpool.pipeline.scoring import finish_record, rescore_record, summarize_records
 from fedpool.pipeline.spec import BenchmarkSpec, GenerationParams, PromptSpec, load_spec, spec_from_dict
 
@@ -18,6 +27,7 @@ __all__ = [
     "AttemptInfo",
     "BenchmarkSpec",
     "DataError",
+    "ErrorKind",
     "GenerationParams",
     "Message",
     "Output",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,11 +55,29 @@ class Output(BaseModel):
     reasoning_content: str | None = None
 
 
+class ErrorKind(StrEnum):
+    """Why a record has no prediction: how its last attempt failed (the dispatcher's failure kinds, same
+    values) or, for `data`, its own input (a media file that cannot be read)."""
+
+    CONNECT = "connect"
+    RESET = "reset"
+    TIMEOUT = "timeout"
+    STALLED = "stalled"
+    RATE_LIMITED = "rate_limited"
+    SERVER_ERROR = "server_error"
+    BAD_RESPONSE = "bad_response"
+    REQUEST_ERROR = "request_error"
+    NO_SERVER = "no_server"
+    UNEXPECTED = "unexpected"
+    DATA = "data"
+
+
 class AttemptInfo(BaseModel):
     server_id: str
     latency_s: float
-    failure: str | None = None
+    failure: ErrorKind | None = None
     detail: str | None = None
+    lost_race: bool = False  # a copy cancelled because another copy answered first
 
 
 class Provenance(BaseModel):
@@ -77,7 +96,7 @@ class Provenance(BaseModel):
     completion_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
-    error_kind: str | None = None
+    error_kind: ErrorKind | None = None
     completed_at: float | None = None
 
 

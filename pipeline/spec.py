@@ -86,6 +86,9 @@ class GenerationParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = 0
+    # Bit-for-bit results: every answer comes from the one server the request was first sent to (never from
+    # whichever of two raced copies answered first). Hedging and tail stealing are off for this benchmark.
+    bit_reproducible: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import random
 from collections import Counter
 
+import aiohttp
 import pytest
 from fedpool.deploy.emulator import EmulatedServer, Faults
 from fedpool.federation import (
@@ -14,6 +15,7 @@ from fedpool.federation import (
     Endpoint,
     FailureKind,
     InferenceRequest,
+    InferenceResult,
     NoServerError,
     RequestFailed,
     Timeouts,
@@ -26,11 +28,13 @@ from tests.conftest import EmulatorFactory
 
 
 def snapshot_of(
-    servers: list[EmulatedServer], capacity: int = 4, accelerators: list[str] | None = None
+    servers: list[EmulatedServer], capacity: int = 4, accelerators: list[str] | None = None,
+    engines: list[str] | None = None, revision: str = "r1",
 ) -> PoolSnapshot:
     entries = []
     for i, server in enumerate(servers):
-        record = ServerRecord(id=f"s{i}", url=server.url, engine="vllm", model=server.model,
+        record = ServerRecord(id=f"s{i}", url=server.url, engine=(engines or ["vllm"] * len(servers))[i],
+                              model=server.model, revision=revision,
                               accelerator=(accelerators or ["V100"] * len(servers))[i])
         entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=capacity,
                                    weight=prior_weight(record)))
@@ -38,8 +42,8 @@ def snapshot_of(
 
 
 def request(i: int, model: str = "emu-model", **kw: object) -> InferenceRequest:
-    return InferenceRequest(request_id=f"r{i}", model=model, endpoint=Endpoint.COMPLETIONS,
-                            body={"prompt": f"question {i}", "max_tokens": 4}, **kw)  # type: ignore[arg-type]
+    return InferenceRequest.from_body({"prompt": f"question {i}", "max_tokens": 4}, request_id=f"r{i}", model=model,
+                                      endpoint=Endpoint.COMPLETIONS, **kw)
 
 
 FAST = DispatchConfig(backoff_base_s=0.01, backoff_max_s=0.05, no_server_timeout_s=1.0,
@@ -147,7 +151,8 @@ async def test_request_errors_are_not_retried_and_no_server_is_named(emulators: 
             await dispatcher.submit(request(0, model="other-model"))
         with pytest.raises(NoServerError, match="revision 'v9'"):
             await dispatcher.submit(request(1, revision="v9"))
-        invalid = InferenceRequest("r2", "emu-model", Endpoint.COMPLETIONS, body={"prompt": "x", "max_tokens": 0})
+        invalid = InferenceRequest.from_body({"prompt": "x", "max_tokens": 0}, request_id="r2", model="emu-model",
+                                             endpoint=Endpoint.COMPLETIONS)
         with pytest.raises(RequestFailed) as err:
             await dispatcher.submit(invalid)
     assert err.value.last_kind is FailureKind.REQUEST_ERROR and len(err.value.attempts) == 1
@@ -253,8 +258,8 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
     config = DispatchConfig(backoff_base_s=0.01, hedge_min_delay_s=0.2)
 
     def greedy(i: int, **kw: object) -> InferenceRequest:
-        return InferenceRequest(request_id=f"g{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
-                                body={"prompt": f"q{i}", "max_tokens": 8, "temperature": 0}, **kw)  # type: ignore[arg-type]
+        return InferenceRequest.from_body({"prompt": f"q{i}", "max_tokens": 8, "temperature": 0}, request_id=f"g{i}",
+                                          model="emu-model", endpoint=Endpoint.COMPLETIONS, **kw)
 
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=config)
@@ -271,7 +276,7 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
     assert elapsed < 1.5  # the slow server's 2.4 s stragglers did not set the pace
     hedged = [r for r in results if r.hedged]
     assert hedged and all(r.server_id == "s1" for r in hedged)
-    assert all(any(a.detail == "hedge lost" for a in r.attempts) for r in hedged)
+    assert all(any(a.lost_race for a in r.attempts) for r in hedged)
     assert sorted(r.request_id for r in results) == sorted(f"g{i}" for i in range(10))  # each exactly once
     assert stats.hedges == len(hedged) and stats.inflight_total == 0 and not sampled.hedged
     assert not mid_run.hedged
@@ -336,9 +341,9 @@ async def test_idle_servers_steal_the_queued_tail_of_a_slow_one(emulators: Emula
                                 config=DispatchConfig(backoff_base_s=0.01))
         dispatcher.client_done_sending("default")
         started = time.monotonic()
-        results = await asyncio.gather(*(dispatcher.submit(InferenceRequest(
-            request_id=f"t{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
-            body={"prompt": f"q{i}", "max_tokens": 4, "temperature": 0})) for i in range(32)))
+        results = await asyncio.gather(*(dispatcher.submit(InferenceRequest.from_body(
+            {"prompt": f"q{i}", "max_tokens": 4, "temperature": 0}, request_id=f"t{i}", model="emu-model",
+            endpoint=Endpoint.COMPLETIONS)) for i in range(32)))
         elapsed = time.monotonic() - started
         stats = dispatcher.stats()
     # Without stealing the slow server's 16 would take 8 rounds × 0.2 s = 1.6 s.
@@ -468,3 +473,61 @@ def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None
     with pytest.raises(RequestFailed, match="refused by s0") as info:
         fresh.retry_at_once("r", "s0", refused, max_attempts=8)
     assert len(info.value.attempts) == 1 and fresh.counted == 0
+
+
+async def test_copies_race_only_on_replicas_of_the_first_server(emulators: EmulatorFactory) -> None:
+    """A hedge or a steal may only copy a request onto a server of the same engine, model and explicitly set
+    revision: otherwise a timing race would decide which engine's answer is recorded. And never for a request
+    that asks for bit-for-bit reproducibility."""
+    import time
+
+    async def tail_run(snap: PoolSnapshot, **kw: object) -> tuple[list[InferenceResult], float]:
+        async with new_session() as session:
+            dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"),
+                                    config=DispatchConfig(backoff_base_s=0.01, hedge_min_delay_s=0.2))
+            for i in range(10):  # latency history for the hedge timer, on the fast server
+                await dispatcher.submit(InferenceRequest.from_body(
+                    {"prompt": f"w{i}", "max_tokens": 8, "temperature": 0}, request_id=f"w{i}",
+                    model="emu-model", endpoint=Endpoint.COMPLETIONS, pinned_servers=("s1",)))
+            dispatcher.client_done_sending("default")
+            started = time.monotonic()
+            results = await asyncio.gather(*(dispatcher.submit(InferenceRequest.from_body(
+                {"prompt": f"q{i}", "max_tokens": 8, "temperature": 0}, request_id=f"g{i}", model="emu-model",
+                endpoint=Endpoint.COMPLETIONS, **kw)) for i in range(6)))  # type: ignore[arg-type]
+            return list(results), time.monotonic() - started
+
+    slow = await emulators.start(max_running=8, decode_s=0.1)  # 8 tokens: 0.8 s
+    fast = await emulators.start(max_running=8, decode_s=0.002)
+    replicas, _ = await tail_run(snapshot_of([slow, fast], capacity=8))
+    assert any(r.hedged for r in replicas)  # the control: equal engine, model and revision do race
+    for snap in (snapshot_of([slow, fast], capacity=8, engines=["vllm", "sglang"]),
+                 snapshot_of([slow, fast], capacity=8, revision="unspecified")):
+        results, elapsed = await tail_run(snap)
+        assert not any(r.hedged for r in results) and elapsed >= 0.7  # the slow server's answers are waited for
+        assert {r.server_id for r in results} == {"s0", "s1"}
+        assert not any(a.lost_race for r in results for a in r.attempts)
+    reproducible, _ = await tail_run(snapshot_of([slow, fast], capacity=8), reproducible=True)
+    assert not any(r.hedged for r in reproducible)
+
+
+def test_an_unexpected_exception_is_its_own_kind_and_never_counts_against_a_server() -> None:
+    from fedpool.federation.errors import classify_exception
+
+    kind = classify_exception(RuntimeError("a bug on our side"), reused_connection=False)
+    assert kind is FailureKind.UNEXPECTED
+    assert not kind.counts_against_server and not kind.retriable
+    assert classify_exception(aiohttp.ClientError("tls"), reused_connection=False) is FailureKind.CONNECT
+
+
+def test_generation_parameters_are_typed_on_the_request() -> None:
+    from fedpool.federation import SamplingParams
+
+    req = InferenceRequest.from_body({"prompt": "q", "max_tokens": 8, "temperature": 0, "stop": "\n",
+                                      "logprobs": 2}, request_id="r", model="m", endpoint=Endpoint.COMPLETIONS)
+    assert req.params == SamplingParams(max_tokens=8, temperature=0.0, stop=("\n",), extra={"logprobs": 2})
+    assert req.hedgeable and req.payload() == {"prompt": "q", "max_tokens": 8, "temperature": 0.0, "stop": ["\n"],
+                                               "logprobs": 2, "model": "m", "stream": False}
+    for bad in ({"max_tokens": "8"}, {"max_tokens": 2.5}, {"temperature": True}, {"stop": [1]}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            InferenceRequest.from_body({"prompt": "q", **bad}, request_id="r", model="m",
+                                       endpoint=Endpoint.COMPLETIONS)

@@ -3,32 +3,72 @@
 from __future__ import annotations
 
 import pytest
-from fedpool.federation.learning import ThroughputEstimator, WindowController, WindowObservation
+from fedpool.federation.learning import BusyRate, WindowController, WindowObservation
+from fedpool.federation.ledger import InflightLedger
 
 
 def test_throughput_counts_busy_time_only() -> None:
-    est = ThroughputEstimator(alpha=1.0, period_s=2.0)
-    est.on_start(0.0)
-    assert est.on_finish(100, 1.0) is None  # period not over yet
-    # idle from 1.0 to 10.0: not counted
-    est.on_start(10.0)
-    rate = est.on_finish(100, 11.0)
-    assert rate == pytest.approx(100.0)  # 200 tokens over 2 busy seconds
+    """Tokens per second of the time the ledger had work on the server; idle gaps do not count."""
+    now = [0.0]
+    ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: now[0])
+    rate = BusyRate(tau_s=1e9)  # no decay: the plain ratio
+    ledger.take("s", "c")
+    now[0] = 1.0
+    ledger.release("s", "c")
+    rate.add(now[0], ledger.busy_s("s"), 100)
+    now[0] = 10.0  # idle from 1 to 10
+    ledger.take("s", "c")
+    now[0] = 11.0
+    ledger.release("s", "c")
+    rate.add(now[0], ledger.busy_s("s"), 100)
+    assert ledger.busy_s("s") == pytest.approx(2.0)
+    assert rate.value(now[0], ledger.busy_s("s")) == pytest.approx(100.0)  # 200 tokens over 2 busy seconds
 
 
-def test_faster_server_learns_a_higher_rate() -> None:
-    fast, slow = ThroughputEstimator(alpha=0.5), ThroughputEstimator(alpha=0.5)
-    t = 0.0
+def test_faster_server_learns_a_higher_rate_and_old_periods_fade() -> None:
+    now = [0.0]
+    ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: now[0])
+    fast, slow = BusyRate(tau_s=5.0), BusyRate(tau_s=5.0)
     for _ in range(10):
-        fast.on_start(t)
-        slow.on_start(t)
-        fast.on_finish(40, t + 0.5)
-        slow.on_finish(40, t + 1.0)
-        t += 1.0
-        fast.on_start(t - 0.5)
-        fast.on_finish(40, t)
-    assert fast.rate is not None and slow.rate is not None
-    assert fast.rate == pytest.approx(2 * slow.rate, rel=0.1)
+        start = now[0]
+        ledger.take("fast", "c")
+        ledger.take("slow", "c")
+        now[0] = start + 0.5
+        ledger.release("fast", "c")
+        fast.add(now[0], ledger.busy_s("fast"), 40)
+        now[0] = start + 1.0
+        ledger.release("slow", "c")
+        slow.add(now[0], ledger.busy_s("slow"), 40)
+    assert fast.value(now[0], ledger.busy_s("fast")) == pytest.approx(2 * slow.value(now[0], ledger.busy_s("slow")))
+    # The slow server speeds up: its rate follows within a few time constants.
+    for _ in range(30):
+        ledger.take("slow", "c")
+        now[0] += 0.5
+        ledger.release("slow", "c")
+        slow.add(now[0], ledger.busy_s("slow"), 40)
+    assert slow.value(now[0], ledger.busy_s("slow")) == pytest.approx(80.0, rel=0.05)
+
+
+def test_the_ledger_counts_each_attempt_once_per_server_client_and_pair() -> None:
+    now = [0.0]
+    ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: 1000.0 + now[0], history_len=2)
+    ledger.take("a", "x")
+    ledger.take("a", "y")
+    now[0] = 1.0
+    ledger.take("b", "x")
+    assert (ledger.on_server("a"), ledger.on_server("b"), ledger.of_client("x"), ledger.total()) == (2, 1, 2, 3)
+    assert dict(ledger.clients_on("a")) == {"x": 1, "y": 1}
+    now[0] = 2.0
+    ledger.release("a", "x")
+    ledger.release("a", "y")
+    assert ledger.on_server("a") == 0 and dict(ledger.clients_on("a")) == {} and ledger.of_client("x") == 1
+    assert ledger.busy_s("a") == pytest.approx(2.0) and ledger.busy_s("b") == pytest.approx(1.0)
+    # The wall-clock history answers "how many did we have there at the scrape's time".
+    assert ledger.at("a", 1000.5) == 2 and ledger.at("a", 1002.5) == 0 and ledger.at("a", 999.0) == 0
+    for _ in range(3):  # past 2 × history_len changes the history is trimmed: before it, the largest count kept
+        ledger.take("a", "x")
+        ledger.release("a", "x")
+    assert ledger.at("a", 999.0) == 1
 
 
 def obs(**kw: object) -> WindowObservation:

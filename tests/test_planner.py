@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-from fedpool.federation.planner import Planner, server_cost, solve_phased_plan, solve_plan
+from fedpool.federation.clientbook import ClientBook
+from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.plan_lp import solve_phased_plan, solve_plan
+from fedpool.federation.planner import PlannedRouting
+from fedpool.federation.policies import Candidate, DispatchState, Hold, RouteContext
+from fedpool.federation.pricing import server_cost
 from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
 from tests.conftest import EmulatorFactory
@@ -17,6 +23,38 @@ def entry(sid: str, accelerator: str, url: str = "http://127.0.0.1:9", capacity:
           model: str = "emu-model") -> ServerEntry:
     record = ServerRecord(id=sid, url=url, engine="vllm", model=model, accelerator=accelerator, gpu_count=1)
     return ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=capacity, weight=prior_weight(record))
+
+
+class View:
+    """A route as a dispatcher shows it to its policy (policies.RouteView), with room decided by the test."""
+
+    def __init__(self, servers: list[ServerEntry], usable: Callable[[ServerEntry], bool] = lambda s: True):
+        self.servers, self.memo, self._usable = servers, set(), usable
+
+    def usable(self, server: ServerEntry, *, avoid_tried: bool = True) -> bool:
+        return self._usable(server)
+
+    def free_candidates(self, limit: int | None) -> list[Candidate]:
+        return [Candidate(s.id, 0, s.capacity, s.capacity, 1.0) for s in self.servers if self._usable(s)]
+
+
+class Planning:
+    """A planned policy attached to a ledger and client book of its own, on an explicit clock."""
+
+    def __init__(self, *, warmup_periods: float = 0.5, order: str = "fair"):
+        self.now = 0.0
+        self.ledger = InflightLedger(clock=lambda: self.now, wall_clock=lambda: self.now)
+        self.clients = ClientBook(order, self.ledger)
+        self.policy = PlannedRouting(period_s=1.0, warmup_periods=warmup_periods)
+        self.policy.attach(DispatchState(self.ledger, self.clients, lambda: self.now))
+
+    def has(self, client: str, requests: int, prompt_chars: int | None = None, max_tokens: int | None = None) -> None:
+        self.clients.set_remaining(client, 1.0, requests)
+        if prompt_chars is not None:
+            self.clients.note_request(client, prompt_chars, max_tokens)
+
+    def place(self, client: str, view: View) -> str | Hold:
+        return self.policy.place(view, RouteContext(f"{client}-req", client_id=client))
 
 
 def test_roofline_costs_price_prefill_and_decode_by_the_data_sheet() -> None:
@@ -61,30 +99,28 @@ def test_phased_plan_lets_the_first_client_finish_early_within_the_makespan_slac
 
 
 def test_planner_waits_for_every_announced_client_then_follows_quotas() -> None:
-    now = [0.0]
-    planner = Planner(lambda: now[0], period_s=1.0, warmup_s=0.5)
+    p = Planning(warmup_periods=0.5)
     fast, slow = entry("fast", "A100"), entry("slow", "V100")
-    route = [fast, slow]
-    planner.set_remaining("video", 10)
-    planner.set_remaining("text", 40)
-    planner.note_request("video", prompt_chars=28000, max_tokens=32)
-    # "text" said how much it has but has not sent yet: the first plan waits for it (a plan for video alone
+    route = View([fast, slow])
+    p.has("video", 10, prompt_chars=28000, max_tokens=32)
+    p.has("text", 40)
+    # "text" said how much it has but not what it sends: the first plan waits for it (a plan for video alone
     # would hand it every server)...
-    assert planner.warming_up()
-    assert planner.pick("video", route, {"video": 10}, lambda s: True) is None
+    assert p.place("video", route) is Hold.CLIENT_HELD
+    assert p.policy.warming_up()
     # ...but not for ever.
-    now[0] = 0.6
-    assert not planner.warming_up()
-    now[0] = 0.0
-    planner.note_request("text", prompt_chars=1000, max_tokens=512)
-    assert not planner.warming_up()
-    picks = Counter()
+    p.now = 0.6
+    assert not p.policy.warming_up()
+    p.now = 0.0
+    p.clients.note_request("text", prompt_chars=1000, max_tokens=512)
+    assert not p.policy.warming_up()
+    picks: Counter[str] = Counter()
     for _ in range(10):
-        server = planner.pick("video", route, {"video": 10, "text": 40}, lambda s: True)
-        assert server is not None
-        planner.on_sent("video", server.id)
-        picks[server.id] += 1
-    plan = planner.plan()
+        placed = p.place("video", route)
+        assert isinstance(placed, str) and not isinstance(placed, Hold)
+        p.ledger.take(placed, "video")
+        picks[placed] += 1
+    plan = p.policy.plan()
     assert plan is not None and plan.quotas["video"]
     for sid, quota in plan.quotas["video"].items():
         assert abs(picks[sid] - quota) <= 1.0
@@ -93,14 +129,15 @@ def test_planner_waits_for_every_announced_client_then_follows_quotas() -> None:
     # server.)
     single = next(c for c in ("video", "text") if len(plan.quotas[c]) == 1)
     (home,) = plan.quotas[single]
-    assert planner.pick(single, route, {"video": 10, "text": 40}, lambda s: s.id != home) is None
-    assert planner.pick(single, route, {"video": 10, "text": 40}, lambda s: True).id == home
-    # Answers replace the prior shape; completions free what the servers hold.
-    planner.note_answer("video", fast, 7000, 20)
+    assert p.place(single, View([fast, slow], lambda s: s.id != home)) is Hold.CLIENT_HELD
+    assert p.place(single, route) == home
+    # Answers replace the prior shape; what servers hold is the ledger's.
+    p.policy.observe_answer("video", fast, 7000, 20)
+    assert p.policy.shape("video") == (7000, 20)
     for sid, n in picks.items():
         for _ in range(n):
-            planner.on_done("video", sid)
-    assert planner._inflight.get("video", 0) == 0
+            p.ledger.release(sid, "video")
+    assert p.ledger.of_client("video") == 0
 
 
 async def test_dispatcher_routes_by_the_plan_on_real_servers(emulators: EmulatorFactory) -> None:
@@ -111,24 +148,24 @@ async def test_dispatcher_routes_by_the_plan_on_real_servers(emulators: Emulator
     entries = (entry("a100", "A100", fast.url, capacity=8), entry("v100", "V100", slow.url, capacity=8))
     snap = PoolSnapshot(version=1, taken_at=0.0, entries=entries)
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted"),
-                                config=DispatchConfig(planned=True, plan_period_s=0.05, client_order="shortest_first"))
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("planned", period_s=0.05),
+                                config=DispatchConfig(client_order="shortest_first"))
         dispatcher.set_client_remaining("video", 1.0, 12)
         dispatcher.set_client_remaining("text", 1.0, 24)
 
         def req(client: str, i: int, words: int, max_tokens: int) -> InferenceRequest:
             prompt = " ".join(f"{client}{i}w{j}" for j in range(words))
-            return InferenceRequest(request_id=f"{client}-{i}", model=fast.model, endpoint=Endpoint.COMPLETIONS,
-                                    body={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-                                    client_id=client)
+            return InferenceRequest.from_body({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                                              request_id=f"{client}-{i}", model=fast.model,
+                                              endpoint=Endpoint.COMPLETIONS, client_id=client)
 
         results = await asyncio.gather(
             *(dispatcher.submit(req("video", i, 600, 4)) for i in range(12)),
             *(dispatcher.submit(req("text", i, 8, 64)) for i in range(24)),
         )
     assert len({r.request_id for r in results}) == 36
-    planner = dispatcher.planner
-    assert planner is not None and planner.plans_made >= 1
+    planner = dispatcher.policy
+    assert isinstance(planner, PlannedRouting) and planner.plans_made >= 1
     by_client = Counter((r.request_id.split("-")[0], r.server_id) for r in results)
     # The prompt-heavy client lands mostly on the server that prefills fast.
     assert by_client["video", "a100"] > by_client["video", "v100"]
@@ -146,9 +183,9 @@ async def test_longest_answers_first_serves_the_longest_answers_first(emulators:
         done: list[str] = []
 
         async def one(client: str, i: int, max_tokens: int) -> None:
-            await dispatcher.submit(InferenceRequest(
-                request_id=f"{client}{i}", model=server.model, endpoint=Endpoint.COMPLETIONS,
-                body={"prompt": f"q {client} {i}", "max_tokens": max_tokens}, client_id=client))
+            await dispatcher.submit(InferenceRequest.from_body(
+                {"prompt": f"q {client} {i}", "max_tokens": max_tokens}, request_id=f"{client}{i}",
+                model=server.model, endpoint=Endpoint.COMPLETIONS, client_id=client))
             done.append(client)
 
         blocker = asyncio.create_task(one("short", 99, 20))  # holds the slot (~0.1 s) while the others queue
@@ -159,38 +196,33 @@ async def test_longest_answers_first_serves_the_longest_answers_first(emulators:
 
 
 def test_long_prompts_wait_while_long_answers_run_on_a_server() -> None:
-    now = [0.0]
-    planner = Planner(lambda: now[0], period_s=1.0, warmup_s=0.0)
+    p = Planning(warmup_periods=0.0)
     a, b = entry("a", "A100"), entry("b", "A100")
-    for client, chars, answer in (("video", 28000, 32), ("text", 1000, 512)):
-        planner.set_remaining(client, 50)
-        planner.note_request(client, prompt_chars=chars, max_tokens=answer)
-    planner.on_sent("text", "a")  # a long answer decodes on `a`
-    assert planner._interferes("video", "a") and not planner._interferes("video", "b")
-    assert not planner._interferes("text", "a")  # short prompts may join it
-    picks = {getattr(planner.pick("video", [a, b], {"video": 50, "text": 50}, lambda s: True), "id", None)
-             for _ in range(3)}
-    assert picks == {"b"}  # never `a` while the long answer runs there
-    planner.on_done("text", "a")
-    assert not planner._interferes("video", "a")
-    planner.long_answer_tokens = None  # the rule can be switched off
-    planner.on_sent("text", "a")
-    assert not planner._interferes("video", "a")
+    p.has("video", 50, prompt_chars=28000, max_tokens=32)
+    p.has("text", 50, prompt_chars=1000, max_tokens=512)
+    p.ledger.take("a", "text")  # a long answer decodes on `a`
+    assert p.policy._interferes("video", "a") and not p.policy._interferes("video", "b")
+    assert not p.policy._interferes("text", "a")  # short prompts may join it
+    assert {p.place("video", View([a, b])) for _ in range(3)} == {"b"}  # never `a` while the long answer runs
+    p.ledger.release("a", "text")
+    assert not p.policy._interferes("video", "a")
+    p.policy.long_answer_tokens = None  # the rule can be switched off
+    p.ledger.take("a", "text")
+    assert not p.policy._interferes("video", "a")
 
 
 def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
-    now = [0.0]
-    planner = Planner(lambda: now[0], period_s=1.0, warmup_s=0.5)
+    p = Planning(warmup_periods=0.5)
     fast, slow = entry("fast", "A100"), entry("slow", "V100")
-    for client in ("video", "text"):
-        planner.set_remaining(client, 10)
-    planner.note_request("video", prompt_chars=28000, max_tokens=32)
-    assert planner.warming_up()  # text has not sent, nor said what it will send
-    planner.note_prior("text", prompt_tokens=250, max_tokens=512)
-    assert not planner.warming_up()
-    assert planner.pick("video", [fast, slow], {"video": 10, "text": 10}, lambda s: True) is not None
-    plan = planner.plan()
+    p.has("video", 10, prompt_chars=28000, max_tokens=32)
+    p.has("text", 10)
+    assert p.place("video", View([fast, slow])) is Hold.CLIENT_HELD
+    assert p.policy.warming_up()  # text has not sent, nor said what it will send
+    p.clients.announce_shape("text", prompt_tokens=250, max_tokens=512)
+    assert not p.policy.warming_up()
+    assert not isinstance(p.place("video", View([fast, slow])), Hold)
+    plan = p.policy.plan()
     assert plan is not None and set(plan.quotas) == {"video", "text"}
     # A later request's characters do not overwrite what the client announced.
-    planner.note_request("text", prompt_chars=40, max_tokens=512)
-    assert planner._shapes["text"].prompt == 250
+    p.clients.note_request("text", prompt_chars=40, max_tokens=512)
+    assert p.policy.shape("text") == (250, 384)

@@ -28,7 +28,7 @@ class NodeLauncher:
 
         self._server = EmulatedServer(model="multi-model")
         url = await self._server.start()
-        client = RegistryClient.connect(token=self._token)
+        client = await RegistryClient.connect(token=self._token)
         await client.register(ServerRecord(id=server_id, url=url, engine="vllm", model="multi-model"))
         return {"server_id": server_id, "node": ray.get_runtime_context().get_node_id()}
 
@@ -45,11 +45,11 @@ class ScoringActor:
 
 
 async def main() -> dict[str, object]:
-    from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
+    from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection, SamplingParams
     from fedpool.registry import RegistryClient
 
     state = Path(tempfile.mkdtemp(prefix="fedpool-multinode-"))
-    registry = RegistryClient.start(state, token="multinode-token-123", probe_interval_s=0.5,
+    registry = await RegistryClient.start(state, token="multinode-token-123", probe_interval_s=0.5,
                                     resources={"registry-node": 0.01})
     registry_node = await registry.handle.node_id.remote()
     launchers = [NodeLauncher.options(resources={f"server-node-{i}": 0.01}).remote("multinode-token-123")
@@ -59,7 +59,7 @@ async def main() -> dict[str, object]:
     async with PoolConnection(registry, config=DispatchConfig(no_server_timeout_s=10)) as pool:
         results = await asyncio.gather(*(
             pool.dispatcher.submit(InferenceRequest(f"r{i}", "multi-model", Endpoint.COMPLETIONS,
-                                                    {"prompt": f"q{i}", "max_tokens": 4}))
+                                                    prompt=f"q{i}", params=SamplingParams(max_tokens=4)))
             for i in range(20)
         ))
     scorer = ScoringActor.options(resources={"server-node-2": 0.01}).remote()

@@ -1,0 +1,86 @@
+"""What the dispatcher knows about each client (an eval, a gateway caller): its weight, what it says it has
+left, the shape it announced, whether it has sent everything, how many of its requests wait; and the order
+clients are served in when the pool is full (`DispatchConfig.client_order`).
+
+`fair`: the client with the fewest requests in flight per unit of weight first. `shortest_first`: the
+client with the least work left (as it reports it), fair among equals. `longest_answers_first`: the client
+asking for the longest answers (max_tokens) first, fair among equals. In-flight counts are the ledger's.
+Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from fedpool.federation.dispatch_types import CLIENT_ORDERS
+from fedpool.federation.ledger import InflightLedger
+
+
+@dataclass(frozen=True, slots=True)
+class ClientShape:
+    """A client's expected prompt length (tokens) and answer budget, before its answers say better."""
+
+    prompt_tokens: float
+    max_tokens: float | None
+    announced: bool  # said by the client itself (set_client_shape), not guessed from its first request
+
+
+CHARS_PER_TOKEN = 4.0  # a prompt's tokens guessed from its characters until the client or an answer says
+
+
+class ClientBook:
+    def __init__(self, order: str, ledger: InflightLedger):
+        if order not in CLIENT_ORDERS:
+            raise ValueError(f"client_order must be one of {', '.join(CLIENT_ORDERS)}, not {order!r}")
+        self.order = order
+        self._ledger = ledger
+        self._weights: dict[str, float] = {}
+        self._work_left: dict[str, float] = {}
+        self._requests_left: dict[str, int] = {}
+        self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
+        self._shapes: dict[str, ClientShape] = {}
+        self.done_sending: set[str] = set()
+        self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
+
+    # ---- what clients say ---------------------------------------------------------------------------
+    def set_weight(self, client_id: str, weight: float) -> None:
+        if weight <= 0:
+            raise ValueError("client weight must be positive")
+        self._weights[client_id] = weight
+
+    def set_remaining(self, client_id: str, work: float, requests: int | None = None) -> None:
+        self._work_left[client_id] = max(0.0, work)
+        if requests is not None:
+            self._requests_left[client_id] = max(0, requests)
+
+    def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
+        self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
+
+    def note_request(self, client_id: str, prompt_chars: int, max_tokens: int | None) -> None:
+        """Every submitted request: its answer budget (for longest_answers_first) and, for a client that
+        announced nothing, a guessed shape from its first request."""
+        if max_tokens is not None:
+            self._answer[client_id] = float(max_tokens)
+        if client_id not in self._shapes:
+            self._shapes[client_id] = ClientShape(max(1.0, prompt_chars / CHARS_PER_TOKEN), max_tokens, False)
+
+    # ---- reads --------------------------------------------------------------------------------------
+    def requests_left(self) -> dict[str, int]:
+        """Clients that said how many requests they have still to complete."""
+        return dict(self._requests_left)
+
+    def shape(self, client_id: str) -> ClientShape | None:
+        return self._shapes.get(client_id)
+
+    def first(self, client_id: str) -> float:
+        """The order's own criterion (smaller first); 0 for every client under `fair`."""
+        if self.order == "shortest_first":
+            return self._work_left.get(client_id, float("inf"))
+        if self.order == "longest_answers_first":
+            return -self._answer.get(client_id, 0.0)
+        return 0.0
+
+    def key(self, client_id: str) -> tuple[float, float]:
+        """Smaller first: the criterion, then requests in flight per unit of weight."""
+        return self.first(client_id), self._ledger.of_client(client_id) / self._weights.get(client_id, 1.0)

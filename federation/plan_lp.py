@@ -1,0 +1,95 @@
+"""The planner's linear programs (SciPy's HiGHS): the min-makespan split of clients' requests over server
+kinds, and the phased variant in which clients finish one after another. Pure functions of their inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from scipy.optimize import linprog
+
+MIN_SHARE = 1e-6  # placements below this many requests are dropped from a plan
+
+
+def solve_plan(clients: Sequence[str], servers: Sequence[str], counts: Mapping[str, float],
+               cost: Mapping[tuple[str, str], float], held: Mapping[str, float] | None = None,
+               capacity: Mapping[str, float] | None = None) -> tuple[float, dict[str, dict[str, float]]]:
+    """min T s.t. Σ_s x[c,s] = counts[c], held[s] + Σ_c x[c,s]·cost[c,s] ≤ capacity[s]·T, x ≥ 0 (HiGHS).
+    `capacity` (default 1): how many servers' worth of work a column stands for."""
+    nc, ns = len(clients), len(servers)
+    nvar = nc * ns + 1
+    objective = [0.0] * nvar
+    objective[-1] = 1.0
+    a_eq, b_eq = [], []
+    for i, c in enumerate(clients):
+        row = [0.0] * nvar
+        for j in range(ns):
+            row[i * ns + j] = 1.0
+        a_eq.append(row)
+        b_eq.append(float(counts[c]))
+    a_ub, b_ub = [], []
+    for j, s in enumerate(servers):
+        row = [0.0] * nvar
+        for i, c in enumerate(clients):
+            row[i * ns + j] = cost[c, s]
+        row[-1] = -float((capacity or {}).get(s, 1.0))
+        a_ub.append(row)
+        b_ub.append(-float((held or {}).get(s, 0.0)))
+    result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * nvar,
+                     method="highs")
+    if not result.success:
+        raise RuntimeError(f"routing plan LP failed: {result.message}")
+    plan = {c: {s: float(result.x[i * ns + j]) for j, s in enumerate(servers) if result.x[i * ns + j] > MIN_SHARE}
+            for i, c in enumerate(clients)}
+    return float(result.x[-1]), plan
+
+
+def solve_phased_plan(ranked: Sequence[str], servers: Sequence[str], counts: Mapping[str, float],
+                      cost: Mapping[tuple[str, str], float], held: Mapping[str, float], limit: float,
+                      capacity: Mapping[str, float] | None = None) -> dict[str, dict[str, float]] | None:
+    """Clients finish in the order given: phase k ends when client k is done. Variables x[c,s,k] (client c's
+    requests on server s during phase k ≤ rank(c)) and phase lengths L_k; each server's work in a phase
+    (held work counted in the first) ≤ L_k; every client done by the end of its phase; Σ L_k ≤ limit.
+    Minimises Σ_c finish(c) = Σ_k (K − k + 1)·L_k. None when infeasible (the caller keeps the makespan plan)."""
+    k_count, ns = len(ranked), len(servers)
+    index: dict[tuple[int, int, int], int] = {}
+    for i in range(k_count):
+        for k in range(i + 1):
+            for j in range(ns):
+                index[i, j, k] = len(index)
+    base = len(index)
+    nvar = base + k_count
+    objective = [0.0] * nvar
+    for k in range(k_count):
+        objective[base + k] = float(k_count - k)
+    a_eq, b_eq = [], []
+    for i, c in enumerate(ranked):
+        row = [0.0] * nvar
+        for k in range(i + 1):
+            for j in range(ns):
+                row[index[i, j, k]] = 1.0
+        a_eq.append(row)
+        b_eq.append(float(counts[c]))
+    a_ub, b_ub = [], []
+    for k in range(k_count):
+        for j, s in enumerate(servers):
+            row = [0.0] * nvar
+            for i in range(k, k_count):
+                row[index[i, j, k]] = cost[ranked[i], s]
+            row[base + k] = -float((capacity or {}).get(s, 1.0))
+            a_ub.append(row)
+            b_ub.append(-float(held.get(s, 0.0)) if k == 0 else 0.0)
+    row = [0.0] * nvar
+    for k in range(k_count):
+        row[base + k] = 1.0
+    a_ub.append(row)
+    b_ub.append(limit)
+    result = linprog(objective, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=[(0, None)] * nvar,
+                     method="highs")
+    if not result.success:
+        return None
+    plan: dict[str, dict[str, float]] = {}
+    for (i, j, _k), v in index.items():
+        if result.x[v] > MIN_SHARE:
+            plan.setdefault(ranked[i], {}).setdefault(servers[j], 0.0)
+            plan[ranked[i]][servers[j]] += float(result.x[v])
+    return plan
