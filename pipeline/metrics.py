@@ -9,7 +9,6 @@ samples and recomputes the corpus statistic for each resample.
 
 from __future__ import annotations
 
-import random
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -117,6 +116,18 @@ class CorpusForm:
 
     stats: Callable[[str, Sequence[str]], tuple[float, ...]]
     reduce: Callable[[Sequence[float]], float]
+    # The same function over many rows of sums at once (R × k -> R), where it vectorizes; else row by row.
+    reduce_rows: Callable[[np.ndarray], np.ndarray] | None = None
+
+    def rows(self, sums: np.ndarray) -> np.ndarray:
+        if self.reduce_rows is not None:
+            return self.reduce_rows(sums)
+        return np.fromiter((self.reduce(row) for row in sums), dtype=float, count=len(sums))
+
+
+def _edit_rates(sums: np.ndarray) -> np.ndarray:
+    refs = sums[:, 1]
+    return np.divide(sums[:, 0], refs, out=np.zeros(len(sums)), where=refs > 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +142,8 @@ METRICS: dict[str, MetricDef] = {
     "exact_match": MetricDef(exact_match),
     "accuracy": MetricDef(accuracy),
     "f1": MetricDef(token_f1),
-    "wer": MetricDef(wer, higher_is_better=False, corpus=CorpusForm(_word_edits, _edit_rate)),
-    "cer": MetricDef(cer, higher_is_better=False, corpus=CorpusForm(_char_edits, _edit_rate)),
+    "wer": MetricDef(wer, higher_is_better=False, corpus=CorpusForm(_word_edits, _edit_rate, _edit_rates)),
+    "cer": MetricDef(cer, higher_is_better=False, corpus=CorpusForm(_char_edits, _edit_rate, _edit_rates)),
     "bleu": MetricDef(bleu, corpus=CorpusForm(_bleu_stats, _corpus_bleu)),
     "anls": MetricDef(anls),
 }
@@ -154,6 +165,25 @@ class Score:
         return {"metric": self.metric, "value": self.value, "ci_low": self.ci_low, "ci_high": self.ci_high, "n": self.n}
 
 
+def bootstrap(stats: np.ndarray, reduce_rows: Callable[[np.ndarray], np.ndarray], *, seed: int = 0,
+              resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float, float]:
+    """(statistic, CI low, CI high): the statistic of the summed per-sample statistics (`stats`, n × k), and
+    its percentile interval over `resamples` resamples of the samples with replacement. Vectorized: the
+    resamples are index matrices drawn in blocks (bounded memory), summed with numpy, reduced row-wise."""
+    n, k = stats.shape
+    rng = np.random.default_rng(seed)
+    value = float(reduce_rows(stats.sum(axis=0, keepdims=True))[0])
+    values = np.empty(resamples)
+    block = max(1, min(resamples, 4_000_000 // max(1, n * k)))
+    for start in range(0, resamples, block):
+        size = min(block, resamples - start)
+        values[start:start + size] = reduce_rows(stats[rng.integers(0, n, (size, n))].sum(axis=1))
+    values.sort()
+    lo = values[int((1 - CI_LEVEL) / 2 * resamples)]
+    hi = values[min(resamples - 1, int((1 + CI_LEVEL) / 2 * resamples))]
+    return value, float(lo), float(hi)
+
+
 def aggregate(metric: str, values: Sequence[float], *, seed: int = 0) -> Score:
     """Mean (in percent) with a percentile bootstrap CI. Failed samples must be passed in as their
     worst value, never left out: dropping them would inflate the score."""
@@ -161,12 +191,8 @@ def aggregate(metric: str, values: Sequence[float], *, seed: int = 0) -> Score:
     n = len(values)
     if n == 0:
         return Score(metric, float("nan"), float("nan"), float("nan"), 0)
-    mean = sum(values) / n
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(BOOTSTRAP_RESAMPLES))
-    lo_idx = int((1 - CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES)
-    hi_idx = min(BOOTSTRAP_RESAMPLES - 1, int((1 + CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES))
-    return Score(metric, mean * scale, means[lo_idx] * scale, means[hi_idx] * scale, n)
+    mean, lo, hi = bootstrap(np.asarray(values, dtype=float).reshape(n, 1), lambda sums: sums[:, 0] / n, seed=seed)
+    return Score(metric, mean * scale, lo * scale, hi * scale, n)
 
 
 def aggregate_corpus(metric: str, pairs: Sequence[tuple[str, Sequence[str]]], *, seed: int = 0) -> Score:
@@ -180,12 +206,8 @@ def aggregate_corpus(metric: str, pairs: Sequence[tuple[str, Sequence[str]]], *,
     if n == 0:
         return Score(metric, float("nan"), float("nan"), float("nan"), 0)
     stats = np.array([form.stats(pred, labels) for pred, labels in pairs], dtype=float)
-    value = form.reduce(stats.sum(axis=0))
-    rng = np.random.default_rng(seed)
-    resampled = sorted(form.reduce(stats[rng.integers(0, n, n)].sum(axis=0)) for _ in range(BOOTSTRAP_RESAMPLES))
-    lo_idx = int((1 - CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES)
-    hi_idx = min(BOOTSTRAP_RESAMPLES - 1, int((1 + CI_LEVEL) / 2 * BOOTSTRAP_RESAMPLES))
-    return Score(metric, value * scale, resampled[lo_idx] * scale, resampled[hi_idx] * scale, n)
+    value, lo, hi = bootstrap(stats, form.rows, seed=seed)
+    return Score(metric, value * scale, lo * scale, hi * scale, n)
 
 
 def worst_value(metric: str) -> float:

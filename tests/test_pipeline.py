@@ -328,3 +328,28 @@ def test_replay_refuses_a_changed_dataset_and_rescore_redoes_scores(tmp_path: Pa
         fh.write('{"id": 9, "question": "q", "answer": "a"}\n')
     with pytest.raises(ArtifactError, match="changed since the run"):
         load_saved(tmp_path / "run" / spec.name)
+
+
+def test_the_artifact_names_every_package_that_can_change_a_score() -> None:
+    from fedpool.pipeline.artifact import package_versions
+
+    versions = package_versions()
+    for name in ("fedpool", "jiwer", "sacrebleu", "rapidfuzz", "numpy", "scipy", "pydantic", "pyyaml"):
+        assert name in versions, name
+
+
+def test_one_vectorized_bootstrap_serves_means_and_corpus_statistics() -> None:
+    import numpy as np
+    from fedpool.pipeline.metrics import aggregate, aggregate_corpus, bootstrap
+
+    rng = np.random.default_rng(1)
+    values = rng.integers(0, 2, 400).astype(float)
+    mean, lo, hi = bootstrap(values.reshape(-1, 1), lambda sums: sums[:, 0] / len(values), seed=3)
+    se = values.std() / np.sqrt(len(values))
+    assert mean == values.mean() and lo == pytest.approx(mean - 1.96 * se, abs=0.015)
+    assert hi == pytest.approx(mean + 1.96 * se, abs=0.015)
+    assert aggregate("exact_match", list(values), seed=3).ci_low == pytest.approx(100 * lo)
+    # Same seed, same interval; a corpus statistic goes through the same resampling.
+    wer = aggregate_corpus("wer", [("a b c", ["a b d"]), ("x", ["x y"]), ("", ["p q r s"])], seed=5)
+    assert wer.value == pytest.approx(100 * (1 + 1 + 4) / 9) and wer.ci_low <= wer.value <= wer.ci_high
+    assert aggregate_corpus("wer", [("a b c", ["a b d"]), ("x", ["x y"]), ("", ["p q r s"])], seed=5) == wer
