@@ -193,7 +193,7 @@ class RegistryActor:
     async def shutdown_prober(self) -> None:
         """Stop the prober actor (for a registry that is being removed for good)."""
         if self._prober is not None:
-            ray.kill(self._prober, no_restart=True)
+            await asyncio.to_thread(ray.kill, self._prober, no_restart=True)
             self._prober = None
 
     def _after_change(self) -> None:
@@ -204,6 +204,10 @@ class RegistryActor:
         if self._changed is not None:
             self._changed.set()
             self._changed = asyncio.Event()
+
+    async def check_token(self, token: str | None) -> None:
+        """Raises AuthError unless `token` is this registry's (so a client can be refused before it acts)."""
+        check_token(token, self._config.token_sha256)
 
     # ---- mutations (token required) -----------------------------------------------------------
     async def register(

@@ -27,6 +27,11 @@ def check_token(token: str | None, expected_digest: str) -> None:
         raise AuthError("the registry token given is wrong")
 
 
+def read_saved_token(state_dir: Path) -> str | None:
+    path = state_dir / TOKEN_FILE
+    return path.read_text(encoding="utf-8").strip() if path.exists() else None
+
+
 def ensure_token(state_dir: Path, token: str | None = None) -> str:
     """The token to start a registry with: the given one (saved), the saved one, or a new random one.
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import ray
 from fedpool.registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
-from fedpool.registry.auth import ensure_token, resolve_client_token, token_digest
-from fedpool.registry.errors import RegistryError
+from fedpool.registry.auth import TOKEN_FILE, ensure_token, read_saved_token, resolve_client_token, token_digest
+from fedpool.registry.errors import AuthError, RegistryError
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import PoolSnapshot, ServerEntry
 from fedpool.registry.weights import prior_weight
@@ -34,6 +34,28 @@ async def _unwrapped(ref: Any) -> Any:
         raise
 
 
+def _find_actor(namespace: str) -> ray.actor.ActorHandle | None:
+    """The running registry actor, or None (a blocking Ray call: run it in a thread from async code)."""
+    try:
+        return get_registry_actor(namespace)
+    except ValueError:
+        return None
+
+
+async def _check_token(handle: ray.actor.ActorHandle, token: str | None, state: Path, given: bool) -> None:
+    """Refuse, naming the token files, when `token` is not the running registry's."""
+    try:
+        await _unwrapped(handle.check_token.remote(token))
+    except AuthError:
+        info = await _unwrapped(handle.ping.remote())
+        theirs = Path(info["state_dir"]) / TOKEN_FILE
+        ours = "the token given (--token or FEDPOOL_REGISTRY_TOKEN)" if given else f"the token in {state / TOKEN_FILE}"
+        raise RegistryError(
+            f"a registry already runs in this Ray cluster (state dir {info['state_dir']}) and {ours} is not its "
+            f"token: use the token in {theirs} (for example with --state-dir {info['state_dir']}), or stop that "
+            "registry first") from None
+
+
 class RegistryClient:
     """Async access to the registry actor. Holds the token for mutations; reads need none."""
 
@@ -45,26 +67,54 @@ class RegistryClient:
         self._last: PoolSnapshot | None = None
 
     @classmethod
-    def start(
+    async def start(
         cls,
         state_dir: str | Path,
         *,
         token: str | None = None,
         **settings: Any,
     ) -> RegistryClient:
-        """Get or create the registry actor. Needs `ray.init()` first. Returns a client holding the token."""
-        state = Path(state_dir).expanduser().resolve()
-        real_token = ensure_token(state, token)
+        """Get or create the registry actor (needs `ray.init()` first); returns a client holding the token.
+
+        A registry already running in the cluster keeps the token it was started with, so the token given
+        (or saved in STATE_DIR/registry.token) is checked against it before anything is written: a mismatch
+        is refused with an error naming both token files, never a client whose every mutation fails."""
+        state = await asyncio.to_thread(lambda: Path(state_dir).expanduser().resolve())
+        namespace = settings.get("namespace", NAMESPACE)
+        running = await asyncio.to_thread(_find_actor, namespace)
+        if running is not None:
+            given = token if token is not None else await asyncio.to_thread(read_saved_token, state)
+            await _check_token(running, given, state, token is not None)
+            return cls(running, given, namespace=namespace)
+        real_token = await asyncio.to_thread(ensure_token, state, token)
         config = RegistryConfig(state_dir=str(state), token_sha256=token_digest(real_token), **settings)
-        return cls(create_registry_actor(config), real_token, namespace=config.namespace)
+        handle = await asyncio.to_thread(create_registry_actor, config)
+        # Another process may have created it under the same name in the meantime, with its own token.
+        await _check_token(handle, real_token, state, token is not None)
+        return cls(handle, real_token, namespace=config.namespace)
 
     @classmethod
-    def connect(
-        cls, *, token: str | None = None, token_file: str | Path | None = None, state_dir: Path | None = None
+    async def connect(
+        cls, *, token: str | None = None, token_file: str | Path | None = None, state_dir: Path | None = None,
+        namespace: str = NAMESPACE,
     ) -> RegistryClient:
-        """Find the running registry actor; the token comes from the arguments or the environment."""
-        handle = get_registry_actor()
-        return cls(handle, resolve_client_token(token=token, token_file=token_file, state_dir=state_dir))
+        """Find the running registry actor; the token comes from the arguments or the environment. Raises
+        RegistryError when no registry runs in this Ray cluster."""
+        return await asyncio.to_thread(cls.connect_blocking, token=token, token_file=token_file,
+                                       state_dir=state_dir, namespace=namespace)
+
+    @classmethod
+    def connect_blocking(
+        cls, *, token: str | None = None, token_file: str | Path | None = None, state_dir: Path | None = None,
+        namespace: str = NAMESPACE,
+    ) -> RegistryClient:
+        """`connect` for code with no event loop yet (the CLI before it starts one): blocks on Ray."""
+        handle = _find_actor(namespace)
+        if handle is None:
+            raise RegistryError(f"no fedpool registry runs in this Ray cluster (namespace {namespace!r}); start one "
+                                "with `fedpool registry start`")
+        return cls(handle, resolve_client_token(token=token, token_file=token_file, state_dir=state_dir),
+                   namespace=namespace)
 
     @property
     def handle(self) -> ray.actor.ActorHandle:
@@ -77,16 +127,15 @@ class RegistryClient:
         try:
             return await _unwrapped(getattr(self._handle, method).remote(*args, **kwargs))
         except ray.exceptions.ActorDiedError:
-            self._reconnect()
+            await self._reconnect()
             return await _unwrapped(getattr(self._handle, method).remote(*args, **kwargs))
 
-    def _reconnect(self) -> None:
+    async def _reconnect(self) -> None:
         """Swap in the registry actor now registered under the name, or raise why there is none."""
-        try:
-            fresh = get_registry_actor(self._namespace)
-        except ValueError:
+        fresh = await asyncio.to_thread(_find_actor, self._namespace)
+        if fresh is None:
             raise RegistryError("the registry actor is gone and no new one runs; start it with "
-                                "`fedpool registry start`") from None
+                                "`fedpool registry start`")
         if fresh._actor_id == self._handle._actor_id:
             raise RegistryError("the registry actor died and Ray will not restart it; start a new one with "
                                 "`fedpool registry start`")
@@ -107,11 +156,9 @@ class RegistryClient:
         with contextlib.suppress(Exception):
             await self._handle.shutdown_prober.remote()
         with contextlib.suppress(ValueError):
-            ray.kill(self._handle, no_restart=True)
+            await asyncio.to_thread(ray.kill, self._handle, no_restart=True)
         for _ in range(max(1, int(wait_s / 0.05))):
-            try:
-                get_registry_actor(self._namespace)
-            except ValueError:
+            if await asyncio.to_thread(_find_actor, self._namespace) is None:
                 return
             await asyncio.sleep(0.05)
 
@@ -143,7 +190,7 @@ class RegistryClient:
             except ray.exceptions.ActorDiedError:
                 if attempt == 2:
                     raise
-                self._reconnect()
+                await self._reconnect()
         if rows is None:  # only when `held` is of this very version
             assert held is not None and held.version == version
             return held

@@ -151,7 +151,7 @@ class ProberActor:
             while True:
                 started = time.perf_counter()
                 try:
-                    registry = ray.get_actor(self._registry_name, namespace=self._namespace)
+                    registry = await asyncio.to_thread(ray.get_actor, self._registry_name, namespace=self._namespace)
                     plan: ProbePlan = await registry.probe_plan.remote()
                     misses = 0
                 except Exception:  # registry restarting or gone

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -187,7 +188,8 @@ async def test_clients_reconnect_to_a_registry_started_again(
     await registry.terminate()  # killed for good: the name is free when it returns
     with pytest.raises(RegistryError, match="no new one runs"):
         await registry.ping()
-    fresh = RegistryClient.start(tmp_path_factory.mktemp("registry-again"), token=TEST_TOKEN, probe_interval_s=0.3)
+    fresh = await RegistryClient.start(tmp_path_factory.mktemp("registry-again"), token=TEST_TOKEN,
+                                       probe_interval_s=0.3)
     await fresh.register(record(server, "emu-new"))
     assert (await registry.ping())["servers"] == 1  # the old client found the new actor
     assert (await registry.snapshot()).ids() == ("emu-new",)
@@ -265,3 +267,21 @@ async def test_emulator_speaks_both_protocols_to_the_unchanged_adapters(
     snap = await registry.snapshot()
     assert snap.get("s").load.kv_cache_usage is not None  # type: ignore[union-attr]
     assert snap.get("v").load.generation_tokens_total is not None  # type: ignore[union-attr]
+
+
+async def test_starting_with_a_token_the_running_registry_does_not_have_is_refused(
+    registry: RegistryClient, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`registry start` against a running registry with another token: refused before anything is written,
+    the error naming the running registry's token file (not a client whose every mutation then fails)."""
+    other = tmp_path_factory.mktemp("other-state")
+    (other / "registry.token").write_text("a-different-token-0123456789\n")
+    with pytest.raises(RegistryError) as err:
+        await RegistryClient.start(other, probe_interval_s=0.3)
+    running_dir = (await registry.ping())["state_dir"]
+    assert f"{running_dir}/registry.token" in str(err.value) and str(other / "registry.token") in str(err.value)
+    assert (other / "registry.token").read_text() == "a-different-token-0123456789\n"  # untouched
+    with pytest.raises(RegistryError, match="token given"):
+        await RegistryClient.start(tmp_path_factory.mktemp("given"), token="yet-another-token-abcdef")
+    again = await RegistryClient.start(Path(running_dir), probe_interval_s=0.3)  # its own token: fine
+    assert (await again.ping())["incarnation"] == (await registry.ping())["incarnation"]
