@@ -45,7 +45,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     server = EmulatedServer(model=MODEL, profile=profile)
     await server.start()
     work = Path(tempfile.mkdtemp(prefix="fedpool-overlap-"))
-    registry = RegistryClient.start(work / "registry", probe_interval_s=1.0)
+    registry = await RegistryClient.start(work / "registry", probe_interval_s=1.0)
     await registry.register(ServerRecord(id="emu-0", url=server.url, engine="vllm", model=MODEL,
                                          accelerator="A100", capacity=args.slots))
     model_path = await asyncio.to_thread(ensure_gemma)

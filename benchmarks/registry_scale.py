@@ -52,7 +52,7 @@ class SnapshotReaders:
     def __init__(self, count: int, seed: int):
         from fedpool.registry import RegistryClient
 
-        self._clients = [RegistryClient.connect() for _ in range(count)]
+        self._clients = [RegistryClient.connect_blocking() for _ in range(count)]
         self._rng = random.Random(seed)
 
     def pid(self) -> int:
@@ -108,7 +108,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     urls = await asyncio.to_thread(ports.get, True, 300)
     print(f"{len(urls)} emulated servers up")
     with tempfile.TemporaryDirectory() as state_dir:
-        registry = RegistryClient.start(Path(state_dir), probe_interval_s=args.interval, probe_timeout_s=2.0)
+        registry = await RegistryClient.start(Path(state_dir), probe_interval_s=args.interval, probe_timeout_s=2.0)
         info = await registry.ping()
         sem = asyncio.Semaphore(50)
 

@@ -31,6 +31,7 @@ import ray
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.clients import EvalProgress, EvalTarget, run_evals
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_process
+from fedpool.deploy.localpool import init_local_ray
 from fedpool.deploy.models import ensure_gemma
 from fedpool.deploy.process import EngineProcess, free_port
 from fedpool.federation import DispatchConfig, PoolConnection
@@ -39,8 +40,6 @@ from fedpool.pipeline import load_spec
 from fedpool.pipeline.artifact import read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.registry import RegistryClient, ServerRecord, ServerStatus
-
-from fedpool.localpool import init_local_ray
 
 log = logging.getLogger("fedpool.reliability")
 MODEL = "chaos-model"
@@ -107,7 +106,7 @@ class ChaosPool:
 
 @contextlib.asynccontextmanager
 async def chaos_pool(work: Path, *, emulators: int = 3, llama: bool = True) -> AsyncIterator[ChaosPool]:
-    registry = RegistryClient.start(work / "registry", probe_interval_s=0.3, probe_timeout_s=1.0,
+    registry = await RegistryClient.start(work / "registry", probe_interval_s=0.3, probe_timeout_s=1.0,
                                     check_timeout_s=5.0, lease_grace_s=1.0)
     pool = ChaosPool(registry, {}, None, {}, work)
     try:

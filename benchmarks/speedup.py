@@ -18,8 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
-
-from fedpool.bench import (
+from fedpool.benchmarks.speedup_engine import (
     ArmResult,
     BenchConfigError,
     SpeedupReport,
@@ -171,7 +170,11 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
 
 
 def plot(report: SpeedupReport, name: str, results_dir: Path) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print("[bench] charts skipped: matplotlib is not installed (pip install 'fedpool[bench]')", flush=True)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

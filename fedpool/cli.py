@@ -301,17 +301,16 @@ def _ray_flags(parser: argparse.ArgumentParser) -> None:
 
 # ---- commands -----------------------------------------------------------------------------------
 def cmd_bench_speedup(args: argparse.Namespace) -> int:
-    try:
-        from fedpool.benchmarks.speedup import main as speedup_main
-    except ImportError as exc:  # scipy/matplotlib live in the `bench` extra
-        raise CliError(f"the speedup benchmark needs the bench extra: pip install 'fedpool[bench]' ({exc})",
-                       EXIT_USAGE) from None
-    return speedup_main(list(args.bench_args))
+    """The speedup benchmark is a program of its own (`python -m fedpool.benchmarks.speedup`): the face runs it
+    rather than importing benchmark code into the product."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "fedpool.benchmarks.speedup", *args.bench_args]).returncode
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from fedpool.demo import DemoOptions, report_json, run_demo
-    from fedpool.localpool import LocalServerSpec
+    from fedpool.deploy.localpool import LocalServerSpec
     from fedpool.pipeline.bundled import bundled_spec_paths
 
     options = DemoOptions(
@@ -346,10 +345,15 @@ def cmd_registry_start(args: argparse.Namespace) -> int:
 
     connect_ray(args.address)
     token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
-    client = RegistryClient.start(args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval,
-                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                                  resources={args.pin_resource: 0.01} if args.pin_resource else {})
-    info = asyncio.run(client.ping())
+
+    async def start() -> dict[str, Any]:
+        client = await RegistryClient.start(
+            args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            resources={args.pin_resource: 0.01} if args.pin_resource else {})
+        return await client.ping()
+
+    info = asyncio.run(start())
     emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
           f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)")
     return EXIT_OK
@@ -377,7 +381,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     jobs_dir = args.jobs_dir.expanduser().resolve() if args.jobs_dir else None
     jobs_token = None
     if jobs_dir is not None:
-        from fedpool.jobs import ensure_jobs_token
+        from fedpool.clients.jobs.api import ensure_jobs_token
 
         given = args.jobs_token_file.read_text(encoding="utf-8").strip() if args.jobs_token_file else None
         jobs_token = ensure_jobs_token(jobs_dir, given)
@@ -392,9 +396,9 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
 
     from aiohttp import web
 
+    from fedpool.clients.jobs import JobRunner, JobStore
     from fedpool.federation import DispatchConfig, PoolConnection
     from fedpool.federation.gateway import Gateway
-    from fedpool.jobs import JobRunner, JobStore
     from fedpool.server import build_app
 
     # Third-party tools expect a quick 503 for a model nobody serves, not a minute's wait.

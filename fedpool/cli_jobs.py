@@ -13,7 +13,7 @@ from fedpool.cli_support import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USA
 
 
 def _jobs_client(args: argparse.Namespace) -> Any:
-    from fedpool.jobs_client import JobsClient
+    from fedpool.clients.jobs.client import JobsClient
 
     token = os.environ.get("FEDPOOL_JOBS_TOKEN")
     path = args.jobs_token_file or Path("~/.fedpool/jobs/jobs.token").expanduser()
@@ -27,7 +27,7 @@ def _jobs_client(args: argparse.Namespace) -> Any:
 
 
 def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
-    from fedpool.jobs_client import JobsApiError
+    from fedpool.clients.jobs.client import JobsApiError
 
     try:
         return fn()

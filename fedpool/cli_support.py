@@ -68,14 +68,13 @@ def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
 
 
 def registry_client(args: argparse.Namespace) -> Any:
-    from fedpool.registry import RegistryClient
+    from fedpool.registry import RegistryClient, RegistryError
 
     connect_ray(args.address)
     try:
-        return RegistryClient.connect(token_file=args.token_path, state_dir=args.state_dir.expanduser())
-    except ValueError:
-        raise CliError("no registry runs in this Ray cluster; start it with `fedpool registry start`",
-                       EXIT_UNAVAILABLE) from None
+        return RegistryClient.connect_blocking(token_file=args.token_path, state_dir=args.state_dir.expanduser())
+    except RegistryError as exc:
+        raise CliError(str(exc), EXIT_UNAVAILABLE) from None
 
 
 def emit(args: argparse.Namespace, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:

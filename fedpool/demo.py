@@ -16,8 +16,8 @@ from typing import Any, TextIO
 import ray
 
 from fedpool.clients import EvalSummary, EvalTarget, run_evals
+from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig, PoolConnection
-from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.pipeline import BenchmarkSpec, load_spec, package_versions
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.bundled import bundled_spec_paths
@@ -81,7 +81,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> DemoReport:
 async def _run(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO) -> DemoReport:
     # The registry's state (and its token) live outside the run directory: artifacts carry no secrets.
     with tempfile.TemporaryDirectory(prefix="fedpool-demo-registry-") as state_dir:
-        registry = RegistryClient.start(Path(state_dir), probe_interval_s=2.0)
+        registry = await RegistryClient.start(Path(state_dir), probe_interval_s=2.0)
         await registry.ping()
         return await _run_pool(options, specs, run_dir, out, registry)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from aiohttp import web
 
+from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import Dispatcher
 from fedpool.federation.gateway import Gateway
-from fedpool.jobs import JobRunner, JobsApi
 from fedpool.registry import PoolSnapshot
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import os
 import signal
@@ -24,6 +26,28 @@ from fedpool.registry import RegistryClient
 TEST_TOKEN = "test-registry-token-7f3a9c"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every async test checks that it leaves no task of its own running."""
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "obj", None)):
+            item.fixturenames.insert(0, "no_leaked_tasks")  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    """Fails the test if a task it started is still pending once its fixtures are torn down (set up first, so
+    torn down last)."""
+    before = asyncio.all_tasks()
+    yield
+    await asyncio.sleep(0)  # tasks finishing at this very moment
+    current = asyncio.current_task()
+    leaked = [t for t in asyncio.all_tasks() - before if t is not current and not t.done()]
+    for task in leaked:
+        task.cancel()
+    await asyncio.gather(*leaked, return_exceptions=True)
+    assert not leaked, f"the test left tasks running: {[t.get_name() + ' ' + repr(t.get_coro()) for t in leaked]}"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One real local Ray for the whole session (starting it costs ~8 s)."""
@@ -36,7 +60,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 async def registry(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[RegistryClient]:
     """A fresh registry actor per test, probing fast; killed (not restarted) afterwards. Its state dir
     (with the token file) is outside the test's tmp_path, which artifact scans read."""
-    client = RegistryClient.start(
+    client = await RegistryClient.start(
         tmp_path_factory.mktemp("registry"), token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0,
         check_timeout_s=3.0,
         lease_grace_s=1.0, drain_timeout_s=30.0,

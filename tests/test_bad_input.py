@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from fedpool.clients.jobs import JobRequest, resolve_specs
 from fedpool.federation import Endpoint
 from fedpool.federation.errors import AttemptError, FailureKind
 from fedpool.federation.transport import parse_completion
@@ -26,7 +27,6 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from fedpool.config import ConfigError, apply_defaults, read_config_file
-from fedpool.jobs import JobRequest, resolve_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "name: t\ndata: {path: d.jsonl}\nprompt: {template: 'Q: {q}'}\n"

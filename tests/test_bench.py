@@ -5,10 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fedpool.deploy.emulator import PROFILES
-from fedpool.registry import Engine, ServerRecord
-
-from fedpool.bench import (
+from fedpool.benchmarks.speedup_engine import (
     ArmResult,
     BenchConfigError,
     BusyTrace,
@@ -23,6 +20,8 @@ from fedpool.bench import (
     prepare_evals,
     saturated_cost,
 )
+from fedpool.deploy.emulator import PROFILES
+from fedpool.registry import Engine, ServerRecord
 
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 

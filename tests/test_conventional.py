@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import aiohttp
-from fedpool.clients.conventional import BaselineServer, ConventionalEval, shards
+from fedpool.benchmarks.conventional import BaselineServer, ConventionalEval, shards
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.pipeline import BenchmarkSpec, read_records
 from fedpool.pipeline.stages import StageCosts

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import ray
+from fedpool.clients.jobs.client import AsyncJobsClient, JobsApiError, JobsClient
 from fedpool.deploy.process import free_port
 from fedpool.registry import RegistryClient, ServerRecord
 
-from fedpool.jobs_client import AsyncJobsClient, JobsApiError, JobsClient
 from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl, wait_http_up
 
 pytestmark = pytest.mark.ray
@@ -165,7 +165,7 @@ def test_a_cancel_and_a_start_racing_cannot_overwrite_each_other(tmp_path: Path)
     """The jobs store's state changes are compare-and-set: a job cancelled between the runner's read and its
     start stays cancelled (it used to be set back to running, then could be cancelled again), and a job that
     finished cannot be cancelled afterwards."""
-    from fedpool.jobs import JobRequest, JobStore
+    from fedpool.clients.jobs import JobRequest, JobStore
 
     store = JobStore(tmp_path / "jobs")
     job = store.create(JobRequest(model="m", spec_paths=[str(tmp_path / "s.yaml")]), now=0.0)

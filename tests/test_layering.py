@@ -1,21 +1,28 @@
-"""Imports flow one way (docs/architecture.md): checked on the source, not by hope."""
+"""Imports flow one way (docs/architecture.md): checked on the source of every room, not by hope."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = ("registry", "federation", "clients", "pipeline", "deploy", "fedpool")
-# room -> rooms it may import. registry: none; federation: registry; pipeline: none (no networking);
-# clients: federation + pipeline; deploy: registry; fedpool (the CLI face): everything.
-ALLOWED = {
-    "registry": set(),
-    "federation": {"registry"},
-    "pipeline": set(),
-    "clients": {"federation", "pipeline"},
-    "deploy": {"registry"},
-    "fedpool": set(ROOMS),
+# Every folder of the repository that holds code: the rooms of the one installed package `fedpool` (each a
+# subpackage: `fedpool.registry` lives in registry/), the CLI face (`fedpool/`) and the tests.
+ROOMS = ("registry", "federation", "pipeline", "clients", "deploy", "benchmarks", "fedpool", "tests")
+PRODUCT = {"registry", "federation", "pipeline", "clients", "deploy"}
+# room -> the rooms it may import. Anything not listed is forbidden.
+ALLOWED: dict[str, set[str]] = {
+    "registry": set(),  # the registry: ServerRecord, adapters, prober, snapshots
+    "federation": {"registry"},  # routing over the registry's snapshots (its public names only, below)
+    "pipeline": set(),  # records, specs, loaders, metrics, artifacts: no networking, no routing
+    "clients": {"federation", "pipeline"},  # eval runs and the jobs service that runs them
+    "deploy": {"registry"},  # launchers register what they start
+    "benchmarks": PRODUCT,  # measures the product; nothing in the product imports it
+    "fedpool": PRODUCT,  # the face: parses, composes, prints; imports no benchmark code
+    "tests": PRODUCT | {"benchmarks", "fedpool"},
 }
 # pipeline may run its CPU stages on Ray actors (the architecture asks for it) but speaks no HTTP itself.
 NETWORK_MODULES = {"aiohttp", "requests", "httpx", "socket", "urllib3"}
@@ -40,14 +47,32 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-def test_rooms_import_only_what_they_may() -> None:
+def violations(root: Path) -> list[str]:
+    """Every import of a room by a room the table does not allow, under `root`."""
     problems = []
     for room in ROOMS:
-        for path in sorted((ROOT / room).rglob("*.py")):
-            for name in imports_of(path) & set(ROOMS):
+        for path in sorted((root / room).rglob("*.py")):
+            for name in sorted(imports_of(path) & set(ROOMS)):
                 if name != room and name not in ALLOWED[room]:
-                    problems.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert problems == []
+                    problems.append(f"{path.relative_to(root)} imports {name}")
+    return problems
+
+
+def test_every_room_is_in_the_table_and_every_code_folder_is_a_room() -> None:
+    assert set(ALLOWED) == set(ROOMS)
+    folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/**/*.py")
+               if p.parent.relative_to(ROOT).parts[0] not in (".venv", "build", "scripts")}
+    assert folders <= set(ROOMS), f"code outside the rooms: {sorted(folders - set(ROOMS))}"
+
+
+def test_rooms_import_only_what_they_may() -> None:
+    assert violations(ROOT) == []
+
+
+def test_nothing_in_the_product_or_the_face_imports_benchmarks() -> None:
+    offenders = [f"{p.relative_to(ROOT)}" for room in (*PRODUCT, "fedpool") for p in (ROOT / room).rglob("*.py")
+                 if "benchmarks" in imports_of(p)]
+    assert offenders == []
 
 
 def test_pipeline_has_no_networking() -> None:
@@ -69,7 +94,17 @@ def test_federation_uses_only_registry_public_names() -> None:
     assert offenders == []
 
 
-def test_the_checker_catches_a_violation(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.py"
-    bad.write_text("from fedpool.clients import EvalRun\nimport fedpool.registry.state\n")
-    assert imports_of(bad) == {"clients", "registry"}
+FORBIDDEN = [(room, other) for room, other in itertools.product(ROOMS, ROOMS)
+             if other != room and other not in ALLOWED[room]]
+
+
+@pytest.mark.parametrize(("room", "forbidden"), FORBIDDEN)
+def test_the_checker_catches_every_forbidden_edge_of_the_table(tmp_path: Path, room: str, forbidden: str) -> None:
+    """A copy of the tree with one import the table forbids added (both spellings): the checker names it."""
+    for r in ROOMS:
+        (tmp_path / r).mkdir()
+    target = "fedpool" if forbidden == "fedpool" else f"fedpool.{forbidden}"
+    (tmp_path / room / "added.py").write_text(f"from {target}.something import name\nimport {target}\n")
+    (tmp_path / room / "fine.py").write_text("import json\n" + "".join(
+        f"import fedpool.{ok}\n" for ok in ALLOWED[room] if ok != "fedpool"))
+    assert violations(tmp_path) == [f"{room}/added.py imports {forbidden}"]

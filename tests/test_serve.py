@@ -147,7 +147,7 @@ async def test_serve_joins_a_registry_started_afresh(
 
         await wait_for(lambda: known_to(registry))
         await registry.terminate()  # killed for good: the name is free when it returns
-        fresh = RegistryClient.start(tmp_path_factory.mktemp("afresh"), token=TEST_TOKEN, probe_interval_s=0.3)
+        fresh = await RegistryClient.start(tmp_path_factory.mktemp("afresh"), token=TEST_TOKEN, probe_interval_s=0.3)
         await wait_for(lambda: known_to(fresh), timeout_s=30)  # type: ignore[arg-type]
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -31,7 +31,7 @@ async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, ob
     from fedpool.registry import RegistryClient, ServerRecord
 
     work = Path(tempfile.mkdtemp(prefix="fedpool-node-loss-"))
-    registry = RegistryClient.start(work / "registry", token="node-loss-token-1234", probe_interval_s=0.5)
+    registry = await RegistryClient.start(work / "registry", token="node-loss-token-1234", probe_interval_s=0.5)
     profile = EmulatorProfile("slow", max_running=4, decode_s_per_token=0.05, batch_slowdown=0.0)
     servers = [EmulatedServer(model=MODEL, profile=profile, seed=i) for i in range(2)]
     for i, server in enumerate(servers):

@@ -187,11 +187,11 @@ class ConventionalEval:
     async def _send(
         self, session: aiohttp.ClientSession, server: BaselineServer, sample: Sample
     ) -> tuple[str | None, Provenance]:
-        request = InferenceRequest(
+        request = InferenceRequest.from_body(
+            request_body(self.spec, sample),
             request_id=f"{self.spec.name}/{sample.sample_id}",
             model=self.model,
             endpoint=Endpoint.COMPLETIONS if self.spec.prompt.style == "completion" else Endpoint.CHAT,
-            body=request_body(self.spec, sample),
             client_id=self.spec.name,
         )
         start = self._clock()

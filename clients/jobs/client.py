@@ -1,4 +1,4 @@
-"""Python clients of the jobs API (`fedpool.jobs`): `JobsClient` (blocking, standard library only) and
+"""Python clients of the jobs API (`fedpool.clients.jobs.api`): `JobsClient` (blocking, standard library only) and
 `AsyncJobsClient` (aiohttp). Both raise `JobsApiError` with the server's message and HTTP status."""
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-
 from fedpool.deploy import (
     GEMMA_ALIAS,
     LeaseSettings,

@@ -31,21 +31,20 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
-
+from fedpool.benchmarks.conventional import BaselineResult, BaselineServer, ConventionalEval
 from fedpool.clients import EvalTarget, run_evals
-from fedpool.clients.conventional import BaselineResult, BaselineServer, ConventionalEval
 from fedpool.deploy import EngineProcess, free_port
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
+from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig, PoolConnection, new_session
-from fedpool.federation.planner import solve_plan
-from fedpool.localpool import LocalServerSpec, init_local_ray, local_llama_servers
+from fedpool.federation.plan_lp import solve_plan
 from fedpool.pipeline import BenchmarkSpec, load_spec, read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.pipeline.stages import StageCosts, StagePool
 from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 from fedpool.pipeline.yamlfile import field_problems, read_yaml
 from fedpool.registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 log = logging.getLogger("fedpool.bench")
 
@@ -570,7 +569,7 @@ async def run_federated(
         # The control loops run on engine time: an emulated pool at time scale k makes decisions k× as often.
         # A registry of its own (own namespace): joined to an operator's running cluster, the bench must
         # neither use their registry nor end it when it is done.
-        registry = RegistryClient.start(Path(state_dir), probe_interval_s=max(0.2, 1.0 / pool.time_scale),
+        registry = await RegistryClient.start(Path(state_dir), probe_interval_s=max(0.2, 1.0 / pool.time_scale),
                                         namespace=f"fedpool-bench-{os.getpid()}")
         await registry.ping()
         try:
@@ -585,11 +584,12 @@ async def run_federated(
                     await verifier.ready()
                 try:
                     dispatch = DispatchConfig(learn_period_s=max(0.1, 2.0 / pool.time_scale),
-                                              client_order=config.client_order, planned=config.planned,
+                                              client_order=config.client_order,
                                               window_factor=config.window_factor,
-                                              adaptive_windows=config.adaptive_windows,
-                                              plan_period_s=max(0.05, 1.0 / pool.time_scale))
-                    async with PoolConnection(registry, policy=config.policy, config=dispatch,
+                                              adaptive_windows=config.adaptive_windows)
+                    policy, options = ((("planned", {"period_s": max(0.05, 1.0 / pool.time_scale)}))
+                                       if config.planned else (config.policy, {}))
+                    async with PoolConnection(registry, policy=policy, policy_options=options, config=dispatch,
                                               seed=config.seed) as conn:
                         await conn.refresh()
                         trace = BusyTrace(period_s)
@@ -661,10 +661,9 @@ async def _watch_dispatcher(conn: PoolConnection, out: list[dict[str, Any]], sta
 
 
 def _plan_of(dispatcher: Any) -> dict[str, dict[str, float]] | None:
-    """The dispatcher's current routing plan (client -> server -> requests), when it plans."""
-    planner = dispatcher.planner
-    plan = planner.plan() if planner is not None else None
-    return None if plan is None else {c: {s: round(n, 1) for s, n in q.items()} for c, q in plan.quotas.items()}
+    """The dispatcher's current routing plan (client -> server -> requests), when its policy plans."""
+    state = dispatcher.policy.describe()
+    return None if state is None else state.get("quotas")
 
 
 def _load_figure(load: Any, name: str) -> float | None:

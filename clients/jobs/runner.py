@@ -1,0 +1,179 @@
+"""Running jobs: queued jobs start (up to `max_running` at once) as `run_evals` calls over one dispatcher, so
+every job's requests share every engine; a job left running by a stopped server resumes from its artifact."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedpool.clients.eval_client import EvalProgress, EvalTarget
+from fedpool.clients.jobs.store import FINAL_STATES, JobRequest, JobStore
+from fedpool.clients.runner import run_evals
+from fedpool.federation import Dispatcher
+from fedpool.pipeline import BenchmarkSpec, load_samples, load_spec, spec_from_dict
+from fedpool.pipeline.errors import PipelineError
+from pydantic import ValidationError
+
+log = logging.getLogger("fedpool.jobs")
+
+
+def resolve_specs(request: JobRequest) -> list[BenchmarkSpec]:
+    """The job's specs, checked now (each spec and its dataset), so a bad job is refused at submission
+    with the culprit named instead of failing later."""
+    if not request.specs and not request.spec_paths:
+        raise PipelineError("a job needs `specs` (inline) or `spec_paths`")
+    specs = [spec_from_dict(raw, source=f"specs[{i}]") for i, raw in enumerate(request.specs)]
+    specs += [load_spec(Path(p)) for p in request.spec_paths]
+    for spec in specs:
+        if not spec.data_path().is_absolute():
+            raise PipelineError(f"benchmark {spec.name!r}: data.path {spec.data.path!r} must be absolute in an "
+                                "inline spec (the jobs server has no spec file to resolve it against)")
+    if request.limit is not None:
+        specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": request.limit})}) for s in specs]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise PipelineError(f"benchmark names must be unique in a job: {names}")
+    for spec in specs:
+        load_samples(spec)  # raises DataError naming file and line
+    return specs
+
+
+class JobRunner:
+    """Runs queued jobs, up to `max_running` at once, all through one dispatcher."""
+
+    def __init__(self, store: JobStore, dispatcher: Dispatcher, *, max_running: int = 4,
+                 verifier_factory: Callable[[], Any] | None = None, clock: Callable[[], float] = time.time):
+        self.store = store
+        self._dispatcher = dispatcher
+        self._max = max_running
+        self._verifier_factory = verifier_factory
+        self._verifier: Any = None
+        self._clock = clock
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.live: dict[str, dict[str, Any]] = {}  # job id -> benchmark -> progress (not yet persisted)
+
+    async def start(self) -> None:
+        resumed = await asyncio.to_thread(self.store.requeue_interrupted)
+        for job_id in resumed:
+            await asyncio.to_thread(self.store.log, job_id, "server restarted: queued again, resumes from its artifact")
+        self._loop_task = asyncio.get_running_loop().create_task(self._schedule(), name="jobs-scheduler")
+
+    async def stop(self) -> None:
+        """Stop scheduling; running jobs are cancelled but stay `running` in the store, so the next start
+        resumes them (a restart is not a cancellation)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._verifier is not None:
+            self._verifier.shutdown()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def cancel(self, job_id: str) -> bool:
+        job = await asyncio.to_thread(self.store.get, job_id)
+        if job is None or job.state in FINAL_STATES:
+            return False
+        if not await asyncio.to_thread(self.store.update, job_id, only_from=("queued", "running"),
+                                       state="cancelled", finished_at=self._clock()):
+            return False  # it finished (or was cancelled) in the meantime
+        await asyncio.to_thread(self.store.log, job_id, "cancelled by request")
+        task = self._tasks.get(job_id)
+        if task is not None:
+            task.cancel()
+        return True
+
+    async def _schedule(self) -> None:
+        while True:
+            for job_id in await asyncio.to_thread(self.store.queued):
+                if len(self._tasks) >= self._max:
+                    break
+                if job_id not in self._tasks:
+                    self._tasks[job_id] = asyncio.get_running_loop().create_task(self._run(job_id),
+                                                                                name=f"job-{job_id}")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _run(self, job_id: str) -> None:
+        store = self.store
+        try:
+            job = await asyncio.to_thread(store.get, job_id)
+            if job is None or job.state != "queued":
+                return
+            request = job.request
+            if not await asyncio.to_thread(store.update, job_id, only_from=("queued",), state="running",
+                                           started_at=job.started_at or self._clock(), attempts=job.starts + 1,
+                                           error=None):
+                return  # cancelled between the read and the start
+            await asyncio.to_thread(store.log, job_id, f"running (start {job.starts + 1}) on model {request.model}")
+            specs = await asyncio.to_thread(resolve_specs, request)
+            verifier = None
+            if any(s.verifier for s in specs):
+                if self._verifier is None:
+                    if self._verifier_factory is None:
+                        raise PipelineError("a spec asks for the verifier but this jobs server has none configured")
+                    self._verifier = self._verifier_factory()
+                    await self._verifier.ready()
+                verifier = self._verifier
+            self.live[job_id] = {}
+            saver = asyncio.get_running_loop().create_task(self._save_progress(job_id))
+            try:
+                summaries = await run_evals(
+                    specs, self._dispatcher, Path(job.artifact_dir), EvalTarget(model=request.model,
+                                                                            revision=request.revision),
+                    concurrency=request.concurrency, run_info={"job_id": job_id},
+                    on_progress=lambda p: self._progress(job_id, p), verifier=verifier)
+            finally:
+                saver.cancel()
+            scores = {s.benchmark: {"scores": s.summary["scores"], "records": s.summary["records"],
+                                    "failed": s.summary["failed"], "artifact_dir": str(s.artifact_dir)}
+                      for s in summaries}
+            if await asyncio.to_thread(store.update, job_id, only_from=("running",), state="done",
+                                       finished_at=self._clock(), scores=scores,
+                                       progress=self.live.get(job_id, {})):
+                lines = [f"{b}: " + ", ".join(f"{x['metric']} {x['value']:.1f}" for x in v["scores"])
+                         for b, v in scores.items()]
+                await asyncio.to_thread(store.log, job_id, "done: " + "; ".join(lines))
+        except asyncio.CancelledError:
+            current = await asyncio.to_thread(store.get, job_id)
+            if current is not None and current.state == "running":  # a server stop: resumed at next start
+                await asyncio.to_thread(store.update, job_id, progress=self.live.get(job_id, {}))
+            raise
+        except (PipelineError, ValidationError, ValueError, OSError) as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            await asyncio.to_thread(store.update, job_id, only_from=("queued", "running"), state="failed",
+                                    finished_at=self._clock(), error=message)
+            await asyncio.to_thread(store.log, job_id, f"failed: {message}")
+        except Exception as exc:  # anything else: the job fails with the error, the server goes on
+            log.exception("job %s failed", job_id)
+            message = f"{type(exc).__name__}: {exc}"
+            await asyncio.to_thread(store.update, job_id, only_from=("queued", "running"), state="failed",
+                                    finished_at=self._clock(), error=message)
+            await asyncio.to_thread(store.log, job_id, f"failed: {message}")
+        finally:
+            self._tasks.pop(job_id, None)
+            self.live.pop(job_id, None)
+            self.poke()
+
+    def _progress(self, job_id: str, p: EvalProgress) -> None:
+        self.live.setdefault(job_id, {})[p.benchmark] = {
+            "done": p.done, "total": p.total, "failed": p.failed, "retried": p.retried,
+            "elapsed_s": round(p.elapsed_s, 2)}
+
+    async def _save_progress(self, job_id: str) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(self.store.update, job_id, progress=self.live.get(job_id, {}))
