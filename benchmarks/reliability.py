@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,12 +86,16 @@ class ChaosPool:
     urls: dict[str, str]
     work: Path
     extra: list[EngineProcess] = field(default_factory=list)
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Emulated servers run this many times faster than SLOW_PROFILE (FEDPOOL_CHAOS_SPEEDUP, default 1): the
+    # same scenarios with shorter timelines, where races between hedges, steals and reports are tighter.
+    speedup: float = field(default_factory=lambda: float(os.environ.get("FEDPOOL_CHAOS_SPEEDUP", "1")))
 
     async def add_emulator(self, server_id: str, *faults: str) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL, "--port", str(port),
-                "--profile-json", SLOW_PROFILE, *faults]
+                "--profile-json", SLOW_PROFILE, "--speedup", str(self.speedup), *faults]
         proc = EngineProcess(server_id, argv, self.work / f"{server_id}.log")
         await proc.start()
         await proc.wait_healthy(url + "/health", deadline_s=30)
@@ -125,9 +130,11 @@ async def chaos_pool(work: Path, *, emulators: int = 3, llama: bool = True) -> A
                                                  accelerator="cpu"))
         yield pool
     finally:
+        for cleanup in pool.cleanups:
+            await cleanup()
         for proc in [*pool.extra, *([pool.llama] if pool.llama else [])]:
             await proc.stop()
-        await registry.terminate()
+        await pool.registry.terminate()
 
 
 Fault = Callable[[ChaosPool], Awaitable[None]]
@@ -232,12 +239,295 @@ async def scenario_registry_killed(pool: ChaosPool, out: Path, baseline: float |
                   f"{len(after or ())} of {len(before)} servers back after the restart")
 
 
+async def scenario_all_servers_killed(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """Every server kill -9 at 50%, started again (same ports) 3 s later: the requests wait, then finish."""
+    procs = [*pool.emulators.values(), *([pool.llama] if pool.llama else [])]
+
+    async def kill_all(p: ChaosPool) -> None:
+        for proc in procs:
+            proc.kill()
+        await asyncio.sleep(3.0)
+        for proc in procs:
+            await proc.start()
+
+    wall, summaries, fired = await run_eval(pool, out, kill_all)
+    status = await _settled(pool, lambda st: all(s.routable for s in st.values()))
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("every server kill -9 at 50%, restarted 3 s later", *counts, wall, baseline,
+                  fired and all(s.routable for s in status.values()),
+                  f"statuses afterwards {sorted({s.value for s in status.values()})}")
+
+
+async def scenario_registry_replaced(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """The registry actor killed for good at 50%, then started again by an operator from its state dir: the
+    run goes on from its last snapshot meanwhile, and the new registry has every server."""
+    before = {e.id for e in (await pool.registry.snapshot()).entries}
+    state = pool.work / "registry"
+
+    async def replace(p: ChaosPool) -> None:
+        await p.registry.terminate()
+        await asyncio.sleep(2.0)
+        p.registry = await RegistryClient.start(state, probe_interval_s=0.3, probe_timeout_s=1.0,
+                                                check_timeout_s=5.0, lease_grace_s=1.0)
+
+    wall, summaries, fired = await run_eval(pool, out, replace)
+    after = {e.id for e in (await pool.registry.snapshot()).entries}
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("the registry killed for good at 50%, started again from its state", *counts, wall, baseline,
+                  fired and after == before, f"{len(after)} of {len(before)} servers in the new registry")
+
+
+async def scenario_slow_server(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """One more server, ten times slower than the others (600 ms a token)."""
+    await pool.add_emulator("slow", "--speedup", str(0.1 * pool.speedup))
+    wall, summaries, _ = await run_eval(pool, out)
+    status = await pool.status()
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("a server 10x slower than the others", *counts, wall, baseline,
+                  all(s.routable for s in status.values()), f"statuses {sorted({s.value for s in status.values()})}")
+
+
+async def scenario_partitioned(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """A server the prober reaches and clients do not: behind a proxy that answers /health and /metrics and
+    swallows every POST /v1/* (accepts it, never answers), as a one-way network partition would."""
+    url = await pool.add_emulator("behind")
+    proxy = await _PartitionProxy.start(url)
+    pool.cleanups.append(proxy.stop)
+    await pool.registry.deregister("behind")
+    await pool.registry.register(ServerRecord(id="partitioned", url=proxy.url, engine="vllm", model=MODEL,
+                                              accelerator="A100", capacity=4))
+    wall, summaries, _ = await run_eval(pool, out)
+    status = await pool.status()
+    state = status.get("partitioned")
+    counts = await asyncio.to_thread(count, summaries)
+    return Figure("a server reachable by the prober, not by clients (proxy swallows POSTs)", *counts, wall,
+                  baseline, state in (ServerStatus.SUSPECT, ServerStatus.DOWN),
+                  f"partitioned server {state.value if state else 'gone'} (health answers; a generate probe does not)")
+
+
+async def scenario_client_killed(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """`fedpool eval run` killed -9 at 50%, `eval resume` killed -9 part-way too, then resumed to the end."""
+    started = time.perf_counter()
+    specs = [p for p in bundled_spec_paths() if p.stem in ("arith", "capitals")]
+    run_cmd = ["eval", "run", *(a for s in specs for a in ("--spec", str(s))), "--model", MODEL, "--out",
+               str(out), "--concurrency", "8"]
+    await _killed_at(pool, run_cmd, out, 0.5)
+    await _killed_at(pool, ["eval", "resume", str(out)], out, 0.75)
+    done = await _fedpool(pool, "eval", "resume", str(out), "--json")
+    wall = time.perf_counter() - started
+    counts = _count_dir(out)
+    return Figure("the client killed at 50%, the resume killed at 75%, resumed again", *counts, wall, baseline,
+                  done.returncode == 0, f"final resume exit {done.returncode}")
+
+
+async def scenario_resumes_race(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """The client killed at 30%, then two `eval resume` on the run at once: one works, one is refused."""
+    started = time.perf_counter()
+    specs = [p for p in bundled_spec_paths() if p.stem in ("arith", "capitals")]
+    await _killed_at(pool, ["eval", "run", *(a for s in specs for a in ("--spec", str(s))), "--model", MODEL,
+                            "--out", str(out), "--concurrency", "4"], out, 0.3)
+    first, second = await asyncio.gather(*(_fedpool(pool, "eval", "resume", str(out)) for _ in range(2)))
+    wall = time.perf_counter() - started
+    codes = sorted((first.returncode, second.returncode))
+    counts = _count_dir(out)
+    return Figure("two `eval resume` on one run at once", *counts, wall, baseline, codes == [0, 5],
+                  f"exit codes {codes} (5: refused, the directory is owned by the other)")
+
+
+async def scenario_jobs_server_killed(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """`fedpool jobs serve` killed -9 with both jobs running, started again: they resume and finish."""
+    started = time.perf_counter()
+    jobs_dir, token_file = out / "jobs", pool.work / "jobs.token"
+    token_file.write_text("chaos-jobs-token-0123456789\n")
+    port = free_port()
+    argv = ["jobs", "serve", "--port", str(port), "--jobs-dir", str(jobs_dir), "--jobs-token-file",
+            str(token_file), "--policy", "least_inflight", "--root", str(bundled_spec_paths()[0].parent)]
+    from fedpool.clients.jobs import AsyncJobsClient
+
+    url = f"http://127.0.0.1:{port}"
+    server = await _start_fedpool(pool, *argv)
+    ids = []
+    try:
+        await _wait_up(url)
+        async with AsyncJobsClient(url, token_file.read_text().strip()) as jobs:
+            for spec in (p for p in bundled_spec_paths() if p.stem in ("arith", "capitals")):
+                ids.append((await jobs.submit(MODEL, spec_paths=[spec], concurrency=4))["id"])
+            for _ in range(3000):  # until 60 records are done (at most 10 min)
+                progress = [(await jobs.get(i))["progress"] for i in ids]
+                if sum(p.get("done", 0) for job in progress for p in job.values()) >= 60:
+                    break
+                await asyncio.sleep(0.2)
+        server.kill()
+        await server.wait()
+        server = await _start_fedpool(pool, *argv)
+        await _wait_up(url)
+        async with AsyncJobsClient(url, token_file.read_text().strip()) as jobs:
+            states = [(await jobs.wait(i, timeout_s=300, poll_s=0.5))["state"] for i in ids]
+    finally:
+        server.terminate()
+        await server.wait()
+    wall = time.perf_counter() - started
+    counts = _count_dir(jobs_dir)
+    return Figure("the jobs server kill -9 with two jobs running, started again", *counts, wall, baseline,
+                  states == ["done", "done"], f"jobs {states}")
+
+
+async def scenario_disk_full(pool: ChaosPool, out: Path, baseline: float | None) -> Figure:
+    """The artifact directory on a 64 KiB tmpfs that fills mid-run: the run stops with a clear error (no
+    traceback), nothing written is lost; the disk grown, `eval resume` finishes every record once."""
+    started = time.perf_counter()
+    mount = out / "small-disk"
+    mount.mkdir(parents=True)
+    mounted = await asyncio.to_thread(subprocess.run, ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                                       str(mount)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        return Figure("disk full on the artifact directory", 135, 0, 0, 0, 0.0, baseline, False,
+                      f"not run: cannot mount a tmpfs here ({mounted.stderr.strip()[:100]})", completed=False)
+    try:
+        run_dir = mount / "run"
+        specs = [p for p in bundled_spec_paths() if p.stem in ("arith", "capitals")]
+        full = await _fedpool(pool, "eval", "run", *(a for s in specs for a in ("--spec", str(s))), "--model",
+                              MODEL, "--out", str(run_dir), "--concurrency", "8")
+        clear = full.returncode != 0 and "Traceback" not in full.stderr and "No space left" in full.stderr
+        await asyncio.to_thread(subprocess.run, ["mount", "-o", "remount,size=64m", str(mount)], check=True)
+        done = await _fedpool(pool, "eval", "resume", str(run_dir))
+        counts = _count_dir(run_dir)
+    finally:
+        await asyncio.to_thread(subprocess.run, ["umount", "-l", str(mount)], capture_output=True)
+    wall = time.perf_counter() - started
+    return Figure("disk full on the artifact directory mid-run, then grown and resumed", *counts, wall, baseline,
+                  clear and done.returncode == 0,
+                  f"first run exit {full.returncode} ({'clear error' if clear else full.stderr.strip()[-120:]}), "
+                  f"resume exit {done.returncode}")
+
+
 SCENARIOS: dict[str, Callable[[ChaosPool, Path, float | None], Awaitable[Figure]]] = {
     "kill9": scenario_kill9,
+    "all-killed": scenario_all_servers_killed,
     "hang": scenario_hang,
+    "slow": scenario_slow_server,
+    "partition": scenario_partitioned,
     "flaky": scenario_flaky,
     "registry": scenario_registry_killed,
+    "registry-replaced": scenario_registry_replaced,
+    "client-killed": scenario_client_killed,
+    "resumes-race": scenario_resumes_race,
+    "jobs-killed": scenario_jobs_server_killed,
+    "disk-full": scenario_disk_full,
 }
+
+
+# ---- helpers of the scenarios ------------------------------------------------------------------------------
+async def _settled(pool: ChaosPool, done: Callable[[dict[str, ServerStatus]], bool],
+                   timeout_s: float = 10.0) -> dict[str, ServerStatus]:
+    """The pool's statuses once `done` holds (or after `timeout_s`): probes take a few periods to see a change."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await pool.status()
+        if done(status) or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.3)
+
+
+async def _start_fedpool(pool: ChaosPool, *args: str) -> asyncio.subprocess.Process:
+    """`fedpool ARGS` joined to this pool's Ray cluster and registry (its state dir has the token)."""
+    address = ray.get_runtime_context().gcs_address
+    log_file = (pool.work / f"fedpool-{time.monotonic_ns()}.log").open("wb")
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fedpool.cli", *args[:2], "--address", address, "--state-dir",
+        str(pool.work / "registry"), *args[2:], stdout=log_file, stderr=asyncio.subprocess.STDOUT)
+
+
+async def _fedpool(pool: ChaosPool, *args: str) -> subprocess.CompletedProcess[str]:
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "fedpool.cli", *args[:2], "--address", address, "--state-dir",
+           str(pool.work / "registry"), *args[2:]]
+    return await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=600)
+
+
+async def _killed_at(pool: ChaosPool, args: list[str], out: Path, share: float, total: int = 135) -> None:
+    """Run `fedpool ARGS` and kill -9 it once `share` of the run's records are on disk."""
+    proc = await _start_fedpool(pool, *args)
+    try:
+        for _ in range(12000):  # until `share` of the records are written (at most 10 min)
+            if proc.returncode is not None or _count_dir(out)[1] >= share * total:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def _wait_up(url: str, timeout_s: float = 60.0) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def _count_dir(root: Path) -> tuple[int, int, int, int]:
+    """(expected, written lines, duplicated, failed) over every records.jsonl under `root` (arith and capitals:
+    135 expected)."""
+    written = duplicated = failed = 0
+    for path in root.rglob("records.jsonl"):
+        try:
+            records = read_records(path)
+        except Exception:  # a torn or racing file mid-run: counted as nothing yet
+            continue
+        ids = Counter(r.sample_id for r in records)
+        written += len(records)
+        duplicated += sum(n - 1 for n in ids.values())
+        failed += sum(1 for r in records if r.failed)
+    return 135, written, duplicated, failed
+
+
+class _PartitionProxy:
+    """GET passed through to the server; POST accepted and never answered (until the proxy stops)."""
+
+    def __init__(self, target: str):
+        self._target = target
+        self._runner: Any = None
+        self.url = ""
+        self._stalled: list[asyncio.Future[None]] = []
+
+    @classmethod
+    async def start(cls, target: str) -> _PartitionProxy:
+        from aiohttp import ClientSession, web
+
+        proxy = cls(target)
+        session = ClientSession()
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            if request.method != "GET":
+                fut = asyncio.get_running_loop().create_future()
+                proxy._stalled.append(fut)
+                await fut  # the partition: the request went out and nothing comes back
+            async with session.get(target + request.path_qs) as resp:
+                return web.Response(body=await resp.read(), status=resp.status, content_type=resp.content_type)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        app.on_cleanup.append(lambda _app: session.close())
+        proxy._runner = web.AppRunner(app, access_log=None)
+        await proxy._runner.setup()
+        port = free_port()
+        await web.TCPSite(proxy._runner, "127.0.0.1", port).start()
+        proxy.url = f"http://127.0.0.1:{port}"
+        return proxy
+
+    async def stop(self) -> None:
+        for fut in self._stalled:
+            if not fut.done():
+                fut.cancel()
+        await self._runner.cleanup()
 
 
 async def run_scenario(name: str, work: Path, *, llama: bool = True) -> tuple[Figure, float]:

@@ -31,10 +31,10 @@ from fedpool.pipeline import (
     finish_record,
     load_samples,
     package_versions,
-    read_records,
     render,
     request_body,
     summarize_records,
+    unique_records,
 )
 from fedpool.pipeline.media import MediaPool, encode_in_thread
 from fedpool.pipeline.postprocess import OPTION_LETTERS
@@ -119,6 +119,7 @@ class EvalRun:
         verifier: VerifierPool | None = None,
         stages: StageHooks | None = None,
         media: MediaPool | None = None,
+        retry_failed: bool = False,
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -134,6 +135,7 @@ class EvalRun:
         self._counters = _Counters()
         self._stages = stages or StageHooks()
         self._media = media
+        self._retry_failed = retry_failed
         self._work_each = 1.0
         self._post: set[asyncio.Task[None]] = set()
         if spec.verifier and verifier is None:
@@ -167,7 +169,8 @@ class EvalRun:
             samples = await asyncio.to_thread(load_samples, self.spec)
             data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())
             writer = await asyncio.to_thread(ArtifactWriter, self._dir, self._config(data_hash),
-                                             secrets=self._secrets)
+                                             secrets=self._secrets, retry_failed=self._retry_failed,
+                                             purpose=f"eval of {self.spec.name}")
             todo = [s for s in samples if s.sample_id not in writer.done_ids]
             total = len(samples)
             self._counters.done = total - len(todo)
@@ -221,9 +224,13 @@ class EvalRun:
                 task.cancel()
             await asyncio.gather(*workers, *judges, *self._post, *extra, return_exceptions=True)
             await asyncio.to_thread(writer.close)
-        records = await asyncio.to_thread(read_records, writer.path)
+        counted = await asyncio.to_thread(unique_records, writer.path, [s.sample_id for s in samples])
+        for where in counted.duplicates:
+            log.warning("%s: a second record of a sample, not scored (the first counts)", where)
+        for where in counted.foreign:
+            log.warning("%s: a record of a sample that is not in the dataset, not scored", where)
         wall = self._clock() - started
-        summary = summarize_records(self.spec, records)
+        summary = summarize_records(self.spec, counted.records)
         summary.update(
             {
                 "model": self._target.model,
@@ -233,7 +240,10 @@ class EvalRun:
                 "generation": self.spec.generation.model_dump(mode="json"),
                 "wall_time_s": wall,
                 "resumed_records": writer.resumed,
+                "retried_failed_records": writer.retried,
                 "expected_records": total,
+                "duplicate_lines": list(counted.duplicates),
+                "foreign_lines": list(counted.foreign),
                 **self._run_info,
             }
         )

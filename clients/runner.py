@@ -28,6 +28,7 @@ async def run_evals(
     verifier: VerifierPool | None = None,
     stages: dict[str, StageHooks] | None = None,
     media: MediaPool | None = None,
+    retry_failed: bool = False,
 ) -> list[EvalSummary]:
     """All evals concurrently; each writes its own artifact directory under `out_dir`."""
     names = [s.name for s in specs]
@@ -38,7 +39,7 @@ async def run_evals(
         EvalRun(
             spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,
             secrets=secrets, on_progress=on_progress, verifier=verifier,
-            stages=(stages or {}).get(spec.name), media=media,
+            stages=(stages or {}).get(spec.name), media=media, retry_failed=retry_failed,
         )
         for spec in specs
     ]

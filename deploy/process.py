@@ -43,6 +43,19 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+# fedpool's own credentials: an engine never needs them, so its process never sees them.
+WITHHELD_FROM_ENGINES = frozenset({"FEDPOOL_REGISTRY_TOKEN", "FEDPOOL_JOBS_TOKEN", "RAY_AUTH_TOKEN"})
+
+
+def child_environment(extra: dict[str, str] | None = None, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """An engine's environment: this process's, less fedpool's credentials, plus what the operator asked for
+    (`--env`): secrets reach the engine through its environment, never its argv."""
+    base = dict(os.environ if environ is None else environ)
+    for name in WITHHELD_FROM_ENGINES:
+        base.pop(name, None)
+    return {**base, **(extra or {})}
+
+
 class EngineProcess:
     """One engine child process. It is killed with SIGTERM when this (parent) process dies."""
 
@@ -78,7 +91,7 @@ class EngineProcess:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **(self._env or {})},
+                env=child_environment(self._env),
                 preexec_fn=_die_with_parent,
             )
         log.info("%s started (pid %s); log: %s", self.name, self._proc.pid, self.log_path)

@@ -19,6 +19,7 @@ from fedpool.registry import PoolSnapshot, RegistryClient, SnapshotWatcher
 log = logging.getLogger("fedpool.pool")
 
 MAX_PENDING_REPORTS = 256  # passive failure reports in flight to the registry; beyond this they are dropped
+REPORT_FLUSH_S = 2.0  # how long a closing connection waits for its reports in flight
 
 
 class PoolConnection:
@@ -80,6 +81,10 @@ class PoolConnection:
     ) -> None:
         if self._watcher is not None:
             await self._watcher.stop()
+        # Failure reports still on their way finish first (bounded): the reports of a run's last requests
+        # are what tells the registry about a server that hung at the end of it.
+        if self._reports:
+            await asyncio.wait(list(self._reports), timeout=REPORT_FLUSH_S)
         for task in list(self._reports):
             task.cancel()
         for task in list(self._reports):

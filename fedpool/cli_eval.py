@@ -4,44 +4,148 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fedpool.cli_support import EXIT_OK, EXIT_USAGE, CliError, registry_client
+from fedpool.cli_support import (
+    EXIT_BUSY,
+    EXIT_INCOMPLETE,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    registry_client,
+)
 
 EVAL_FILE = "eval.json"
+REPLAYED_SPECS = "replayed-specs"
+
 
 def cmd_eval_run(args: argparse.Namespace) -> int:
     from fedpool.pipeline.artifact import write_json_atomic
 
+    out = args.out.resolve()
     plan = {
         "specs": [str(p.resolve()) for p in args.spec], "model": args.model, "revision": args.revision,
         "policy": "planned" if args.planned else args.policy, "concurrency": args.concurrency, "limit": args.limit,
         "client_order": args.client_order, "planned": args.planned or args.policy == "planned",
     }
-    out = args.out.resolve()
-    if (out / EVAL_FILE).exists():
-        raise CliError(f"{out} already holds a run; use `fedpool eval resume {out}` or another --out", EXIT_USAGE)
-    specs = _load_eval_specs(plan)  # bad specs stop here, before anything is written
-    out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / EVAL_FILE, plan)
-    return _run_eval(args, out, plan, specs)
+    # Every input is checked before anything is written: a refused run leaves nothing behind.
+    _refuse_existing_run(out)
+    specs = check_specs(plan, args.spec)
+    client = registry_client(args)
+    asyncio.run(require_servers(client, args.model, args.revision, args.wait_for_servers))
+    with _owned(out, "fedpool eval run"):
+        _refuse_existing_run(out)  # another run may have started here meanwhile
+        write_json_atomic(out / EVAL_FILE, plan)
+        return _run_eval(args, out, plan, specs, client)
 
 
 def cmd_eval_resume(args: argparse.Namespace) -> int:
     out = args.run_dir.resolve()
+    with _owned(out, "fedpool eval resume"):
+        plan = _read_plan(out)
+        specs = check_specs(plan)
+        client = registry_client(args)
+        asyncio.run(require_servers(client, plan["model"], plan.get("revision"), args.wait_for_servers))
+        return _run_eval(args, out, plan, specs, client, retry_failed=not args.keep_failed)
+
+
+@contextlib.contextmanager
+def _owned(out: Path, purpose: str) -> Iterator[None]:
+    """The run directory, owned by this process for the run's life (a second resume is refused, named)."""
+    from fedpool.pipeline.errors import OwnershipError
+    from fedpool.pipeline.ownership import DirectoryLock
+
     try:
-        plan = json.loads((out / EVAL_FILE).read_text(encoding="utf-8"))
+        lock = DirectoryLock(out, purpose).acquire()
+    except OwnershipError as exc:
+        raise CliError(str(exc), EXIT_BUSY) from None
+    except (NotADirectoryError, FileExistsError):
+        raise CliError(f"{out}: not a directory", EXIT_USAGE) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _refuse_existing_run(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a directory", EXIT_USAGE)
+    if (out / EVAL_FILE).exists():
+        raise CliError(f"{out} already holds a run; use `fedpool eval resume {out}` or another --out", EXIT_USAGE)
+
+
+def _read_plan(out: Path) -> dict[str, Any]:
+    path = out / EVAL_FILE
+    try:
+        plan = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CliError(f"{out} has no {EVAL_FILE}: not a directory made by `fedpool eval run`", EXIT_USAGE) from None
-    return _run_eval(args, out, plan, _load_eval_specs(plan))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CliError(f"{path}: not a fedpool run description ({type(exc).__name__}); it was damaged",
+                       EXIT_USAGE) from None
+    if not isinstance(plan, dict) or not isinstance(plan.get("specs"), list) or not plan.get("model"):
+        raise CliError(f"{path}: not a fedpool run description (no specs or model)", EXIT_USAGE)
+    return plan
 
 
-def _load_eval_specs(plan: dict[str, Any]) -> list[Any]:
-    from fedpool.demo import load_specs
+def check_specs(plan: dict[str, Any], given: list[Path] | None = None) -> list[Any]:
+    """The run's specs, checked: each file once, names unique and not the run directory's own files, every
+    dataset readable (its errors name file and line)."""
+    from fedpool.pipeline import load_samples, load_specs
+    from fedpool.pipeline.errors import PipelineError
+    from fedpool.pipeline.ownership import LOCK_FILE
 
-    return load_specs(tuple(Path(p) for p in plan["specs"]), plan.get("limit"))
+    paths = [Path(p) for p in plan["specs"]]
+    seen: dict[Path, int] = {}
+    for i, path in enumerate(paths):
+        if path in seen:
+            shown = given[i] if given else path
+            raise CliError(f"--spec {shown}: given twice (as spec {seen[path] + 1} and {i + 1})", EXIT_USAGE)
+        seen[path] = i
+    specs = load_specs(paths, plan.get("limit"))
+    names = [s.name for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CliError(f"benchmark names must be unique in one run: {', '.join(twice)} (from --spec "
+                       f"{', '.join(str(p) for p, s in zip(paths, specs, strict=True) if s.name in twice)})",
+                       EXIT_USAGE)
+    reserved = {EVAL_FILE, LOCK_FILE, REPLAYED_SPECS}
+    for path, spec in zip(paths, specs, strict=True):
+        if spec.name in reserved or spec.name.startswith("."):
+            raise CliError(f"{path}: benchmark name {spec.name!r} is a file of the run directory itself; rename it",
+                           EXIT_USAGE)
+    for spec in specs:
+        try:
+            load_samples(spec)
+        except PipelineError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    return specs
+
+
+async def require_servers(client: Any, model: str, revision: str | None, wait_s: float | None) -> None:
+    """Refuse a model no registered server serves before anything is written, or wait up to `wait_s` for one
+    to register. Servers that are registered but down still count: the run waits for them as it would."""
+    deadline = time.monotonic() + (wait_s or 0.0)
+    while True:
+        snapshot = await client.snapshot()
+        if snapshot.filter(model=model, revision=revision, routable_only=False).entries:
+            return
+        if time.monotonic() >= deadline:
+            served = sorted({e.record.model for e in snapshot.entries})
+            rev = f" revision {revision!r}" if revision else ""
+            waited = f" after waiting {wait_s:g} s" if wait_s else ""
+            raise CliError(
+                f"no registered server serves model {model!r}{rev}{waited} (the pool serves: "
+                f"{', '.join(served) or 'nothing'}); register one, or pass --wait-for-servers SECONDS",
+                EXIT_UNAVAILABLE)
+        await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
 
 
 def cmd_eval_replay(args: argparse.Namespace) -> int:
@@ -52,8 +156,7 @@ def cmd_eval_replay(args: argparse.Namespace) -> int:
     source = args.artifact.resolve()
     try:
         saved = replay_specs(source)
-        plan_file = source / EVAL_FILE
-        before = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.exists() else {}
+        before = _read_plan(source) if (source / EVAL_FILE).exists() else {}
     except ArtifactError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     models = {(b.config.get("model"), b.config.get("revision")) for b in saved}
@@ -62,20 +165,23 @@ def cmd_eval_replay(args: argparse.Namespace) -> int:
                        EXIT_USAGE)
     (model, revision), = models
     out = args.out.resolve()
-    if (out / EVAL_FILE).exists():
-        raise CliError(f"{out} already holds a run; replay into a new --out", EXIT_USAGE)
-    spec_dir = out / "replayed-specs"  # the specs as saved, so `fedpool eval resume` works on the replay too
-    spec_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for b in saved:
-        path = spec_dir / f"{b.spec.name}.json"
-        write_json_atomic(path, b.spec.model_dump(mode="json"))
-        paths.append(str(path))
-    plan = {"specs": paths, "model": model, "revision": revision, "policy": before.get("policy", "capacity_weighted"),
-            "concurrency": before.get("concurrency", 64), "limit": None, "replay_of": str(source),
-            "client_order": before.get("client_order", "fair"), "planned": before.get("planned", False)}
-    write_json_atomic(out / EVAL_FILE, plan)
-    return _run_eval(args, out, plan, [b.spec for b in saved])
+    _refuse_existing_run(out)
+    client = registry_client(args)
+    asyncio.run(require_servers(client, model, revision, args.wait_for_servers))
+    with _owned(out, "fedpool eval replay"):
+        _refuse_existing_run(out)
+        spec_dir = out / REPLAYED_SPECS  # the specs as saved, so `fedpool eval resume` works on the replay too
+        paths = []
+        for b in saved:
+            path = spec_dir / f"{b.spec.name}.json"
+            write_json_atomic(path, b.spec.model_dump(mode="json"))
+            paths.append(str(path))
+        plan = {"specs": paths, "model": model, "revision": revision,
+                "policy": before.get("policy", "capacity_weighted"), "concurrency": before.get("concurrency", 64),
+                "limit": None, "replay_of": str(source), "client_order": before.get("client_order", "fair"),
+                "planned": before.get("planned", False)}
+        write_json_atomic(out / EVAL_FILE, plan)
+        return _run_eval(args, out, plan, [b.spec for b in saved], client)
 
 
 def cmd_eval_rescore(args: argparse.Namespace) -> int:
@@ -139,9 +245,11 @@ def verifier_pool(args: argparse.Namespace) -> Any:
         raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
 
 
-def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: list[Any]) -> int:
-    client = registry_client(args)
-    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args))
+def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: list[Any], client: Any, *,
+              retry_failed: bool = False) -> int:
+    """Runs the evals; exit code 0 when every record has a prediction, EXIT_INCOMPLETE when some failed (their
+    errors are in the records; `fedpool eval resume` runs them again)."""
+    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args, retry_failed))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
     if args.json:
@@ -151,11 +259,15 @@ def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: 
             scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in s.summary["scores"])
             print(f"{s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
                   f"{s.summary['failed']} failed); {scores}; {s.artifact_dir}")
+    failed = sum(s.summary["failed"] for s in summaries)
+    if failed:
+        print(f"fedpool: {failed} record(s) failed; `fedpool eval resume {out}` runs them again", file=sys.stderr)
+        return EXIT_INCOMPLETE
     return EXIT_OK
 
 
 async def _eval_through_pool(
-    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace
+    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace, retry_failed: bool
 ) -> list[Any]:
     from fedpool.clients import EvalTarget, run_evals
     from fedpool.federation import DispatchConfig, PoolConnection
@@ -167,7 +279,8 @@ async def _eval_through_pool(
     media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
     try:
         await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
-        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"))
+        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"),
+                                  no_server_timeout_s=getattr(args, "no_server_timeout", 60.0))
         policy = "planned" if plan.get("planned") else plan["policy"]  # runs saved before `planned` was a policy
         async with PoolConnection(client, policy=policy, config=dispatch) as pool:
             view = ProgressView(pool.dispatcher, mode="quiet" if getattr(args, "quiet", False) else "auto")
@@ -175,6 +288,7 @@ async def _eval_through_pool(
                 return await run_evals(
                     specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
                     concurrency=plan["concurrency"], verifier=verifier, media=media, on_progress=view.update,
+                    retry_failed=retry_failed,
                     run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
                               "client_order": dispatch.client_order, "planned": policy == "planned"})
     finally:

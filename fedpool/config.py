@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from fedpool.pipeline.artifact import SECRET_NAME
+
 SECRET_WORDS = ("token", "secret", "password", "api_key")
 # Environment variables of this form that are not options (tokens are read where they are used).
 NOT_OPTIONS = frozenset({"FEDPOOL_CONFIG", "FEDPOOL_REGISTRY_TOKEN", "FEDPOOL_REGISTRY_TOKEN_FILE",
@@ -64,6 +66,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         kind = "YAML" if path.suffix in (".yaml", ".yml") else "TOML"
         raise ConfigError(f"{path}: not valid {kind} ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: not readable (permission denied)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a table of options")
     return data
@@ -160,11 +168,22 @@ def apply_defaults(parser: argparse.ArgumentParser, config: Mapping[str, Any], c
 
 
 def mask(dest: str, value: Any) -> Any:
-    """Secrets are shown as *** (a token file's path is not a secret; its content is never read here)."""
+    """Secrets are shown as *** (a token file's path is not a secret; its content is never read here), and so
+    are the values of KEY=VALUE items whose KEY names a secret (`--env HF_TOKEN=...`)."""
     if isinstance(value, str) and value and any(w in dest for w in SECRET_WORDS) and "file" not in dest \
             and "path" not in dest:
         return "***"
+    if isinstance(value, list):
+        return [_mask_item(v) for v in value]
     return value
+
+
+def _mask_item(item: Any) -> Any:
+    if isinstance(item, str) and "=" in item:
+        key, _, _value = item.partition("=")
+        if SECRET_NAME.search(key):
+            return f"{key}=***"
+    return item
 
 
 def show(args: argparse.Namespace, parser_defaults: Mapping[str, Any], applied: Applied) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import ray
 from fedpool.clients import EvalSummary, EvalTarget, run_evals
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig, PoolConnection
-from fedpool.pipeline import BenchmarkSpec, load_spec, package_versions
+from fedpool.pipeline import BenchmarkSpec, load_specs, package_versions
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.progress import ProgressView
@@ -56,13 +56,6 @@ class DemoReport:
             "answered": self.answered,
             "servers": list(self.servers),
         }
-
-
-def load_specs(paths: tuple[Path, ...], limit: int | None) -> list[BenchmarkSpec]:
-    specs = [load_spec(p) for p in paths]
-    if limit is not None:
-        specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": limit})}) for s in specs]
-    return specs
 
 
 def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> DemoReport:

@@ -1,6 +1,14 @@
 """Records, artifacts, data loading, prompts, post-processing and metrics. No networking here."""
 
-from fedpool.pipeline.artifact import ArtifactWriter, package_versions, read_records, redact, secrets_from_env
+from fedpool.pipeline.artifact import (
+    ArtifactWriter,
+    RecordSet,
+    package_versions,
+    read_records,
+    redact,
+    secrets_from_env,
+    unique_records,
+)
 from fedpool.pipeline.errors import ArtifactError, DataError, PipelineError, SpecError
 from fedpool.pipeline.loaders import Sample, dataset_sha256, load_samples
 from fedpool.pipeline.metrics import METRICS, Score, aggregate
@@ -17,7 +25,7 @@ from fedpool.pipeline.schema import (
     TextPart,
 )
 from fedpool.pipeline.scoring import finish_record, rescore_record, summarize_records
-from fedpool.pipeline.spec import BenchmarkSpec, GenerationParams, PromptSpec, load_spec, spec_from_dict
+from fedpool.pipeline.spec import BenchmarkSpec, GenerationParams, PromptSpec, load_spec, load_specs, spec_from_dict
 
 __all__ = [
     "METRICS",
@@ -35,6 +43,7 @@ __all__ = [
     "PromptSpec",
     "Provenance",
     "Record",
+    "RecordSet",
     "Sample",
     "Score",
     "SpecError",
@@ -47,6 +56,7 @@ __all__ = [
     "finish_record",
     "load_samples",
     "load_spec",
+    "load_specs",
     "package_versions",
     "read_records",
     "redact",
@@ -57,4 +67,5 @@ __all__ = [
     "spec_from_dict",
     "split_reasoning",
     "summarize_records",
+    "unique_records",
 ]

@@ -24,3 +24,11 @@ class DataError(PipelineError):
 
 class ArtifactError(PipelineError):
     """An artifact directory is unusable (e.g. resume against a different configuration)."""
+
+
+class OwnershipError(PipelineError):
+    """A directory is owned by another process (its lock is held); the message names the holder."""
+
+
+class ArtifactWriteError(ArtifactError):
+    """The disk refused a record (full, gone): the run stops, what was written stays, a resume finishes it."""

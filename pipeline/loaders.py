@@ -106,11 +106,24 @@ def _jsonl_rows(path: Path):
 def _csv_rows(path: Path):
     with path.open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
-        for row in reader:
-            if None in row:
-                yield reader.line_num, "more cells than header columns"
-                continue
-            yield reader.line_num, dict(row)
+        try:
+            for row in reader:
+                if None in row:
+                    yield reader.line_num, "more cells than header columns"
+                    continue
+                yield reader.line_num, dict(row)
+        except UnicodeDecodeError:
+            raw = path.read_bytes()  # the decoder reads ahead: find the line from the bytes themselves
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                line = raw[:exc.start].count(b"\n") + 1
+                column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+                raise DataError(str(path), line, f"not UTF-8 text (byte {column} of the line cannot be "
+                                "decoded)") from None
+            raise
+        except csv.Error as exc:
+            raise DataError(str(path), reader.line_num, f"not valid CSV ({exc})") from None
 
 
 def _parquet_rows(path: Path):

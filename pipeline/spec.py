@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import string
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -162,3 +163,11 @@ def spec_from_dict(raw: Any, *, source: str) -> BenchmarkSpec:
         return BenchmarkSpec.model_validate({**raw, "source_file": source})
     except ValidationError as exc:
         raise SpecError(f"{source}: {field_problems(exc)}") from None
+
+
+def load_specs(paths: Iterable[str | Path], limit: int | None = None) -> list[BenchmarkSpec]:
+    """Several specs; with `limit`, each reads only its dataset's first `limit` samples."""
+    specs = [load_spec(p) for p in paths]
+    if limit is not None:
+        specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": limit})}) for s in specs]
+    return specs

@@ -15,6 +15,12 @@ def read_yaml(path: Path, error: type[Exception], missing: str = "no such file")
         return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise error(f"{path}: {missing}") from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a directory, not a file") from None
+    except PermissionError:
+        raise error(f"{path}: not readable (permission denied)") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import pickle
+import secrets
 import time
 import uuid
 from collections import deque
@@ -16,6 +18,7 @@ import aiohttp
 import ray
 from fedpool.registry.auth import check_token
 from fedpool.registry.checks import verify_server
+from fedpool.registry.errors import AuthError
 from fedpool.registry.persistence import StateStore
 from fedpool.registry.prober import ProbePlan, ProberActor
 from fedpool.registry.records import ServerRecord
@@ -88,6 +91,9 @@ class RegistryActor:
         self._loop_lag: deque[float] = deque(maxlen=200)
         self._lag_task: asyncio.Task[None] | None = None
         self._incarnation = uuid.uuid4().hex[:12]  # changes on every (re)start of the actor
+        # Only this actor and its prober know it (new on every start, never saved): probe deliveries must
+        # carry it, so no other Ray driver can forge probe results (servers down, capacities) into the state.
+        self._prober_credential = secrets.token_urlsafe(32)
         self._started_at = time.time()
         self._metrics_runner: Any = None
         self._rows_cache: tuple[int, float, bytes] | None = None
@@ -107,6 +113,7 @@ class RegistryActor:
                 name=PROBER_NAME, namespace=self._config.namespace, lifetime="detached", get_if_exists=True,
                 max_restarts=-1, num_cpus=0, resources=dict(self._config.resources),
             ).remote(REGISTRY_NAME, self._config.namespace)
+            await self._prober.adopt.remote(self._prober_credential)
             await self._prober.start.remote()
             if self._config.metrics_port is not None and self._metrics_runner is None:
                 await self._serve_metrics()
@@ -167,15 +174,19 @@ class RegistryActor:
             records=tuple(self._state.records()),
             busy_ids=self._state.busy_ids(),
             need_health=self._state.ids_needing_health(),
+            need_generate=self._state.ids_needing_generate(),
             interval_s=self._config.probe_interval_s,
             timeout_s=self._config.probe_timeout_s,
             health_every=self._config.health_every,
         )
 
     async def deliver_probes(
-        self, rows: list[ProbeRow], cycle_s: float | None = None, busy_s: float | None = None
+        self, credential: str, rows: list[ProbeRow], cycle_s: float | None = None, busy_s: float | None = None
     ) -> None:
-        """Called by the prober with one cycle's results as rows; applied in slices."""
+        """Called by the prober with one cycle's results as rows; applied in slices. Refused (AuthError)
+        without the prober's credential."""
+        if not hmac.compare_digest(credential.encode(), self._prober_credential.encode()):
+            raise AuthError("probe results are accepted from this registry's own prober only")
         with self._state.batch():  # readers keep the previous version until the cycle is applied
             for i, row in enumerate(rows):
                 self._state.record_probe(probe_from_row(row))

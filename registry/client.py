@@ -120,6 +120,14 @@ class RegistryClient:
     def handle(self) -> ray.actor.ActorHandle:
         return self._handle
 
+    @property
+    def has_token(self) -> bool:
+        return bool(self._token)
+
+    async def check_token(self) -> None:
+        """AuthError unless this client's token is the registry's."""
+        await self._call("check_token", self._token)
+
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One actor call. If the actor this client knew is gone for good (killed without restart, then
         started again with `fedpool registry start`), find the new one by name and try once more; while

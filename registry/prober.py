@@ -25,6 +25,7 @@ async def probe_server(
     *,
     timeout_s: float,
     check_health: bool = True,
+    generate: bool = False,
     busy: bool = False,
     clock: Callable[[], float] = time.time,
     perf: Callable[[], float] = time.perf_counter,
@@ -32,7 +33,9 @@ async def probe_server(
     """Health, then metrics. Health failing is a failed probe; unparseable metrics only lose the load.
 
     With `check_health=False` (most cycles at scale) only /metrics is fetched and an answer from it is
-    the liveness signal: one request per server per cycle instead of two."""
+    the liveness signal: one request per server per cycle instead of two. With `generate` (servers that
+    dispatchers reported failures of), the probe also asks for one token (`max_tokens: 1`): a server whose
+    /health answers but that generates nothing within the timeout fails the probe."""
     adapter = adapter_for(record.engine)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     metrics_only = not check_health and adapter.metrics_path is not None
@@ -66,6 +69,10 @@ async def probe_server(
                 if metrics_only:
                     raise
                 error = f"metrics unreadable: {type(exc).__name__}"
+        if generate:
+            failed = await _generate_one_token(session, record, timeout)
+            if failed is not None:
+                return ProbeResult(record.id, False, perf() - start, clock(), failed, load, busy=busy)
         return ProbeResult(record.id, True, latency, clock(), error, load)
     except TimeoutError:
         why = f"no answer within {timeout_s:g}s" + (" (engine busy)" if busy else "")
@@ -76,6 +83,25 @@ async def probe_server(
         return ProbeResult(record.id, False, perf() - start, clock(), f"{type(exc).__name__}: {exc}")
 
 
+async def _generate_one_token(session: aiohttp.ClientSession, record: ServerRecord,
+                              limit: aiohttp.ClientTimeout) -> str | None:
+    """None when the server generated a token; else why not. An engine without /v1/completions (404, 405)
+    cannot be asked this way and is not held to it."""
+    body = {"model": record.model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    try:
+        async with session.post(record.url + "/v1/completions", json=body, timeout=limit) as resp:
+            await resp.read()
+            if resp.status in (404, 405):
+                return None
+            if resp.status != 200:
+                return f"health answers but generating one token returned HTTP {resp.status}"
+    except TimeoutError:
+        return f"health answers but it generated no token within {limit.total:g}s"
+    except aiohttp.ClientError as exc:
+        return f"health answers but generating one token failed: {type(exc).__name__}"
+    return None
+
+
 async def probe_all(
     session: aiohttp.ClientSession,
     records: Iterable[ServerRecord],
@@ -83,16 +109,19 @@ async def probe_all(
     timeout_s: float,
     busy_ids: frozenset[str] = frozenset(),
     health_ids: frozenset[str] | None = None,
+    generate_ids: frozenset[str] = frozenset(),
     clock: Callable[[], float] = time.time,
 ) -> list[ProbeResult]:
     """Probe every server at once; a hung server costs its own timeout and delays nobody else.
-    `health_ids`: servers whose health endpoint is checked this cycle (None: all)."""
+    `health_ids`: servers whose health endpoint is checked this cycle (None: all); `generate_ids`: servers
+    also asked for one token."""
     return list(
         await asyncio.gather(
             *(
                 probe_server(
                     session, r, timeout_s=timeout_s, busy=r.id in busy_ids, clock=clock,
-                    check_health=health_ids is None or r.id in health_ids,
+                    check_health=health_ids is None or r.id in health_ids or r.id in generate_ids,
+                    generate=r.id in generate_ids,
                 )
                 for r in records
             )
@@ -107,6 +136,7 @@ class ProbePlan:
     records: tuple[ServerRecord, ...] = ()
     busy_ids: frozenset[str] = frozenset()
     need_health: frozenset[str] = frozenset()
+    need_generate: frozenset[str] = frozenset()
     interval_s: float = 2.0
     timeout_s: float = 5.0
     health_every: int = 3
@@ -125,7 +155,12 @@ class ProberActor:
         self._namespace = namespace
         self._task: asyncio.Task[None] | None = None
         self._hurry: asyncio.Event | None = None
+        self._credential = ""  # handed over by the registry (adopt): its deliveries carry it
         self.cycles = 0
+
+    async def adopt(self, credential: str) -> None:
+        """The registry (started or restarted) gives the credential its probe deliveries must carry."""
+        self._credential = credential
 
     async def pid(self) -> int:
         import os
@@ -172,7 +207,7 @@ class ProberActor:
                     batch_started = time.perf_counter()
                     results += await probe_all(
                         session, batch, timeout_s=plan.timeout_s, busy_ids=plan.busy_ids,
-                        health_ids=None if full else plan.need_health,
+                        health_ids=None if full else plan.need_health, generate_ids=plan.need_generate,
                     )
                     busy_s += time.perf_counter() - batch_started
                     wait = started + (k + 1) * slot_s - time.perf_counter()
@@ -180,7 +215,8 @@ class ProberActor:
                         await asyncio.sleep(wait)
                 rows = [probe_to_row(r) for r in results]
                 try:  # one delivery per cycle: the registry applies it in slices
-                    await registry.deliver_probes.remote(rows, time.perf_counter() - started, busy_s)
+                    await registry.deliver_probes.remote(self._credential, rows, time.perf_counter() - started,
+                                                         busy_s)
                 except Exception:
                     log.warning("could not deliver probe results; the registry may be restarting")
                 self.cycles += 1

@@ -39,11 +39,19 @@ class Engine(StrEnum):
     OPENAI = "openai"
 
 
+ACCELERATOR_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,31}$")
+
+
 def normalize_accelerator(value: str) -> str:
-    """Map 'a100-80gb', 'A100' … to one canonical spelling so pools group and weigh them alike."""
+    """Map 'a100-80gb', 'A100' … to one canonical spelling so pools group and weigh them alike. Anything else
+    must look like an accelerator name (letters, digits, `._+-`, at most 32): it is shown in tables, logs and
+    metrics labels."""
     key = value.strip().lower()
     if not key:
         raise ValueError("accelerator must not be empty (use 'cpu' for CPU-only servers)")
+    if not ACCELERATOR_PATTERN.match(value.strip()):
+        raise ValueError(f"accelerator {value.strip()[:40]!r} is not a device name (letters, digits and ._+- only, "
+                         "at most 32 characters; e.g. A100, H100, cpu)")
     return _ACCELERATOR_ALIASES.get(key, value.strip().upper())
 
 

@@ -210,6 +210,14 @@ class RegistryState:
         """Servers whose last probe failed or that were never probed: check them fully every cycle."""
         return frozenset(sid for sid, s in self._servers.items() if not s.probes or not s.probes[-1].ok)
 
+    def ids_needing_generate(self) -> frozenset[str]:
+        """Servers a dispatcher reported failures of recently: their probes also ask for one generated token,
+        which tells an engine that answers /health but cannot generate (hung) from a healthy one."""
+        now = self._clock()
+        window = self._thresholds.passive_window_s
+        return frozenset(sid for sid, s in self._servers.items()
+                         if s.passive_failures and now - s.passive_failures[-1] <= window)
+
     def busy_ids(self) -> frozenset[str]:
         """Servers whose engine reported work at the last reading."""
         return frozenset(

@@ -16,8 +16,16 @@ from fedpool.clients.jobs import JobRequest, resolve_specs
 from fedpool.federation import Endpoint
 from fedpool.federation.errors import AttemptError, FailureKind
 from fedpool.federation.transport import parse_completion
-from fedpool.pipeline import ArtifactWriter, DataError, SpecError, load_samples, load_spec, spec_from_dict
-from fedpool.pipeline.errors import ArtifactError, PipelineError
+from fedpool.pipeline import (
+    ArtifactWriter,
+    DataError,
+    SpecError,
+    load_samples,
+    load_spec,
+    spec_from_dict,
+    unique_records,
+)
+from fedpool.pipeline.errors import ArtifactError, OwnershipError, PipelineError
 from fedpool.pipeline.media import encode_sample
 from fedpool.pipeline.schema import Record
 from fedpool.pipeline.spec import MediaSpec
@@ -85,6 +93,197 @@ def media_error(tmp: Path, name: str, content: bytes | None, kind: str = "image"
     with pytest.raises(DataError) as err:
         encode_sample([MediaSpec(field="f", type=kind)], {"f": name}, tmp, "s7")  # type: ignore[arg-type]
     return str(err.value)
+
+
+def _cli_fails(*args: str, code: int = 2) -> str:
+    done = cli(*args)
+    assert done.returncode == code, (args, done.returncode, done.stderr)
+    return done.stderr
+
+
+def _non_utf8_spec(tmp: Path) -> str:
+    (tmp / "s.yaml").write_bytes(b"name: t\xff\xfe\n")
+    return _raises(SpecError, lambda: load_spec(tmp / "s.yaml"))
+
+
+def _spec_is_a_directory(tmp: Path) -> str:
+    (tmp / "s.yaml").mkdir()
+    return _raises(SpecError, lambda: load_spec(tmp / "s.yaml"))
+
+
+def _non_utf8_config(tmp: Path) -> str:
+    (tmp / "c.toml").write_bytes(b"port = 1\xff\n")
+    return _raises(ConfigError, lambda: read_config_file(tmp / "c.toml"))
+
+
+def _config_is_a_directory(tmp: Path) -> str:
+    (tmp / "c.toml").mkdir()
+    return _raises(ConfigError, lambda: read_config_file(tmp / "c.toml"))
+
+
+def _non_utf8_csv(tmp: Path) -> str:
+    (tmp / "d.csv").write_bytes(b"id,q,answer\n1,x,y\n2,\xff\xfe,z\n")
+    (tmp / "s.yaml").write_text(SPEC.replace("d.jsonl", "d.csv"))
+    return _raises(DataError, lambda: load_samples(load_spec(tmp / "s.yaml")))
+
+
+def _run_args(tmp: Path, *extra: str, spec: str | None = None) -> list[str]:
+    spec_path = str(spec_with_rows(tmp, json.dumps(GOOD_ROW))) if spec is None else spec
+    return ["eval", "run", "--spec", spec_path, "--model", "m", "--out", str(tmp / "out"), *extra]
+
+
+def _same_spec_twice(tmp: Path) -> str:
+    args = _run_args(tmp)
+    return _cli_fails(*args, "--spec", args[3])
+
+
+def _spec_given_as_directory(tmp: Path) -> str:
+    return _cli_fails(*_run_args(tmp, spec=str(tmp)))
+
+
+def _reserved_benchmark_name(tmp: Path) -> str:
+    spec = spec_with_rows(tmp, json.dumps(GOOD_ROW), spec=SPEC.replace("name: t", "name: eval.json"))
+    message = _cli_fails(*_run_args(tmp, spec=str(spec)))
+    assert not (tmp / "out").exists()  # refused before anything was written
+    return message
+
+
+def _missing_data_leaves_nothing(tmp: Path) -> str:
+    (tmp / "s.yaml").write_text(SPEC)  # its d.jsonl does not exist
+    message = _cli_fails(*_run_args(tmp, spec=str(tmp / "s.yaml")))
+    assert not (tmp / "out").exists()  # no eval.json to block the next try
+    return message
+
+
+def _out_is_a_file(tmp: Path) -> str:
+    args = _run_args(tmp)
+    (tmp / "out").write_text("not a directory")
+    return _cli_fails(*args)
+
+
+def _resume_without_plan(tmp: Path) -> str:
+    (tmp / "run").mkdir()
+    return _cli_fails("eval", "resume", str(tmp / "run"))
+
+
+def _resume_damaged_plan(tmp: Path) -> str:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "eval.json").write_text('{"specs": [')
+    return _cli_fails("eval", "resume", str(tmp / "run"))
+
+
+def _writer_on(tmp: Path, lines: list[str]) -> str:
+    bench = tmp / "a"
+    ArtifactWriter(bench, {"fingerprint": "f"}).close()
+    (bench / "records.jsonl").write_text("".join(line + "\n" for line in lines))
+    return _raises(ArtifactError, lambda: ArtifactWriter(bench, {"fingerprint": "f"}))
+
+
+def _non_utf8_record_line(tmp: Path) -> str:
+    bench = tmp / "a"
+    ArtifactWriter(bench, {"fingerprint": "f"}).close()
+    (bench / "records.jsonl").write_bytes(_record_line("1").encode() + b"\n\xff\xfe{}\n")
+    return _raises(ArtifactError, lambda: ArtifactWriter(bench, {"fingerprint": "f"}))
+
+
+def _record_line(sample_id: str) -> str:
+    return Record(benchmark="t", sample_id=sample_id, messages=[], label=["y"]).model_dump_json()
+
+
+def _damaged_config_json(tmp: Path) -> str:
+    bench = tmp / "a"
+    ArtifactWriter(bench, {"fingerprint": "f"}).close()
+    (bench / "config.json").write_bytes(b"\x00\x01 not json")
+    return _raises(ArtifactError, lambda: ArtifactWriter(bench, {"fingerprint": "f"}))
+
+
+def _owned_elsewhere(tmp: Path) -> str:
+    holder = ArtifactWriter(tmp / "a", {"fingerprint": "f"})
+    try:
+        return _raises(OwnershipError, lambda: ArtifactWriter(tmp / "a", {"fingerprint": "f"}))
+    finally:
+        holder.close()
+
+
+def _rescore_garbage(tmp: Path) -> str:
+    spec = load_spec(spec_with_rows(tmp, json.dumps(GOOD_ROW)))
+    config = {"fingerprint": "f", "benchmark": spec.model_dump(mode="json"),
+              "dataset": {"path": str(spec.data_path()), "sha256": "x"}}
+    bench = tmp / "a"
+    ArtifactWriter(bench, config).close()
+    (bench / "records.jsonl").write_text(_record_line("1") + "\n{garbage\n")
+    return _cli_fails("eval", "rescore", str(bench), "--out", str(tmp / "re"))
+
+
+def _reported(tmp: Path, lines: list[str]) -> str:
+    path = tmp / "records.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    counted = unique_records(path, ["1", "2"])
+    return "; ".join([*(f"duplicate {w}" for w in counted.duplicates), *(f"foreign {w}" for w in counted.foreign)])
+
+
+def _job_spec_outside(tmp: Path, path: str) -> str:
+    return _raises(PipelineError, lambda: resolve_specs(JobRequest(model="m", spec_paths=[path]), roots=[tmp]))
+
+
+def _job_spec_dir(tmp: Path) -> str:
+    (tmp / "dir.yaml").mkdir()
+    return _raises(PipelineError, lambda: resolve_specs(JobRequest(model="m", spec_paths=[str(tmp / "dir.yaml")]),
+                                                        roots=[tmp]))
+
+
+def _job_spec_invalid(tmp: Path) -> str:
+    (tmp / "bad.yaml").write_text("secret_field_xyz: 1\n")
+    message = _raises(PipelineError, lambda: resolve_specs(JobRequest(model="m", spec_paths=[str(tmp / "bad.yaml")]),
+                                                           roots=[tmp]))
+    assert "secret_field_xyz" not in message  # a spec file's content is never echoed
+    return message
+
+
+def _job_data_outside(tmp: Path) -> str:
+    inline = {"name": "t", "data": {"path": "/etc/hostname"}, "prompt": {"template": "{q}"}}
+    return _raises(PipelineError, lambda: resolve_specs(JobRequest(model="m", specs=[inline]), roots=[tmp / "r"]))
+
+
+def _short_jobs_token(tmp: Path) -> str:
+    from fedpool.clients.jobs import ensure_jobs_token
+
+    return _raises(PipelineError, lambda: ensure_jobs_token(tmp, "five5"))
+
+
+def _short_registry_token(tmp: Path) -> str:
+    from fedpool.registry.auth import ensure_token
+    from fedpool.registry.errors import AuthError
+
+    return _raises(AuthError, lambda: ensure_token(tmp, "short-token"))
+
+
+def _api_keys(text: str) -> str:
+    from fedpool.federation.gateway import parse_api_keys
+
+    return _raises(ValueError, lambda: parse_api_keys(text))
+
+
+def _request_field(body: dict[str, object]) -> str:
+    from fedpool.federation import InferenceRequest
+
+    return _raises(ValueError, lambda: InferenceRequest.from_body({"prompt": "q", **body}, request_id="r", model="m",
+                                                                  endpoint=Endpoint.COMPLETIONS))
+
+
+def _upstream_reason() -> str:
+    from fedpool.federation.transport import http_error
+
+    raw = (b'{"error": {"code": 400, "message": "request (1502 tokens) exceeds the available context size (1024 '
+           b'tokens), try increasing it", "type": "exceed_context_size_error"}}')
+    err = http_error(400, raw)
+    assert err.kind is FailureKind.REQUEST_ERROR
+    return str(err)
+
+
+def _env_file(tmp: Path, text: str) -> str:
+    (tmp / "engine.env").write_text(text)
+    return _cli_fails("serve", "--engine", "emulated", "--model", "m", "--env-file", str(tmp / "engine.env"))
 
 
 # (surface, case, produce the error text, fragments the text must contain)
@@ -156,6 +355,67 @@ CASES: list[Case] = [
     ("media", "unreadable WAV", lambda t: media_error(t, "a.wav", b"RIFFnope", "audio"), ("a.wav", "WAV")),
     ("artifact", "resume with another configuration", lambda t: _resume_other_config(t), ("config.json",
                                                                                          "fingerprint")),
+    # Files that are not what they must be
+    ("benchmark spec", "not UTF-8", _non_utf8_spec, ("s.yaml", "not UTF-8")),
+    ("benchmark spec", "a directory", _spec_is_a_directory, ("s.yaml", "is a directory")),
+    ("config file", "not UTF-8", _non_utf8_config, ("c.toml", "not UTF-8")),
+    ("config file", "a directory", _config_is_a_directory, ("c.toml", "is a directory")),
+    ("dataset row", "CSV not UTF-8", _non_utf8_csv, ("d.csv:3", "not UTF-8")),
+    # The command line, checked before anything is written
+    ("CLI flag", "port out of range", lambda t: cli("gateway", "--port", "70000").stderr, ("--port", "1 to 65535")),
+    ("CLI flag", "port not a number", lambda t: cli("jobs", "serve", "--port", "http").stderr, ("--port", "'http'")),
+    ("CLI flag", "wait for servers negative", lambda t: cli(*_run_args(t, "--wait-for-servers", "-1")).stderr,
+     ("--wait-for-servers", "0 to 86400")),
+    ("CLI flag", "the same --spec twice", _same_spec_twice, ("s.yaml", "given twice")),
+    ("CLI flag", "a directory as --spec", _spec_given_as_directory, ("is a directory",)),
+    ("CLI flag", "a benchmark named eval.json", _reserved_benchmark_name, ("'eval.json'", "run directory")),
+    ("CLI flag", "missing data file: nothing written", _missing_data_leaves_nothing, ("d.jsonl", "does not exist")),
+    ("CLI flag", "--out is a file", _out_is_a_file, ("out", "not a directory")),
+    ("CLI flag", "resume a directory without a run", _resume_without_plan, ("run", "no eval.json")),
+    ("CLI flag", "resume a damaged eval.json", _resume_damaged_plan, ("eval.json", "damaged")),
+    ("CLI flag", "--env-file line without =", lambda t: _env_file(t, "HF_TOKEN\n"), ("engine.env:1", "KEY=VALUE")),
+    ("CLI flag", "--env naming an unset variable",
+     lambda t: _cli_fails("serve", "--engine", "emulated", "--model", "m", "--env", "FEDPOOL_SURELY_UNSET_X"),
+     ("--env FEDPOOL_SURELY_UNSET_X", "no such variable")),
+    # Artifacts on disk
+    ("artifact", "a garbage line in records.jsonl", lambda t: _writer_on(t, [_record_line("1"), "{garbage"]),
+     ("records.jsonl:2", "not JSON")),
+    ("artifact", "JSON that is not a record", lambda t: _writer_on(t, ['{"hello": 1}']),
+     ("records.jsonl:1", "not a record")),
+    ("artifact", "bytes that are not UTF-8", _non_utf8_record_line, ("records.jsonl:2", "not JSON")),
+    ("artifact", "a damaged config.json", _damaged_config_json, ("config.json", "not a fedpool configuration")),
+    ("artifact", "a directory another process writes", _owned_elsewhere, ("in use by pid",)),
+    ("artifact", "rescore over a garbage line", _rescore_garbage, ("records.jsonl:2", "not JSON")),
+    ("artifact", "a second record of a sample", lambda t: _reported(t, [_record_line("1"), _record_line("1")]),
+     ("duplicate", "records.jsonl:2")),
+    ("artifact", "a record not in the dataset", lambda t: _reported(t, [_record_line("1"), _record_line("zz")]),
+     ("foreign", "records.jsonl:2")),
+    # The jobs API's files
+    ("REST body", "spec path outside the roots", lambda t: _job_spec_outside(t, "/etc/shadow"),
+     ("spec_paths[0]", "outside the directories")),
+    ("REST body", "spec path escaping a root by ..", lambda t: _job_spec_outside(t, str(t / ".." / "x.yaml")),
+     ("spec_paths[0]", "outside")),
+    ("REST body", "spec path is a directory", _job_spec_dir, ("spec_paths[0]", "not a file")),
+    ("REST body", "spec file that is no spec (content not echoed)", _job_spec_invalid,
+     ("spec_paths[0]", "not a valid benchmark spec")),
+    ("REST body", "inline data path outside the roots", _job_data_outside, ("data.path", "outside")),
+    ("REST body", "job waiting a negative time", lambda t: validation(lambda: JobRequest(
+        model="m", wait_for_servers_s=-1)), ("wait_for_servers_s",)),
+    ("REST body", "max_tokens as text", lambda t: _request_field({"max_tokens": "8"}), ("'max_tokens'", "integer")),
+    ("REST body", "stop of numbers", lambda t: _request_field({"stop": [1, 2]}), ("'stop'",)),
+    ("REST body", "temperature a boolean", lambda t: _request_field({"temperature": True}), ("'temperature'",)),
+    # Credentials
+    ("credentials", "a 5-character jobs token", _short_jobs_token, ("at least 16", "has 5")),
+    ("credentials", "a short registry token", _short_registry_token, ("at least 16",)),
+    ("credentials", "two clients with one API secret",
+     lambda t: _api_keys("a:sk-0123456789abcdef\nb:sk-0123456789abcdef\n"), ("line 2", "same secret as line 1")),
+    ("credentials", "a short API secret", lambda t: _api_keys("a:sk-short\n"), ("line 1", "16")),
+    ("registration", "accelerator with shell syntax", lambda t: validation(lambda: ServerRecord(
+        id="a", url="http://x:1", engine="vllm", model="m", accelerator="A100; rm -rf /")), ("not a device name",)),
+    ("registration", "accelerator too long", lambda t: validation(lambda: ServerRecord(
+        id="a", url="http://x:1", engine="vllm", model="m", accelerator="X" * 40)), ("accelerator",)),
+    ("server response", "a 400's reason is kept", lambda t: _upstream_reason(),
+     ("request_error", "exceeds the available context size")),
 ]
 
 
@@ -170,8 +430,8 @@ def _resume_other_config(tmp: Path) -> str:
     return _raises(ArtifactError, lambda: ArtifactWriter(tmp / "a", {"fingerprint": "two"}))
 
 
-def test_the_catalogue_has_at_least_30_cases_over_every_surface() -> None:
-    assert len(CASES) >= 30
+def test_the_catalogue_has_at_least_60_cases_over_every_surface() -> None:
+    assert len(CASES) >= 60
     assert {c[0] for c in CASES} >= {"dataset row", "benchmark spec", "config file", "CLI flag", "registration",
                                      "REST body", "server response"}
 

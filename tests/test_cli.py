@@ -175,10 +175,11 @@ async def test_server_commands_against_a_live_registry(
     wrong = await cli("server", "add", *common, "--id", "gpu-b", "--url", other.url, "--engine", "vllm",
                       "--model", "other-model")
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
-    assert wrong.stderr.strip() == (
+    assert wrong.stderr.strip().splitlines()[-1] == (
         "fedpool: error: server 'gpu-b': check 'model' failed: server does not serve model 'other-model'; "
         "/v1/models lists ['served-model']"
     )
+    assert wrong.stderr.startswith(f"fedpool: Ray cluster {address} (found by --address)")  # which cluster
     anonymous = await cli("server", "drain", "--address", address, "--state-dir", str(tmp_path), "gpu-a")
     assert anonymous.returncode == 1 and "token" in anonymous.stderr
     drained = await cli("server", "drain", *common, "gpu-a", "--json")
@@ -311,3 +312,70 @@ async def test_eval_run_routes_by_plan_with_a_client_order(
         assert ids and len(ids) == len(set(ids)) and not any(r["provenance"]["error"] for r in rows)
         config = json.loads((out / name / "config.json").read_text())
         assert config["planned"] is True and config["client_order"] == "shortest_first"
+
+
+@pytest.mark.ray
+async def test_runs_are_owned_outages_heal_and_unknown_models_are_refused(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """Two `eval resume` at once on one run: one works, the other is refused naming it, no line is written twice.
+    A run whose records failed (every server answering 500) exits 4; once the servers are back, `eval resume`
+    runs the failed records again (kept aside in records.retried.jsonl). A model no registered server serves
+    is refused before anything is written."""
+    from fedpool.deploy.emulator import Faults
+    from fedpool.registry import ServerRecord
+
+    server = await emulators.start(model="emu-model", max_running=2, decode_s=0.05)  # ~0.4 s a request
+    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
+    address = ray.get_runtime_context().gcs_address
+    spec = ROOT / "pipeline" / "bundled" / "arith.yaml"
+
+    nobody = await asyncio.to_thread(run, "eval", "run", "--address", address, "--spec", str(spec), "--model",
+                                     "no-such-model", "--out", str(tmp_path / "nobody"))
+    assert nobody.returncode == 3 and "no registered server serves model 'no-such-model'" in nobody.stderr
+    assert "emu-model" in nobody.stderr and not (tmp_path / "nobody").exists()
+
+    out = tmp_path / "run"
+    proc = await asyncio.create_subprocess_exec(
+        *FEDPOOL, "eval", "run", "--address", address, "--spec", str(spec), "--model", "emu-model", "--out",
+        str(out), "--concurrency", "2", cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    records = out / "arith" / "records.jsonl"
+    for _ in range(600):
+        if await asyncio.to_thread(count_lines, records) >= 6:
+            break
+        await asyncio.sleep(0.05)
+    proc.kill()
+    await asyncio.wait_for(proc.wait(), 10)
+    first, second = await asyncio.gather(*(asyncio.to_thread(run, "eval", "resume", "--address", address, str(out),
+                                                             timeout=240) for _ in range(2)))
+    codes = sorted((first.returncode, second.returncode))
+    refused = first if first.returncode else second
+    assert codes == [0, 5] and "in use by pid" in refused.stderr, (first.stderr, second.stderr)
+    ids = [r["sample_id"] for r in read_jsonl(records)]
+    assert len(ids) == 60 and len(set(ids)) == 60
+
+    server.faults = Faults(error_rate=1.0)  # an outage: every request answered with HTTP 500
+    broken = tmp_path / "broken"
+    failed = await asyncio.to_thread(run, "eval", "run", "--address", address, "--spec", str(spec), "--model",
+                                     "emu-model", "--out", str(broken), "--limit", "4", "--concurrency", "4",
+                                     "--no-server-timeout", "2", timeout=240)
+    assert failed.returncode == 4 and "eval resume" in failed.stderr, failed.stderr
+    # Failed, each with its reason: HTTP 500s, or no routable server once the probes marked it down.
+    kinds = {r["provenance"]["error_kind"] for r in read_jsonl(broken / "arith" / "records.jsonl")}
+    assert kinds and kinds <= {"server_error", "no_server"}, kinds
+    server.faults = Faults()  # the servers are back
+    for _ in range(100):  # the probes see it answer again: routable
+        if (await registry.snapshot()).entries[0].status.routable:
+            break
+        await asyncio.sleep(0.1)
+    kept = await asyncio.to_thread(run, "eval", "resume", "--address", address, str(broken), "--keep-failed",
+                                   "--json", timeout=240)
+    assert kept.returncode == 4 and json.loads(kept.stdout)["benchmarks"]["arith"]["failed"] == 4
+    healed = await asyncio.to_thread(run, "eval", "resume", "--address", address, str(broken), "--json",
+                                     timeout=240)
+    assert healed.returncode == 0, healed.stderr
+    report = json.loads(healed.stdout)["benchmarks"]["arith"]
+    assert report["failed"] == 0 and report["records"] == 4 and report["retried_failed_records"] == 4
+    rows = read_jsonl(broken / "arith" / "records.jsonl")
+    assert len(rows) == 4 and not any(r["provenance"]["error"] for r in rows)
+    assert len(read_jsonl(broken / "arith" / "records.retried.jsonl")) == 4  # the failures are kept, aside

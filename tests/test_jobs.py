@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -28,17 +29,18 @@ BUNDLED = ROOT / "pipeline" / "bundled"
 JOBS_TOKEN = "jobs-test-token-0123456789abcdef"
 
 
-def start_server(tmp_path: Path, port: int) -> subprocess.Popen[str]:
+def server_argv(tmp_path: Path, port: int) -> list[str]:
     (tmp_path / "registry.token").write_text(TEST_TOKEN)
     (tmp_path / "jobs.token.given").write_text(JOBS_TOKEN)
+    return [sys.executable, "-m", "fedpool.cli", "jobs", "serve", "--address", ray.get_runtime_context().gcs_address,
+            "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), "--jobs-dir",
+            str(tmp_path / "jobs"), "--jobs-token-file", str(tmp_path / "jobs.token.given"), "--policy",
+            "least_inflight", "--root", str(BUNDLED)]
+
+
+def start_server(tmp_path: Path, port: int) -> subprocess.Popen[str]:
     log = (tmp_path / f"server-{time.monotonic_ns()}.log").open("w")
-    return subprocess.Popen(
-        [sys.executable, "-m", "fedpool.cli", "jobs", "serve", "--address", ray.get_runtime_context().gcs_address,
-         "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), "--jobs-dir",
-         str(tmp_path / "jobs"), "--jobs-token-file", str(tmp_path / "jobs.token.given"), "--policy",
-         "least_inflight"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-    )
+    return subprocess.Popen(server_argv(tmp_path, port), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def get_text(url: str) -> str:
@@ -82,6 +84,19 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
             await asyncio.to_thread(jobs.submit, "emu-model", specs=[{"name": "x", "data": {"path": "/nope.jsonl"},
                                                                        "prompt": {"template": "{q}"}}])
         assert bad.value.status == 400 and "/nope.jsonl" in bad.value.message
+        # A token holder cannot make the server read files outside its roots, nor learn their content.
+        with pytest.raises(JobsApiError) as outside:
+            await asyncio.to_thread(jobs.submit, "emu-model", spec_paths=["/etc/shadow"])
+        assert outside.value.status == 400 and "outside the directories" in outside.value.message
+        assert "root:" not in outside.value.message
+        # A model no registered server serves is refused at once, not run into a page of failures.
+        with pytest.raises(JobsApiError) as unknown:
+            await asyncio.to_thread(jobs.submit, "no-such-model", spec_paths=[BUNDLED / "arith.yaml"])
+        assert unknown.value.status == 400 and "no-such-model" in unknown.value.message
+        # A second jobs server on the same directory is refused, naming the one that holds it.
+        second = await asyncio.to_thread(subprocess.run, server_argv(tmp_path, free_port()), cwd=ROOT,
+                                         capture_output=True, text=True, timeout=120)
+        assert second.returncode == 5 and "in use by pid" in second.stderr, second.stderr
         with pytest.raises(JobsApiError) as bad_field:
             await asyncio.to_thread(jobs.submit, "emu-model", spec_paths=[BUNDLED / "arith.yaml"], concurrency=0)
         assert bad_field.value.status == 400 and "concurrency" in bad_field.value.message
@@ -149,6 +164,7 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
         state = json.loads(await asyncio.to_thread(get_text, url + "/pool.json"))
         assert [s["id"] for s in state["servers"]] == ["emu"]
         assert JOBS_TOKEN not in json.dumps(state) and TEST_TOKEN not in json.dumps(state)
+        assert all(j["error"] is None for j in state["jobs"])  # errors (paths) only for a caller with a key
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -159,6 +175,16 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
     logs = await asyncio.to_thread(lambda: "".join(p.read_text() for p in tmp_path.glob("server-*.log")))
     assert JOBS_TOKEN not in logs and TEST_TOKEN not in logs
     assert os.stat(tmp_path / "jobs" / "jobs.sqlite").st_size > 0
+    # Private: the database, job logs and artifacts 0600 in 0700 directories.
+    jobs_dir = tmp_path / "jobs"
+    assert stat.S_IMODE(os.stat(jobs_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(jobs_dir / "jobs.sqlite").st_mode) == 0o600
+    for job_id in ids:
+        assert stat.S_IMODE(os.stat(jobs_dir / job_id).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(jobs_dir / job_id / "job.log").st_mode) == 0o600
+        for records in (jobs_dir / job_id).rglob("records.jsonl"):
+            assert stat.S_IMODE(os.stat(records).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(records.parent).st_mode) == 0o700
 
 
 def test_a_cancel_and_a_start_racing_cannot_overwrite_each_other(tmp_path: Path) -> None:

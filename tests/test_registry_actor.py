@@ -285,3 +285,25 @@ async def test_starting_with_a_token_the_running_registry_does_not_have_is_refus
         await RegistryClient.start(tmp_path_factory.mktemp("given"), token="yet-another-token-abcdef")
     again = await RegistryClient.start(Path(running_dir), probe_interval_s=0.3)  # its own token: fine
     assert (await again.ping())["incarnation"] == (await registry.ping())["incarnation"]
+
+
+async def test_forged_probe_deliveries_are_refused(registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    """Any Ray driver can call the actor's methods; probe results count only with the prober's credential, so a
+    forged delivery can neither mark a server down nor change its capacity (in memory or in registry.json)."""
+    from fedpool.registry import AuthError
+    from fedpool.registry.snapshot import ProbeResult, probe_to_row
+
+    server = await emulators.start()
+    await registry.register(record(server))
+    forged = [probe_to_row(ProbeResult("emu-0", False, 0.1, time.time(), "forged: down")) for _ in range(5)]
+    for credential in ("", "guessed-credential-0123456789"):
+        with pytest.raises(AuthError, match="own prober"):
+            await _unwrapped_call(registry.handle.deliver_probes.remote(credential, forged))
+    entry = (await registry.snapshot()).get("emu-0")
+    assert entry is not None and entry.status.value == "healthy"
+
+
+async def _unwrapped_call(ref: object) -> object:
+    from fedpool.registry.client import _unwrapped
+
+    return await _unwrapped(ref)

@@ -51,8 +51,8 @@ def test_nothing_received_is_unpickled_evaluated_or_loaded_as_unsafe_yaml() -> N
 
 def test_tokens_are_compared_in_constant_time() -> None:
     compare_sites = {path for path, tree in sources().items() if "hmac.compare_digest" in calls(tree)}
-    # registry token, gateway keys, jobs token
-    assert {"registry/auth.py", "federation/gateway.py", "fedpool/jobs.py"} <= compare_sites
+    # registry token and the prober's credential; gateway keys and the jobs token (one bearer helper)
+    assert {"registry/auth.py", "registry/actor.py", "federation/httpauth.py"} <= compare_sites
     for path, tree in sources().items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Compare) and any(isinstance(op, ast.Eq | ast.NotEq) for op in node.ops):
@@ -81,3 +81,15 @@ def test_every_listener_binds_loopback_by_default() -> None:
 
     assert EmulatedServer(model="m")._host == "127.0.0.1"
     assert RegistryConfig(state_dir="/x", token_sha256="0" * 64).metrics_host == "127.0.0.1"
+
+
+def test_engine_children_never_see_fedpool_credentials_and_show_config_masks_env_secrets() -> None:
+    from fedpool.deploy.process import child_environment
+
+    from fedpool.config import mask
+
+    env = child_environment({"HF_TOKEN": "hf_secret_value"}, environ={
+        "PATH": "/bin", "FEDPOOL_REGISTRY_TOKEN": "reg-token-0123456789", "FEDPOOL_JOBS_TOKEN": "jobs-0123456789abc",
+        "RAY_AUTH_TOKEN": "ray-0123456789abcdef"})
+    assert env == {"PATH": "/bin", "HF_TOKEN": "hf_secret_value"}
+    assert mask("env", ["HF_TOKEN=hf_abc", "VLLM_CPU_KVCACHE_SPACE=1"]) == ["HF_TOKEN=***", "VLLM_CPU_KVCACHE_SPACE=1"]

@@ -17,7 +17,6 @@ kept, each sample ends in the artifact exactly once.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import secrets
@@ -28,7 +27,9 @@ from typing import Any
 from aiohttp import web
 from fedpool.clients.jobs.runner import JobRunner, resolve_specs
 from fedpool.clients.jobs.store import Job, JobList, JobRequest
+from fedpool.federation.httpauth import bearer, matches
 from fedpool.pipeline.errors import PipelineError
+from fedpool.pipeline.ownership import private_dir
 from fedpool.pipeline.yamlfile import field_problems
 from pydantic import BaseModel, ValidationError
 
@@ -37,18 +38,32 @@ TOKEN_ENV = "FEDPOOL_JOBS_TOKEN"
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
+MIN_TOKEN_CHARS = 16
+
+
 def ensure_jobs_token(root: Path, token: str | None = None) -> str:
-    """The token: given, from FEDPOOL_JOBS_TOKEN, saved in ROOT/jobs.token (0600), or a new one saved there."""
+    """The token: given, from FEDPOOL_JOBS_TOKEN, saved in ROOT/jobs.token (0600), or a new one saved there.
+    A token shorter than 16 characters is refused (it could be guessed)."""
     token = token or os.environ.get(TOKEN_ENV)
     path = root / TOKEN_FILE
     if token is None and path.exists():
-        return path.read_text(encoding="utf-8").strip()
+        token = path.read_text(encoding="utf-8").strip()
+        _check_length(token, str(path))
+        return token
+    if token is not None:
+        _check_length(token, "the jobs token given")
     token = token or secrets.token_urlsafe(32)
-    root.mkdir(parents=True, exist_ok=True)
+    private_dir(root)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         fh.write(token + "\n")
     return token
+
+
+def _check_length(token: str, where: str) -> None:
+    if len(token) < MIN_TOKEN_CHARS:
+        raise PipelineError(f"{where}: a jobs token needs at least {MIN_TOKEN_CHARS} characters, this one has "
+                            f"{len(token)}")
 
 
 class ErrorDetail(BaseModel):
@@ -123,9 +138,7 @@ class JobsApi:
         app.router.add_get("/jobs/{job_id}/logs", self._logs)
 
     def _authorized(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        given = header.removeprefix("Bearer ").encode() if header.startswith("Bearer ") else b""
-        return hmac.compare_digest(given, self._token)
+        return matches(bearer(request), self._token)
 
     def _deny(self, request: web.Request) -> web.Response | None:
         if not self._authorized(request):
@@ -149,7 +162,8 @@ class JobsApi:
         except ValidationError as exc:
             return _error(400, field_problems(exc))
         try:
-            await asyncio.to_thread(resolve_specs, job_request)
+            await asyncio.to_thread(resolve_specs, job_request, self._runner.roots)
+            await self._runner.require_servers(job_request)
         except PipelineError as exc:
             return _error(400, str(exc))
         store = self._runner.store

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -121,3 +122,14 @@ class AsyncJobsClient:
 
     async def logs(self, job_id: str) -> str:
         return await self._call("GET", f"/jobs/{job_id}/logs")
+
+    async def wait(self, job_id: str, *, timeout_s: float = 3600.0, poll_s: float = 1.0) -> dict[str, Any]:
+        """The job once it is done, failed or cancelled (TimeoutError after `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = await self.get(job_id)
+            if job["state"] in TERMINAL:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job['state']} after {timeout_s:g}s")
+            await asyncio.sleep(poll_s)

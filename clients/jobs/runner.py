@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,23 +16,35 @@ from fedpool.clients.jobs.store import FINAL_STATES, JobRequest, JobStore
 from fedpool.clients.runner import run_evals
 from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec, load_samples, load_spec, spec_from_dict
-from fedpool.pipeline.errors import PipelineError
+from fedpool.pipeline.errors import PipelineError, SpecError
+from fedpool.pipeline.ownership import DirectoryLock
 from pydantic import ValidationError
 
 log = logging.getLogger("fedpool.jobs")
 
 
-def resolve_specs(request: JobRequest) -> list[BenchmarkSpec]:
-    """The job's specs, checked now (each spec and its dataset), so a bad job is refused at submission
-    with the culprit named instead of failing later."""
+def resolve_specs(request: JobRequest, roots: Sequence[Path] = ()) -> list[BenchmarkSpec]:
+    """The job's specs, checked now (each spec and its dataset), so a bad job is refused at submission with the
+    culprit named instead of failing later. Spec files and datasets are read only under `roots` (the jobs
+    server's configured directories): a path outside them is refused without being opened, and errors about a
+    spec file never quote its content."""
     if not request.specs and not request.spec_paths:
         raise PipelineError("a job needs `specs` (inline) or `spec_paths`")
     specs = [spec_from_dict(raw, source=f"specs[{i}]") for i, raw in enumerate(request.specs)]
-    specs += [load_spec(Path(p)) for p in request.spec_paths]
+    for i, given in enumerate(request.spec_paths):
+        path = _under_roots(Path(given), roots, f"spec_paths[{i}]")
+        if not path.is_file():
+            raise PipelineError(f"spec_paths[{i}]: {given} is not a file")
+        try:
+            specs.append(load_spec(path))
+        except SpecError:
+            raise PipelineError(f"spec_paths[{i}]: {given} is not a valid benchmark spec (check it on the jobs "
+                                f"server's machine with `fedpool eval run --spec {given}`)") from None
     for spec in specs:
         if not spec.data_path().is_absolute():
             raise PipelineError(f"benchmark {spec.name!r}: data.path {spec.data.path!r} must be absolute in an "
                                 "inline spec (the jobs server has no spec file to resolve it against)")
+        _under_roots(spec.data_path(), roots, f"benchmark {spec.name!r}: data.path")
     if request.limit is not None:
         specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": request.limit})}) for s in specs]
     names = [s.name for s in specs]
@@ -43,12 +55,26 @@ def resolve_specs(request: JobRequest) -> list[BenchmarkSpec]:
     return specs
 
 
+def _under_roots(path: Path, roots: Sequence[Path], what: str) -> Path:
+    """`path` with symlinks resolved, if it lies under one of `roots`; else a PipelineError (nothing opened)."""
+    resolved = path.expanduser().resolve()
+    for root in roots:
+        if resolved.is_relative_to(root.expanduser().resolve()):
+            return resolved
+    allowed = ", ".join(str(r) for r in roots) or "none configured"
+    raise PipelineError(f"{what}: {path} is outside the directories this jobs server reads ({allowed}; "
+                        "`fedpool jobs serve --root DIR` adds one)")
+
+
 class JobRunner:
     """Runs queued jobs, up to `max_running` at once, all through one dispatcher."""
 
     def __init__(self, store: JobStore, dispatcher: Dispatcher, *, max_running: int = 4,
-                 verifier_factory: Callable[[], Any] | None = None, clock: Callable[[], float] = time.time):
+                 verifier_factory: Callable[[], Any] | None = None, clock: Callable[[], float] = time.time,
+                 roots: Sequence[Path] = ()):
         self.store = store
+        self.roots = tuple(roots)
+        self._lock = DirectoryLock(store.root, "fedpool jobs serve")
         self._dispatcher = dispatcher
         self._max = max_running
         self._verifier_factory = verifier_factory
@@ -60,6 +86,9 @@ class JobRunner:
         self.live: dict[str, dict[str, Any]] = {}  # job id -> benchmark -> progress (not yet persisted)
 
     async def start(self) -> None:
+        """Take the jobs directory (a second jobs server on it is refused: OwnershipError naming this one),
+        then queue again the jobs a stopped server left running."""
+        await asyncio.to_thread(self._lock.acquire)
         resumed = await asyncio.to_thread(self.store.requeue_interrupted)
         for job_id in resumed:
             await asyncio.to_thread(self.store.log, job_id, "server restarted: queued again, resumes from its artifact")
@@ -78,6 +107,7 @@ class JobRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._verifier is not None:
             self._verifier.shutdown()
+        self._lock.release()
 
     def poke(self) -> None:
         self._wake.set()
@@ -119,7 +149,8 @@ class JobRunner:
                                            error=None):
                 return  # cancelled between the read and the start
             await asyncio.to_thread(store.log, job_id, f"running (start {job.starts + 1}) on model {request.model}")
-            specs = await asyncio.to_thread(resolve_specs, request)
+            specs = await asyncio.to_thread(resolve_specs, request, self.roots)
+            await self.require_servers(request)
             verifier = None
             if any(s.verifier for s in specs):
                 if self._verifier is None:
@@ -135,7 +166,8 @@ class JobRunner:
                     specs, self._dispatcher, Path(job.artifact_dir), EvalTarget(model=request.model,
                                                                             revision=request.revision),
                     concurrency=request.concurrency, run_info={"job_id": job_id},
-                    on_progress=lambda p: self._progress(job_id, p), verifier=verifier)
+                    on_progress=lambda p: self._progress(job_id, p), verifier=verifier,
+                    retry_failed=job.starts > 0)  # a restarted job runs its failed records again
             finally:
                 saver.cancel()
             scores = {s.benchmark: {"scores": s.summary["scores"], "records": s.summary["records"],
@@ -167,6 +199,22 @@ class JobRunner:
             self._tasks.pop(job_id, None)
             self.live.pop(job_id, None)
             self.poke()
+
+    async def require_servers(self, request: JobRequest) -> None:
+        """PipelineError unless a registered server serves the job's model, after waiting up to
+        `wait_for_servers_s` for one: a model nobody serves is refused, not run into a page of failures."""
+        deadline = time.monotonic() + request.wait_for_servers_s
+        while True:
+            registered = self._dispatcher.registered_models()
+            if request.model in registered and (request.revision is None
+                                                or request.revision in registered[request.model]):
+                return
+            if time.monotonic() >= deadline:
+                served = sorted(registered)
+                rev = f" revision {request.revision!r}" if request.revision else ""
+                raise PipelineError(f"no registered server serves model {request.model!r}{rev} (the pool serves: "
+                                    f"{', '.join(served) or 'nothing'}); set wait_for_servers_s to wait for one")
+            await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
 
     def _progress(self, job_id: str, p: EvalProgress) -> None:
         self.live.setdefault(job_id, {})[p.benchmark] = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import time
 import uuid
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from fedpool.pipeline.ownership import private_dir
 from pydantic import BaseModel, ConfigDict, Field
 
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
@@ -30,6 +32,9 @@ class JobRequest(BaseModel):
     concurrency: int = Field(default=64, ge=1, le=4096)
     limit: int | None = Field(default=None, ge=1)
     name: str | None = Field(default=None, max_length=200)
+    wait_for_servers_s: float = Field(default=0.0, ge=0, le=86400, description=(
+        "when no registered server serves the model, wait this long for one (at submission and at start) "
+        "instead of refusing the job"))
 
 
 class Job(BaseModel):
@@ -66,9 +71,10 @@ class JobStore:
     through asyncio.to_thread from async code."""
 
     def __init__(self, root: Path):
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(root)
         self.path = root / "jobs.sqlite"
+        if not self.path.exists():  # created 0600 before SQLite opens it (its -wal and -shm files follow its mode)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
         with self._db() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("""CREATE TABLE IF NOT EXISTS jobs (
@@ -90,7 +96,7 @@ class JobStore:
 
     def create(self, request: JobRequest, now: float) -> Job:
         job_id = uuid.uuid4().hex[:12]
-        out = self.job_dir(job_id) / "run"
+        out = private_dir(self.job_dir(job_id)) / "run"
         with self._db() as db:
             db.execute("INSERT INTO jobs (id, state, request, created_at, out_dir) VALUES (?, 'queued', ?, ?, ?)",
                        (job_id, request.model_dump_json(), now, str(out)))
@@ -134,9 +140,8 @@ class JobStore:
             return [r[0] for r in db.execute("SELECT id FROM jobs WHERE state = 'queued' ORDER BY created_at")]
 
     def log(self, job_id: str, line: str) -> None:
-        path = self.job_dir(job_id) / "job.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as fh:
+        path = private_dir(self.job_dir(job_id)) / "job.log"
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8") as fh:
             fh.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n")
 
     def read_log(self, job_id: str) -> str:

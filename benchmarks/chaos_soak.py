@@ -1,0 +1,377 @@
+"""The chaos soak: many evaluations through a real local pool for a long time while a seeded fault injector
+fires a random fault from the catalogue every few seconds; then the history is checked.
+
+    python -m fedpool.benchmarks.chaos_soak [--minutes 10] [--seed 7] [--servers 4] [--samples 500]
+
+The pool: local Ray, the registry actor, emulated vLLM servers each in its own process (so kill -9 and
+SIGSTOP are real). The clients: real `fedpool eval run` processes, a few at a time, each on a run directory
+of three synthetic benchmarks; a run that is killed, or that ends with failed records, is resumed with
+`fedpool eval resume` until it is complete. Faults (seeded, one every 3-8 s):
+
+- a server killed -9, started again on its port 2-5 s later;
+- a server frozen (SIGSTOP) for 3-8 s: it accepts connections and answers nothing, /health included;
+- a server slowed for 10-20 s (frozen 80% of each 0.5 s: a fifth of its speed);
+- the registry actor killed (Ray restarts it from its state file);
+- a client process killed -9 (the driver resumes its run);
+- a second `eval resume` started on a run that is being written (it must be refused, exit 5).
+
+The history check, per benchmark of every run: lines in records.jsonl, unique sample ids, the dataset's
+ids; lost = dataset ids with no record, duplicated = lines beyond one per id; every score of summary.json
+computed over exactly the dataset's samples (n). Leaked: processes the soak started that are still alive
+after it stopped everything, and tasks of the driver's event loop still pending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import ray
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.deploy.localpool import init_local_ray
+from fedpool.deploy.process import EngineProcess, free_port
+from fedpool.registry import RegistryClient, ServerRecord
+
+log = logging.getLogger("fedpool.chaos_soak")
+MODEL = "soak-model"
+PROFILE = ('{"name": "soak", "max_running": 8, "decode_s_per_token": 0.01, "batch_slowdown": 0.0, '
+           '"default_output_tokens": 8}')
+SPEC = """name: {name}
+data: {{path: {data}}}
+prompt: {{template: "Question {{q}} ->"}}
+generation: {{max_tokens: 6}}
+metrics: [exact_match]
+"""
+
+
+@dataclass
+class Server:
+    server_id: str
+    url: str
+    proc: EngineProcess
+    frozen: bool = False
+
+
+@dataclass
+class Run:
+    """One run directory and the client process working on it (None between processes)."""
+
+    out: Path
+    specs: list[Path]
+    proc: asyncio.subprocess.Process | None = None
+    starts: int = 0
+    killed: int = 0
+    exit_codes: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class Soak:
+    work: Path
+    registry: RegistryClient
+    servers: list[Server]
+    rng: random.Random
+    runs: list[Run] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+    fault_log: list[tuple[float, str, str]] = field(default_factory=list)
+    started_pids: set[int] = field(default_factory=set)
+    refused_races: int = 0
+    race_problems: list[str] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+    pending: set[asyncio.Task[None]] = field(default_factory=set)  # faults being undone (thaw, restart)
+
+    # ---- clients ----------------------------------------------------------------------------------------
+    async def fedpool(self, *args: str) -> asyncio.subprocess.Process:
+        address = ray.get_runtime_context().gcs_address
+        log_file = (self.work / "logs" / f"client-{time.monotonic_ns()}.log").open("wb")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fedpool.cli", *args[:2], "--address", address, "--state-dir",
+            str(self.work / "registry"), "--quiet", *args[2:], stdout=log_file, stderr=asyncio.subprocess.STDOUT)
+        self.started_pids.add(proc.pid)
+        return proc
+
+    async def drive(self, run: Run) -> None:
+        """Run, then resume after every kill or incomplete end, until the run exits 0."""
+        while not run.done:
+            if run.starts == 0:
+                args = ["eval", "run", *(a for s in run.specs for a in ("--spec", str(s))), "--model", MODEL,
+                        "--out", str(run.out), "--concurrency", "16", "--no-server-timeout", "120"]
+            else:
+                args = ["eval", "resume", str(run.out), "--no-server-timeout", "120"]
+            run.proc = await self.fedpool(*args)
+            run.starts += 1
+            code = await run.proc.wait()
+            run.proc = None
+            run.exit_codes.append(code)
+            if code == 0 and run.starts > 0:
+                run.done = True
+            elif code not in (0, 4, -signal.SIGKILL, 5):
+                log.warning("%s: client exited %s; resuming", run.out.name, code)
+                await asyncio.sleep(1.0)
+
+    # ---- faults -----------------------------------------------------------------------------------------
+    async def inject(self, until: float) -> None:
+        while time.monotonic() < until and not all(r.done for r in self.runs):
+            await asyncio.sleep(self.rng.uniform(3.0, 8.0))
+            fault = self.rng.choice(("kill_server", "freeze_server", "slow_server", "kill_registry",
+                                     "kill_client", "race_resume"))
+            target = await getattr(self, fault)()
+            if target is not None:
+                self.faults[fault] += 1
+                self.fault_log.append((time.monotonic() - self.t0, fault, target))
+                log.info("%.0f s: %s %s", time.monotonic() - self.t0, fault, target)
+
+    def _live_server(self) -> Server | None:
+        candidates = [s for s in self.servers if not s.frozen and s.proc.returncode is None]
+        return self.rng.choice(candidates) if len(candidates) > 1 else None  # never the last one standing
+
+    async def kill_server(self) -> str | None:
+        server = self._live_server()
+        if server is None:
+            return None
+        server.proc.kill()
+        server.frozen = True  # out of the choice until it is back
+
+        async def restart() -> None:
+            await asyncio.sleep(self.rng.uniform(2.0, 5.0))
+            await server.proc.wait()
+            await server.proc.start()
+            assert server.proc.pid is not None
+            self.started_pids.add(server.proc.pid)
+            server.frozen = False
+
+        self._background(restart())
+        return server.server_id
+
+    async def freeze_server(self) -> str | None:
+        server = self._live_server()
+        if server is None or server.proc.pid is None:
+            return None
+        server.frozen = True
+        os.kill(server.proc.pid, signal.SIGSTOP)
+
+        async def thaw(pid: int) -> None:
+            await asyncio.sleep(self.rng.uniform(3.0, 8.0))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            server.frozen = False
+
+        self._background(thaw(server.proc.pid))
+        return server.server_id
+
+    async def slow_server(self) -> str | None:
+        server = self._live_server()
+        if server is None or server.proc.pid is None:
+            return None
+        server.frozen = True
+        pid = server.proc.pid
+
+        async def throttle() -> None:
+            until = time.monotonic() + self.rng.uniform(10.0, 20.0)
+            try:
+                while time.monotonic() < until:
+                    os.kill(pid, signal.SIGSTOP)
+                    await asyncio.sleep(0.4)
+                    os.kill(pid, signal.SIGCONT)
+                    await asyncio.sleep(0.1)
+            except ProcessLookupError:
+                pass
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                server.frozen = False
+
+        self._background(throttle())
+        return server.server_id
+
+    async def kill_registry(self) -> str | None:
+        await asyncio.to_thread(ray.kill, self.registry.handle, no_restart=False)
+        return "registry actor"
+
+    async def kill_client(self) -> str | None:
+        running = [r for r in self.runs if r.proc is not None and r.proc.returncode is None]
+        if not running:
+            return None
+        run = self.rng.choice(running)
+        assert run.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            run.proc.kill()
+        run.killed += 1
+        return run.out.name
+
+    async def race_resume(self) -> str | None:
+        running = [r for r in self.runs if r.proc is not None and r.proc.returncode is None and r.starts > 0]
+        if not running:
+            return None
+        run = self.rng.choice(running)
+        racer = await self.fedpool("eval", "resume", str(run.out))
+
+        async def judge() -> None:
+            code = await racer.wait()
+            if code == 5:
+                self.refused_races += 1
+            elif code not in (0, 4):  # 0/4: the other had just ended, this one found little or nothing to do
+                self.race_problems.append(f"{run.out.name}: racing resume exited {code}")
+
+        self._background(judge())
+        return run.out.name
+
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+
+async def _limited(limit: asyncio.Semaphore, work: Coroutine[object, object, None]) -> None:
+    async with limit:
+        await work
+
+
+def make_datasets(work: Path, runs: int, samples: int, round_no: int) -> list[Run]:
+    out = []
+    for r in range(runs):
+        specs = []
+        for b in range(3):
+            name = f"r{round_no}b{r}x{b}"
+            data = work / "data" / f"{name}.jsonl"
+            data.parent.mkdir(parents=True, exist_ok=True)
+            data.write_text("".join(json.dumps({"id": f"{name}-{i}", "q": f"{name} {i}", "answer": "x"}) + "\n"
+                                    for i in range(samples)))
+            spec = work / "specs" / f"{name}.yaml"
+            spec.parent.mkdir(parents=True, exist_ok=True)
+            spec.write_text(SPEC.format(name=name, data=data))
+            specs.append(spec)
+        out.append(Run(work / "runs" / f"round{round_no}-run{r}", specs))
+    return out
+
+
+def check_history(runs: list[Run], samples: int) -> dict[str, int]:
+    """Lost, duplicated and mis-scored records over every benchmark of every run."""
+    expected = lost = duplicated = misscored = failed = lines = 0
+    for run in runs:
+        for spec in run.specs:
+            name = spec.stem
+            bench = run.out / name
+            rows = [json.loads(x) for x in (bench / "records.jsonl").read_text().splitlines() if x.strip()] \
+                if (bench / "records.jsonl").exists() else []
+            ids = Counter(r["sample_id"] for r in rows)
+            want = {f"{name}-{i}" for i in range(samples)}
+            expected += samples
+            lines += len(rows)
+            lost += len(want - set(ids))
+            duplicated += sum(n - 1 for n in ids.values()) + len(set(ids) - want)
+            failed += sum(1 for r in rows if r["provenance"].get("error"))
+            summary = json.loads((bench / "summary.json").read_text()) if (bench / "summary.json").exists() else {}
+            if summary.get("records") != samples or any(s["n"] != samples for s in summary.get("scores", [])):
+                misscored += 1
+    return {"expected": expected, "lines": lines, "lost": lost, "duplicated": duplicated, "misscored": misscored,
+            "failed": failed}
+
+
+async def soak(args: argparse.Namespace, work: Path) -> tuple[Soak, dict[str, int], int, float]:
+    registry = await RegistryClient.start(work / "registry", probe_interval_s=0.5, probe_timeout_s=1.0,
+                                          check_timeout_s=5.0, lease_grace_s=5.0)
+    servers: list[Server] = []
+    state = Soak(work, registry, servers, random.Random(args.seed))
+    try:
+        for i in range(args.servers):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = EngineProcess(f"soak-{i}", [sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL,
+                                               "--port", str(port), "--profile-json", PROFILE,
+                                               "--seed", str(args.seed + i)], work / "logs" / f"soak-{i}.log")
+            await proc.start()
+            assert proc.pid is not None
+            state.started_pids.add(proc.pid)
+            await proc.wait_healthy(url + "/health", deadline_s=60)
+            await registry.register(ServerRecord(id=f"soak-{i}", url=url, engine="vllm", model=MODEL,
+                                                 accelerator="A100", capacity=8))
+            servers.append(Server(f"soak-{i}", url, proc))
+        deadline = state.t0 + args.minutes * 60
+        round_no = 0
+        while time.monotonic() < deadline:
+            runs = make_datasets(work, args.runs, args.samples, round_no)
+            state.runs += runs
+            limit = asyncio.Semaphore(args.parallel)
+            drivers = [asyncio.create_task(_limited(limit, state.drive(r))) for r in runs]
+            injector = asyncio.create_task(state.inject(deadline + 3600))
+            await asyncio.gather(*drivers)
+            injector.cancel()
+            await asyncio.gather(injector, return_exceptions=True)
+            round_no += 1
+            print(f"[soak] round {round_no} done at {(time.monotonic() - state.t0) / 60:.1f} min: "
+                  f"{sum(len(r.specs) for r in state.runs) * args.samples} records so far, "
+                  f"{sum(state.faults.values())} faults", flush=True)
+        minutes = (time.monotonic() - state.t0) / 60
+        for task in list(state.pending):  # thaw / restart whatever is still in a fault
+            await task
+        history = check_history(state.runs, args.samples)
+    finally:
+        for server in servers:
+            if server.proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.proc.pid, signal.SIGCONT)
+            await server.proc.stop()
+        await registry.terminate()
+    leaked_procs = [p for p in state.started_pids if psutil.pid_exists(p)
+                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    current = asyncio.current_task()
+    leaked_tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    return state, history, len(leaked_procs) + len(leaked_tasks), minutes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="keep starting rounds of runs until this long")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--servers", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=4, help="run directories per round (3 benchmarks each)")
+    parser.add_argument("--samples", type=int, default=300, help="samples per benchmark")
+    parser.add_argument("--parallel", type=int, default=2, help="client processes at once")
+    parser.add_argument("--name", default="chaos_soak")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
+    work = Path(tempfile.mkdtemp(prefix="fedpool-soak-"))
+    state, history, leaked, minutes = asyncio.run(soak(args, work))
+    ray.shutdown()
+    records = history["expected"]
+    kinds = sorted(state.faults.items())
+    starts = [r.starts for r in state.runs]
+    body = (
+        f"{args.servers} emulated vLLM servers (own processes, 10 ms a token, 8 slots each) behind the registry "
+        f"on local Ray; {len(state.runs)} run directories of 3 synthetic benchmarks × {args.samples} samples, "
+        f"run by real `fedpool eval run` / `eval resume` processes, {args.parallel} at a time, for "
+        f"{minutes:.1f} minutes; seed {args.seed}. A fault every 3–8 s from the catalogue (module docstring).\n\n"
+        "## Faults fired\n\n" + markdown_table(("fault", "times"), kinds) + "\n\n"
+        f"Racing resumes refused (exit 5): {state.refused_races}"
+        + (f"; problems: {state.race_problems}" if state.race_problems else "") + ". "
+        f"Client processes per run: {min(starts)}–{max(starts)} (a run killed or left incomplete is resumed).\n\n"
+        "## History check\n\n"
+        + markdown_table(("records expected", "lines written", "lost", "duplicated", "benchmarks mis-scored",
+                          "failed records left", "leaked processes + tasks"),
+                         [(records, history["lines"], history["lost"], history["duplicated"], history["misscored"],
+                           history["failed"], leaked)])
+        + "\n\nFirst faults: " + "; ".join(f"{t:.0f} s {f} {x}" for t, f, x in state.fault_log[:12])
+    )
+    write_report(args.name, "Chaos soak: every record exactly once through hours of faults (here: minutes)", body,
+                 {"records": records, "minutes": f"{minutes:.1f}", "faults": sum(state.faults.values()),
+                  "lost": history["lost"], "duplicated": history["duplicated"], "leaked": leaked})
+
+
+if __name__ == "__main__":
+    main()
