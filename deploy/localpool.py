@@ -1,4 +1,5 @@
-"""The embedded default: local Ray, a registry actor and real llama.cpp servers on this machine."""
+"""The embedded default: local Ray, a registry actor and real engines on this machine (llama.cpp's server with the
+bundled Gemma, vLLM's CPU build, or the emulator), started, registered with leases, and stopped together."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 from fedpool.deploy import (
     GEMMA_ALIAS,
+    EngineProcess,
     LeaseSettings,
     LlamaServerConfig,
     ServerLauncher,
@@ -37,6 +39,25 @@ def init_local_ray(num_cpus: int | None = None) -> None:
             raise
         log.info("joining the Ray cluster already running on this machine")
         ray.init(address="auto", **common)
+
+
+def init_loopback_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+    """Join the Ray cluster at `address`, or start one on this machine bound to 127.0.0.1 only; says which.
+
+    Ray (2.60) resolves a local node's address to the machine's own outside address even when told
+    127.0.0.1; a pool meant for this machine's tools must not be reachable from the network, so the local
+    cluster is started with Ray's single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which keeps every
+    Ray process on the loopback address), set for this process and every Ray process it starts."""
+    common: dict[str, object] = {"namespace": "fedpool", "logging_level": logging.WARNING, "log_to_driver": False}
+    if address:
+        ray.init(address=address, **common)
+        return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} (--address {address})"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray picks the node's address, after import
+    ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **common)
+    return f"started a local Ray cluster at {ray.get_runtime_context().gcs_address} (loopback only; it stops with this)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +95,81 @@ async def local_llama_servers(
         yield launchers
     finally:
         await asyncio.gather(*(launcher.stop() for launcher in launchers), return_exceptions=True)
+
+
+LOCAL_ENGINES = ("llamacpp", "vllm", "emulated")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPoolSpec:
+    """N local servers of one engine: llama.cpp (the bundled Gemma 3 270M, or a GGUF given), vLLM's CPU build
+    (the tiny model of deploy/tiny_hf_model.py), or the emulator with a profile."""
+
+    engine: str = "llamacpp"
+    count: int = 2
+    slots: int = 4
+    threads: int = 1
+    model_path: Path | None = None
+    profile: str = "tiny"  # emulated
+    model: str | None = None  # served model name (default: the engine's bundled model)
+
+    def served_model(self) -> str:
+        if self.model:
+            return self.model
+        from fedpool.deploy.vllm_cpu import TINY_MODEL_NAME
+
+        return {"llamacpp": GEMMA_ALIAS, "vllm": TINY_MODEL_NAME, "emulated": "emu-model"}[self.engine]
+
+
+@contextlib.asynccontextmanager
+async def local_servers(registry: RegistryClient, spec: LocalPoolSpec, log_dir: Path,
+                        on_progress: Callable[[str], None] = lambda line: None) -> AsyncIterator[list[ServerLauncher]]:
+    """Start the servers (in parallel), each registered with a lease; all stopped (and deregistered) on exit.
+    Their processes die with this one however it ends (PR_SET_PDEATHSIG)."""
+    if spec.engine not in LOCAL_ENGINES:
+        raise ValueError(f"unknown local engine {spec.engine!r}; use {', '.join(LOCAL_ENGINES)}")
+    if spec.engine == "llamacpp":
+        async with local_llama_servers(registry, LocalServerSpec(
+                count=spec.count, slots=spec.slots, threads=spec.threads, model_path=spec.model_path,
+                alias=spec.served_model()), log_dir) as launchers:
+            yield launchers
+        return
+    launchers = [await _launcher(registry, spec, i, log_dir, on_progress) for i in range(spec.count)]
+    try:
+        await asyncio.gather(*(launcher.start() for launcher in launchers))
+        yield launchers
+    finally:
+        await asyncio.gather(*(launcher.stop() for launcher in launchers), return_exceptions=True)
+
+
+async def _launcher(registry: RegistryClient, spec: LocalPoolSpec, index: int, log_dir: Path,
+                    on_progress: Callable[[str], None]) -> ServerLauncher:
+    from fedpool.deploy.engines import EngineSpec, engine_argv, registry_engine
+
+    port = free_port()
+    model = spec.served_model()
+    env: dict[str, str] = {}
+    if spec.engine == "vllm":
+        from fedpool.deploy.vllm_cpu import ensure_tiny_model, ensure_vllm_python, vllm_cpu_args, vllm_cpu_env
+
+        on_progress("vLLM's CPU build: checking its venv (installed on first use, ~5 min)")
+        python = await asyncio.to_thread(ensure_vllm_python)
+        weights = spec.model_path or await asyncio.to_thread(ensure_tiny_model, python)
+        argv = engine_argv(EngineSpec(engine="vllm", model=model, port=port, model_path=str(weights),
+                                      capacity=spec.slots, python=str(python), extra_args=vllm_cpu_args()))
+        env = vllm_cpu_env()
+        engine = "vllm"
+        capacity = spec.slots
+    else:
+        from fedpool.deploy.emulator import PROFILES
+
+        argv = engine_argv(EngineSpec(engine="emulated", model=model, port=port, profile=spec.profile))
+        engine = registry_engine("emulated", spec.profile)
+        capacity = PROFILES[spec.profile].max_running
+    record = ServerRecord(id=f"{spec.engine}-{index}", url=f"http://127.0.0.1:{port}", engine=engine, model=model,
+                          revision=f"local-{spec.engine}", accelerator="cpu", gpu_count=0,
+                          capacity=capacity,
+                          labels={"host": "localhost", "launched_by": "fedpool-up"})
+    process = EngineProcess(record.id, argv, log_dir / f"{record.id}.log", env=env)
+    return ServerLauncher(process, record, registry, lease=LeaseSettings(ttl_s=30, heartbeat_s=5),
+                          start_deadline_s=900 if spec.engine == "vllm" else 120)

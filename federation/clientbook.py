@@ -3,8 +3,11 @@ left, the shape it announced, whether it has sent everything, how many of its re
 clients are served in when the pool is full (`DispatchConfig.client_order`).
 
 `fair`: the client with the fewest requests in flight per unit of weight first. `shortest_first`: the
-client with the least work left (as it reports it), fair among equals. `longest_answers_first`: the client
-asking for the longest answers (max_tokens) first, fair among equals. In-flight counts are the ledger's.
+client with the least work left, as it reports it (fedpool's evals do); a client that reports nothing (a tool
+behind the gateway) is ranked by the work it has been served so far instead, least first, so a short eval
+is not queued behind a long one it cannot tell apart from; fair among equals. `longest_answers_first`: the
+client asking for the longest answers (max_tokens) first, fair among equals. In-flight counts are the
+ledger's.
 Pure bookkeeping, no I/O.
 """
 
@@ -27,6 +30,7 @@ class ClientShape:
 
 
 CHARS_PER_TOKEN = 4.0  # a prompt's tokens guessed from its characters until the client or an answer says
+SERVED_DECODE_WEIGHT = 2.0  # a completion token's share of a full batch step against a prompt token's
 
 
 class ClientBook:
@@ -39,6 +43,7 @@ class ClientBook:
         self._work_left: dict[str, float] = {}
         self._requests_left: dict[str, int] = {}
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
+        self._served: dict[str, float] = {}  # work answered so far (prompt + 2 × completion tokens)
         self._shapes: dict[str, ClientShape] = {}
         self.done_sending: set[str] = set()
         self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
@@ -65,6 +70,11 @@ class ClientBook:
         if client_id not in self._shapes:
             self._shapes[client_id] = ClientShape(max(1.0, prompt_chars / CHARS_PER_TOKEN), max_tokens, False)
 
+    def note_served(self, client_id: str, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        """An answer came back: the work it took (tokens; a completion token costs about two prompt tokens)."""
+        work = (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
+        self._served[client_id] = self._served.get(client_id, 0.0) + work
+
     # ---- reads --------------------------------------------------------------------------------------
     def requests_left(self) -> dict[str, int]:
         """Clients that said how many requests they have still to complete."""
@@ -76,7 +86,9 @@ class ClientBook:
     def first(self, client_id: str) -> float:
         """The order's own criterion (smaller first); 0 for every client under `fair`."""
         if self.order == "shortest_first":
-            return self._work_left.get(client_id, float("inf"))
+            if client_id in self._work_left:
+                return self._work_left[client_id]
+            return self._served.get(client_id, 0.0)
         if self.order == "longest_answers_first":
             return -self._answer.get(client_id, 0.0)
         return 0.0

@@ -108,6 +108,14 @@ class Dispatcher:
         policy's prior; answers' usage replaces it), so a first plan need not wait for this client to send."""
         self._clients.announce_shape(client_id, prompt_tokens, max_tokens)
 
+    def registered_models(self) -> dict[str, set[str]]:
+        """Model -> revisions of every registered server (routable or not) in the current snapshot."""
+        snapshot = self._snapshots()
+        out: dict[str, set[str]] = {}
+        for entry in snapshot.entries if snapshot is not None else ():
+            out.setdefault(entry.record.model, set()).add(entry.record.revision)
+        return out
+
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: waiting requests look again."""
         self._dispatch_waiting()
@@ -145,6 +153,7 @@ class Dispatcher:
         self._book.note_success(self._routes.current(server), completion.completion_tokens or 0, latency)
         self._policy.observe_answer(request.client_id, server, completion.prompt_tokens,
                                     completion.completion_tokens)
+        self._clients.note_served(request.client_id, completion.prompt_tokens, completion.completion_tokens)
         self._tail.timer.observe(request.model, latency)
         self._completed += 1
         return InferenceResult(

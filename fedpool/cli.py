@@ -16,6 +16,7 @@ from fedpool.cli_eval import cmd_eval_replay, cmd_eval_rescore, cmd_eval_resume,
 from fedpool.cli_jobs import cmd_jobs_client, cmd_jobs_submit
 from fedpool.cli_support import (
     DEFAULT_STATE_DIR,
+    EXIT_BUSY,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -37,6 +38,35 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
     return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"expected 0 to 86400 seconds, got {value:g}")
+    return value
+
+
+def _wait_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--wait-for-servers", type=_seconds, metavar="S",
+                        help="when no registered server serves the model yet, wait up to S seconds for one "
+                             "(default: refuse at once, before anything is written)")
+    parser.add_argument("--no-server-timeout", type=_seconds, default=60.0, metavar="S",
+                        help="during the run, how long a request waits for a routable server (an outage) before "
+                             "its record fails (default 60; `eval resume` runs failed records again)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,13 +99,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the report as JSON")
     demo.set_defaults(func=cmd_demo)
 
+    up = sub.add_parser(
+        "up", help="bring up a local pool and keep it up: Ray, the registry, N servers, the gateway and pool page",
+        description="Starts local Ray on loopback (or joins --address), the registry, N local servers (llama.cpp "
+        "with the bundled Gemma 3 270M by default, --engine vllm for vLLM's CPU build, --engine emulated "
+        "--profile P), and the OpenAI-compatible gateway with the pool page; prints the base URL and "
+        "paste-ready commands for lm-eval, inspect_ai, the openai SDK and vLLM's benchmark. Ctrl-C or SIGTERM "
+        "stops everything it started.")
+    up.add_argument("--servers", type=_positive_int, default=2, help="local servers to start (default 2)")
+    up.add_argument("--engine", choices=("llamacpp", "vllm", "emulated"), default="llamacpp",
+                    help="what the servers run (default llamacpp)")
+    up.add_argument("--profile", default="tiny", help="emulated: timing profile (deploy/emulator.py PROFILES)")
+    up.add_argument("--slots", type=_positive_int, default=4, help="concurrent sequences per server (default 4)")
+    up.add_argument("--threads", type=_positive_int, default=1, help="llama.cpp CPU threads per server")
+    up.add_argument("--model-path", type=Path, help="weights to serve (llama.cpp: a GGUF; default: bundled)")
+    up.add_argument("--model", help="served model name (default: the bundled model's)")
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind address (default 127.0.0.1, loopback)")
+    up.add_argument("--port", type=_port, default=8080, help="gateway port (default 8080)")
+    up.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
+    up.add_argument("--address", help="join this Ray cluster instead of starting a local one")
+    up.add_argument("--state-dir", type=Path, default=Path("~/.fedpool/up"),
+                    help="pid file, logs and registry state (default ~/.fedpool/up)")
+    up.add_argument("--detach", action="store_true", help="run in the background; stop with `fedpool down`")
+    up.set_defaults(func=cmd_up)
+    down = sub.add_parser("down", help="stop the pool `fedpool up --detach` started")
+    down.add_argument("--state-dir", type=Path, default=Path("~/.fedpool/up"), help="as given to `fedpool up`")
+    down.set_defaults(func=cmd_down)
+
     reg = sub.add_parser("registry", help="start or inspect the registry actor in a running Ray cluster")
     reg_sub = reg.add_subparsers(dest="registry_command", required=True, metavar="ACTION")
     start = reg_sub.add_parser("start", help="create the registry actor (detached, namespace fedpool)")
     _ray_flags(start)
     start.add_argument("--probe-interval", type=float, default=2.0, help="seconds between probe cycles")
     start.add_argument("--token-file", type=Path, help="file holding the token to use (default: generate one)")
-    start.add_argument("--metrics-port", type=int, help="serve the pool's Prometheus metrics on this port")
+    start.add_argument("--metrics-port", type=_port, help="serve the pool's Prometheus metrics on this port")
     start.add_argument("--metrics-host", default="127.0.0.1", help="bind address of the metrics endpoint")
     start.add_argument("--pin-resource", help="custom Ray resource the registry and its prober must run on")
     start.add_argument("--json", action="store_true")
@@ -90,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "/v1/models in front of every registered server; /metrics for Prometheus.")
     _ray_flags(gw)
     gw.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    gw.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    gw.add_argument("--port", type=_port, default=8080, help="port (default 8080)")
     gw.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
     gw.add_argument("--api-key-file", type=Path, help="client:secret[:weight] per line; without it the gateway is open")
     gw.add_argument("--jobs-dir", type=Path, help="also serve the jobs API (/jobs), jobs kept in this directory")
+    _gateway_flags(gw)
     _jobs_server_flags(gw)
     gw.set_defaults(func=cmd_gateway)
 
@@ -106,10 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
         "FEDPOOL_JOBS_TOKEN).")
     _ray_flags(jserve)
     jserve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    jserve.add_argument("--port", type=int, default=8090, help="port (default 8090)")
+    jserve.add_argument("--port", type=_port, default=8090, help="port (default 8090)")
     jserve.add_argument("--policy", choices=policy_names(), default="capacity_weighted", help="routing policy")
     jserve.add_argument("--api-key-file", type=Path, help="gateway keys (client:secret[:weight] per line)")
     jserve.add_argument("--jobs-dir", type=Path, default=Path("~/.fedpool/jobs"), help="jobs database and artifacts")
+    _gateway_flags(jserve)
     _jobs_server_flags(jserve)
     jserve.set_defaults(func=cmd_gateway)
     submit = jobs_sub.add_parser("submit", help="submit benchmark specs as a job (sent inline, data paths absolute)")
@@ -152,15 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--planned", action="store_true",
                      help="route by the dispatcher's makespan plan over evals x servers (docs/architecture.md)")
     run.add_argument("--limit", type=_positive_int, help="use only the first N samples of each benchmark")
+    _wait_flag(run)
     _verifier_flags(run)
-    _quiet_flag(run)
     run.add_argument("--json", action="store_true")
     run.set_defaults(func=cmd_eval_run)
-    resume = ev_sub.add_parser("resume", help="finish only the missing records of a run in DIR")
+    resume = ev_sub.add_parser(
+        "resume", help="finish a run in DIR: its missing records, and (unless --keep-failed) its failed ones again")
     _ray_flags(resume)
     resume.add_argument("run_dir", type=Path)
+    resume.add_argument("--keep-failed", action="store_true",
+                        help="keep records that failed as they are (default: run their samples again)")
+    _wait_flag(resume)
     _verifier_flags(resume)
-    _quiet_flag(resume)
     resume.add_argument("--json", action="store_true")
     resume.set_defaults(func=cmd_eval_resume)
     replay = ev_sub.add_parser(
@@ -171,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     _ray_flags(replay)
     replay.add_argument("artifact", type=Path, help="run directory made by `fedpool eval run`")
     replay.add_argument("--out", type=Path, required=True, help="new artifact directory")
+    _wait_flag(replay)
     _verifier_flags(replay)
-    _quiet_flag(replay)
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(func=cmd_eval_replay)
     rescore = ev_sub.add_parser(
@@ -211,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--revision", default="unspecified", help="model revision recorded in every artifact")
     serve.add_argument("--id", help="server id (default: HOST-ENGINE-PORT)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address of the engine")
-    serve.add_argument("--port", type=int, help="engine port (default: a free one)")
+    serve.add_argument("--port", type=_port, help="engine port (default: a free one)")
     serve.add_argument("--advertise-url", help="URL clients use (default http://HOST:PORT)")
     serve.add_argument("--accelerator", help="A100, V100, … (default: detected with nvidia-smi, else cpu)")
     serve.add_argument("--gpus", type=int, help="GPU count (default: detected)")
@@ -221,9 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--profile", default="tiny", help="emulated: timing profile")
     serve.add_argument("--speedup", type=float, default=1.0, help="emulated: run this many times real time")
     serve.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    serve.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+    serve.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
                        help="environment variable for the engine process (repeatable), e.g. "
-                       "VLLM_CPU_KVCACHE_SPACE=1; never recorded in the registry")
+                       "VLLM_CPU_KVCACHE_SPACE=1; KEY alone passes this process's $KEY on (keep secrets such as "
+                       "HF_TOKEN off the command line that way); never recorded in the registry")
+    serve.add_argument("--env-file", type=Path, help="KEY=VALUE lines for the engine's environment (secrets)")
     serve.add_argument("--log-dir", type=Path, default=Path("~/.fedpool/logs"), help="engine log directory")
     serve.add_argument("--start-deadline", type=float, default=600.0, help="seconds to wait for health")
     serve.add_argument("--lease", type=float, default=30.0, help="lease seconds (heartbeat every third of it)")
@@ -264,10 +328,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _gateway_flags(parser: argparse.ArgumentParser) -> None:
+    from fedpool.federation.dispatch_types import CLIENT_ORDERS
+
+    parser.add_argument("--client-order", choices=CLIENT_ORDERS, default="shortest_first",
+                        help="who is served first when the pool is full (default shortest_first: a client that "
+                             "reports no work left is ranked by the work it was served so far)")
+    parser.add_argument("--max-inflight", type=_positive_int,
+                        help="requests the gateway holds at once before answering 429 (default: twice the pool's "
+                             "capacity, at least 256)")
+
+
 def _jobs_server_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs-token-file", type=Path,
                         help="file holding the jobs token (default: JOBS_DIR/jobs.token)")
     parser.add_argument("--max-running-jobs", type=_positive_int, default=4, help="jobs run at once (default 4)")
+    parser.add_argument("--root", type=Path, action="append", default=[], metavar="DIR",
+                        help="a directory jobs may read spec files and datasets from (repeatable; default "
+                             "JOBS_DIR/data); anything outside is refused unread")
     _verifier_flags(parser)
 
 
@@ -277,11 +355,6 @@ def _jobs_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs-token-file", type=Path,
                         help="jobs token file (default $FEDPOOL_JOBS_TOKEN or ~/.fedpool/jobs/jobs.token)")
     parser.add_argument("--json", action="store_true")
-
-
-def _quiet_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-q", "--quiet", action="store_true",
-                        help="no progress display (a live table on a terminal, a line every 10 s in logs)")
 
 
 def _verifier_flags(parser: argparse.ArgumentParser) -> None:
@@ -297,6 +370,8 @@ def _ray_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="registry state directory")
     parser.add_argument("--token-file-path", dest="token_path", type=Path, help="registry token file for mutations")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no cluster and registry line on stderr, no progress display")
 
 
 # ---- commands -----------------------------------------------------------------------------------
@@ -328,6 +403,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(report_json(report))
     return EXIT_OK
+
+
+def _engine_env(items: Sequence[str], env_file: Path | None) -> dict[str, str]:
+    """--env KEY=VALUE, --env KEY (from this process's environment) and --env-file lines, later ones winning."""
+    env: dict[str, str] = {}
+    if env_file is not None:
+        text = env_file.read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines(), start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise CliError(f"{env_file}:{number}: expected KEY=VALUE", EXIT_USAGE)
+            env[key.strip()] = value
+    for item in items:
+        if "=" not in item:
+            if item not in os.environ:
+                raise CliError(f"--env {item}: no such variable in this environment (give KEY=VALUE)", EXIT_USAGE)
+            env[item] = os.environ[item]
+        else:
+            env.update(_parse_labels([item], "--env"))
+    return env
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fedpool.deploy.localpool import LocalPoolSpec
+    from fedpool.up import PoolAlreadyUp, UpOptions, detach, run_up
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise CliError("`fedpool up` serves loopback only (its gateway has no keys); for a shared pool use "
+                       "`fedpool gateway --api-key-file`", EXIT_USAGE)
+    options = UpOptions(
+        servers=LocalPoolSpec(engine=args.engine, count=args.servers, slots=args.slots, threads=args.threads,
+                              model_path=args.model_path, profile=args.profile, model=args.model),
+        state_dir=args.state_dir, host=args.host, port=args.port, policy=args.policy, address=args.address)
+    try:
+        if args.detach:
+            return detach(sys.argv[1:], options)
+        return run_up(options)
+    except PoolAlreadyUp as exc:
+        raise CliError(str(exc), EXIT_BUSY) from None
+    except RuntimeError as exc:
+        raise CliError(str(exc), EXIT_FAILED) from None
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from fedpool.up import down
+
+    return down(args.state_dir)
 
 
 def _parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
@@ -399,17 +524,23 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
     from fedpool.clients.jobs import JobRunner, JobStore
     from fedpool.federation import DispatchConfig, PoolConnection
     from fedpool.federation.gateway import Gateway
+    from fedpool.pipeline.errors import OwnershipError
+    from fedpool.pipeline.ownership import private_dir
     from fedpool.server import build_app
 
-    # Third-party tools expect a quick 503 for a model nobody serves, not a minute's wait.
-    config = DispatchConfig(no_server_timeout_s=10.0)
+    # A model whose servers are all unroutable is answered 503 (with Retry-After) after 10 s, not a minute.
+    config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
     async with PoolConnection(client, policy=args.policy, config=config) as pool:
-        gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=keys)
+        gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=keys, max_inflight=args.max_inflight)
         jobs = None
         if jobs_dir is not None:
+            roots = [r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")]
             jobs = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
-                             verifier_factory=lambda: verifier_pool(args))
-            await jobs.start()
+                             verifier_factory=lambda: verifier_pool(args), roots=roots)
+            try:
+                await jobs.start()
+            except OwnershipError as exc:
+                raise CliError(str(exc), EXIT_BUSY) from None
         app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=jobs, jobs_token=jobs_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -482,7 +613,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
     labels = _parse_labels(args.label)
-    args.engine_env = _parse_labels(args.env, "--env")
+    args.engine_env = _engine_env(args.env, args.env_file)
     server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
     try:
         record = ServerRecord(
@@ -625,6 +756,16 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
+def _file_problem(exc: OSError | UnicodeDecodeError) -> str:
+    """`PATH: is a directory` instead of `[Errno 21] Is a directory: 'PATH'`."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a file given is not UTF-8 text ({exc.reason} at byte {exc.start})"
+    kinds = ((IsADirectoryError, "is a directory, not a file"), (NotADirectoryError, "is not a directory"),
+             (FileNotFoundError, "no such file or directory"), (PermissionError, "permission denied"))
+    what = next((text for kind, text in kinds if isinstance(exc, kind)), exc.strerror or type(exc).__name__)
+    return f"{exc.filename}: {what}" if exc.filename else f"{what}: {exc.strerror}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ray_token_auth_if_available()  # before Ray is imported (build_parser imports it): it reads the mode once
@@ -664,6 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from fedpool.deploy import EngineStartError, LlamaServerNotInstalled
     from fedpool.pipeline import PipelineError
+    from fedpool.pipeline.errors import ArtifactWriteError
     from fedpool.registry import RegistryError
 
     try:
@@ -673,7 +815,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
     except (PipelineError, RegistryError) as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, PipelineError) else EXIT_FAILED
+        return EXIT_USAGE if isinstance(exc, PipelineError) and not isinstance(exc, ArtifactWriteError) else EXIT_FAILED
+    except (IsADirectoryError, NotADirectoryError, FileNotFoundError, PermissionError, UnicodeDecodeError) as exc:
+        print(f"fedpool: error: {_file_problem(exc)}", file=sys.stderr)  # a path given is not what it must be
+        return EXIT_USAGE
     except (EngineStartError, LlamaServerNotInstalled, OSError) as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -7,14 +7,17 @@ import argparse
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 3
+EXIT_FAILED = 1  # the command failed (a registry error, a job that failed)
+EXIT_USAGE = 2  # bad input: flags, specs, datasets, artifacts; the message names the culprit
+EXIT_UNAVAILABLE = 3  # Ray, the registry, a server or the model it needs is not there
+EXIT_INCOMPLETE = 4  # the run finished but some records failed (their errors are in the artifact)
+EXIT_BUSY = 5  # the directory is owned by another process (a second resume, a second jobs server)
 DEFAULT_STATE_DIR = Path("~/.fedpool/registry")
 
 
@@ -38,7 +41,9 @@ def ray_token_auth_if_available() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def connect_ray(address: str) -> None:
+def connect_ray(address: str, quiet: bool = False) -> None:
+    """Join the Ray cluster, and say on stderr which one and how it was found (unless `quiet`): with two
+    clusters on a host, `auto` finds the one started last."""
     import ray
 
     if ray.is_initialized():
@@ -48,12 +53,16 @@ def connect_ray(address: str) -> None:
             f"cannot reach a Ray cluster at {address!r}; start one with `ray start --head` "
             "or pass --address HOST:PORT of a running head node", EXIT_UNAVAILABLE,
         )
+    how = ("--address" if address != "auto" else
+           "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster started last on this machine")
     try:
         ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
     except ConnectionError as exc:
         raise CliError(
             f"cannot reach a Ray cluster at {address!r} ({exc}); start one with `ray start --head`", EXIT_UNAVAILABLE
         ) from None
+    if not quiet:
+        print(f"fedpool: Ray cluster {ray.get_runtime_context().gcs_address} (found by {how})", file=sys.stderr)
 
 
 def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:

@@ -84,8 +84,9 @@ BAD_REQUESTS: list[tuple[dict[str, str] | None, object, int, str]] = [
     (None, [1, 2], 400, "JSON object"),
     (None, {"prompt": "x"}, 400, "'model'"),
     (None, {"model": "emu-model"}, 400, "'prompt'"),
-    (None, {"model": "no-such-model", "prompt": "x"}, 503, "no-such-model"),
-    (None, {"model": "emu-model", "prompt": "x", "max_tokens": 0}, 400, "refused"),
+    (None, {"model": "no-such-model", "prompt": "x"}, 404, "`no-such-model` does not exist"),
+    (None, {"model": "emu-model", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    (None, {"model": "emu-model", "prompt": "x", "max_tokens": "8"}, 400, "'max_tokens' must be an integer"),
     (None, {"model": "emu-model", "prompt": "x" * 70_000}, 413, "larger than"),
 ]
 
@@ -104,6 +105,40 @@ async def test_bad_requests_get_openai_style_errors(gateway_url: str) -> None:
             assert resp.status == 200  # nothing else broke
 
 
+async def test_every_error_is_openai_shaped_json(gateway_url: str) -> None:
+    """Unknown routes and methods, auth failures with undecodable headers, a model nobody serves: JSON errors in
+    OpenAI's shape with the right status; the SDK raises NotFoundError at once (404 is not retried)."""
+    auth = {"Authorization": f"Bearer {KEYS[0].secret}"}
+    async with aiohttp.ClientSession() as session:
+        for method, path, status in [("GET", "/v1/nothing", 404), ("PUT", "/v1/completions", 405),
+                                     ("DELETE", "/v1/models", 405)]:
+            async with session.request(method, gateway_url + path, headers=auth) as resp:
+                payload = await resp.json()
+            assert resp.status == status and set(payload["error"]) == {"message", "type", "param", "code"}
+            assert resp.content_type == "application/json"
+        async with session.get(gateway_url + "/v1/models/emu-model", headers=auth) as resp:
+            model = await resp.json()
+        assert model["id"] == "emu-model" and model["object"] == "model" and isinstance(model["created"], int)
+        async with session.get(gateway_url + "/v1/models/nope", headers=auth) as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
+    # An Authorization header that is not UTF-8: refused like any wrong key, not a 500.
+    reader, writer = await asyncio.open_connection(*gateway_url.removeprefix("http://").split(":"))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xfd\r\n"
+                 b"Connection: close\r\n\r\n")
+    await writer.drain()
+    head = (await reader.read()).split(b"\r\n", 1)[0]
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 401"), head
+    client = openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key=KEYS[0].secret)  # default retries
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert asyncio.get_running_loop().time() - started < 1.0
+    models = await client.models.list()
+    assert all(m.created and m.owned_by == "fedpool" for m in models.data)
+    await client.close()
+
+
 async def test_metrics_count_requests(gateway_url: str) -> None:
     client = openai.AsyncOpenAI(base_url=gateway_url + "/v1", api_key=KEYS[0].secret, max_retries=0)
     for _ in range(3):
@@ -119,10 +154,12 @@ async def test_metrics_count_requests(gateway_url: str) -> None:
 
 
 def test_api_key_file_errors_name_the_line() -> None:
-    assert parse_api_keys("# team keys\nteam-a:sk-0123456789\nteam-b:sk-abcdefghij:2\n") == [
-        ApiKey("sk-0123456789", "team-a"), ApiKey("sk-abcdefghij", "team-b", 2.0)]
-    for text, fragment in [("team-a\n", "line 1"), ("ok:sk-0123456789\nbad:short\n", "line 2"),
-                           ("a:sk-0123456789:fast\n", "weight 'fast'"), ("a:sk-0123456789:0\n", "positive")]:
+    assert parse_api_keys("# team keys\nteam-a:sk-0123456789abcdef\nteam-b:sk-abcdefghijklmnop:2\n") == [
+        ApiKey("sk-0123456789abcdef", "team-a"), ApiKey("sk-abcdefghijklmnop", "team-b", 2.0)]
+    for text, fragment in [("team-a\n", "line 1"), ("ok:sk-0123456789abcdef\nbad:sk-too-short\n", "line 2"),
+                           ("a:sk-0123456789abcdef:fast\n", "weight 'fast'"),
+                           ("a:sk-0123456789abcdef:0\n", "positive"),
+                           ("a:sk-0123456789abcdef\nb:sk-0123456789abcdef\n", "same secret as line 1")]:
         with pytest.raises(ValueError, match=fragment):
             parse_api_keys(text)
 

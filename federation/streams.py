@@ -1,0 +1,273 @@
+"""Streaming through the gateway, and streams that survive a server's death.
+
+Before the first byte reaches the client, a failed upstream is retried elsewhere like any request (the
+dispatcher does it). After tokens were sent, the stream is *migrated*: continued from another replica of the
+same model and revision (same engine: continuation is engine-specific), so the client sees one well-formed
+stream. The continuation asks for what is left:
+
+- completions: the prompt plus the text already sent, and the remaining `max_tokens`;
+- chat: the messages plus an assistant message holding the text already sent, continued where the engine
+  can: vLLM and SGLang with `continue_final_message: true` (vLLM also `add_generation_prompt: false`, which it
+  requires), llama.cpp's server by default (it continues a trailing assistant message unless started with
+  `--no-prefill-assistant`).
+
+Tokens sent are counted one per streamed chunk (vLLM, SGLang and llama.cpp stream one token a chunk), so the
+remaining `max_tokens` can be off where an engine batches tokens into a chunk. Where continuation is not
+possible (n > 1, logprobs, echo, an engine fedpool cannot continue for chat, no other replica) the stream ends
+with an OpenAI-style error event (`data: {"error": {...}}`) and `data: [DONE]`. A greedy request continues
+greedily, but the joined text can differ from an uninterrupted run: the continuation re-tokenizes the text at
+the join, and batch composition changes the numerics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed, classify_exception
+from fedpool.federation.tail import replicas
+from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.registry import Engine, PoolSnapshot, ServerEntry
+
+log = logging.getLogger("fedpool.gateway")
+
+MAX_MIGRATIONS = 3  # continuations of one stream before it is given up
+PASSED_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering")
+# Engines whose chat endpoint can continue a trailing assistant message, and the fields that ask for it.
+CHAT_CONTINUATION: dict[Engine, dict[str, Any]] = {
+    Engine.VLLM: {"continue_final_message": True, "add_generation_prompt": False},
+    Engine.SGLANG: {"continue_final_message": True},
+    Engine.LLAMACPP: {},
+}
+UPSTREAM_BREAKS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError,
+                   TimeoutError, ConnectionResetError)
+
+
+class ClientGone(Exception):
+    """The client closed its end of the stream."""
+
+
+class _Broke(Exception):
+    """The upstream stream broke; raised inside the dispatcher's stream context so it counts a failure."""
+
+    def __init__(self, server: ServerEntry, kind: FailureKind, reached_client: bool):
+        self.server, self.kind, self.reached_client = server, kind, reached_client
+        super().__init__(f"{server.id}: {kind.value}")
+
+
+@dataclass
+class StreamOutcome:
+    """What happened to one relayed stream (the gateway counts it)."""
+
+    migrations: int = 0
+    broken: str | None = None  # why the stream ended with an error event
+    client_gone: bool = False
+    servers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Progress:
+    text: str = ""  # content already sent to the client
+    chunks: int = 0  # chunks with content: tokens, on the engines fedpool knows
+    role_sent: bool = False
+    finished: bool = False  # a finish_reason was relayed
+    done_sent: bool = False
+    first_id: str | None = None
+
+
+class StreamRelay:
+    """Relays one streaming request, migrating it when its server dies mid-stream."""
+
+    def __init__(self, dispatcher: Dispatcher, snapshot: Callable[[], PoolSnapshot | None],
+                 request: web.Request, req: InferenceRequest, model_name: str):
+        self._dispatcher = dispatcher
+        self._snapshot = snapshot
+        self._request = request
+        self._req = req
+        self._model = model_name
+        self._out: web.StreamResponse | None = None
+        self._progress = _Progress()
+        self.outcome = StreamOutcome()
+
+    @property
+    def started(self) -> bool:
+        return self._out is not None
+
+    async def run(self) -> web.StreamResponse:
+        """The response (prepared on the first upstream chunk). RequestFailed / NoServerError before it are the
+        caller's to answer as JSON errors."""
+        current = self._req
+        while True:
+            try:
+                async with self._dispatcher.stream(current) as upstream:
+                    self.outcome.servers.append(upstream.server.id)
+                    try:
+                        await self._relay(upstream.response, upstream.server)
+                    except UPSTREAM_BREAKS as exc:
+                        kind = classify_exception(exc, reused_connection=False)
+                        raise _Broke(upstream.server, kind, self.started) from exc
+                return await self._finish()
+            except ClientGone:
+                self.outcome.client_gone = True
+                return self._out or web.Response(status=499)
+            except _Broke as broke:
+                self._dispatcher.note_stream_failure(broke.server, broke.kind)
+                if not broke.reached_client:  # nothing reached the client yet: retried elsewhere, invisibly
+                    current = self._elsewhere(current, broke)
+                    continue
+                following = self._continuation(broke.server)
+                if following is None:
+                    return await self._end_with_error(broke.server)
+                current = following
+                self.outcome.migrations += 1
+                log.warning("stream %s: %s died after %d chunks; continuing on another replica",
+                            self._req.request_id, broke.server.id, self._progress.chunks)
+
+    def _elsewhere(self, req: InferenceRequest, broke: _Broke) -> InferenceRequest:
+        """The same request, on any other server of its route (RequestFailed when there is none)."""
+        snapshot = self._snapshot()
+        view = snapshot.filter(model=req.model, revision=req.revision, engines=req.pinned_engines,
+                               server_ids=req.pinned_servers, routable_only=True) if snapshot else None
+        others = tuple(s.id for s in (view.entries if view else ()) if s.id != broke.server.id)
+        if not others:
+            err = AttemptError(broke.kind, "the stream broke before its first byte and no other server serves it")
+            raise RequestFailed(f"request {req.request_id}: {err}", (), broke.kind, err, broke.server.id)
+        return replace(req, pinned_servers=others)
+
+    async def _relay(self, response: aiohttp.ClientResponse, server: ServerEntry) -> None:
+        if self._out is None:
+            headers = {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
+            headers.setdefault("Content-Type", "text/event-stream")
+            headers.setdefault("Cache-Control", "no-cache")
+            headers["X-Fedpool-Server"] = server.id
+            self._out = web.StreamResponse(headers=headers)
+            await self._send(None)
+        async for event in _sse_data(response.content):
+            if event == "[DONE]":
+                await self._send(b"data: [DONE]\n\n")
+                self._progress.done_sent = True
+                return
+            try:
+                chunk = json.loads(event)
+            except json.JSONDecodeError:
+                continue  # not ours to judge; the engine's next chunk decides
+            if isinstance(chunk, dict) and "error" in chunk:
+                await self._send(f"data: {json.dumps(chunk)}\n\n".encode())  # the engine's own error event
+                self.outcome.broken = "engine error event"
+                return
+            rewritten = self._rewrite(chunk)
+            if rewritten is not None:
+                await self._send(f"data: {json.dumps(rewritten)}\n\n".encode())
+        if not self._progress.finished:
+            raise aiohttp.ClientPayloadError("the stream ended before a finish_reason")
+
+    def _rewrite(self, chunk: Any) -> dict[str, Any] | None:
+        """One engine chunk as the client's stream has it: the first stream's id and the model it asked for,
+        no second `role` delta after a migration; content accumulated for a continuation."""
+        if not isinstance(chunk, dict):
+            return None
+        progress = self._progress
+        progress.first_id = progress.first_id or chunk.get("id")
+        chunk = {**chunk, "id": progress.first_id, "model": self._model}
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            if self._req.endpoint is Endpoint.CHAT:
+                delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+                if "role" in delta:
+                    if progress.role_sent:
+                        choice["delta"] = {k: v for k, v in delta.items() if k != "role"}
+                    progress.role_sent = True
+                text = delta.get("content")
+            else:
+                text = choice.get("text")
+            if isinstance(text, str) and text:
+                progress.text += text
+                progress.chunks += 1
+            if choice.get("finish_reason"):
+                progress.finished = True
+        return chunk
+
+    def _continuation(self, dead: ServerEntry) -> InferenceRequest | None:
+        """The request that continues the stream on another replica, or None where that is not possible."""
+        req, progress = self._req, self._progress
+        if self.outcome.migrations >= MAX_MIGRATIONS or progress.finished:
+            return None
+        extra = req.params.extra
+        if any(extra.get(k) for k in ("logprobs", "echo", "top_logprobs")) or (extra.get("n") or 1) != 1:
+            return None
+        snapshot = self._snapshot()
+        others = tuple(s.id for s in (snapshot.entries if snapshot else ())
+                       if s.id != dead.id and s.status.routable and replicas(dead, s))
+        if not others:
+            return None
+        left = None if req.params.max_tokens is None else req.params.max_tokens - progress.chunks
+        if left is not None and left < 1:
+            return None
+        params = replace(req.params, max_tokens=left)
+        if req.endpoint is Endpoint.COMPLETIONS:
+            if not isinstance(req.prompt, str):
+                return None
+            return replace(req, prompt=req.prompt + progress.text, params=params, pinned_servers=others,
+                           revision=dead.record.revision)
+        fields = CHAT_CONTINUATION.get(dead.engine)
+        if fields is None or not req.messages:
+            return None
+        messages = (*req.messages, {"role": "assistant", "content": progress.text})
+        params = replace(params, extra={**params.extra, **fields})
+        return replace(req, messages=messages, params=params, pinned_servers=others, revision=dead.record.revision)
+
+    async def _finish(self) -> web.StreamResponse:
+        assert self._out is not None
+        if not self._progress.done_sent:
+            await self._send(b"data: [DONE]\n\n")
+        with_eof = self._out
+        try:
+            await with_eof.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            self.outcome.client_gone = True
+        return with_eof
+
+    async def _end_with_error(self, dead: ServerEntry) -> web.StreamResponse:
+        self.outcome.broken = f"{dead.id} died mid-stream and no replica could continue it"
+        log.warning("stream %s: %s", self._req.request_id, self.outcome.broken)
+        error = {"error": {"message": self.outcome.broken, "type": "upstream_error", "param": None,
+                           "code": "stream_broken"}}
+        try:
+            await self._send(f"data: {json.dumps(error)}\n\n".encode())
+            await self._send(b"data: [DONE]\n\n")
+            assert self._out is not None
+            await self._out.write_eof()
+        except ClientGone:
+            self.outcome.client_gone = True
+        assert self._out is not None
+        return self._out
+
+    async def _send(self, data: bytes | None) -> None:
+        """Prepare (data None) or write to the client; ClientGone when it went away."""
+        assert self._out is not None
+        try:
+            if data is None:
+                await self._out.prepare(self._request)
+            else:
+                await self._out.write(data)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
+            raise ClientGone() from exc
+
+
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent-event stream (comments and other fields skipped)."""
+    while True:
+        line = await content.readline()
+        if not line:
+            return
+        text = line.decode("utf-8", errors="replace").strip()
+        if text.startswith("data:"):
+            yield text[5:].strip()
+

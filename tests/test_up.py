@@ -1,0 +1,82 @@
+"""`fedpool up` as a researcher runs it: a local pool of two real llama.cpp servers kept up in the background,
+the openai SDK and lm-eval pointed at it, then `fedpool down` — and no process of it left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+from fedpool.deploy.process import free_port
+
+pytestmark = [pytest.mark.llamacpp]
+ROOT = Path(__file__).resolve().parent.parent
+LM_EVAL_TASK = """\
+task: fedpool_up_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{a}}}} + {{{{b}}}} ="
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def fedpool(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fedpool.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
+    state = tmp_path / "up"
+    port = free_port()
+    started = fedpool("up", "--servers", "2", "--port", str(port), "--state-dir", str(state), "--detach")
+    assert started.returncode == 0, started.stderr + started.stdout
+    assert f"http://127.0.0.1:{port}/v1" in started.stdout and "lm_eval --model local-completions" in started.stdout
+    ready = json.loads((state / "up.json").read_text())
+    tree = [psutil.Process(ready["pid"]), *psutil.Process(ready["pid"]).children(recursive=True)]
+    names = {p.name() for p in tree}
+    assert "llama-server" in names and any("raylet" in n for n in names), names
+    assert ready["ray_address"].startswith("127.0.0.1:")  # Ray on loopback only
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-up-test-0123456789")
+        models = [m.id for m in client.models.list().data]
+        assert models == [ready["model"]]
+        answer = client.completions.create(model=ready["model"], prompt="2 + 2 =", max_tokens=4, temperature=0)
+        assert answer.choices[0].text is not None and answer.usage is not None
+        again = fedpool("up", "--servers", "1", "--port", str(free_port()), "--state-dir", str(state))
+        assert again.returncode == 5 and "already up" in again.stderr  # one pool per state dir
+
+        data = tmp_path / "sums.jsonl"
+        data.write_text("".join(json.dumps({"a": i, "b": i + 1, "answer": str(2 * i + 1)}) + "\n" for i in range(8)))
+        tasks = tmp_path / "tasks"
+        tasks.mkdir()
+        (tasks / "fedpool_up_check.yaml").write_text(LM_EVAL_TASK.format(data=data))
+        lm_eval = subprocess.run(
+            [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "fedpool_up_check",
+             "--include_path", str(tasks), "--model_args",
+             f"model={ready['model']},base_url=http://127.0.0.1:{port}/v1/completions,num_concurrent=4,"
+             "tokenized_requests=False,tokenizer_backend=None", "--output_path", str(tmp_path / "lm-eval-out")],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "OPENAI_API_KEY": "sk-lm-eval-abc", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+        assert lm_eval.returncode == 0, lm_eval.stderr[-3000:]
+        assert "exact_match" in lm_eval.stdout
+    finally:
+        stopped = fedpool("down", "--state-dir", str(state), timeout=120)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not (state / "up.pid").exists() and not (state / "up.json").exists()
