@@ -32,6 +32,21 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} cores{mem_gib}, {system}"
 
 
+def code_version() -> str:
+    """The commit the report ran on (with `+changes` when the tree had uncommitted changes), or `unknown`."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -54,6 +69,7 @@ def write_report(
         f"# {title}\n\n"
         f"- command: `{command}`\n"
         f"- machine: {machine_description()}\n"
+        f"- code: {code_version()}\n"
         f"- date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}\n\n"
         f"{body.rstrip()}\n\n"
         f"{result_line(result)}\n"
