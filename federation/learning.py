@@ -149,7 +149,13 @@ class ServerLearning:
     period_s: float = LEARN_PERIOD_S
     adaptive: bool = True
     last_decision: WindowDecision | None = None
-    tokens_per_s: float | None = None  # the rate as of the last closed period (what weights compare)
+    tokens_per_s: float | None = None  # tokens per busy second as of the last closed period (the window's view)
+    # Tokens per attempt-second as of the last closed period: one sequence's speed there. Weights compare
+    # this × capacity, which does not grow with the traffic a server is given (tokens per busy second does:
+    # a server given more requests batches more, learned a higher rate and was given still more; two equal
+    # servers ended 92/8).
+    sequence_tokens_per_s: float | None = None
+    sequence_rate: BusyRate = field(default_factory=lambda: BusyRate(tau_s=3 * LEARN_PERIOD_S))
     _latencies: list[float] = field(default_factory=list)
     _rate_limited: int = 0
     _full: bool = False
@@ -159,7 +165,8 @@ class ServerLearning:
     def for_capacity(
         cls, capacity: int, *, adaptive: bool, max_factor: float, period_s: float = LEARN_PERIOD_S
     ) -> ServerLearning:
-        return cls(BusyRate(tau_s=3 * period_s), WindowController(capacity, max_factor=max_factor), period_s, adaptive)
+        return cls(BusyRate(tau_s=3 * period_s), WindowController(capacity, max_factor=max_factor), period_s, adaptive,
+                   sequence_rate=BusyRate(tau_s=3 * period_s))
 
     def window(self, capacity: int) -> int:
         if self.controller.capacity != capacity:  # the registry learned a new capacity: start over from it
@@ -176,11 +183,12 @@ class ServerLearning:
         self._rate_limited += 1
 
     def on_finish(self, tokens: int, latency_s: float, now: float, busy_total_s: float, scraped_waiting: float,
-                  inflight: int) -> WindowDecision | None:
+                  inflight: int, occupancy_s: float = 0.0) -> WindowDecision | None:
         """An answer (or a failure, with 0 tokens) came back; at most once a period, the window is re-decided."""
         if tokens > 0:
             self._latencies.append(latency_s / tokens)
             self.rate.add(now, busy_total_s, tokens)
+            self.sequence_rate.add(now, occupancy_s, tokens)
         if self._period_start is None or now - self._period_start < self.period_s:
             return None
         self._period_start = now
@@ -188,6 +196,7 @@ class ServerLearning:
         if rate is None:
             return None
         self.tokens_per_s = rate
+        self.sequence_tokens_per_s = self.sequence_rate.value(now, occupancy_s)
         if not self.adaptive:
             return None
         ordered = sorted(self._latencies)

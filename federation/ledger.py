@@ -8,7 +8,8 @@ estimates and the learned rates all read it. It also keeps what those readers ne
 - a wall-clock history of each server's count, to line up with the registry's scrapes (which are
   stamped with wall time and up to a probe interval old): `at(server, t)`;
 - each server's busy seconds (monotonic time with at least one attempt in flight), cumulative, the one
-  busy-time measurement every rate is computed from: `busy_s(server)`.
+  busy-time measurement every rate is computed from: `busy_s(server)`; and its occupancy (attempt-seconds:
+  the integral of its count over time), for per-sequence speeds: `occupancy_s(server)`.
 
 Pure bookkeeping: clocks injected, no I/O.
 """
@@ -35,11 +36,13 @@ class InflightLedger:
         self._trimmed: set[str] = set()
         self._busy_total: dict[str, float] = {}
         self._busy_since: dict[str, float] = {}
+        self._occupancy: dict[str, tuple[float, float]] = {}  # server -> (attempt-seconds so far, as of time)
 
     # ---- changes ------------------------------------------------------------------------------------
     def take(self, server_id: str, client_id: str) -> int:
         """One more attempt of `client_id` on `server_id`; returns the server's count after it."""
         now = self._clock()
+        self._accrue(server_id, now)
         self._server[server_id] += 1
         self._client[client_id] += 1
         self._pair.setdefault(server_id, Counter())[client_id] += 1
@@ -51,6 +54,7 @@ class InflightLedger:
     def release(self, server_id: str, client_id: str) -> int:
         """That attempt ended (answered, failed or cancelled); returns the server's count after it."""
         now = self._clock()
+        self._accrue(server_id, now)
         _decrement(self._server, server_id)
         _decrement(self._client, client_id)
         pair = self._pair.get(server_id)
@@ -88,6 +92,16 @@ class InflightLedger:
         total = self._busy_total.get(server_id, 0.0)
         since = self._busy_since.get(server_id)
         return total + (self._clock() - since if since is not None else 0.0)
+
+    def occupancy_s(self, server_id: str) -> float:
+        """Attempt-seconds on the server so far (∫ count dt): per-sequence speeds divide by it, so a server's
+        speed does not grow with the traffic it is given (tokens per busy second does, with its batch)."""
+        total, at = self._occupancy.get(server_id, (0.0, self._clock()))
+        return total + self._server.get(server_id, 0) * (self._clock() - at)
+
+    def _accrue(self, server_id: str, now: float) -> None:
+        total, at = self._occupancy.get(server_id, (0.0, now))
+        self._occupancy[server_id] = (total + self._server.get(server_id, 0) * (now - at), now)
 
     def at(self, server_id: str, wall_time: float) -> int:
         """The server's count at that wall-clock time. Before the first logged change it was 0, unless the

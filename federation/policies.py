@@ -181,18 +181,24 @@ class PowerOfTwo(Policy, name="power_of_two"):
 
 
 class CapacityWeighted(Policy, name="capacity_weighted"):
-    """Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates."""
+    """Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates. Expected waits
+    within `tie_tolerance` of the lowest are a tie, broken at random: learned weights of identical servers
+    always differ a little, and an exact comparison sent every request that found both idle to the one that
+    happened to measure faster (92/8 between two equal servers at 100 req/s)."""
 
-    def __init__(self, rng: random.Random | None = None, sample_size: int = 4):
+    def __init__(self, rng: random.Random | None = None, sample_size: int = 4, tie_tolerance: float = 0.1):
         super().__init__(rng)
         self._sample_size = sample_size
+        self._tolerance = tie_tolerance
         self.candidate_limit = sample_size
 
     def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
         pool = list(candidates)
         if len(pool) > self._sample_size:
             pool = self._rng.sample(pool, self._sample_size)
-        pick = self._least(pool, lambda c: c.expected_wait)
+        best = min(c.expected_wait for c in pool)
+        near = [c for c in pool if c.expected_wait <= best * (1 + self._tolerance)]
+        pick = near[0] if len(near) == 1 else self._rng.choice(near)
         return RouteDecision(pick.server_id, f"lowest expected wait ({pick.expected_wait:.3g})")
 
 

@@ -117,7 +117,7 @@ class ServerBook:
             learning.on_rate_limited()
         now = self._clock()
         learning.on_finish(0, 0.0, now, self.ledger.busy_s(server.id), server.load.waiting if server.load else 0.0,
-                           self.ledger.on_server(server.id))
+                           self.ledger.on_server(server.id), self.ledger.occupancy_s(server.id))
         self.failures.setdefault(server.id, Counter())[kind.value] += 1
         if kind.counts_against_server:
             self.breaker(server.id).on_failure(now)
@@ -126,6 +126,7 @@ class ServerBook:
         decision = self.learning_for(server).on_finish(
             tokens, latency_s, self._clock(), self.ledger.busy_s(server.id),
             server.load.waiting if server.load else 0.0, self.ledger.on_server(server.id),
+            self.ledger.occupancy_s(server.id),
         )
         if decision is not None:
             log.debug("window of %s now %.1f: %s", server.id, decision.window, decision.reason)
@@ -172,15 +173,19 @@ class ServerBook:
         )
 
     def weight_of(self, server: ServerEntry) -> float:
-        """Relative throughput: learned tokens/s where known, else the accelerator prior × capacity, put
-        on the same scale through the servers whose rate is known."""
+        """Relative throughput: the learned speed of one sequence × capacity where known, else the accelerator
+        prior × capacity, put on the same scale through the servers whose speed is known."""
         prior = server.weight * server.capacity
         if not self._settings.learn_throughput:
             return prior
-        learned = self.learning.get(server.id)
-        if learned is not None and learned.tokens_per_s:
-            return learned.tokens_per_s
-        return prior * self._rate_scale()
+        learned = self._learned(server.id, server.capacity)
+        return learned if learned is not None else prior * self._rate_scale()
+
+    def _learned(self, server_id: str, capacity: int) -> float | None:
+        learning = self.learning.get(server_id)
+        if learning is None or not learning.sequence_tokens_per_s:
+            return None
+        return learning.sequence_tokens_per_s * capacity
 
     def drain_s(self, server: ServerEntry, extra: int = 0) -> float:
         """How long the server would take to finish what this dispatcher has there (+ extra), in units of
@@ -194,8 +199,8 @@ class ServerBook:
         now = self._clock()
         if now - self._rate_scale_at >= self._settings.learn_period_s or self._rate_scale_at < 0:
             ratios = [
-                lrn.tokens_per_s / self._priors[sid] for sid, lrn in self.learning.items()
-                if lrn.tokens_per_s and self._priors.get(sid)
+                learned / self._priors[sid] for sid, lrn in self.learning.items()
+                if self._priors.get(sid) and (learned := self._learned(sid, lrn.controller.capacity)) is not None
             ]
             self._rate_scale_value = sum(ratios) / len(ratios) if ratios else 1.0
             self._rate_scale_at = now

@@ -75,3 +75,19 @@ def test_policies_are_deterministic_given_the_seed() -> None:
         first = [make_policy(name, random.Random(9)).choose(cands, CTX).server_id for _ in range(3)]
         again = [make_policy(name, random.Random(9)).choose(cands, CTX).server_id for _ in range(3)]
         assert first == again, name
+
+
+def test_capacity_weighted_treats_near_equal_expected_waits_as_a_tie() -> None:
+    """Identical servers learn slightly different rates; both idle, they must share (it sent all to one)."""
+    import random as _random
+    from collections import Counter as _Counter
+
+    from fedpool.federation.policies import Candidate, RouteContext, make_policy
+
+    policy = make_policy("capacity_weighted", _random.Random(3))
+    idle = [Candidate("a", 0, 64, 64, 100.0), Candidate("b", 0, 64, 64, 103.0)]
+    picks = _Counter(policy.choose(idle, RouteContext("r")).server_id for _ in range(2000))
+    assert abs(picks["a"] / 2000 - 0.5) < 0.05, picks
+    # A real difference still decides: twice the speed, twice less expected wait.
+    fast = [Candidate("v100", 0, 64, 64, 100.0), Candidate("a100", 0, 64, 64, 200.0)]
+    assert {policy.choose(fast, RouteContext("r")).server_id for _ in range(200)} == {"a100"}
