@@ -1,22 +1,23 @@
-"""The conventional baseline: each eval drives its own server(s) from its own process, in static batches.
+"""The conventional baselines: each eval drives its own server(s) from its own process, as the evaluation
+frameworks do it. Three client modes, each rendering a real tool's code path (docs/speedup.md quotes them):
 
-This is the comparison the speedup benchmark measures fedpool against, rendered as the evaluation
-frameworks run (docs/speedup.md cites the code paths):
+- **static** — lmms-eval 0.5's OpenAI-compatible client (`models/chat/openai_compatible.py`,
+  `generate_until`): batches of `batch_size`; each batch's payloads are built one after another in the eval's
+  process (media decoded then), sent at once, and the next batch starts only when the slowest answer of
+  this one is in.
+- **sliding** — lm-evaluation-harness's API client (`models/api_models.py`, `TemplateAPI` with
+  `num_concurrent=C`): every request is built first (`build_all_requests`; media encoded up front), then one
+  task per request with a semaphore of C: C in flight, refilled as each answers (also lmms-eval's async
+  client and inspect_ai's `max_connections`). C defaults to the server's capacity.
+- **whole** — lm-evaluation-harness's vLLM backend (`models/vllm_causallms.py`, `batch_size=auto`): every
+  request built first and all handed to the engine at once (one `generate` call).
 
-- **Split GPUs.** The eval only talks to the servers it was given. With several, the samples are split
-  into contiguous shards, one per server, each run independently (lm-eval-harness's vLLM backend with
-  `data_parallel_size`: one engine per shard).
-- **Static batches.** Each shard is sent in batches of `batch_size` requests at once; the next batch
-  starts only when the slowest request of the current one has answered (lm-eval's `generate_until`
-  hands a chunk of `batch_size` requests to the engine and waits for all of them).
-- **Loading before each batch.** The batch's items are read and decoded in the eval's own process just
-  before the batch is sent (lmms-eval's dataset `__getitem__` / `doc_to_visual` per batch), and the
-  GPU waits meanwhile.
-- **Scoring after inference.** Post-processing, metrics and the verifier run once every answer is in
-  (lm-eval's evaluator computes `process_results` after all requests), serially in the same process.
-
-Requests are byte-for-byte the ones fedpool's eval client sends (same prompts, generation settings and
-record format), so the two arms' artifacts can be compared record by record.
+In every mode the eval only talks to the servers it was given; with several, its samples are split into
+contiguous shards, one per server (data-parallel evaluation), each run independently. Post-processing,
+metrics and the judge run once every answer is in, serially, in the eval's own process (lm-eval's
+`process_results` after all requests). The judge is loaded before the clock starts (warm), as in the
+federated arm. Requests are byte-for-byte the ones fedpool's eval client sends, so the arms' artifacts can be
+compared record by record.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
+from fedpool.benchmarks.costs import StageCosts, spend_inline
 from fedpool.federation import AttemptError, Endpoint, InferenceRequest, Timeouts, post_completion
 from fedpool.pipeline import (
     ArtifactWriter,
@@ -41,8 +44,10 @@ from fedpool.pipeline import (
     request_body,
     summarize_records,
 )
-from fedpool.pipeline.stages import StageCosts, spend_inline
-from fedpool.pipeline.verifier import VerifierConfig, VerifierWorker, judge_item, with_judgment
+from fedpool.pipeline.verifier import VerifierWorker, judge_item, with_judgment
+
+CLIENT_MODES = ("static", "sliding", "whole")
+ClientMode = Literal["static", "sliding", "whole"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,7 @@ class BaselineServer:
     url: str
     engine: str = "unknown"
     accelerator: str | None = None
+    capacity: int = 8  # the engine's concurrent sequences: the sliding window's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,36 +104,45 @@ class ConventionalEval:
         *,
         model: str,
         out_dir: Path,
+        mode: ClientMode = "static",
         batch_size: int = 8,
+        window: int | None = None,
         costs: StageCosts | None = None,
         time_scale: float = 1.0,
         timeouts: Timeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         samples: Sequence[Sample] | None = None,
-        verifier: VerifierConfig | None = None,
+        judge: VerifierWorker | None = None,
     ):
         if not servers:
             raise ValueError(f"conventional eval {spec.name!r} needs at least one server")
-        if batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
-        if spec.verifier and verifier is None:
-            raise ValueError(f"benchmark {spec.name!r} asks for the verifier; pass a VerifierConfig")
+        if mode not in CLIENT_MODES:
+            raise ValueError(f"client mode must be one of {', '.join(CLIENT_MODES)}, not {mode!r}")
+        if batch_size < 1 or (window is not None and window < 1):
+            raise ValueError("batch_size and window must be at least 1")
+        if spec.verifier and judge is None:
+            raise ValueError(f"benchmark {spec.name!r} asks for the verifier; pass its (loaded) judge")
         self.spec = spec
         self.servers = tuple(servers)
         self.model = model
         self.out_dir = out_dir / spec.name
+        self.mode = mode
         self.batch_size = batch_size
+        self.window = window
         self.costs = costs or StageCosts()
         self.time_scale = time_scale
         self.timeouts = timeouts or Timeouts()
         self._clock = clock
         self._samples = list(samples) if samples is not None else None
         self.batches: list[BatchTrace] = []
-        self._verifier = verifier if spec.verifier else None
+        self._judge = judge if spec.verifier else None
 
     async def run(self, session: aiohttp.ClientSession) -> BaselineResult:
         started = self._clock()
         samples = self._samples if self._samples is not None else await asyncio.to_thread(load_samples, self.spec)
+        if self.mode != "static":  # every request built before the first is sent (build_all_requests)
+            for _ in samples:
+                await spend_inline(self.costs.load_s, self.time_scale)
         parts = shards(samples, len(self.servers))
         answers: dict[str, tuple[Sample, str | None, Provenance]] = {}
         first_sent: list[float] = []
@@ -140,11 +155,12 @@ class ConventionalEval:
         # Scoring after inference, serially, in this process.
         writer = await asyncio.to_thread(
             ArtifactWriter, self.out_dir, {"benchmark": self.spec.model_dump(mode="json"), "model": self.model,
-                                           "mode": "conventional", "batch_size": self.batch_size}
+                                           "mode": f"conventional-{self.mode}", "batch_size": self.batch_size,
+                                           "window": self.window}
         )
-        # This process's own judge, loaded now and run on one answer after another (a thread, so the other
+        # This process's own judge (loaded before the clock), on one answer after another (a thread, so the other
         # evals' processes, rendered as tasks here, are not held up).
-        judge = await asyncio.to_thread(VerifierWorker, self._verifier.model_dump()) if self._verifier else None
+        judge = self._judge
         failed = 0
         for sample in samples:
             sample_, text, prov = answers[sample.sample_id]
@@ -168,6 +184,25 @@ class ConventionalEval:
         )
 
     async def _run_shard(
+        self, session: aiohttp.ClientSession, server: BaselineServer, part: list[Sample], first_sent: list[float]
+    ) -> dict[str, tuple[Sample, str | None, Provenance]]:
+        if self.mode == "static":
+            return await self._static(session, server, part, first_sent)
+        # sliding: C in flight, refilled as each answers; whole: everything at once
+        limit = asyncio.Semaphore(self.window or server.capacity) if self.mode == "sliding" else None
+        first_sent.append(self._clock())
+
+        async def one(sample: Sample) -> tuple[Sample, str | None, Provenance]:
+            if limit is None:
+                return (sample, *await self._send(session, server, sample))
+            async with limit:
+                return (sample, *await self._send(session, server, sample))
+
+        answered = await asyncio.gather(*(one(s) for s in part))
+        self.batches.append(BatchTrace(server.id, len(part), first_sent[-1], first_sent[-1], self._clock()))
+        return {sample.sample_id: (sample, text, prov) for sample, text, prov in answered}
+
+    async def _static(
         self, session: aiohttp.ClientSession, server: BaselineServer, part: list[Sample], first_sent: list[float]
     ) -> dict[str, tuple[Sample, str | None, Provenance]]:
         out: dict[str, tuple[Sample, str | None, Provenance]] = {}

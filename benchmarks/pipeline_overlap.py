@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import ray
+from fedpool.benchmarks.costs import StageCosts, actor_hooks
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
@@ -30,7 +31,7 @@ from fedpool.federation import PoolConnection
 from fedpool.pipeline import load_spec
 from fedpool.pipeline.artifact import read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
-from fedpool.pipeline.stages import StageCosts, StagePool
+from fedpool.pipeline.stages import StagePool
 from fedpool.pipeline.verifier import VerifierConfig, VerifierPool, judge_item
 from fedpool.registry import RegistryClient, ServerRecord
 
@@ -51,7 +52,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     model_path = await asyncio.to_thread(ensure_gemma)
     verifier = VerifierPool(VerifierConfig(model_path=str(model_path), actors=args.verifier_actors,
                                            threads=args.verifier_threads))
-    metrics = StagePool(args.metric_actors, num_cpus=1.0, cpu_bound=True)
+    metrics = StagePool(args.metric_actors, num_cpus=1.0)
     try:
         await asyncio.gather(verifier.ready(), metrics.ready())
         async with PoolConnection(registry, policy="least_inflight") as pool:
@@ -64,7 +65,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
             inference_s = time.perf_counter() - t0
             records = await asyncio.to_thread(read_records, inference.artifact_dir / "records.jsonl")
             t1 = time.perf_counter()
-            hooks = metrics.hooks(StageCosts(metric_s=args.metric_s))
+            hooks = actor_hooks(metrics, StageCosts(metric_s=args.metric_s), 1.0, cpu_bound=True)
             assert hooks.after is not None
             await asyncio.gather(*(hooks.after() for _ in records))
             metric_s = time.perf_counter() - t1

@@ -20,8 +20,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from fedpool.benchmarks.assignment import saturated_cost
 from fedpool.benchmarks.report import markdown_table, write_report
-from fedpool.benchmarks.speedup_engine import saturated_cost
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
 from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight

@@ -27,8 +27,8 @@ import time
 from dataclasses import asdict, replace
 
 import psutil
+from fedpool.benchmarks.assignment import Workload, ideal_makespan
 from fedpool.benchmarks.report import markdown_table, write_report
-from fedpool.benchmarks.speedup_engine import ideal_makespan
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 
 MODEL = "sim-7b"
@@ -157,8 +157,8 @@ def main() -> None:
         stop.set()
         farm.join(30)
     sizes = {name: size for name, _, size in evals}
-    tokens = {name: (float(SHAPES[m][0]), float(SHAPES[m][1])) for name, m, _ in evals}
-    lp_engine_s, _ = ideal_makespan(sizes, tokens, profiles, counts)
+    work = [Workload(name, size, float(SHAPES[m][0]), float(SHAPES[m][1])) for name, m, size in evals]
+    lp_engine_s, _ = ideal_makespan(work, profiles, counts)
     # No request can finish faster than alone on the fastest server: prefill, then its answer's decode steps.
     longest = max(min(p.prefill_s_per_token * pt + p.decode_s_per_token * at for p in profiles.values())
                   for pt, at in SHAPES.values())

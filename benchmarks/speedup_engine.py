@@ -1,15 +1,19 @@
 """`fedpool bench speedup`: the same evals on the same servers, conventionally and through fedpool.
 
-Given a pool (emulated engine profiles, a live pool's server URLs, or local llama.cpp servers) and a set
-of evals (synthetic workloads with a modality's shape, or real benchmark specs), this runs
+Given a pool (emulated engine profiles, a live pool's server URLs, or local llama.cpp servers) and a set of
+evals (synthetic workloads with a modality's shape, or real benchmark specs), each repeat runs every arm:
 
-1. **conventional**: the servers split among the evals, each eval in static batches with its CPU
-   stages inline (`clients.conventional`), and
-2. **federated**: every eval at once through the registry, dispatcher and CPU stage actors,
+- the **conventional baselines** (`benchmarks/conventional.py`): each eval on the servers a careful user
+  would give it (`benchmarks/assignment.py`: prefill-aware, exact for small pools), with the client of a real
+  tool — `static` batches, a `sliding` window at the server's capacity, or the `whole` eval handed over at
+  once — and its CPU work where that tool does it;
+- **federated-inline**: every eval at once through the registry and dispatcher, its CPU work left in its own
+  process as the conventional arms do it (what federation alone gains);
+- **federated**: the same with the CPU work on Ray CPU actors (what fedpool gains).
 
-each on a freshly started pool (no warm caches carried from one arm to the other), samples every
-server's own metrics to measure busy time, and computes the ideal makespan (total work over the
-pool's saturated throughput, a linear program over eval × server) for emulated pools.
+The arms alternate (their order reversed on every other repeat) on pools started afresh; each server's own
+metrics are sampled for busy time; for emulated pools the ideal makespan (an LP) and the oracle static split
+(the best equal-shard assignment with the true token counts) bound what any arm could do.
 """
 
 from __future__ import annotations
@@ -31,17 +35,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
-from fedpool.benchmarks.conventional import BaselineResult, BaselineServer, ConventionalEval
+from fedpool.benchmarks.assignment import Workload, best_static_split, careful_split, ideal_makespan, split_makespan
+from fedpool.benchmarks.conventional import CLIENT_MODES, BaselineResult, BaselineServer, ConventionalEval
+from fedpool.benchmarks.costs import StageCosts, actor_hooks, inline_hooks
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy import EngineProcess, free_port
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig, PoolConnection, new_session
-from fedpool.federation.plan_lp import solve_plan
 from fedpool.pipeline import BenchmarkSpec, load_spec, read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
-from fedpool.pipeline.stages import StageCosts, StagePool
-from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
+from fedpool.pipeline.stages import StagePool
+from fedpool.pipeline.verifier import VerifierConfig, VerifierPool, VerifierWorker
 from fedpool.pipeline.yamlfile import field_problems, read_yaml
 from fedpool.registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
@@ -73,11 +78,25 @@ class EmulatedServerConfig(BaseModel):
             raise ValueError(f"unknown profile fields in overrides: {sorted(unknown)}")
         return self
 
-    def resolved(self, output_spread: float | None) -> EmulatorProfile:
+    def resolved(self, output_spread: float | None, perturb_seed: int | None = None) -> EmulatorProfile:
+        """The profile this server runs. With `perturb_seed`, its prefill and decode costs are scaled by
+        independent factors in [0.7, 1.3] (seeded per server): a world routing has never seen."""
         raw = {**asdict(PROFILES[self.profile]), **self.overrides}
         if output_spread is not None and "output_spread" not in self.overrides:
             raw["output_spread"] = output_spread
+        if perturb_seed is not None:
+            prefill, decode = perturbation(perturb_seed, self.id)
+            raw["prefill_s_per_token"] *= prefill
+            raw["decode_s_per_token"] *= decode
+            raw["attn_s_per_ctx_token"] *= decode
+            raw["source"] = f"{raw['source']}; perturbed: prefill ×{prefill:.3f}, decode ×{decode:.3f}"
         return EmulatorProfile(**raw)
+
+
+def perturbation(seed: int, server_id: str) -> tuple[float, float]:
+    """(prefill factor, decode factor) of one server under a perturbation seed: independent, in [0.7, 1.3]."""
+    rng = random.Random(f"perturb:{seed}:{server_id}")
+    return rng.uniform(0.7, 1.3), rng.uniform(0.7, 1.3)
 
 
 class RealServerConfig(BaseModel):
@@ -107,6 +126,8 @@ class PoolConfig(BaseModel):
     model: str = "omni-7b"
     time_scale: float = Field(default=1.0, gt=0, description="emulated engine seconds per wall second")
     output_spread: float | None = Field(default=None, ge=0, lt=1)
+    perturb_seed: int | None = Field(default=None, description="emulated: scale each server's prefill and decode "
+                                     "costs by seeded factors in [0.7, 1.3] that routing never sees")
     emulated: list[EmulatedServerConfig] = Field(default_factory=list)
     servers: list[RealServerConfig] = Field(default_factory=list)
     local_llamacpp: LocalLlamaConfig | None = None
@@ -127,6 +148,9 @@ class PoolConfig(BaseModel):
     @property
     def is_emulated(self) -> bool:
         return bool(self.emulated)
+
+    def profiles(self) -> dict[str, EmulatorProfile]:
+        return {s.id: s.resolved(self.output_spread, self.perturb_seed) for s in self.emulated}
 
 
 class SyntheticEval(BaseModel):
@@ -177,10 +201,17 @@ class VerifierSettings(BaseModel):
     model_path: str | None = None  # default: the Gemma 270M GGUF from the model package
 
 
+ARMS = (*CLIENT_MODES, "federated-inline", "federated")
+
+
 class EvalsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    batch_size: int = Field(default=8, ge=1, le=4096, description="the conventional arm's static batch")
+    baselines: list[Literal["static", "sliding", "whole"]] = Field(
+        default_factory=lambda: list(CLIENT_MODES), min_length=1, description="the conventional arms to run")
+    inline_arm: bool = Field(default=True, description="also run the federated arm with CPU work inline")
+    batch_size: int = Field(default=8, ge=1, le=4096, description="the static arm's batch")
+    window: int | None = Field(default=None, ge=1, description="the sliding arm's window (default: capacity)")
     stage_actors: int = Field(default=4, ge=1, le=256, description="CPU actors for the federated arm's stages")
     concurrency: int = Field(default=1024, ge=1, description="requests each federated eval keeps in flight")
     policy: str = "capacity_weighted"
@@ -190,8 +221,8 @@ class EvalsConfig(BaseModel):
                                  description="federated arm: admission window ceiling = engine capacity × this")
     adaptive_windows: bool = Field(default=True, description="federated arm: windows follow the engine queue")
     verifier: VerifierSettings = Field(default_factory=VerifierSettings)
-    repeats: int = Field(default=1, ge=1, le=20,
-                         description="run both arms this many times; wall times and makespans are the medians")
+    repeats: int = Field(default=3, ge=1, le=20,
+                         description="run every arm this many times; wall times and makespans are the medians")
     seed: int = 0
     evals: list[EvalConfig] = Field(min_length=1)
 
@@ -224,10 +255,9 @@ class PreparedEval:
     size: int
     mean_prompt_tokens: float  # words of the rendered prompts (the emulator's token count)
 
-    def estimated_work(self) -> float:
-        """A GPU-agnostic size for splitting servers: prefill tokens plus decode tokens weighted by how much
-        dearer a decoded token is at a static batch of 8 (≈13× a prefilled one on the profiled GPUs)."""
-        return self.size * (self.mean_prompt_tokens + 13.0 * self.spec.generation.max_tokens)
+    def known_workload(self) -> Workload:
+        """What a user knows beforehand: the size, the prompts' length, max_tokens (answers stop at most there)."""
+        return Workload(self.spec.name, self.size, self.mean_prompt_tokens, float(self.spec.generation.max_tokens))
 
 
 def _mean_prompt_tokens(spec: BenchmarkSpec) -> tuple[int, float]:
@@ -346,7 +376,7 @@ async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClie
     servers = []
     try:
         for s in config.emulated:
-            profile = s.resolved(config.output_spread)
+            profile = s.resolved(config.output_spread, config.perturb_seed)
             port = free_port()
             argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", config.model, "--port", str(port),
                     "--profile-json", json.dumps(asdict(profile)), "--speedup", str(config.time_scale)]
@@ -475,24 +505,11 @@ class ArmResult:
 
 
 def assign_servers(evals: Sequence[PreparedEval], servers: Sequence[LiveServer]) -> dict[str, list[str]]:
-    """Split the GPUs among the evals the way a fair operator would: the heaviest eval gets the fastest
-    server; spare servers go to the heaviest evals in turn. With fewer servers than evals, evals share:
-    heaviest first, each onto the server that would finish its load soonest with it (longest processing
-    time first), so the light evals share a server rather than one of them joining the heaviest."""
-    order = sorted(evals, key=PreparedEval.estimated_work, reverse=True)
-    fastest = sorted(servers, key=lambda s: s.speed, reverse=True)
-    out: dict[str, list[str]] = {p.spec.name: [] for p in evals}
-    if len(fastest) < len(order):
-        load = {s.record.id: 0.0 for s in fastest}
-        for p in order:
-            work = p.estimated_work()
-            best = min(fastest, key=lambda s: (load[s.record.id] + work) / s.speed)  # ties: the fastest
-            load[best.record.id] += work
-            out[p.spec.name].append(best.record.id)
-        return out
-    for i, s in enumerate(fastest):
-        out[order[i % len(order)].spec.name].append(s.record.id)
-    return out
+    """The conventional arms' split: the careful user's (`assignment.careful_split`), from what is known before
+    the run (sizes, prompt lengths, max_tokens, each emulated server's prefill and decode speed)."""
+    profiles = {s.record.id: s.profile for s in servers}
+    split, _ = careful_split([p.known_workload() for p in evals], profiles)
+    return split
 
 
 def _score(summary: dict[str, Any]) -> float | None:
@@ -519,9 +536,14 @@ def _token_means(records: Sequence[Any]) -> tuple[float, float]:
 
 
 async def run_conventional(
-    pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float
+    pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float,
+    mode: str = "static",
 ) -> ArmResult:
     judge = await asyncio.to_thread(verifier_config, config, evals, pool)
+    # Each judged eval's process has its own judge, loaded before the clock starts (warm), as the federated
+    # arm's judge actors are.
+    judges = {p.spec.name: await asyncio.to_thread(VerifierWorker, judge.model_dump())
+              for p in evals if judge is not None and p.spec.verifier}
     async with started_pool(pool, out_dir / "logs", None) as servers:
         by_id = {s.record.id: s for s in servers}
         assignment = assign_servers(evals, servers)
@@ -529,9 +551,11 @@ async def run_conventional(
             ConventionalEval(
                 p.spec,
                 [BaselineServer(sid, by_id[sid].record.url, by_id[sid].record.engine.value,
-                                by_id[sid].record.accelerator) for sid in assignment[p.spec.name]],
-                model=servers[0].record.model, out_dir=out_dir, batch_size=config.batch_size, costs=p.costs,
-                time_scale=pool.time_scale, verifier=judge,
+                                by_id[sid].record.accelerator, by_id[sid].record.capacity or 8)
+                 for sid in assignment[p.spec.name]],
+                model=servers[0].record.model, out_dir=out_dir, mode=mode,  # type: ignore[arg-type]
+                batch_size=config.batch_size, window=config.window, costs=p.costs, time_scale=pool.time_scale,
+                judge=judges.get(p.spec.name),
             )
             for p in evals
         ]
@@ -557,12 +581,13 @@ async def run_conventional(
         outcomes[p.spec.name] = EvalOutcome(p.spec.name, p.modality, p.size, finished, result.records, result.failed,
                                             _score(result.summary), _servers_of(records))
         tokens[p.spec.name] = _token_means(records)
-    return ArmResult("conventional", makespan, outcomes, trace, [s.record.id for s in servers], assignment,
+    return ArmResult(mode, makespan, outcomes, trace, [s.record.id for s in servers], assignment,
                      tokens, engine_busy)
 
 
 async def run_federated(
-    pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float
+    pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float,
+    inline_cpu: bool = False,
 ) -> ArmResult:
     dispatch_log: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fedpool-bench-registry-") as state_dir:
@@ -575,9 +600,11 @@ async def run_federated(
         try:
             async with started_pool(pool, out_dir / "logs", registry) as servers:
                 judge = await asyncio.to_thread(verifier_config, config, evals, pool)
+                if judge is not None:  # as many judge threads as the conventional arms' judged evals have
+                    judge = judge.model_copy(update={"actors": sum(1 for p in evals if p.spec.verifier)})
                 verifier = VerifierPool(judge) if judge is not None else None
-                needs_stages = any(p.costs.load_s + p.costs.metric_s + p.costs.verify_s > 0 for p in evals)
-                stages = StagePool(config.stage_actors, time_scale=pool.time_scale) if needs_stages else None
+                needs_stages = not inline_cpu and any(p.costs.any for p in evals)
+                stages = StagePool(config.stage_actors) if needs_stages else None
                 if stages is not None:
                     await stages.ready()
                 if verifier is not None:
@@ -607,7 +634,10 @@ async def run_federated(
                                 [p.spec for p in evals], conn.dispatcher, out_dir,
                                 EvalTarget(model=servers[0].record.model),
                                 concurrency=config.concurrency, on_progress=on_progress,
-                                stages={p.spec.name: stages.hooks(p.costs) for p in evals} if stages else None,
+                                stages=({p.spec.name: inline_hooks(p.costs, pool.time_scale) for p in evals}
+                                        if inline_cpu else
+                                        {p.spec.name: actor_hooks(stages, p.costs, pool.time_scale) for p in evals}
+                                        if stages else None),
                                 verifier=verifier,
                             )
                         finally:
@@ -634,7 +664,8 @@ async def run_federated(
         )
         tokens[p.spec.name] = _token_means(records)
     await asyncio.to_thread(_write_json, out_dir / "dispatch_log.json", dispatch_log)
-    return ArmResult("federated", makespan, outcomes, trace, server_ids, tokens=tokens, engine_busy_s=engine_busy)
+    return ArmResult("federated-inline" if inline_cpu else "federated", makespan, outcomes, trace, server_ids,
+                     tokens=tokens, engine_busy_s=engine_busy)
 
 
 async def _watch_dispatcher(conn: PoolConnection, out: list[dict[str, Any]], started: float,
@@ -676,100 +707,93 @@ def _write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=1), encoding="utf-8")
 
 
-# ---- the ideal -------------------------------------------------------------------------------------------
-def saturated_cost(profile: EmulatorProfile, prompt: float, completion: float) -> float:
-    """Engine seconds one request occupies on a saturated engine: its prefill, plus its share of full
-    decode steps (batch as large as max_running and the KV budget allow)."""
-    context = prompt + completion
-    n = profile.max_running
-    if profile.kv_cache_tokens is not None and context > 0:
-        n = max(1, min(n, int(profile.kv_cache_tokens // context)))
-    step = (profile.decode_s_per_token * (1 + profile.batch_slowdown * (n - 1))
-            + profile.attn_s_per_ctx_token * n * (prompt + completion / 2))
-    return prompt * profile.prefill_s_per_token + completion * step / n
-
-
-def ideal_makespan(sizes: dict[str, int], tokens: dict[str, tuple[float, float]],
-                   profiles: dict[str, EmulatorProfile], counts: dict[str, int] | None = None,
-                   ) -> tuple[float, dict[str, dict[str, float]]]:
-    """Minimum engine-seconds makespan if every request could go anywhere at saturated cost (an LP:
-    minimise T subject to each eval's requests all placed and each server's work ≤ T). With `counts`,
-    each profile stands for that many identical servers (their work ≤ count × T): the same optimum for
-    a large pool with a small LP."""
-    evals, servers = sorted(sizes), sorted(profiles)
-    cost = {(e, s): saturated_cost(profiles[s], *tokens[e]) for e in evals for s in servers}
-    capacity = {s: float((counts or {}).get(s, 1)) for s in servers}
-    try:
-        makespan, placed = solve_plan(evals, servers, {e: float(sizes[e]) for e in evals}, cost, capacity=capacity)
-    except RuntimeError as exc:
-        raise RuntimeError(f"ideal makespan LP failed: {exc}") from None
-    plan = {e: {s: placed.get(e, {}).get(s, 0.0) for s in servers} for e in evals}
-    return makespan, plan
-
-
 # ---- the whole comparison --------------------------------------------------------------------------------
 @dataclass
 class SpeedupReport:
     pool: PoolConfig
     evals_config: EvalsConfig
     evals: list[PreparedEval]
-    conventional: ArmResult
-    federated: ArmResult
-    ideal_s: float | None  # wall seconds (engine seconds ÷ time_scale)
-    ideal_plan: dict[str, dict[str, float]] | None
+    arms: dict[str, ArmResult]  # each arm's medians over the repeats
+    runs: list[dict[str, ArmResult]]  # every repeat's arms
     profiles: dict[str, EmulatorProfile]
-    runs: list[tuple[ArmResult, ArmResult]] = field(default_factory=list)  # (conventional, federated) per run
-
-    def speedup(self, name: str) -> float:
-        return self.conventional.evals[name].wall_s / max(self.federated.evals[name].wall_s, 1e-9)
-
-    @property
-    def speedups(self) -> dict[str, float]:
-        return {p.spec.name: self.speedup(p.spec.name) for p in self.evals}
+    ideal_s: float | None = None  # wall seconds (engine seconds ÷ time_scale)
+    ideal_plan: dict[str, dict[str, float]] | None = None
+    best_split: dict[str, list[str]] | None = None
+    best_split_s: float | None = None  # the oracle static split's predicted makespan, wall seconds
+    careful_split_s: float | None = None  # the conventional arms' split, predicted the same way
 
     @property
-    def speedup_avg(self) -> float:
-        values = list(self.speedups.values())
+    def federated(self) -> ArmResult:
+        return self.arms["federated"]
+
+    @property
+    def baselines(self) -> list[str]:
+        return [a for a in CLIENT_MODES if a in self.arms]
+
+    @property
+    def strongest(self) -> str:
+        """The conventional arm with the shortest makespan (median over the repeats)."""
+        return min(self.baselines, key=lambda a: self.arms[a].makespan_s)
+
+    def makespan_ratio(self, arm: str, over: str = "federated") -> float:
+        return self.arms[arm].makespan_s / max(self.arms[over].makespan_s, 1e-9)
+
+    def ratio_spread(self, arm: str, over: str = "federated") -> tuple[float, float]:
+        """The same ratio in every repeat: (lowest, highest)."""
+        values = [run[arm].makespan_s / max(run[over].makespan_s, 1e-9) for run in self.runs]
+        return min(values), max(values)
+
+    def speedup(self, name: str, arm: str | None = None) -> float:
+        """One eval's wall time in `arm` (default: the strongest baseline) over the federated arm's."""
+        base = self.arms[arm or self.strongest]
+        return base.evals[name].wall_s / max(self.federated.evals[name].wall_s, 1e-9)
+
+    def mean_speedup(self, arm: str | None = None) -> float:
+        values = [self.speedup(p.spec.name, arm) for p in self.evals]
         return sum(values) / len(values)
-
-    @property
-    def speedup_min(self) -> float:
-        return min(self.speedups.values())
-
-    @property
-    def makespan_speedup(self) -> float:
-        return self.conventional.makespan_s / max(self.federated.makespan_s, 1e-9)
 
     @property
     def vs_ideal(self) -> float | None:
         return self.federated.makespan_s / self.ideal_s if self.ideal_s else None
 
+    @property
+    def best_split_vs_ideal(self) -> float | None:
+        return self.best_split_s / self.ideal_s if self.ideal_s and self.best_split_s else None
+
 
 async def run_speedup(pool: PoolConfig, config: EvalsConfig, out_dir: Path, *, period_s: float = 0.1,
-                      order: Sequence[str] = ("conventional", "federated")) -> SpeedupReport:
+                      arms: Sequence[str] | None = None) -> SpeedupReport:
     # Ray's CPU count is only used to place actors; stage actors and judges must fit beside each other even
     # on a 2-core machine (the engines run outside Ray either way).
     init_local_ray(num_cpus=max(4, os.cpu_count() or 1))
     evals = await asyncio.to_thread(prepare_evals, config, out_dir / "data")
+    order = list(arms) if arms is not None else [*config.baselines, *(["federated-inline"] if config.inline_arm
+                                                                       else []), "federated"]
     runs: list[dict[str, ArmResult]] = []
-    for r in range(config.repeats):  # the arms alternate, so a slow drift of the machine hits both
-        arms: dict[str, ArmResult] = {}
-        for mode in order:
-            log.info("speedup: %s arm, run %d of %d", mode, r + 1, config.repeats)
-            runner = run_conventional if mode == "conventional" else run_federated
-            where = out_dir / mode if config.repeats == 1 else out_dir / f"run{r + 1}" / mode
-            arms[mode] = await runner(pool, evals, config, where, period_s)
-        runs.append(arms)
-    conventional = median_arm([a["conventional"] for a in runs])
-    federated = median_arm([a["federated"] for a in runs])
-    profiles = {s.id: s.resolved(pool.output_spread) for s in pool.emulated}
-    ideal_s = plan = None
+    for r in range(config.repeats):  # alternating order, so a slow drift of the machine hits every arm alike
+        results: dict[str, ArmResult] = {}
+        for arm in (order if r % 2 == 0 else list(reversed(order))):
+            log.info("speedup: %s arm, run %d of %d", arm, r + 1, config.repeats)
+            where = out_dir / f"run{r + 1}" / arm
+            if arm in CLIENT_MODES:
+                results[arm] = await run_conventional(pool, evals, config, where, period_s, arm)
+            else:
+                results[arm] = await run_federated(pool, evals, config, where, period_s,
+                                                   inline_cpu=arm == "federated-inline")
+            print(f"[bench] run {r + 1}/{config.repeats} {arm}: makespan {results[arm].makespan_s:.1f} s", flush=True)
+        runs.append(results)
+    medians = {arm: median_arm([run[arm] for run in runs]) for arm in order}
+    report = SpeedupReport(pool, config, evals, medians, runs, pool.profiles())
     if pool.is_emulated:
-        sizes = {p.spec.name: p.size for p in evals}
-        engine_s, plan = ideal_makespan(sizes, federated.tokens, profiles)
-        ideal_s = engine_s / pool.time_scale
-    return SpeedupReport(pool, config, evals, conventional, federated, ideal_s, plan, profiles,
-                         runs=[(a["conventional"], a["federated"]) for a in runs])
+        fed = medians["federated"]
+        true = [Workload(p.spec.name, p.size, *fed.tokens[p.spec.name]) for p in evals]
+        engine_s, report.ideal_plan = ideal_makespan(true, report.profiles)
+        report.ideal_s = engine_s / pool.time_scale
+        report.best_split, best_s = best_static_split(true, report.profiles)
+        report.best_split_s = best_s / pool.time_scale
+        careful = next(iter(medians[a] for a in report.baselines)).assignment
+        report.careful_split_s = split_makespan(careful, true, report.profiles) / pool.time_scale
+    return report
 
 
 def median_arm(arms: Sequence[ArmResult]) -> ArmResult:

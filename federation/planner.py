@@ -8,12 +8,13 @@ And accelerators differ more in prefill (compute) than in decode (bandwidth). Sp
 every server in proportion to capacity ignores both.
 
 What. Every `period_s` the policy solves (`plan_lp.solve_plan`): minimise T subject to each client's unsent
-requests placed and each server kind's share of that work at most T (servers of one kind are one column,
-weighted by their measured speeds); prices from `pricing`. The solution is a vertex: each client lands on
-few server kinds, decode-heavy clients apart from prefill-heavy ones. A client's request is then placed
-only on a server of its plan (the kind with the most quota left, round-robin within it); when those are
-full the request is held for them (a later plan may move it). With a client order other than `fair`, a
-phased plan makes clients finish in that order within `makespan_slack` of the shortest makespan.
+requests placed and each server kind's share of that work at most T (servers of one kind are one column, their
+members sharing by measured speed); prices from `pricing` (a data-sheet prior, then fitted per kind). The
+solution is a vertex: each client lands on few server kinds, decode-heavy clients apart from prefill-heavy
+ones. A client's request is then placed only on a server of its plan (the kind with the most quota left,
+round-robin within it); when those are full the request is held for them (a later plan may move it). With a
+client order other than `fair`, a phased plan makes clients finish in that order within `makespan_slack` of
+the shortest makespan.
 
 Shapes are learned per client from the answers' usage, with the client's announced or guessed shape
 (`ClientBook`) until then. In-flight counts and busy time are the dispatcher's ledger. No I/O.
@@ -30,7 +31,7 @@ from typing import Any
 
 from fedpool.federation.plan_lp import MIN_SHARE, solve_phased_plan, solve_plan
 from fedpool.federation.policies import Candidate, DispatchState, Hold, Policy, RouteContext, RouteDecision, RouteView
-from fedpool.federation.pricing import SpeedCalibration, server_cost
+from fedpool.federation.pricing import CostFit, SpeedCalibration
 from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.planner")
@@ -58,6 +59,11 @@ class Plan:
     kind_of: Mapping[str, str] = field(default_factory=dict)  # server id -> kind
 
 
+def kind_key(server: ServerEntry) -> str:
+    """The plan's column for a server: its accelerator, GPU count and capacity."""
+    return f"{server.record.accelerator}x{server.record.gpu_count}/{server.capacity}"
+
+
 class PlannedRouting(Policy, name="planned"):
     """Routes by the plan; the dispatcher tells it, through the ledger and the client book, what it sends."""
 
@@ -78,6 +84,7 @@ class PlannedRouting(Policy, name="planned"):
         self._calibration_answers = calibration_answers
         self._state: DispatchState | None = None
         self._speed: SpeedCalibration | None = None
+        self._fit: CostFit | None = None
         self._shapes: dict[str, _Shape] = {}
         self._sent: dict[str, Counter[str]] = {}  # since the plan: client -> kind -> requests placed
         self._cursor: dict[tuple[str, str], int] = {}  # round-robin position per client, kind
@@ -91,6 +98,7 @@ class PlannedRouting(Policy, name="planned"):
         self._state = state
         self._speed = SpeedCalibration(state.ledger, state.clock, tau_s=20 * self.period_s,
                                        min_answers=self._calibration_answers, enabled=self._calibrate)
+        self._fit = CostFit(state.ledger, state.clock, tau_s=20 * self.period_s, enabled=self._calibrate)
 
     @property
     def _st(self) -> DispatchState:
@@ -130,8 +138,9 @@ class PlannedRouting(Policy, name="planned"):
         shape.prompt_sum += prompt_tokens
         shape.completion_sum += completion_tokens
         shape.answered += 1
-        if self._speed is not None:
+        if self._speed is not None and self._fit is not None:
             self._speed.observe(server, prompt_tokens, completion_tokens)
+            self._fit.observe(server, kind_key(server), prompt_tokens, completion_tokens)
 
     def recheck_s(self) -> float | None:
         """Quotas move with time (a new plan every period), and the first plan waits for the warm-up."""
@@ -251,18 +260,23 @@ class PlannedRouting(Policy, name="planned"):
         servers = list(route)
         if not clients or not servers:
             return Plan(now, 0.0, {})  # nothing to plan: every client waits for the next plan
-        # Servers of one kind (accelerator, GPUs, capacity) form one LP column weighted by their measured
-        # speeds: the LP is as small as the number of kinds, and identical servers cannot swap roles from one
-        # plan to the next (a degenerate LP flipped a client between two equal V100s every period).
-        assert self._speed is not None
-        speed = self._speed.factors(servers)
-        kinds: dict[tuple[str, int, int], list[ServerEntry]] = {}
+        # Servers of one kind (accelerator, GPUs, capacity) form one LP column: the LP is as small as the number
+        # of kinds, and identical servers cannot swap roles from one plan to the next (a degenerate LP flipped
+        # a client between two equal V100s every period). A kind's cost per request is fitted from its
+        # members' answers (`CostFit`, the data sheet's prior until then); its members share its work by their
+        # measured speeds relative to each other.
+        assert self._speed is not None and self._fit is not None
+        columns: dict[str, list[ServerEntry]] = {}
         for server in servers:
-            kinds.setdefault((server.record.accelerator, server.record.gpu_count, server.capacity), []).append(server)
-        columns = {f"{k[0]}x{k[1]}/{k[2]}": members for k, members in kinds.items()}
-        weight = {col: sum(speed[m.id] for m in members) for col, members in columns.items()}
-        cost = {(c, col): max(1e-12, server_cost(members[0]).of(*shapes[c]))
-                for col, members in columns.items() for c in clients}
+            columns.setdefault(kind_key(server), []).append(server)
+        speed = self._speed.factors(servers)
+        within = {}
+        for members in columns.values():
+            mean = sum(speed[m.id] for m in members) / len(members)
+            within.update({m.id: speed[m.id] / mean for m in members})
+        weight = {col: float(len(members)) for col, members in columns.items()}
+        kind_cost = self._fit.costs(columns)
+        cost = {(c, col): max(1e-12, kind_cost[col].of(*shapes[c])) for col in columns for c in clients}
         ids = sorted(columns)
         counts = {c: unsent[c] for c in clients}
         makespan, by_kind = solve_plan(clients, ids, counts, cost, None, weight)
@@ -276,6 +290,6 @@ class PlannedRouting(Policy, name="planned"):
         for c, quotas in by_kind.items():
             for col, n in quotas.items():
                 for member in columns[col]:  # a kind's share split by each member's speed
-                    x.setdefault(c, {})[member.id] = n * speed[member.id] / weight[col]
+                    x.setdefault(c, {})[member.id] = n * within[member.id] / weight[col]
         kind_of = {m.id: col for col, members in columns.items() for m in members}
         return Plan(now, makespan, x, by_kind, columns, kind_of)

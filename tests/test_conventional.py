@@ -10,9 +10,9 @@ from pathlib import Path
 
 import aiohttp
 from fedpool.benchmarks.conventional import BaselineServer, ConventionalEval, shards
+from fedpool.benchmarks.costs import StageCosts
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.pipeline import BenchmarkSpec, read_records
-from fedpool.pipeline.stages import StageCosts
 
 SCALE = 20.0  # emulated engine seconds per wall second
 
@@ -104,3 +104,74 @@ async def test_several_servers_split_the_samples_into_contiguous_shards(tmp_path
     by_server = {r.sample_id: r.provenance.server_id for r in records}
     assert [by_server[f"s{i:03d}"] for i in range(21)] == ["srv0"] * 11 + ["srv1"] * 10
     assert [len(p) for p in shards(list(range(5)), 3)] == [2, 2, 1]
+
+
+async def test_a_sliding_window_keeps_c_in_flight_and_refills_as_each_answers(tmp_path: Path) -> None:
+    """lm-eval's API client with num_concurrent=C: never more than C at the engine, and the next request goes
+    out as soon as one answers (no batch barrier: answers of uneven length do not hold the others back)."""
+    server = await start(spread=0.8)
+    spec = make_spec(tmp_path, 30)
+    costs = StageCosts(load_s=0.1)
+    run = ConventionalEval(spec, [BaselineServer("a", server.url, capacity=6)], model="m", out_dir=tmp_path / "out",
+                           mode="sliding", costs=costs, time_scale=SCALE)
+    peak = RunningPeak([server])
+    watcher = asyncio.create_task(peak.watch())
+    started = asyncio.get_running_loop().time()
+    try:
+        async with aiohttp.ClientSession() as session:
+            result = await run.run(session)
+    finally:
+        watcher.cancel()
+        await server.stop()
+    assert peak.peak[0] == 6  # the window: the server's capacity, full
+    assert result.records == 30 and result.failed == 0
+    # Every request was built before the first went out (30 loads, serially), as build_all_requests does.
+    assert result.batches[0].sent - started >= 30 * 0.1 / SCALE * 0.95
+    # Refilled: the window stays full, so the whole shard takes about 30/6 rounds of answers, not more.
+    records = read_records(tmp_path / "out" / "conv" / "records.jsonl")
+    mean_latency = sum(r.provenance.latency_s or 0 for r in records) / len(records)
+    assert result.inference_s <= (30 / 6 + 2) * mean_latency
+
+
+async def test_the_whole_eval_is_handed_over_at_once(tmp_path: Path) -> None:
+    """lm-eval's vLLM backend with batch_size=auto: every request at the engine at once."""
+    server = await start(max_running=64)
+    spec = make_spec(tmp_path, 40)
+    run = ConventionalEval(spec, [BaselineServer("a", server.url, capacity=8)], model="m", out_dir=tmp_path / "out",
+                           mode="whole", time_scale=SCALE)
+    peak = RunningPeak([server])
+    watcher = asyncio.create_task(peak.watch())
+    try:
+        async with aiohttp.ClientSession() as session:
+            result = await run.run(session)
+    finally:
+        watcher.cancel()
+        await server.stop()
+    assert peak.peak[0] == 40 and result.records == 40  # all of them, whatever the declared capacity
+
+
+def test_the_careful_split_is_prefill_aware_and_exact_for_small_pools() -> None:
+    """The conventional arms' assignment is the best a careful user could make from the data sheets: the
+    prompt-heavy eval goes where prefill is fast even though a decode-speed ranking would not put it there,
+    and for small pools no other assignment predicts a shorter makespan."""
+    import itertools
+
+    from fedpool.benchmarks.assignment import Workload, careful_split, ideal_makespan, split_makespan
+    from fedpool.deploy.emulator import PROFILES
+
+    a100, v100 = PROFILES["vllm-a100-80gb-7b"], PROFILES["vllm-v100-32gb-7b"]
+    profiles = {"a100": a100, "v100-0": v100, "v100-1": v100}
+    work = [Workload("video", 300, 7000, 32), Workload("text", 1200, 250, 384), Workload("image", 1600, 1100, 24)]
+    split, span = careful_split(work, profiles)
+    assert split["video"] == ["a100"] or "a100" in split["video"]
+    subsets = [c for k in range(1, 4) for c in itertools.combinations(sorted(profiles), k)]
+    every = min(split_makespan({w.name: list(c) for w, c in zip(work, choice, strict=True)}, work, profiles)
+                for choice in itertools.product(subsets, repeat=3))
+    assert span == every  # exact: the minimum over every assignment
+    # Many evals, few servers: longest-first onto the server that finishes it soonest, each eval on one.
+    many = [Workload(f"e{i}", 100 + 50 * i, 500, 64) for i in range(12)]
+    big_split, big_span = careful_split(many, profiles)
+    assert all(len(s) == 1 for s in big_split.values())
+    ideal, _ = ideal_makespan(many, profiles)
+    largest = max(split_makespan({w.name: ["a100"]}, [w], {"a100": a100}) for w in many)
+    assert ideal <= big_span <= ideal + largest  # the list-scheduling bound: within one eval of the fluid optimum

@@ -538,8 +538,13 @@ def test_generation_parameters_are_typed_on_the_request() -> None:
 @pytest.mark.parametrize("rate", [100.0, 300.0])
 async def test_identical_servers_share_open_loop_traffic_evenly(emulators: EmulatorFactory, rate: float) -> None:
     """Two identical servers under an open-loop load (requests arrive at `rate` per second whatever the answers
-    do): within ±10% of half each. Weights from tokens per busy second used to run away (the server given more
-    batched more, measured faster and was given more still: 92/8 at 100 req/s on the gateway benchmark)."""
+    do). Weights from tokens per busy second used to run away (the server given more batched more, measured
+    faster and was given more still: 92/8 at 100 req/s on the gateway benchmark), and at a light load every
+    request that found both idle went to the one measured faster, which starved the other of the answers that
+    would have corrected its rate (264/36). Loaded (300/s, always something in flight): within ±10% of half.
+    Light (100/s, both mostly idle): idle servers take turns in proportion to their measured speeds, which
+    for two equal servers differ by the measurement's noise (in-process servers, asyncio debug: up to ~30%),
+    so within ±20% of half - and never a runaway."""
     servers = [await emulators.start(max_running=64, decode_s=0.0005) for _ in range(2)]
     snap = snapshot_of(servers, capacity=64)
     config = DispatchConfig(learn_period_s=0.25)  # several learning periods within the run
@@ -554,4 +559,4 @@ async def test_identical_servers_share_open_loop_traffic_evenly(emulators: Emula
             tasks.append(asyncio.create_task(dispatcher.submit(request(i))))
         results = await asyncio.gather(*tasks)
     share = Counter(r.server_id for r in results)
-    assert abs(share["s0"] / len(results) - 0.5) <= 0.05, share
+    assert abs(share["s0"] / len(results) - 0.5) <= (0.05 if rate >= 300 else 0.1), share

@@ -77,8 +77,10 @@ def test_policies_are_deterministic_given_the_seed() -> None:
         assert first == again, name
 
 
-def test_capacity_weighted_treats_near_equal_expected_waits_as_a_tie() -> None:
-    """Identical servers learn slightly different rates; both idle, they must share (it sent all to one)."""
+def test_capacity_weighted_shares_idle_servers_by_speed_and_breaks_near_ties_evenly() -> None:
+    """Identical servers learn slightly different rates; both idle, they must share (it sent all to one, and
+    the one starved of answers never had its rate measured again). Idle servers take turns in proportion to
+    speed; busy servers whose expected waits are within 10% are a tie, shared evenly."""
     import random as _random
     from collections import Counter as _Counter
 
@@ -87,7 +89,14 @@ def test_capacity_weighted_treats_near_equal_expected_waits_as_a_tie() -> None:
     policy = make_policy("capacity_weighted", _random.Random(3))
     idle = [Candidate("a", 0, 64, 64, 100.0), Candidate("b", 0, 64, 64, 103.0)]
     picks = _Counter(policy.choose(idle, RouteContext("r")).server_id for _ in range(2000))
-    assert abs(picks["a"] / 2000 - 0.5) < 0.05, picks
-    # A real difference still decides: twice the speed, twice less expected wait.
+    assert abs(picks["a"] - 2000 * 100 / 203) <= 2, picks  # stride scheduling: exact turns, no drift
     fast = [Candidate("v100", 0, 64, 64, 100.0), Candidate("a100", 0, 64, 64, 200.0)]
-    assert {policy.choose(fast, RouteContext("r")).server_id for _ in range(200)} == {"a100"}
+    picks = _Counter(policy.choose(fast, RouteContext("r")).server_id for _ in range(300))
+    assert abs(picks["a100"] - 200) <= 2, picks  # twice the speed, twice the share while both are idle
+    # Busy: the expected wait decides, and near-equal waits are a tie shared evenly.
+    busy = [Candidate("a", 3, 64, 64, 100.0), Candidate("b", 3, 64, 64, 105.0)]
+    policy = make_policy("capacity_weighted", _random.Random(3))  # (its pick counts span idle and busy turns)
+    picks = _Counter(policy.choose(busy, RouteContext("r")).server_id for _ in range(1000))
+    assert abs(picks["a"] - 500) <= 2, picks
+    unequal = [Candidate("v100", 3, 64, 64, 100.0), Candidate("a100", 3, 64, 64, 200.0)]
+    assert {policy.choose(unequal, RouteContext("r")).server_id for _ in range(200)} == {"a100"}

@@ -21,13 +21,14 @@ MODEL = "node-loss-model"
 
 
 async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, object]:
+    from fedpool.benchmarks.costs import StageCosts, actor_hooks
     from fedpool.benchmarks.reliability import count
     from fedpool.clients import EvalProgress, EvalTarget, run_evals
     from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
     from fedpool.federation import PoolConnection
     from fedpool.pipeline import load_spec
     from fedpool.pipeline.bundled import bundled_spec_paths
-    from fedpool.pipeline.stages import StageCosts, StagePool
+    from fedpool.pipeline.stages import StagePool
     from fedpool.registry import RegistryClient, ServerRecord
 
     work = Path(tempfile.mkdtemp(prefix="fedpool-node-loss-"))
@@ -43,7 +44,7 @@ async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, ob
     await stages.ready()
     placed_before = sorted(set(await asyncio.gather(*(a.node.remote() for a in stages._actors))))
     specs = [load_spec(p) for p in bundled_spec_paths() if p.stem in ("arith", "capitals")]
-    hooks = stages.hooks(StageCosts(load_s=0.02, metric_s=0.02))
+    hooks = actor_hooks(stages, StageCosts(load_s=0.02, metric_s=0.02), 1.0)
     total = 135
     done: dict[str, int] = {}
     removed = asyncio.Event()

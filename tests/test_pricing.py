@@ -1,0 +1,101 @@
+"""Planned routing's prices: data-sheet priors that are not the emulator's generating constants, and a fit
+that learns each server kind's real costs (both its speed and its prefill-to-decode ratio) from answers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from fedpool.federation import pricing
+from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.pricing import CostFit, server_cost
+from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _entry(sid: str, accelerator: str, capacity: int = 256) -> ServerEntry:
+    record = ServerRecord(id=sid, url="http://127.0.0.1:1", engine=Engine.VLLM, model="m",
+                          accelerator=accelerator, gpu_count=1)
+    return ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=capacity, weight=1.0)
+
+
+def _emulator_efficiencies() -> dict[str, set[float]]:
+    """The keyword values deploy/emulator.py derives its GPU profiles from (mfu, bw_eff, overhead)."""
+    tree = ast.parse((ROOT / "deploy" / "emulator.py").read_text())
+    found: dict[str, set[float]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_derived":
+            for kw in node.keywords:
+                if kw.arg in {"mfu", "bw_eff", "overhead"} and isinstance(kw.value, ast.Constant):
+                    found.setdefault(kw.arg, set()).add(float(kw.value.value))
+    return found
+
+
+def test_priors_are_not_the_emulators_generating_constants() -> None:
+    emulator = _emulator_efficiencies()
+    assert emulator["mfu"] and emulator["bw_eff"], "the emulator's derivation moved: update this test's reader"
+    assert pricing.PREFILL_EFFICIENCY not in emulator["mfu"]
+    assert pricing.DECODE_BW_EFFICIENCY not in emulator["bw_eff"]
+    # and the prior's A100:V100 prefill ratio is the data sheets' (312:125), not the emulator's (which also
+    # gives the V100 a lower efficiency): the fit has to learn the difference
+    a100, v100 = server_cost(_entry("a", "A100")), server_cost(_entry("v", "V100"))
+    assert v100.prefill_s_per_token / a100.prefill_s_per_token == pytest.approx(312 / 125)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("true_prefill,true_decode", [(3.0, 1.0), (0.8, 2.5)])
+def test_cost_fit_learns_a_kinds_prefill_and_decode_factors(true_prefill: float, true_decode: float) -> None:
+    """A server whose real prefill and decode cost `true_*` × the prior's, answering a mix of prompt-heavy and
+    decode-heavy requests: the fit's factors converge on the true ones, the prior itself does not move."""
+    clock = _Clock()
+    ledger = InflightLedger(clock=clock, wall_clock=clock)
+    fit = CostFit(ledger, clock, tau_s=1e6, window_s=1.0)
+    server = _entry("s", "A100")
+    prior = server_cost(server)
+    before = server_cost(server)
+    import random
+    rng = random.Random(3)
+    for _ in range(60):
+        prompt, completion = rng.choice([(4000, 4), (100, 400), (1500, 60)])
+        busy = prompt * prior.prefill_s_per_token * true_prefill + completion * prior.decode_s_per_token * true_decode
+        ledger.take("s", "c")
+        clock.t += busy
+        ledger.release("s", "c")
+        clock.t += 0.4  # idle between requests: not busy time
+        fit.observe(server, "k", prompt, completion)
+    a, b = fit.fitted_kinds()["k"]
+    assert a == pytest.approx(true_prefill, rel=0.1)
+    assert b == pytest.approx(true_decode, rel=0.1)
+    assert server_cost(server) == before
+    cost = fit.costs({"k": [server]})["k"]
+    assert cost.prefill_s_per_token == pytest.approx(prior.prefill_s_per_token * true_prefill, rel=0.1)
+
+
+def test_unfitted_kinds_take_the_fitted_kinds_mean_speed() -> None:
+    clock = _Clock()
+    ledger = InflightLedger(clock=clock, wall_clock=clock)
+    fit = CostFit(ledger, clock, tau_s=1e6, window_s=1.0)
+    a100, v100 = _entry("a", "A100"), _entry("v", "V100")
+    prior = server_cost(a100)
+    for _ in range(10):
+        busy = prior.of(1000, 100) * 2.0
+        ledger.take("a", "c")
+        clock.t += busy
+        ledger.release("a", "c")
+        clock.t += 1.0
+        fit.observe(a100, "A", 1000, 100)
+    costs = fit.costs({"A": [a100], "V": [v100]})
+    assert costs["A"].of(1000, 100) == pytest.approx(2.0 * prior.of(1000, 100), rel=0.05)
+    # the V100 kind has no answers: its prior, on the fitted kinds' scale
+    assert costs["V"].of(1000, 100) == pytest.approx(2.0 * server_cost(v100).of(1000, 100), rel=0.05)
+    disabled = CostFit(ledger, clock, tau_s=1e6, enabled=False)
+    assert disabled.costs({"A": [a100]})["A"] == server_cost(a100)
