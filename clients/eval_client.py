@@ -38,7 +38,7 @@ from fedpool.pipeline import (
 )
 from fedpool.pipeline.media import MediaPool, encode_in_thread
 from fedpool.pipeline.postprocess import OPTION_LETTERS
-from fedpool.pipeline.stages import StageHooks
+from fedpool.pipeline.stages import StageHooks, StagePool
 from fedpool.pipeline.verifier import VerifierPool, judge_item, judge_prompt_words, with_judgment
 
 log = logging.getLogger("fedpool.client")
@@ -119,6 +119,7 @@ class EvalRun:
         verifier: VerifierPool | None = None,
         stages: StageHooks | None = None,
         media: MediaPool | None = None,
+        scoring: StagePool | None = None,
         retry_failed: bool = False,
     ):
         if concurrency < 1:
@@ -135,6 +136,7 @@ class EvalRun:
         self._counters = _Counters()
         self._stages = stages or StageHooks()
         self._media = media
+        self._scoring = scoring  # CPU actors for the benchmark's summary (corpus metrics, bootstraps)
         self._retry_failed = retry_failed
         self._work_each = 1.0
         self._post: set[asyncio.Task[None]] = set()
@@ -230,7 +232,7 @@ class EvalRun:
         for where in counted.foreign:
             log.warning("%s: a record of a sample that is not in the dataset, not scored", where)
         wall = self._clock() - started
-        summary = summarize_records(self.spec, counted.records)
+        summary = await self._summarize(list(counted.records))
         summary.update(
             {
                 "model": self._target.model,
@@ -249,6 +251,17 @@ class EvalRun:
         )
         await asyncio.to_thread(writer.write_summary, summary)
         return EvalSummary(self.spec.name, self._dir, summary, wall, writer.resumed, self._counters.written)
+
+    async def _summarize(self, records: list[Record]) -> dict[str, Any]:
+        """The benchmark's scores (corpus WER/BLEU/chrF, bootstrap intervals over every record): on a CPU
+        actor when the run has them, else on a thread; never on the event loop, which has other evals'
+        requests in flight. An actor that fails (its node gone for good) leaves the work to a thread."""
+        if self._scoring is not None:
+            try:
+                return await self._scoring.run(summarize_records, self.spec, records)
+            except Exception as exc:
+                log.warning("%s: scoring actor failed (%s); scoring here", self.spec.name, type(exc).__name__)
+        return await asyncio.to_thread(summarize_records, self.spec, records)
 
     async def _prefetch(self, todo: list[Sample], queue: asyncio.Queue[Sample | None], n_workers: int) -> None:
         """Loads samples on the CPU actors in chunks (stage work, media encoding), several chunks at once,

@@ -11,7 +11,7 @@ from fedpool.clients.eval_client import EvalProgress, EvalRun, EvalSummary, Eval
 from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec
 from fedpool.pipeline.media import MediaPool
-from fedpool.pipeline.stages import StageHooks
+from fedpool.pipeline.stages import StageHooks, StagePool
 from fedpool.pipeline.verifier import VerifierPool
 
 
@@ -28,6 +28,7 @@ async def run_evals(
     verifier: VerifierPool | None = None,
     stages: dict[str, StageHooks] | None = None,
     media: MediaPool | None = None,
+    scoring: StagePool | None = None,
     retry_failed: bool = False,
 ) -> list[EvalSummary]:
     """All evals concurrently; each writes its own artifact directory under `out_dir`."""
@@ -39,7 +40,7 @@ async def run_evals(
         EvalRun(
             spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,
             secrets=secrets, on_progress=on_progress, verifier=verifier,
-            stages=(stages or {}).get(spec.name), media=media, retry_failed=retry_failed,
+            stages=(stages or {}).get(spec.name), media=media, scoring=scoring, retry_failed=retry_failed,
         )
         for spec in specs
     ]

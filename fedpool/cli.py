@@ -40,6 +40,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -364,6 +374,9 @@ def _verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verifier-threads", type=_positive_int, default=1, help="threads per judge actor")
     parser.add_argument("--media-actors", type=_positive_int, default=2,
                         help="Ray CPU actors encoding images, audio and video frames (specs with media)")
+    parser.add_argument("--metric-actors", type=_non_negative_int, default=1,
+                        help="Ray CPU actors computing each benchmark's summary: corpus WER/BLEU/chrF and "
+                             "bootstrap intervals (0: on a thread of this process)")
 
 
 def _ray_flags(parser: argparse.ArgumentParser) -> None:

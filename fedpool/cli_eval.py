@@ -272,13 +272,17 @@ async def _eval_through_pool(
     from fedpool.clients import EvalTarget, run_evals
     from fedpool.federation import DispatchConfig, PoolConnection
     from fedpool.pipeline.media import MediaPool
+    from fedpool.pipeline.stages import StagePool
     from fedpool.progress import ProgressView
 
     verifier = verifier_pool(args) if any(s.verifier for s in specs) else None
     # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
     media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
+    # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well.
+    n_scoring = getattr(args, "metric_actors", 1)
+    scoring = StagePool(n_scoring, num_cpus=0.25) if n_scoring > 0 else None
     try:
-        await asyncio.gather(*(x.ready() for x in (verifier, media) if x is not None))
+        await asyncio.gather(*(x.ready() for x in (verifier, media, scoring) if x is not None))
         dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"),
                                   no_server_timeout_s=getattr(args, "no_server_timeout", 60.0))
         policy = "planned" if plan.get("planned") else plan["policy"]  # runs saved before `planned` was a policy
@@ -287,11 +291,12 @@ async def _eval_through_pool(
             async with view:
                 return await run_evals(
                     specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
-                    concurrency=plan["concurrency"], verifier=verifier, media=media, on_progress=view.update,
+                    concurrency=plan["concurrency"], verifier=verifier, media=media, scoring=scoring,
+                    on_progress=view.update,
                     retry_failed=retry_failed,
                     run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
                               "client_order": dispatch.client_order, "planned": policy == "planned"})
     finally:
-        for pool_of_actors in (verifier, media):
+        for pool_of_actors in (verifier, media, scoring):
             if pool_of_actors is not None:
                 pool_of_actors.shutdown()

@@ -108,3 +108,30 @@ async def test_judge_calls_count_as_work_left_when_judges_share_the_engines_core
         assert answered["arith"][-1] < answered["capitals_mc"][0], answered
     else:
         assert answered["capitals_mc"][-1] < answered["arith"][0], answered
+
+
+async def test_benchmark_summaries_are_computed_on_cpu_actors(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """`fedpool eval run` hands each benchmark's summary (corpus metrics, bootstrap intervals) to CPU actors:
+    the scores are the same as computed in the process, and the actors did the work (one call per eval)."""
+    from fedpool.pipeline import summarize_records
+    from fedpool.pipeline.artifact import read_records
+    from fedpool.pipeline.stages import StagePool
+
+    server = await emulators.start(model="emu-model")
+    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=4))
+    specs = [load_spec(p) for p in bundled_spec_paths()[:2]]
+    specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": 8})}) for s in specs]
+    scoring = StagePool(1, num_cpus=0.1)
+    try:
+        await scoring.ready()
+        async with PoolConnection(registry) as pool:
+            summaries = await run_evals(specs, pool.dispatcher, tmp_path, EvalTarget(model="emu-model"),
+                                        scoring=scoring)
+    finally:
+        scoring.shutdown()
+    assert scoring.calls == len(specs)
+    for spec, summary in zip(specs, summaries, strict=True):
+        here = summarize_records(spec, read_records(summary.artifact_dir / "records.jsonl"))
+        assert summary.summary["scores"] == here["scores"] and summary.summary["records"] == 8
