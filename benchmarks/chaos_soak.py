@@ -107,7 +107,8 @@ class Soak:
     async def drive(self, run: Run) -> None:
         """Run, then resume after every kill or incomplete end, until the run exits 0."""
         while not run.done:
-            if run.starts == 0:
+            # A run killed before it wrote its eval.json left nothing to resume: it is started again.
+            if run.starts == 0 or not (run.out / "eval.json").exists():
                 args = ["eval", "run", *(a for s in run.specs for a in ("--spec", str(s))), "--model", MODEL,
                         "--out", str(run.out), "--concurrency", "16", "--no-server-timeout", "120"]
             else:

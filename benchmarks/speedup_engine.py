@@ -791,8 +791,9 @@ async def run_speedup(pool: PoolConfig, config: EvalsConfig, out_dir: Path, *, p
         report.ideal_s = engine_s / pool.time_scale
         report.best_split, best_s = best_static_split(true, report.profiles)
         report.best_split_s = best_s / pool.time_scale
-        careful = next(iter(medians[a] for a in report.baselines)).assignment
-        report.careful_split_s = split_makespan(careful, true, report.profiles) / pool.time_scale
+        if report.baselines:
+            careful = medians[report.baselines[0]].assignment
+            report.careful_split_s = split_makespan(careful, true, report.profiles) / pool.time_scale
     return report
 
 

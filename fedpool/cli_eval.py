@@ -86,6 +86,12 @@ def _read_plan(out: Path) -> dict[str, Any]:
     try:
         plan = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        from fedpool.pipeline.ownership import LOCK_FILE
+
+        if out.is_dir() and {p.name for p in out.iterdir()} == {LOCK_FILE}:
+            raise CliError(f"{out} has no {EVAL_FILE}: the `fedpool eval run` that made it stopped before writing "
+                           f"anything, so there is nothing to resume; run `fedpool eval run --out {out}` again",
+                           EXIT_USAGE) from None
         raise CliError(f"{out} has no {EVAL_FILE}: not a directory made by `fedpool eval run`", EXIT_USAGE) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CliError(f"{path}: not a fedpool run description ({type(exc).__name__}); it was damaged",

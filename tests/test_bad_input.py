@@ -166,6 +166,12 @@ def _resume_without_plan(tmp: Path) -> str:
     return _cli_fails("eval", "resume", str(tmp / "run"))
 
 
+def _resume_run_killed_before_writing(tmp: Path) -> str:
+    (tmp / "run").mkdir()
+    (tmp / "run" / ".fedpool.lock").write_text("")  # all a run killed at its first step leaves
+    return _cli_fails("eval", "resume", str(tmp / "run"))
+
+
 def _resume_damaged_plan(tmp: Path) -> str:
     (tmp / "run").mkdir()
     (tmp / "run" / "eval.json").write_text('{"specs": [')
@@ -372,6 +378,8 @@ CASES: list[Case] = [
     ("CLI flag", "missing data file: nothing written", _missing_data_leaves_nothing, ("d.jsonl", "does not exist")),
     ("CLI flag", "--out is a file", _out_is_a_file, ("out", "not a directory")),
     ("CLI flag", "resume a directory without a run", _resume_without_plan, ("run", "no eval.json")),
+    ("CLI flag", "resume a run killed before it wrote anything", _resume_run_killed_before_writing,
+     ("nothing to resume", "fedpool eval run --out")),
     ("CLI flag", "resume a damaged eval.json", _resume_damaged_plan, ("eval.json", "damaged")),
     ("CLI flag", "--env-file line without =", lambda t: _env_file(t, "HF_TOKEN\n"), ("engine.env:1", "KEY=VALUE")),
     ("CLI flag", "--env naming an unset variable",

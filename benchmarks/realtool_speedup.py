@@ -1,0 +1,471 @@
+"""Real tools in both arms: lm-evaluation-harness processes on their own llama.cpp servers (conventional) and
+the same processes all pointed at fedpool's gateway (federated), plus fedpool's own `eval run`.
+
+    python -m fedpool.benchmarks.realtool_speedup --repeats 3
+
+Each process is lm-eval 0.4's own CLI with `--model local-completions` (its OpenAI-completions API client,
+`lm_eval/models/openai_completions.py` over `api_models.py`'s TemplateAPI): requests built first, then sent
+with `num_concurrent` in flight, refilled as each answers; `tokenized_requests=False,tokenizer_backend=None`,
+so no tokenizer is needed offline. The conventional arm is what a user with N servers and N evals does today:
+process i on server i, `num_concurrent` = that server's slots. The federated arm runs the same processes, each
+with its own OPENAI_API_KEY (the gateway tells clients apart by it), against one gateway in front of the same
+servers. Arms alternate order in every repeat. Busy time is read from each llama-server's own
+`llamacpp:requests_processing` gauge (sampled every 50 ms), which gives the balanced bound: all the servers'
+busy seconds in the conventional arm ÷ servers — the makespan if that work were spread perfectly.
+
+Makespans are **inference** makespans: from the first request any server sees to the last answer, so the
+same lm-eval start-up (imports, task building: a few seconds per process, in every arm alike) is not
+counted; process wall times, start-up included, are in the report beside them. Answers are compared record by
+record (lm-eval's `--log_samples`) between the conventional and the federated arm.
+
+Writes benchmarks/results/realtool_speedup.md, ending with
+`result: tool=lm-eval processes=N repeats=N speedup_makespan=X vs_balanced=X answers_same_pct=X`
+(the unequal pair at the first gateway concurrency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("fedpool.realtool")
+
+ARITH_TEMPLATE = "3 + 4 = 7\n12 + 5 = 17\n2 + 9 = 11\n14 + 8 = 22\n6 + 1 = 7\n10 + 10 = 20\n{a} + {b} ="
+TOPICS = ["the sea", "a lighthouse", "winter", "a market", "an old clock", "the moon", "a train", "rain",
+          "a garden", "a library", "mountains", "a river", "a violin", "bread", "a bridge", "the desert",
+          "a harbour", "snow", "a forest", "a candle"]
+SAMPLE_PREFIX = "samples_"
+
+
+# ---- the workloads -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One eval: an lm-eval task (and the same benchmark as a fedpool spec for the `eval run` arm)."""
+
+    name: str
+    rows: list[dict[str, Any]]
+    template: str  # fedpool prompt template ({field}); lm-eval gets the same as Jinja
+    max_tokens: int
+    stop: list[str]
+
+    def lm_eval_yaml(self, data: Path) -> str:
+        jinja = self.template.replace("{", "{{").replace("}", "}}")
+        return json.dumps({
+            "task": self.name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "generate_until", "doc_to_text": jinja,
+            "doc_to_target": "{{answer}}",
+            "generation_kwargs": {"until": self.stop, "max_gen_toks": self.max_tokens, "do_sample": False,
+                                  "temperature": 0.0},
+            "metric_list": [{"metric": "exact_match"}],
+        }, indent=1)  # YAML is a superset of JSON
+
+    def fedpool_spec(self, data: Path) -> str:
+        return json.dumps({
+            "name": self.name, "description": f"realtool benchmark {self.name}", "data": {"path": str(data)},
+            "label_field": "answer", "prompt": {"style": "completion", "template": self.template},
+            "generation": {"max_tokens": self.max_tokens, "temperature": 0.0, "stop": self.stop},
+            "postprocess": ["strip"], "metrics": ["exact_match"],
+        }, indent=1)
+
+
+def arith(n: int) -> Workload:
+    """The bundled arith benchmark (six-shot addition, a number back): short prompts, short answers."""
+    from fedpool.pipeline.bundled import bundled_spec_paths
+
+    path = next(p for p in bundled_spec_paths() if p.stem == "arith").with_suffix(".jsonl")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()[:n]]
+    return Workload("arith", rows, ARITH_TEMPLATE, 4, ["\n"])
+
+
+def stories(name: str, n: int, tokens: int) -> Workload:
+    """n prompts asking for prose, `tokens` generated each (no stop string): long answers."""
+    rows = [{"id": f"{name}-{i:03d}", "topic": TOPICS[i % len(TOPICS)], "k": i, "answer": "-"} for i in range(n)]
+    return Workload(name, rows, "Story {k}. Here is a long, quiet story about {topic}. Once upon a time,",
+                    tokens, [])
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    name: str
+    workloads: tuple[Workload, ...]
+    note: str
+
+
+def pairs(small: bool) -> dict[str, Pair]:
+    if small:  # the CI test's version
+        return {"unequal": Pair("unequal", (arith(24), stories("long", 12, 32)), "A: 24 arith; B: 12 x 32 tokens"),
+                "equal": Pair("equal", (stories("long", 12, 32), stories("long2", 12, 32)), "12 x 32 tokens each")}
+    return {"unequal": Pair("unequal", (arith(60), stories("long", 40, 64)),
+                            "A: bundled arith, 60 samples (a number back); B: 40 prompts x 64 tokens"),
+            "equal": Pair("equal", (stories("long", 40, 64), stories("long2", 40, 64)),
+                          "two evals of 40 prompts x 64 tokens: nothing to balance")}
+
+
+# ---- busy sampling -----------------------------------------------------------------------------------
+@dataclass
+class BusyLog:
+    """When each server had at least one request processing (its own gauge), sampled every `period_s`."""
+
+    period_s: float = 0.05
+    busy_s: dict[str, float] = field(default_factory=dict)
+    first: float | None = None
+    last: float | None = None
+
+    def span(self) -> float:
+        return (self.last - self.first) if self.first is not None and self.last is not None else 0.0
+
+
+async def _processing(session: aiohttp.ClientSession, url: str) -> float:
+    async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+        text = await resp.text()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name in ("llamacpp:requests_processing", "llamacpp:requests_deferred"))
+
+
+async def sample_busy(urls: dict[str, str], busy: BusyLog, stop: asyncio.Event) -> None:
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            now = time.monotonic()
+            values = await asyncio.gather(*(_processing(session, u) for u in urls.values()), return_exceptions=True)
+            for sid, value in zip(urls, values, strict=True):
+                if isinstance(value, float) and value > 0:
+                    busy.busy_s[sid] = busy.busy_s.get(sid, 0.0) + busy.period_s
+                    busy.first = now if busy.first is None else busy.first
+                    busy.last = now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), busy.period_s)
+
+
+# ---- one arm -------------------------------------------------------------------------------------------
+@dataclass
+class ArmRun:
+    arm: str
+    inference_makespan_s: float
+    process_wall_s: dict[str, float]  # eval -> its process's wall time (start-up included)
+    busy_s: dict[str, float]
+    answers: dict[str, dict[int, Any]]  # eval -> doc_id -> lm-eval's resps (or fedpool's prediction)
+
+    @property
+    def process_makespan_s(self) -> float:
+        return max(self.process_wall_s.values())
+
+
+def _lm_eval_argv(model: str, base_url: str, task: str, task_dir: Path, out: Path, concurrent: int) -> list[str]:
+    return [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+            f"model={model},base_url={base_url}/v1/completions,num_concurrent={concurrent},max_retries=3,"
+            "tokenized_requests=False,tokenizer_backend=None",
+            "--tasks", task, "--include_path", str(task_dir), "--output_path", str(out), "--log_samples"]
+
+
+async def _run_process(argv: list[str], env: dict[str, str], log_path: Path) -> float:
+    started = time.monotonic()
+    with log_path.open("wb") as logf:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=env)
+        code = await proc.wait()
+    if code != 0:
+        tail = (await asyncio.to_thread(log_path.read_text, encoding="utf-8", errors="replace"))[-2500:]
+        raise RuntimeError(f"{argv[2]} exited {code} (log {log_path}):\n{tail}")
+    return time.monotonic() - started
+
+
+def _lm_eval_answers(out: Path, task: str) -> dict[int, Any]:
+    path = next(out.rglob(f"{SAMPLE_PREFIX}{task}_*.jsonl"))
+    return {row["doc_id"]: row["resps"] for row in map(json.loads, path.read_text().splitlines())}
+
+
+def _child_env(api_key: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDPOOL_")}
+    env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": api_key,
+                "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: str, work: Path,
+                          task_dir: Path, concurrent: int, server_urls: dict[str, str]) -> ArmRun:
+    """Every eval of the pair as its own lm-eval process, eval i against targets[i], all at once."""
+    busy, stop = BusyLog(), asyncio.Event()
+    sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
+    outs = {w.name: work / arm / w.name for w in pair.workloads}
+    try:
+        walls = await asyncio.gather(*(
+            _run_process(_lm_eval_argv(model, target, w.name, task_dir, outs[w.name], concurrent),
+                         _child_env(f"sk-realtool-{arm}-{w.name}-0123456789"), work / f"{arm}-{w.name}.log")
+            for w, target in zip(pair.workloads, targets, strict=True)))
+    finally:
+        stop.set()
+        await sampler
+    answers = {w.name: _lm_eval_answers(outs[w.name], w.name) for w in pair.workloads}
+    return ArmRun(arm, busy.span(), dict(zip(outs, walls, strict=True)), busy.busy_s, answers)
+
+
+async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Path], ray_address: str,
+                          state_dir: Path, server_urls: dict[str, str]) -> ArmRun:
+    """fedpool's own `eval run` with both benchmarks (one process, one dispatcher)."""
+    specs = []
+    for w in pair.workloads:
+        spec = work / f"{w.name}.fedpool.yaml"
+        spec.write_text(w.fedpool_spec(data[w.name]), encoding="utf-8")
+        specs += ["--spec", str(spec)]
+    out = work / "fedpool-run"
+    busy, stop = BusyLog(), asyncio.Event()
+    sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
+    try:
+        wall = await _run_process(
+            [sys.executable, "-m", "fedpool.cli", "eval", "run", "--address", ray_address, "--state-dir",
+             str(state_dir), "--quiet", "--model", model, "--out", str(out), *specs, "--metric-actors", "0"],
+            {k: v for k, v in os.environ.items() if not k.startswith("FEDPOOL_")}, work / "fedpool-run.log")
+    finally:
+        stop.set()
+        await sampler
+    answers: dict[str, dict[int, Any]] = {}
+    for w in pair.workloads:
+        rows = [json.loads(line) for line in (out / w.name / "records.jsonl").read_text().splitlines()]
+        index = {r["id"]: i for i, r in enumerate(w.rows)}
+        answers[w.name] = {index[r["sample_id"]]: [r["output"]["text"]["prediction"]] for r in rows}  # lm-eval's shape
+    return ArmRun("fedpool-eval-run", busy.span(), {"(both)": wall}, busy.busy_s, answers)
+
+
+# ---- the pool --------------------------------------------------------------------------------------------
+@dataclass
+class Pool:
+    model: str
+    server_urls: dict[str, str]
+    gateway_url: str
+    ray_address: str
+    state_dir: Path
+    slots: int
+
+
+@contextlib.asynccontextmanager
+async def local_pool(work: Path, servers: int, slots: int, threads: int) -> AsyncIterator[Pool]:
+    import ray
+    from aiohttp import web
+    from fedpool.deploy.localpool import LocalServerSpec, init_loopback_ray, local_llama_servers
+    from fedpool.deploy.process import free_port
+    from fedpool.federation import DispatchConfig, PoolConnection
+    from fedpool.federation.gateway import Gateway
+    from fedpool.registry import RegistryClient
+
+    from fedpool.server import build_app
+
+    init_loopback_ray()
+    registry = await RegistryClient.start(work / "registry", probe_interval_s=2.0)
+    try:
+        async with local_llama_servers(registry, LocalServerSpec(count=servers, slots=slots, threads=threads),
+                                       work / "logs") as launchers:
+            config = DispatchConfig(client_order="shortest_first")
+            async with PoolConnection(registry, config=config) as conn:
+                await conn.refresh()
+                gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
+                runner = web.AppRunner(build_app(gateway, conn.dispatcher, lambda: conn.snapshot), access_log=None)
+                await runner.setup()
+                port = free_port()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                try:
+                    yield Pool(launchers[0].record.model, {lr.record.id: lr.record.url for lr in launchers},
+                               f"http://127.0.0.1:{port}", ray.get_runtime_context().gcs_address,
+                               work / "registry", slots)
+                finally:
+                    await runner.cleanup()
+    finally:
+        await registry.terminate()
+        ray.shutdown()
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+@dataclass
+class PairResult:
+    pair: Pair
+    runs: list[dict[str, ArmRun]]
+    gateway_arms: list[str]
+
+    def median(self, arm: str, key: str = "inference_makespan_s") -> float:
+        return statistics.median(getattr(r[arm], key) for r in self.runs)
+
+    def balanced(self, run: dict[str, ArmRun], servers: int) -> float:
+        return sum(run["conventional"].busy_s.values()) / servers
+
+    def speedups(self, arm: str) -> list[float]:
+        return [r["conventional"].inference_makespan_s / max(r[arm].inference_makespan_s, 1e-9) for r in self.runs]
+
+    def vs_balanced(self, arm: str, servers: int) -> list[float]:
+        return [r[arm].inference_makespan_s / max(self.balanced(r, servers), 1e-9) for r in self.runs]
+
+    def answers_same_pct(self, arm: str) -> float:
+        same = total = 0
+        for run in self.runs:
+            for name, conv in run["conventional"].answers.items():
+                fed = run[arm].answers.get(name, {})
+                for doc, resp in conv.items():
+                    total += 1
+                    same += fed.get(doc) == resp
+        return 100.0 * same / total if total else 0.0
+
+    def eval_walls(self, arm: str) -> dict[str, float]:
+        names = self.runs[0][arm].process_wall_s
+        return {n: statistics.median(r[arm].process_wall_s[n] for r in self.runs) for n in names}
+
+
+async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_concurrency: Sequence[int],
+                   with_fedpool: bool) -> PairResult:
+    task_dir = work / "tasks"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for w in pair.workloads:
+        data[w.name] = task_dir / f"{w.name}.jsonl"
+        data[w.name].write_text("".join(json.dumps(r) + "\n" for r in w.rows), encoding="utf-8")
+        (task_dir / f"{w.name}.yaml").write_text(w.lm_eval_yaml(data[w.name]), encoding="utf-8")
+    servers = list(pool.server_urls.values())
+    if len(servers) < len(pair.workloads):
+        raise ValueError(f"{len(pair.workloads)} evals need as many servers for the conventional arm")
+    gateway_arms = [f"gateway-nc{c}" for c in gateway_concurrency]
+    order = ["conventional", *gateway_arms, *(["fedpool-eval-run"] if with_fedpool else [])]
+    runs: list[dict[str, ArmRun]] = []
+    for r in range(repeats):
+        results: dict[str, ArmRun] = {}
+        for arm in (order if r % 2 == 0 else list(reversed(order))):
+            where = work / f"run{r + 1}"
+            if arm == "conventional":
+                targets = servers[:len(pair.workloads)]
+                results[arm] = await run_lm_eval_arm(arm, pair, targets, pool.model, where, task_dir, pool.slots,
+                                                     pool.server_urls)
+            elif arm == "fedpool-eval-run":
+                results[arm] = await run_fedpool_arm(pair, pool.model, where, data, pool.ray_address,
+                                                     pool.state_dir, pool.server_urls)
+            else:
+                concurrent = int(arm.removeprefix("gateway-nc"))
+                results[arm] = await run_lm_eval_arm(arm, pair, [pool.gateway_url] * len(pair.workloads),
+                                                     pool.model, where, task_dir, concurrent, pool.server_urls)
+            print(f"[realtool] {pair.name} run {r + 1}/{repeats} {arm}: inference makespan "
+                  f"{results[arm].inference_makespan_s:.1f} s, processes "
+                  + ", ".join(f"{n} {s:.1f} s" for n, s in results[arm].process_wall_s.items()), flush=True)
+        runs.append(results)
+    return PairResult(pair, runs, gateway_arms)
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.2f}× ({min(values):.2f}–{max(values):.2f})"
+
+
+def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -> str:
+    servers = len(pool.server_urls)
+    lines = [
+        f"Pool: {servers} llama.cpp servers (Gemma 3 270M Q4_K_M, {pool.slots} slots, {args.threads} thread(s) "
+        f"each) on this machine, one gateway in front of them (policy capacity_weighted, client order "
+        f"shortest_first). lm-eval {_lm_eval_version()} processes, `local-completions`, greedy. {args.repeats} "
+        "alternating repeats per pair; ratios are medians with the (lowest–highest) over repeats.",
+        "",
+        "Arms: **conventional** — process i on server i at `num_concurrent` = its slots (lm-eval's API client: "
+        "requests built first, that many in flight, refilled as each answers); **gateway-ncC** — the same "
+        "processes, each with its own API key, all pointed at the gateway at `num_concurrent`=C; "
+        "**fedpool-eval-run** — the same benchmarks as fedpool specs in one `fedpool eval run`.",
+        "",
+    ]
+    for result in results.values():
+        arms = ["conventional", *result.gateway_arms,
+                *(["fedpool-eval-run"] if "fedpool-eval-run" in result.runs[0] else [])]
+        balanced = [result.balanced(r, servers) for r in result.runs]
+        lines += [f"## Pair `{result.pair.name}`: {result.pair.note}", ""]
+        rows = []
+        for arm in arms:
+            walls = result.eval_walls(arm)
+            rows.append([
+                arm, f"{result.median(arm):.1f}",
+                ", ".join(f"{r[arm].inference_makespan_s:.1f}" for r in result.runs),
+                f"{result.median(arm, 'process_makespan_s'):.1f}",
+                "; ".join(f"{n} {s:.1f}" for n, s in walls.items()),
+                "-" if arm == "conventional" else _spread(result.speedups(arm)),
+                _spread(result.vs_balanced(arm, servers)),
+                "; ".join(f"{sid} {statistics.median(r[arm].busy_s.get(sid, 0.0) for r in result.runs):.1f}"
+                          for sid in pool.server_urls),
+                "-" if arm == "conventional" else f"{result.answers_same_pct(arm):.1f}",
+            ])
+        lines += [markdown_table(
+            ["arm", "inference makespan (s, median)", "every run", "process makespan (s)",
+             "process wall per eval (s, median)", "speedup vs conventional", "vs balanced bound",
+             "busy s per server", "answers same as conventional (%)"], rows), ""]
+        lines.append(f"Balanced bound (conventional busy server-seconds ÷ {servers}): "
+                     f"{statistics.median(balanced):.1f} s (runs " + ", ".join(f"{b:.1f}" for b in balanced) + ").")
+        conv = result.eval_walls("conventional")
+        for arm in result.gateway_arms:
+            fed = result.eval_walls(arm)
+            later = [n for n in conv if fed[n] > conv[n]]
+            lines.append(f"{arm}: " + ("no eval finished later than on its own server" if not later else
+                                       "later than on its own server: " + ", ".join(
+                                           f"{n} ({fed[n]:.1f} s vs {conv[n]:.1f} s)" for n in later)) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def headline(results: dict[str, PairResult], servers: int) -> dict[str, object]:
+    unequal = results["unequal"]
+    arm = unequal.gateway_arms[0]
+    return {"tool": "lm-eval", "processes": len(unequal.pair.workloads), "repeats": len(unequal.runs),
+            "speedup_makespan": f"{statistics.median(unequal.speedups(arm)):.2f}",
+            "vs_balanced": f"{statistics.median(unequal.vs_balanced(arm, servers)):.3f}",
+            "answers_same_pct": f"{unequal.answers_same_pct(arm):.1f}"}
+
+
+async def run_all(args: argparse.Namespace, work: Path) -> tuple[dict[str, PairResult], Pool]:
+    chosen = pairs(args.small)
+    async with local_pool(work, args.servers, args.slots, args.threads) as pool:
+        results = {}
+        for name in args.pairs:
+            results[name] = await run_pair(pool, chosen[name], work / name, args.repeats, args.gateway_concurrency,
+                                           with_fedpool=not args.no_fedpool_arm and name == "unequal")
+        return results, pool
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="realtool_speedup", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", nargs="+", choices=("unequal", "equal"), default=["unequal", "equal"])
+    parser.add_argument("--gateway-concurrency", type=int, nargs="+", default=[4, 8],
+                        help="num_concurrent of each lm-eval process in the gateway arms (first: the headline)")
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--small", action="store_true", help="the CI test's smaller workloads")
+    parser.add_argument("--no-fedpool-arm", action="store_true")
+    parser.add_argument("--name", default="realtool_speedup")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--work-dir", type=Path)
+    args = parser.parse_args(argv)
+    if "unequal" not in args.pairs:
+        parser.error("--pairs must include unequal (the headline)")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    with tempfile.TemporaryDirectory(prefix="fedpool-realtool-") as tmp:
+        work = args.work_dir or Path(tmp)
+        results, pool = asyncio.run(run_all(args, work))
+    result = headline(results, len(pool.server_urls))
+    path = write_report(args.name, "Real tools in both arms: lm-eval processes, own servers vs one gateway",
+                        body(results, pool, args), result, results_dir=args.results_dir)
+    print(f"report: {path}")
+    print("result: " + " ".join(f"{k}={v}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
