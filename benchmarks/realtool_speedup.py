@@ -134,8 +134,8 @@ class BusyLog:
 async def _processing(session: aiohttp.ClientSession, url: str) -> float:
     async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
         text = await resp.text()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name in ("llamacpp:requests_processing", "llamacpp:requests_deferred"))
+    return float(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                     if s.name in ("llamacpp:requests_processing", "llamacpp:requests_deferred")))
 
 
 async def sample_busy(urls: dict[str, str], busy: BusyLog, stop: asyncio.Event) -> None:
@@ -152,12 +152,87 @@ async def sample_busy(urls: dict[str, str], busy: BusyLog, stop: asyncio.Event) 
                 await asyncio.wait_for(stop.wait(), busy.period_s)
 
 
+# ---- the start line --------------------------------------------------------------------------------------
+class StartGate:
+    """A pass-through in front of each arm's targets that holds every request until each of the arm's processes
+    has sent its first one, then lets them all go at once: lm-eval's start-up (indexing its task registry,
+    building requests: 5-15 s per process on 2 cores, varying run to run) is then outside every arm's clock,
+    and the processes start sending together, as evals launched together on idle servers would. Each process
+    (told apart by its API key) is forwarded to its own target; request and response bodies pass unchanged.
+    Records, per process, when its last answer came back."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        self._session = session
+        self._targets: dict[str, str] = {}
+        self._open = asyncio.Event()
+        self._seen: set[str] = set()
+        self.released_at: float | None = None
+        self.last_answer: dict[str, float] = {}
+        self.url = ""
+        self._runner: Any = None
+
+    def arm(self, targets: dict[str, str]) -> None:
+        """The next arm: API key -> target base URL."""
+        self._targets = dict(targets)
+        self._open = asyncio.Event()
+        self._seen = set()
+        self.released_at = None
+        self.last_answer = {}
+
+    async def start(self) -> None:
+        from aiohttp import web
+        from fedpool.deploy.process import free_port
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _forward(self, request: Any) -> Any:
+        from aiohttp import web
+
+        key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        target = self._targets.get(key)
+        if target is None:
+            return web.json_response({"error": {"message": "unknown key at the start gate"}}, status=401)
+        body = await request.read()
+        if request.method == "POST":  # requests, not lm-eval's model listing, count for the start line
+            self._seen.add(key)
+            if self._seen >= set(self._targets) and not self._open.is_set():
+                self.released_at = time.monotonic()
+                self._open.set()
+            await self._open.wait()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        async with self._session.request(request.method, target + request.path_qs, data=body,
+                                         headers=headers) as resp:
+            payload = await resp.read()
+            out = web.Response(body=payload, status=resp.status,
+                               content_type=resp.content_type or "application/json")
+        if request.method == "POST":
+            self.last_answer[key] = time.monotonic()
+        return out
+
+    def durations(self) -> dict[str, float]:
+        """API key -> seconds from the release to that process's last answer."""
+        if self.released_at is None:
+            return {}
+        return {k: t - self.released_at for k, t in self.last_answer.items()}
+
+
 # ---- one arm -------------------------------------------------------------------------------------------
 @dataclass
 class ArmRun:
     arm: str
     inference_makespan_s: float
     process_wall_s: dict[str, float]  # eval -> its process's wall time (start-up included)
+    eval_s: dict[str, float]  # eval -> seconds from the start line to its last answer
     busy_s: dict[str, float]
     answers: dict[str, dict[int, Any]]  # eval -> doc_id -> lm-eval's resps (or fedpool's prediction)
 
@@ -174,6 +249,7 @@ def _lm_eval_argv(model: str, base_url: str, task: str, task_dir: Path, out: Pat
 
 
 async def _run_process(argv: list[str], env: dict[str, str], log_path: Path) -> float:
+    await asyncio.to_thread(log_path.parent.mkdir, parents=True, exist_ok=True)
     started = time.monotonic()
     with log_path.open("wb") as logf:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=env)
@@ -197,30 +273,36 @@ def _child_env(api_key: str) -> dict[str, str]:
 
 
 async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: str, work: Path,
-                          task_dir: Path, concurrent: int, server_urls: dict[str, str]) -> ArmRun:
-    """Every eval of the pair as its own lm-eval process, eval i against targets[i], all at once."""
+                          task_dir: Path, concurrent: int, server_urls: dict[str, str], gate: StartGate) -> ArmRun:
+    """Every eval of the pair as its own lm-eval process, eval i against targets[i] (through the start gate),
+    all at once."""
+    keys = {w.name: f"sk-realtool-{arm}-{w.name}-0123456789" for w in pair.workloads}
+    gate.arm({keys[w.name]: target for w, target in zip(pair.workloads, targets, strict=True)})
     busy, stop = BusyLog(), asyncio.Event()
     sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
     outs = {w.name: work / arm / w.name for w in pair.workloads}
     try:
         walls = await asyncio.gather(*(
-            _run_process(_lm_eval_argv(model, target, w.name, task_dir, outs[w.name], concurrent),
-                         _child_env(f"sk-realtool-{arm}-{w.name}-0123456789"), work / f"{arm}-{w.name}.log")
-            for w, target in zip(pair.workloads, targets, strict=True)))
+            _run_process(_lm_eval_argv(model, gate.url, w.name, task_dir, outs[w.name], concurrent),
+                         _child_env(keys[w.name]), work / f"{arm}-{w.name}.log")
+            for w in pair.workloads))
     finally:
         stop.set()
         await sampler
     answers = {w.name: _lm_eval_answers(outs[w.name], w.name) for w in pair.workloads}
-    return ArmRun(arm, busy.span(), dict(zip(outs, walls, strict=True)), busy.busy_s, answers)
+    by_key = gate.durations()
+    evals = {w.name: by_key.get(keys[w.name], 0.0) for w in pair.workloads}
+    return ArmRun(arm, max(evals.values()), dict(zip(outs, walls, strict=True)), evals, busy.busy_s, answers)
 
 
 async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Path], ray_address: str,
                           state_dir: Path, server_urls: dict[str, str]) -> ArmRun:
     """fedpool's own `eval run` with both benchmarks (one process, one dispatcher)."""
     specs = []
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
     for w in pair.workloads:
         spec = work / f"{w.name}.fedpool.yaml"
-        spec.write_text(w.fedpool_spec(data[w.name]), encoding="utf-8")
+        await asyncio.to_thread(spec.write_text, w.fedpool_spec(data[w.name]), encoding="utf-8")
         specs += ["--spec", str(spec)]
     out = work / "fedpool-run"
     busy, stop = BusyLog(), asyncio.Event()
@@ -238,7 +320,10 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
         rows = [json.loads(line) for line in (out / w.name / "records.jsonl").read_text().splitlines()]
         index = {r["id"]: i for i, r in enumerate(w.rows)}
         answers[w.name] = {index[r["sample_id"]]: [r["output"]["text"]["prediction"]] for r in rows}  # lm-eval's shape
-    return ArmRun("fedpool-eval-run", busy.span(), {"(both)": wall}, busy.busy_s, answers)
+    summaries = {w.name: json.loads((out / w.name / "summary.json").read_text()) for w in pair.workloads}
+    evals = {name: float(summary["wall_time_s"]) for name, summary in summaries.items()}
+    # One process, its evals started together: the makespan is its longest eval's (start-up not counted).
+    return ArmRun("fedpool-eval-run", max(evals.values()), {"(both)": wall}, evals, busy.busy_s, answers)
 
 
 # ---- the pool --------------------------------------------------------------------------------------------
@@ -317,13 +402,26 @@ class PairResult:
                     same += fed.get(doc) == resp
         return 100.0 * same / total if total else 0.0
 
-    def eval_walls(self, arm: str) -> dict[str, float]:
-        names = self.runs[0][arm].process_wall_s
-        return {n: statistics.median(r[arm].process_wall_s[n] for r in self.runs) for n in names}
+    def repeat_agreement_pct(self, arm: str = "conventional") -> float | None:
+        """How often the same arm gave the same answer in two repeats: the engine's own run-to-run agreement
+        (llama.cpp's greedy decoding is not batch-invariant: what else shares the batch can flip a token)."""
+        if len(self.runs) < 2:
+            return None
+        same = total = 0
+        for first, second in zip(self.runs, self.runs[1:], strict=False):
+            for name, answers in first[arm].answers.items():
+                for doc, resp in answers.items():
+                    total += 1
+                    same += second[arm].answers.get(name, {}).get(doc) == resp
+        return 100.0 * same / total if total else None
+
+    def eval_walls(self, arm: str, key: str = "eval_s") -> dict[str, float]:
+        names = getattr(self.runs[0][arm], key)
+        return {n: statistics.median(getattr(r[arm], key)[n] for r in self.runs) for n in names}
 
 
 async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_concurrency: Sequence[int],
-                   with_fedpool: bool) -> PairResult:
+                   with_fedpool: bool, gate: StartGate) -> PairResult:
     task_dir = work / "tasks"
     task_dir.mkdir(parents=True, exist_ok=True)
     data = {}
@@ -344,16 +442,17 @@ async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_con
             if arm == "conventional":
                 targets = servers[:len(pair.workloads)]
                 results[arm] = await run_lm_eval_arm(arm, pair, targets, pool.model, where, task_dir, pool.slots,
-                                                     pool.server_urls)
+                                                     pool.server_urls, gate)
             elif arm == "fedpool-eval-run":
                 results[arm] = await run_fedpool_arm(pair, pool.model, where, data, pool.ray_address,
                                                      pool.state_dir, pool.server_urls)
             else:
                 concurrent = int(arm.removeprefix("gateway-nc"))
                 results[arm] = await run_lm_eval_arm(arm, pair, [pool.gateway_url] * len(pair.workloads),
-                                                     pool.model, where, task_dir, concurrent, pool.server_urls)
+                                                     pool.model, where, task_dir, concurrent, pool.server_urls, gate)
             print(f"[realtool] {pair.name} run {r + 1}/{repeats} {arm}: inference makespan "
-                  f"{results[arm].inference_makespan_s:.1f} s, processes "
+                  f"{results[arm].inference_makespan_s:.1f} s ("
+                  + ", ".join(f"{n} {s:.1f} s" for n, s in results[arm].eval_s.items()) + "), processes "
                   + ", ".join(f"{n} {s:.1f} s" for n, s in results[arm].process_wall_s.items()), flush=True)
         runs.append(results)
     return PairResult(pair, runs, gateway_arms)
@@ -385,11 +484,12 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
         rows = []
         for arm in arms:
             walls = result.eval_walls(arm)
+            procs = result.eval_walls(arm, "process_wall_s")
             rows.append([
                 arm, f"{result.median(arm):.1f}",
                 ", ".join(f"{r[arm].inference_makespan_s:.1f}" for r in result.runs),
-                f"{result.median(arm, 'process_makespan_s'):.1f}",
                 "; ".join(f"{n} {s:.1f}" for n, s in walls.items()),
+                "; ".join(f"{n} {s:.1f}" for n, s in procs.items()),
                 "-" if arm == "conventional" else _spread(result.speedups(arm)),
                 _spread(result.vs_balanced(arm, servers)),
                 "; ".join(f"{sid} {statistics.median(r[arm].busy_s.get(sid, 0.0) for r in result.runs):.1f}"
@@ -397,9 +497,15 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
                 "-" if arm == "conventional" else f"{result.answers_same_pct(arm):.1f}",
             ])
         lines += [markdown_table(
-            ["arm", "inference makespan (s, median)", "every run", "process makespan (s)",
-             "process wall per eval (s, median)", "speedup vs conventional", "vs balanced bound",
+            ["arm", "makespan (s, median)", "every run", "per eval, start line to last answer (s, median)",
+             "process wall incl. start-up (s, median)", "speedup vs conventional", "vs balanced bound",
              "busy s per server", "answers same as conventional (%)"], rows), ""]
+        floor = result.repeat_agreement_pct()
+        lines.append("Answers: greedy decoding on llama.cpp is not batch-invariant (which other sequences share a "
+                     "decode batch changes the floating-point sums, and a near-tie token can flip), so the "
+                     "conventional arm does not agree with itself either: "
+                     + (f"{floor:.1f}% of answers were the same in consecutive repeats of the conventional arm."
+                        if floor is not None else "(one repeat: no run-to-run agreement measured)."))
         lines.append(f"Balanced bound (conventional busy server-seconds ÷ {servers}): "
                      f"{statistics.median(balanced):.1f} s (runs " + ", ".join(f"{b:.1f}" for b in balanced) + ").")
         conv = result.eval_walls("conventional")
@@ -430,11 +536,18 @@ def headline(results: dict[str, PairResult], servers: int) -> dict[str, object]:
 
 async def run_all(args: argparse.Namespace, work: Path) -> tuple[dict[str, PairResult], Pool]:
     chosen = pairs(args.small)
-    async with local_pool(work, args.servers, args.slots, args.threads) as pool:
-        results = {}
-        for name in args.pairs:
-            results[name] = await run_pair(pool, chosen[name], work / name, args.repeats, args.gateway_concurrency,
-                                           with_fedpool=not args.no_fedpool_arm and name == "unequal")
+    async with local_pool(work, args.servers, args.slots, args.threads) as pool, aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=0)) as session:
+        gate = StartGate(session)
+        await gate.start()
+        try:
+            results = {}
+            for name in args.pairs:
+                results[name] = await run_pair(pool, chosen[name], work / name, args.repeats,
+                                               args.gateway_concurrency,
+                                               with_fedpool=not args.no_fedpool_arm and name == "unequal", gate=gate)
+        finally:
+            await gate.stop()
         return results, pool
 
 

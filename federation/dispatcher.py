@@ -150,7 +150,8 @@ class Dispatcher:
         assert completion is not None
         latency = winner.finished - winner.started
         retry.attempts.append(Attempt(server.id, winner.started, latency))
-        self._book.note_success(self._routes.current(server), completion.completion_tokens or 0, latency)
+        self._book.note_success(self._routes.current(server), completion.completion_tokens or 0, latency,
+                                request.client_id)
         self._policy.observe_answer(request.client_id, server, completion.prompt_tokens,
                                     completion.completion_tokens)
         self._clients.note_served(request.client_id, completion.prompt_tokens, completion.completion_tokens)
@@ -221,7 +222,7 @@ class Dispatcher:
             break
         try:
             yield OpenStream(server, response, tuple(retry.attempts))
-            self._book.note_success(self._routes.current(server), 0, self._clock() - started)
+            self._book.note_success(self._routes.current(server), 0, self._clock() - started, request.client_id)
             self._completed += 1
         except BaseException:
             self._failed += 1

@@ -150,11 +150,15 @@ class ServerLearning:
     adaptive: bool = True
     last_decision: WindowDecision | None = None
     tokens_per_s: float | None = None  # tokens per busy second as of the last closed period (the window's view)
-    # Tokens per attempt-second as of the last closed period: one sequence's speed there. Weights compare
-    # this × capacity, which does not grow with the traffic a server is given (tokens per busy second does:
-    # a server given more requests batches more, learned a higher rate and was given still more; two equal
-    # servers ended 92/8).
-    sequence_tokens_per_s: float | None = None
+    # One sequence's speed as of the last closed period: the answers' reference latencies (each client's mean
+    # latency over every server, ServerBook) per attempt-second here — 1.0 for a server as fast as the pool's
+    # average for the same requests, whatever mix of requests it was given. Weights compare this × capacity,
+    # which does not grow with the traffic a server is given (tokens per busy second does: a server given
+    # more requests batches more, learned a higher rate and was given still more; two equal servers ended
+    # 92/8), nor with the shape of its requests (tokens per attempt-second did: a server that had answered a
+    # short-answer eval's requests, mostly prefill, looked slower than its twin by half and got a third of
+    # the traffic once that eval was done).
+    sequence_speed: float | None = None
     sequence_rate: BusyRate = field(default_factory=lambda: BusyRate(tau_s=3 * LEARN_PERIOD_S))
     _latencies: list[float] = field(default_factory=list)
     _rate_limited: int = 0
@@ -183,12 +187,13 @@ class ServerLearning:
         self._rate_limited += 1
 
     def on_finish(self, tokens: int, latency_s: float, now: float, busy_total_s: float, scraped_waiting: float,
-                  inflight: int, occupancy_s: float = 0.0) -> WindowDecision | None:
+                  inflight: int, occupancy_s: float = 0.0, reference_s: float = 0.0) -> WindowDecision | None:
         """An answer (or a failure, with 0 tokens) came back; at most once a period, the window is re-decided."""
         if tokens > 0:
             self._latencies.append(latency_s / tokens)
             self.rate.add(now, busy_total_s, tokens)
-            self.sequence_rate.add(now, occupancy_s, tokens)
+        if reference_s > 0:
+            self.sequence_rate.add(now, occupancy_s, reference_s)
         if self._period_start is None or now - self._period_start < self.period_s:
             return None
         self._period_start = now
@@ -196,7 +201,7 @@ class ServerLearning:
         if rate is None:
             return None
         self.tokens_per_s = rate
-        self.sequence_tokens_per_s = self.sequence_rate.value(now, occupancy_s)
+        self.sequence_speed = self.sequence_rate.value(now, occupancy_s)
         if not self.adaptive:
             return None
         ordered = sorted(self._latencies)

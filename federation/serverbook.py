@@ -20,6 +20,7 @@ from fedpool.registry import ServerEntry
 log = logging.getLogger("fedpool.dispatcher")
 
 SAMPLE_TRIES = 4  # random draws per wanted candidate before a sampled choice scans the whole route
+CLIENT_LATENCY_ALPHA = 0.05  # one answer's weight in its client's mean latency (what server speeds compare to)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class ServerBook:
         self._priors: dict[str, float] = {}
         self._rate_scale_at = -1.0
         self._rate_scale_value = 1.0
+        self._client_latency: dict[str, float] = {}  # client -> its mean answer latency over every server
 
     # ---- slots --------------------------------------------------------------------------------
     def take(self, server: ServerEntry, client_id: str, now: float) -> None:
@@ -122,11 +124,11 @@ class ServerBook:
         if kind.counts_against_server:
             self.breaker(server.id).on_failure(now)
 
-    def note_success(self, server: ServerEntry, tokens: int, latency_s: float) -> None:
+    def note_success(self, server: ServerEntry, tokens: int, latency_s: float, client_id: str | None = None) -> None:
         decision = self.learning_for(server).on_finish(
             tokens, latency_s, self._clock(), self.ledger.busy_s(server.id),
             server.load.waiting if server.load else 0.0, self.ledger.on_server(server.id),
-            self.ledger.occupancy_s(server.id),
+            self.ledger.occupancy_s(server.id), reference_s=self._reference_latency(client_id, latency_s),
         )
         if decision is not None:
             log.debug("window of %s now %.1f: %s", server.id, decision.window, decision.reason)
@@ -135,6 +137,17 @@ class ServerBook:
         self.answered[server.id] += 1
         self.tokens[server.id] += tokens
         self.busy_s[server.id] += latency_s
+
+    def _reference_latency(self, client_id: str | None, latency_s: float) -> float:
+        """What this answer would take on the pool's average server: the client's mean latency (an exponential
+        mean over its answers, every server alike). Server speeds compare attempt-seconds against it, so the
+        mix of requests a server was given cancels out."""
+        if client_id is None or latency_s <= 0:
+            return max(latency_s, 0.0)
+        mean = self._client_latency.get(client_id)
+        mean = latency_s if mean is None else mean + CLIENT_LATENCY_ALPHA * (latency_s - mean)
+        self._client_latency[client_id] = mean
+        return mean
 
     def server_stats(self, entries: Iterable[ServerEntry]) -> tuple[ServerStats, ...]:
         """Per-server figures: every server answered, failed or in flight here, and those of `entries`."""
@@ -183,9 +196,9 @@ class ServerBook:
 
     def _learned(self, server_id: str, capacity: int) -> float | None:
         learning = self.learning.get(server_id)
-        if learning is None or not learning.sequence_tokens_per_s:
+        if learning is None or not learning.sequence_speed:
             return None
-        return learning.sequence_tokens_per_s * capacity
+        return learning.sequence_speed * capacity
 
     def drain_s(self, server: ServerEntry, extra: int = 0) -> float:
         """How long the server would take to finish what this dispatcher has there (+ extra), in units of

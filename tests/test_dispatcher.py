@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -560,3 +561,43 @@ async def test_identical_servers_share_open_loop_traffic_evenly(emulators: Emula
         results = await asyncio.gather(*tasks)
     share = Counter(r.server_id for r in results)
     assert abs(share["s0"] / len(results) - 0.5) <= (0.05 if rate >= 300 else 0.1), share
+
+
+async def test_a_servers_learned_speed_does_not_depend_on_the_requests_it_was_given(
+    emulators: EmulatorFactory,
+) -> None:
+    """Two identical servers; a short-answer, prefill-heavy client pinned to s0 while a long-answer client runs
+    on both; then the long-answer client alone. Its requests must split evenly: speeds are measured against
+    each client's own mean latency, so s0's diet of short answers does not make it look slow (tokens per
+    attempt-second did: s0 learned half the speed and was given a third of the traffic)."""
+    servers = [await emulators.start(max_running=8, decode_s=0.004, prefill_s=0.0004) for _ in range(2)]
+    snap = snapshot_of(servers, capacity=8)
+    config = DispatchConfig(learn_period_s=0.2)
+    long_prompt = " ".join(["word"] * 200)
+
+    def short(i: int) -> InferenceRequest:
+        return InferenceRequest.from_body({"prompt": f"{long_prompt} {i}", "max_tokens": 1}, request_id=f"a{i}",
+                                          model="emu-model", endpoint=Endpoint.COMPLETIONS, client_id="short",
+                                          pinned_servers=("s0",))
+
+    def long(i: int) -> InferenceRequest:
+        return InferenceRequest.from_body({"prompt": f"story {i}", "max_tokens": 24}, request_id=f"b{i}",
+                                          model="emu-model", endpoint=Endpoint.COMPLETIONS, client_id="long")
+
+    async def closed_loop(make: Callable[[int], InferenceRequest], start: int, n: int, width: int) -> list[str]:
+        queue = list(range(start, start + n))
+        served: list[str] = []
+
+        async def worker() -> None:
+            while queue:
+                result = await dispatcher.submit(make(queue.pop(0)))
+                served.append(result.server_id)
+        await asyncio.gather(*(worker() for _ in range(width)))
+        return served
+
+    async with new_session() as session:
+        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(2)),
+                                config=config)
+        await asyncio.gather(closed_loop(short, 0, 120, 4), closed_loop(long, 0, 40, 4))
+        alone = Counter(await closed_loop(long, 1000, 120, 4))
+    assert abs(alone["s0"] / 120 - 0.5) <= 0.1, alone
