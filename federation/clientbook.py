@@ -4,8 +4,12 @@ clients are served in when the pool is full (`DispatchConfig.client_order`).
 
 `fair`: the client with the fewest requests in flight per unit of weight first. `shortest_first`: the
 client with the least work left, as it reports it (fedpool's evals do); a client that reports nothing (a tool
-behind the gateway) is ranked by the work it has been served so far instead, least first, so a short eval
-is not queued behind a long one it cannot tell apart from; fair among equals. `longest_answers_first`: the
+behind the gateway) is ranked by the service it has had so far instead, least first (least attained service),
+so a short eval is not queued behind a long one it cannot tell apart from; fair among equals. Service is the
+seconds its answered requests held an engine slot, on the reported work's scale (× the pool's work per
+slot-second): counting tokens instead ranked a short-answer eval with long prompts behind a long-answer eval
+whose requests each held a slot six times longer (prompt tokens are processed many per step, answer tokens
+one per step per sequence). `longest_answers_first`: the
 client asking for the longest answers (max_tokens) first, fair among equals. In-flight counts are the
 ledger's.
 Pure bookkeeping, no I/O.
@@ -43,7 +47,9 @@ class ClientBook:
         self._work_left: dict[str, float] = {}
         self._requests_left: dict[str, int] = {}
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
-        self._served: dict[str, float] = {}  # work answered so far (prompt + 2 × completion tokens)
+        self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests
+        self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
+        self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._shapes: dict[str, ClientShape] = {}
         self.done_sending: set[str] = set()
         self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
@@ -70,10 +76,17 @@ class ClientBook:
         if client_id not in self._shapes:
             self._shapes[client_id] = ClientShape(max(1.0, prompt_chars / CHARS_PER_TOKEN), max_tokens, False)
 
-    def note_served(self, client_id: str, prompt_tokens: int | None, completion_tokens: int | None) -> None:
-        """An answer came back: the work it took (tokens; a completion token costs about two prompt tokens)."""
-        work = (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
-        self._served[client_id] = self._served.get(client_id, 0.0) + work
+    def note_served(self, client_id: str, prompt_tokens: int | None, completion_tokens: int | None,
+                    slot_s: float) -> None:
+        """An answer came back after holding an engine slot for `slot_s` seconds."""
+        self._served_s[client_id] = self._served_s.get(client_id, 0.0) + slot_s
+        self._all_work += (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
+        self._all_s += slot_s
+
+    def served(self, client_id: str) -> float:
+        """The service a client has had, in the reported work's units (see the module docstring)."""
+        scale = self._all_work / self._all_s if self._all_s > 0 else 1.0
+        return self._served_s.get(client_id, 0.0) * scale
 
     # ---- reads --------------------------------------------------------------------------------------
     def requests_left(self) -> dict[str, int]:
@@ -88,7 +101,7 @@ class ClientBook:
         if self.order == "shortest_first":
             if client_id in self._work_left:
                 return self._work_left[client_id]
-            return self._served.get(client_id, 0.0)
+            return self.served(client_id)
         if self.order == "longest_answers_first":
             return -self._answer.get(client_id, 0.0)
         return 0.0

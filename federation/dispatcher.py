@@ -154,7 +154,7 @@ class Dispatcher:
                                 request.client_id)
         self._policy.observe_answer(request.client_id, server, completion.prompt_tokens,
                                     completion.completion_tokens)
-        self._clients.note_served(request.client_id, completion.prompt_tokens, completion.completion_tokens)
+        self._clients.note_served(request.client_id, completion.prompt_tokens, completion.completion_tokens, latency)
         self._tail.timer.observe(request.model, latency)
         self._completed += 1
         return InferenceResult(
