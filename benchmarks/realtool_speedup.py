@@ -116,8 +116,8 @@ class Pair:
 
 def pairs(small: bool) -> dict[str, Pair]:
     if small:  # the CI test's version
-        return {"unequal": Pair("unequal", (arith(24), stories("long", 12, 32)), "A: 24 arith; B: 12 x 32 tokens"),
-                "equal": Pair("equal", (stories("long", 12, 32), stories("long2", 12, 32)), "12 x 32 tokens each")}
+        return {"unequal": Pair("unequal", (arith(40), stories("long", 24, 48)), "A: 40 arith; B: 24 x 48 tokens"),
+                "equal": Pair("equal", (stories("long", 16, 48), stories("long2", 16, 48)), "16 x 48 tokens each")}
     return {"unequal": Pair("unequal", (arith(60), stories("long", 40, 64)),
                             "A: bundled arith, 60 samples (a number back); B: 40 prompts x 64 tokens"),
             "equal": Pair("equal", (stories("long", 40, 64), stories("long2", 40, 64)),
@@ -568,7 +568,7 @@ async def run_all(args: argparse.Namespace, work: Path) -> tuple[dict[str, PairR
         return results, pool
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="realtool_speedup", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", nargs="+", choices=("unequal", "equal"), default=["unequal", "equal"])
@@ -588,13 +588,24 @@ def main(argv: list[str] | None = None) -> int:
         args.gateway_concurrency = [args.servers * args.slots, args.slots]
     if "unequal" not in args.pairs:
         parser.error("--pairs must include unequal (the headline)")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args
+
+
+def execute(args: argparse.Namespace) -> tuple[dict[str, PairResult], Path, dict[str, object]]:
+    """Run every pair, write the report; (results, report path, result line)."""
     with tempfile.TemporaryDirectory(prefix="fedpool-realtool-") as tmp:
         work = args.work_dir or Path(tmp)
         results, pool = asyncio.run(run_all(args, work))
     result = headline(results, len(pool.server_urls))
     path = write_report(args.name, "Real tools in both arms: lm-eval processes, own servers vs one gateway",
                         body(results, pool, args), result, results_dir=args.results_dir)
+    return results, path, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _, path, result = execute(args)
     print(f"report: {path}")
     print("result: " + " ".join(f"{k}={v}" for k, v in result.items()))
     return 0

@@ -18,15 +18,18 @@ import json
 import sys
 from pathlib import Path
 
-# Shape: hidden 64, 2 layers, 2 heads of 32, vocabulary 2,048; 4k context (the engine is started with
-# a smaller --max-model-len). Changing any of these changes the timing the cpu-vllm-tiny profile was
-# calibrated against (deploy/emulator.py).
+# Default shape: hidden 64, 2 layers, 2 heads of 32, vocabulary 2,048; 4k context (the engine is started
+# with a smaller --max-model-len). Changing any of these changes the timing the cpu-vllm-tiny profile was
+# calibrated against (deploy/emulator.py). `--hidden/--layers/--heads` build other shapes: the emulator
+# fidelity benchmark's prefill model is hidden 256, 4 layers, 4 heads (PREFILL_SHAPE), where a 1,024-token
+# prompt costs real compute.
 HIDDEN = 64
 LAYERS = 2
 HEADS = 2  # head_dim 32: vLLM's CPU attention rejects head_dim 16
 VOCAB = 2048
 CONTEXT = 4096
 SEED = 20261129
+PREFILL_SHAPE = (256, 4, 4)  # hidden, layers, heads
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
@@ -49,7 +52,7 @@ def corpus(lines: int = 4000) -> list[str]:
     return [" ".join(rng.choice(CORPUS_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(lines)]
 
 
-def build(out: Path) -> Path:
+def build(out: Path, hidden: int = HIDDEN, layers: int = LAYERS, heads: int = HEADS) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -68,16 +71,16 @@ def build(out: Path) -> Path:
 
     torch.manual_seed(SEED)
     config = LlamaConfig(
-        vocab_size=len(fast), hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=CONTEXT,
+        vocab_size=len(fast), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=CONTEXT,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, torch_dtype="float32",
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     (out / "fedpool-tiny.json").write_text(json.dumps({
-        "built_by": "deploy/tiny_hf_model.py", "seed": SEED, "hidden": HIDDEN, "layers": LAYERS,
-        "heads": HEADS, "vocab": len(fast),
+        "built_by": "deploy/tiny_hf_model.py", "seed": SEED, "hidden": hidden, "layers": layers,
+        "heads": heads, "vocab": len(fast),
     }, indent=2), encoding="utf-8")
     return out
 
@@ -85,11 +88,14 @@ def build(out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="directory to write the checkpoint to")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--heads", type=int, default=HEADS)
     args = parser.parse_args(argv)
     if (args.out / "fedpool-tiny.json").exists() and (args.out / "model.safetensors").exists():
         print(f"{args.out}: already built")
         return 0
-    build(args.out)
+    build(args.out, args.hidden, args.layers, args.heads)
     print(f"{args.out}: tiny Llama written")
     return 0
 

@@ -41,13 +41,17 @@ def ensure_vllm_python(timeout_s: float = 1800.0) -> Path:
     return vllm_python()
 
 
-def ensure_tiny_model(python: Path, target: Path | None = None) -> Path:
-    """Build (once) the tiny Llama of `deploy/tiny_hf_model.py` with the vLLM venv's interpreter."""
-    out = target or fedpool_cache() / "models" / "tiny-llama-vllm"
+def ensure_tiny_model(python: Path, target: Path | None = None,
+                      shape: tuple[int, int, int] | None = None) -> Path:
+    """Build (once) the tiny Llama of `deploy/tiny_hf_model.py` with the vLLM venv's interpreter; `shape`
+    (hidden, layers, heads) builds another size into its own directory."""
+    name = "tiny-llama-vllm" if shape is None else "tiny-llama-vllm-{}x{}x{}".format(*shape)
+    out = target or fedpool_cache() / "models" / name
     if (out / "fedpool-tiny.json").exists() and (out / "model.safetensors").exists():
         return out
     builder = Path(__file__).resolve().parent / "tiny_hf_model.py"
-    done = subprocess.run([str(python), str(builder), str(out)], capture_output=True, text=True, timeout=600)
+    extra = [] if shape is None else ["--hidden", str(shape[0]), "--layers", str(shape[1]), "--heads", str(shape[2])]
+    done = subprocess.run([str(python), str(builder), str(out), *extra], capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"building the tiny model failed:\n{done.stderr[-3000:]}")
     return out

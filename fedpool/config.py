@@ -128,8 +128,9 @@ def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterat
 
 def apply_defaults(parser: argparse.ArgumentParser, config: Mapping[str, Any], config_path: Path | None,
                    environ: Mapping[str, str]) -> Applied:
-    """Set every (sub)parser's defaults from the environment, then from the config file (which wins);
-    flags given on the command line still win over both. Unknown keys are errors, named."""
+    """Set every (sub)parser's defaults from the config file, then from the environment (which wins over
+    the file); flags given on the command line win over both (flags > environment > file > defaults, the
+    usual order). Unknown keys are errors, named."""
     applied = Applied(file=config_path)
     known_keys: set[str] = set()
     for path, sub in _walk(parser):
@@ -137,10 +138,6 @@ def apply_defaults(parser: argparse.ArgumentParser, config: Mapping[str, Any], c
         known_keys.update(options)
         values: dict[str, Any] = {}
         for dest, action in options.items():
-            env_name = "FEDPOOL_" + dest.upper()
-            if env_name in environ and env_name not in NOT_OPTIONS:
-                values[dest] = _convert(action, environ[env_name], f"environment {env_name}")
-                applied.sources[dest] = f"env {env_name}"
             # the file: top level, then each enclosing command's table, most specific last
             layers = [config] + [config.get(" ".join(path[:i])) for i in range(1, len(path) + 1)]
             for depth, layer in enumerate(layers):
@@ -152,6 +149,10 @@ def apply_defaults(parser: argparse.ArgumentParser, config: Mapping[str, Any], c
                     where = f"{config_path}: {' '.join(path[:depth]) + '.' if depth else ''}{raw_key}"
                     values[dest] = _convert(action, value, where)
                     applied.sources[dest] = f"config file {config_path}"
+            env_name = "FEDPOOL_" + dest.upper()
+            if env_name in environ and env_name not in NOT_OPTIONS:
+                values[dest] = _convert(action, environ[env_name], f"environment {env_name}")
+                applied.sources[dest] = f"env {env_name}"
         if values:
             sub.set_defaults(**values)
     commands = {" ".join(p) for p, _ in _walk(parser) if p}

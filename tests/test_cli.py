@@ -59,7 +59,7 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> N
     assert "Traceback" not in result.stderr
 
 
-def test_configuration_precedence_flags_then_file_then_environment(tmp_path: Path) -> None:
+def test_configuration_precedence_flags_then_environment_then_file(tmp_path: Path) -> None:
     config = tmp_path / "fedpool.toml"
     config.write_text('policy = "least_inflight"\naddress = "10.0.0.1:6379"\n[gateway]\nport = 9999\n'
                       '["eval run"]\nconcurrency = 7\n')
@@ -67,10 +67,10 @@ def test_configuration_precedence_flags_then_file_then_environment(tmp_path: Pat
                 env={"FEDPOOL_PORT": "7777", "FEDPOOL_POLICY": "random", "FEDPOOL_HOST": "::1"})
     assert shown.returncode == 0, shown.stderr
     options = json.loads(shown.stdout)["options"]
-    assert options["port"] == {"value": 1234, "from": "flag"}
-    assert options["policy"]["value"] == "least_inflight" and options["policy"]["from"].startswith("config file")
+    assert options["port"] == {"value": 1234, "from": "flag"}  # over the environment's 7777 and the file's 9999
+    assert options["policy"] == {"value": "random", "from": "env FEDPOOL_POLICY"}  # over the file
     assert options["host"] == {"value": "::1", "from": "env FEDPOOL_HOST"}
-    assert options["address"]["value"] == "10.0.0.1:6379"
+    assert options["address"]["value"] == "10.0.0.1:6379" and options["address"]["from"].startswith("config file")
     run_cfg = json.loads(run("eval", "run", "--spec", "s.yaml", "--model", "m", "--out", "o", "--config", str(config),
                              "--show-config").stdout)["options"]
     assert run_cfg["concurrency"]["value"] == 7  # the ["eval run"] table
