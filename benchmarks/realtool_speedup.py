@@ -359,7 +359,6 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
     from fedpool.federation.gateway import Gateway
     from fedpool.registry import RegistryClient
 
-    from fedpool.server import build_app
 
     init_loopback_ray()
     registry = await RegistryClient.start(work / "registry", probe_interval_s=2.0)
@@ -370,7 +369,7 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
             async with PoolConnection(registry, config=config) as conn:
                 await conn.refresh()
                 gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
-                runner = web.AppRunner(build_app(gateway, conn.dispatcher, lambda: conn.snapshot), access_log=None)
+                runner = web.AppRunner(gateway.app(), access_log=None)
                 await runner.setup()
                 port = free_port()
                 await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -691,10 +691,11 @@ async def _watch_dispatcher(conn: PoolConnection, out: list[dict[str, Any]], sta
         await asyncio.sleep(period_s)
 
 
-def _plan_of(dispatcher: Any) -> dict[str, dict[str, float]] | None:
-    """The dispatcher's current routing plan (client -> server -> requests), when its policy plans."""
+def _plan_of(dispatcher: Any) -> dict[str, Any] | None:
+    """The dispatcher's current routing plan (client -> server -> requests) and the cost factors it has fitted
+    per server kind, when its policy plans."""
     state = dispatcher.policy.describe()
-    return None if state is None else state.get("quotas")
+    return None if state is None else {"quotas": state.get("quotas"), "fitted": state.get("fitted")}
 
 
 def _load_figure(load: Any, name: str) -> float | None:

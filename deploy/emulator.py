@@ -399,6 +399,9 @@ def _derived(name: str, *, hbm_gbs: float, bw_eff: float, tflops: float, mfu: fl
 
 PROFILES = {
     "tiny": EmulatorProfile("tiny", source="a fast toy engine for tests"),
+    # No engine time at all: what a proxy in front of it adds is all there is to measure (gateway capacity).
+    "instant": EmulatorProfile("instant", max_running=4096, decode_s_per_token=0.0, batch_slowdown=0.0,
+                               default_output_tokens=4, source="no engine time (for measuring proxies in front)"),
     # Illustrative GPU profiles kept for the policy benchmark and tests (round numbers, not derived).
     "a100-illustrative": EmulatorProfile("a100-illustrative", max_running=32, prefill_s_per_token=0.0002,
                                          decode_s_per_token=0.012, batch_slowdown=0.02, default_output_tokens=4096,

@@ -13,6 +13,8 @@ address. Without keys the gateway binds to loopback only (the CLI refuses otherw
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -39,6 +41,9 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait while the model's servers are all unroutable
 CLIENT_HEADER = "X-Fedpool-Client"
 CLIENT_NAME = re.compile(r"[^A-Za-z0-9._:@-]")
+LAG_PROBE_S = 0.01  # how often the loop-lag guard looks
+LAG_LIMIT_S = 0.1  # event-loop lag (smoothed) above which new requests are refused at once
+LAG_SMOOTHING = 0.1  # weight of one probe in the smoothed lag: one GC pause or slow callback does not trip it
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,45 @@ def parse_api_keys(text: str) -> list[ApiKey]:
     return keys
 
 
+class LoopLagGuard:
+    """Overload seen where it happens: the gateway's own event loop falling behind. A probe sleeps
+    `probe_s` and measures how late it woke; a smoothed lag above `limit_s` means requests are arriving faster
+    than this process can handle them, and new ones are refused at once (503, Retry-After) until the lag is
+    back under half the limit. Without it a CPU-bound gateway queued every request, its latency grew without
+    bound, clients timed out and retried, and goodput collapsed to well under its sustained rate (the
+    in-flight cap cannot see this: with fast engines few requests are in flight, they are just late)."""
+
+    def __init__(self, probe_s: float = LAG_PROBE_S, limit_s: float = LAG_LIMIT_S):
+        self.probe_s = probe_s
+        self.limit_s = limit_s
+        self.lag_s = 0.0
+        self.overloaded = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _probe(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            expected = loop.time() + self.probe_s
+            await asyncio.sleep(self.probe_s)
+            lag = max(0.0, loop.time() - expected)
+            self.lag_s += LAG_SMOOTHING * (lag - self.lag_s)
+            if self.overloaded:
+                self.overloaded = self.lag_s > self.limit_s / 2
+            else:
+                self.overloaded = self.lag_s > self.limit_s
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._probe(), name="gateway-loop-lag")
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -85,8 +129,8 @@ class _Metrics:
                                  buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.migrations = Counter("fedpool_gateway_stream_migrations", "Streams continued on another replica "
                                   "after their server died mid-stream.", registry=self.registry)
-        self.shed = Counter("fedpool_gateway_shed", "Requests refused at once because the gateway was full.",
-                            registry=self.registry)
+        self.shed = Counter("fedpool_gateway_shed", "Requests refused at once because the gateway was full "
+                            "(429) or its event loop overloaded (503).", registry=self.registry)
         self.retries = Gauge("fedpool_gateway_dispatcher_retries", "Retries made by the dispatcher so far.",
                              registry=self.registry)
         self.resets = Gauge("fedpool_gateway_keepalive_resets", "Stale keep-alive connections retried at once "
@@ -124,11 +168,14 @@ class Gateway:
         self._clock = clock
         self._started = int(clock())
         self._metrics = _Metrics()
+        self.lag = LoopLagGuard()
         for key in self._keys:
             dispatcher.set_client_weight(key.client, key.weight)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body, middlewares=[self._openai_errors])
+        app.on_startup.append(self.lag.start)
+        app.on_cleanup.append(self.lag.stop)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/v1/models", self._models)
@@ -212,6 +259,11 @@ class Gateway:
             self._metrics.latency.labels(endpoint.value).observe(time.perf_counter() - started)
 
     async def _serve_inner(self, request: web.Request, endpoint: Endpoint) -> tuple[web.StreamResponse, str]:
+        if self.lag.overloaded:  # before reading the body: refusing must cost as little as possible
+            self._metrics.shed.inc()
+            return _error(503, f"the gateway is overloaded (its event loop is {self.lag.lag_s * 1000:.0f} ms "
+                          "behind); retry shortly", "service_unavailable", code="gateway_overloaded",
+                          headers={"Retry-After": "1"}), "503"
         client = self._client(request)
         if isinstance(client, web.Response):
             return client, str(client.status)

@@ -101,6 +101,9 @@ class Policy(ABC):
 
     name: ClassVar[str]
     candidate_limit: int | None = None  # a policy that looks at a random sample of k servers says k
+    # A policy that places by a makespan plan balances the finish itself: the tail's hedging and stealing
+    # (which move and copy requests against the plan) stay off under it.
+    plans_the_tail: ClassVar[bool] = False
 
     def attach(self, state: DispatchState) -> None:
         """Called once by the dispatcher that uses this policy. Policies that need more than the candidates

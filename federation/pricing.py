@@ -8,11 +8,15 @@ parameter at the data sheet's HBM bandwidth × `DECODE_BW_EFFICIENCY` — for th
 batch's step costs `FULL_BATCH_STEP_FACTOR` × a batch-of-one step (KV reads, a wider MLP). Costs are for a
 nominal model of 1 B parameters.
 
-**Fitted** (per server kind, from its answers): `CostFit` regresses each server's busy seconds over short
-windows on the prompt and completion tokens it answered in them (busy ≈ a·prefill prior·P + b·decode
-prior·C), so both the kind's speed and its prefill-to-decode ratio are learned; a ridge term holds (a, b)
-to the kind's overall speed (one factor for both) where the windows' mix does not tell them apart. Within a
-kind, `SpeedCalibration` (priced work per busy second) splits the kind's share among its members.
+**Fitted** (per server kind, from its answers): `CostFit` measures each kind's speed against the prior —
+busy seconds ÷ prior-priced seconds of what its servers answered, over windows of a few seconds, decayed:
+speed = Σ busy / Σ (prefill prior · P + step prior(n) · C / n), where P and C are the prompt and completion
+tokens answered, n the mean number of sequences running (the ledger's attempt-seconds ÷ busy seconds: C / n
+decode steps, each costing the prior's step at that batch). The kind's prefill-to-decode ratio stays the
+data sheets': a two-factor regression (prefill and decode apart) was tried and was unstable — decode factors
+from 0.04 to 80 across windows of the Table 7 design — because busy time does not split additively when
+prompt chunks and decode steps share the engine's steps. Within a kind, `SpeedCalibration` (priced work per
+busy second) splits the kind's share among its members.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ DECODE_BW_EFFICIENCY = 0.8  # prior: a memory-bound step streams weights at abou
 FULL_BATCH_STEP_FACTOR = 1.5  # prior: a full batch's decode step against a batch of one
 FIT_WINDOW_S = 2.0  # seconds of answers per regression row (per server)
 FIT_MIN_ROWS = 3  # rows a kind needs before its fit replaces the prior
-RIDGE = 0.01  # the fit's pull towards one speed factor for prefill and decode alike (share of each one's data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,52 +63,46 @@ def server_cost(entry: ServerEntry) -> ServerCost:
     return ServerCost(prefill, step * FULL_BATCH_STEP_FACTOR / batch)
 
 
+def step_cost(entry: ServerEntry, batch: float) -> float:
+    """The prior's seconds for one decode step of `batch` sequences: a batch-of-one step, rising linearly to
+    `FULL_BATCH_STEP_FACTOR` × that at the server's capacity."""
+    _, hbm_tbs = accelerator_roofline(entry.record.accelerator)
+    step = 2e9 / (hbm_tbs * 1e12 * DECODE_BW_EFFICIENCY * max(1, entry.record.gpu_count))
+    capacity = max(1, entry.capacity)
+    share = (batch - 1) / (capacity - 1) if capacity > 1 else 1.0
+    return step * (1 + (FULL_BATCH_STEP_FACTOR - 1) * min(1.0, max(0.0, share)))
+
+
 @dataclass
 class _Stats:
-    """Decayed sufficient statistics of one kind's regression rows: x = (prior prefill × P, prior decode × C)."""
+    """Decayed sums of one kind's windows: busy seconds, and the prior-priced seconds of what was answered."""
 
-    xx: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # Σx0², Σx0x1, Σx1²
-    xy: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    busy: float = 0.0
+    priced: float = 0.0
     rows: float = 0.0
     at: float | None = None
 
-    def add(self, now: float, tau_s: float, x0: float, x1: float, y: float) -> None:
+    def add(self, now: float, tau_s: float, priced: float, busy: float) -> None:
         if self.at is not None and now > self.at:
             keep = math.exp(-(now - self.at) / tau_s)
-            self.xx = [v * keep for v in self.xx]
-            self.xy = [v * keep for v in self.xy]
+            self.busy *= keep
+            self.priced *= keep
             self.rows *= keep
         self.at = now
-        self.xx[0] += x0 * x0
-        self.xx[1] += x0 * x1
-        self.xx[2] += x1 * x1
-        self.xy[0] += x0 * y
-        self.xy[1] += x1 * y
+        self.busy += busy
+        self.priced += priced
         self.rows += 1
 
-    def factors(self) -> tuple[float, float] | None:
-        """(a, b): busy seconds per prior-priced second of prefill and of decode; ridge towards a = b."""
-        (s00, s01, s11), (y0, y1) = self.xx, self.xy
-        total = s00 + 2 * s01 + s11
-        if total <= 0:
-            return None
-        speed = (y0 + y1) / total  # the one factor that fits best for both (least squares with a = b)
-        lam0, lam1 = RIDGE * s00, RIDGE * s11  # each factor pulled in proportion to its own data's weight
-        a00, a01, a11 = s00 + lam0, s01, s11 + lam1
-        b0, b1 = y0 + lam0 * speed, y1 + lam1 * speed
-        det = a00 * a11 - a01 * a01
-        if det <= 0:
-            return speed, speed
-        a = (b0 * a11 - a01 * b1) / det
-        b = (a00 * b1 - a01 * b0) / det
-        floor = 0.05 * speed  # a fit driven negative by noise falls back towards the common speed
-        return max(a, floor), max(b, floor)
+    def factor(self) -> float | None:
+        """Busy seconds per prior-priced second (1: as fast as the prior says; 2: half as fast)."""
+        return self.busy / self.priced if self.priced > 0 else None
 
 
 @dataclass
 class _Window:
     started: float
     busy_at_start: float
+    occupancy_at_start: float
     prompt: float = 0.0
     completion: float = 0.0
 
@@ -126,40 +123,34 @@ class CostFit:
     def observe(self, server: ServerEntry, kind: str, prompt_tokens: int, completion_tokens: int) -> None:
         now = self._clock()
         busy = self._ledger.busy_s(server.id)
+        occupancy = self._ledger.occupancy_s(server.id)
         window = self._windows.get(server.id)
         if window is None:  # the first answer's busy time is already behind `busy`: windows start after it
-            self._windows[server.id] = _Window(now, busy)
+            self._windows[server.id] = _Window(now, busy, occupancy)
             return
         window.prompt += prompt_tokens
         window.completion += completion_tokens
         if now - window.started >= self._window_s:
-            prior = server_cost(server)
             row_busy = busy - window.busy_at_start
             if row_busy > 0:
-                self._stats.setdefault(kind, _Stats()).add(
-                    now, self._tau, window.prompt * prior.prefill_s_per_token,
-                    window.completion * prior.decode_s_per_token, row_busy)
-            self._windows[server.id] = _Window(now, busy)
+                batch = min(max(1.0, (occupancy - window.occupancy_at_start) / row_busy), max(1, server.capacity))
+                priced = (window.prompt * server_cost(server).prefill_s_per_token
+                          + window.completion / batch * step_cost(server, batch))
+                self._stats.setdefault(kind, _Stats()).add(now, self._tau, priced, row_busy)
+            self._windows[server.id] = _Window(now, busy, occupancy)
 
     def costs(self, kinds: Mapping[str, Sequence[ServerEntry]]) -> dict[str, ServerCost]:
-        """One cost per kind on one scale: fitted where a kind has enough rows; the prior scaled by the fitted
-        kinds' mean speed elsewhere (1 where none is fitted yet)."""
-        fitted: dict[str, tuple[float, float]] = {}
-        if self.enabled:
-            for kind in kinds:
-                stats = self._stats.get(kind)
-                if stats is not None and stats.rows >= FIT_MIN_ROWS and (ab := stats.factors()) is not None:
-                    fitted[kind] = ab
-        mean = (sum((a + b) / 2 for a, b in fitted.values()) / len(fitted)) if fitted else 1.0
-        out = {}
-        for kind, members in kinds.items():
-            a, b = fitted.get(kind, (mean, mean))
-            out[kind] = server_cost(members[0]).scaled(a, b)
-        return out
+        """One cost per kind on one scale: the prior × the kind's fitted speed factor where it has enough
+        windows; × the fitted kinds' mean factor elsewhere (1 where none is fitted yet)."""
+        fitted = self.fitted_kinds() if self.enabled else {}
+        fitted = {k: f for k, f in fitted.items() if k in kinds}
+        mean = sum(fitted.values()) / len(fitted) if fitted else 1.0
+        return {kind: server_cost(members[0]).scaled(fitted.get(kind, mean), fitted.get(kind, mean))
+                for kind, members in kinds.items()}
 
-    def fitted_kinds(self) -> dict[str, tuple[float, float]]:
-        """Kind -> fitted (prefill, decode) factors against the prior, for logs and reports."""
-        return {k: ab for k, s in self._stats.items() if s.rows >= FIT_MIN_ROWS and (ab := s.factors()) is not None}
+    def fitted_kinds(self) -> dict[str, float]:
+        """Kind -> fitted speed factor against the prior (busy seconds per priced second), for logs and reports."""
+        return {k: f for k, s in self._stats.items() if s.rows >= FIT_MIN_ROWS and (f := s.factor()) is not None}
 
 
 @dataclass

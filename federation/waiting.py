@@ -60,6 +60,10 @@ class WaitQueues:
     def waiting_on(self, route: RouteKey) -> int:
         return self._route_waiting.get(route, 0)
 
+    def total(self) -> int:
+        """Requests waiting on every route (O(routes))."""
+        return sum(self._route_waiting.values())
+
     def live(self) -> int:
         return sum(1 for queue in self._queues.values() for w in queue if not w.future.done())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -338,15 +339,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _raise_open_files_limit() -> None:
+    """A gateway holds two sockets per request in flight (caller and engine): the soft limit on open files
+    (often 1,024) is raised to the hard one, as servers do; the in-flight cap keeps the count below it."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+
+
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     from fedpool.federation.dispatch_types import CLIENT_ORDERS
 
     parser.add_argument("--client-order", choices=CLIENT_ORDERS, default="shortest_first",
                         help="who is served first when the pool is full (default shortest_first: a client that "
-                             "reports no work left is ranked by the work it was served so far)")
+                             "reports no work left is ranked by the service it has had so far, least first)")
     parser.add_argument("--max-inflight", type=_positive_int,
                         help="requests the gateway holds at once before answering 429 (default: twice the pool's "
                              "capacity, at least 256)")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="bind with SO_REUSEPORT, so several gateway processes share one port (the kernel "
+                             "spreads connections over them; each has its own dispatcher on the same registry)")
 
 
 def _jobs_server_flags(parser: argparse.ArgumentParser) -> None:
@@ -541,6 +556,7 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
     from fedpool.pipeline.ownership import private_dir
     from fedpool.server import build_app
 
+    _raise_open_files_limit()
     # A model whose servers are all unroutable is answered 503 (with Retry-After) after 10 s, not a minute.
     config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
     async with PoolConnection(client, policy=args.policy, config=config) as pool:
@@ -557,7 +573,8 @@ async def _serve_gateway(client: Any, args: argparse.Namespace, keys: Any, jobs_
         app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=jobs, jobs_token=jobs_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
+        await web.TCPSite(runner, args.host, args.port, reuse_port=getattr(args, "reuse_port", False) or None,
+                          backlog=1024).start()
         base = f"http://{args.host}:{args.port}"
         print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
               f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)

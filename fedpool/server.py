@@ -5,8 +5,12 @@ over one pool connection, so jobs and gateway clients share every engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -18,9 +22,87 @@ from fedpool.federation.gateway import Gateway
 from fedpool.federation.httpauth import bearer, matches
 from fedpool.registry import PoolSnapshot
 
+HISTORY_PERIOD_S = 2.0
+HISTORY_POINTS = 180  # six minutes at one point every two seconds
+RESET = "reset"  # FailureKind.RESET: a stale keep-alive connection, retried at once (not the server's fault)
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    at: float
+    answered: dict[str, int]
+    tokens: dict[str, int]
+    running: dict[str, float | None]
+    waiting: dict[str, float | None]
+
+
+class PoolHistory:
+    """The last minutes of every server, for the pool page's charts: what this process's dispatcher answered
+    (requests and tokens, as rates between points) and what the engines reported running and waiting,
+    sampled every `period_s` from data the gateway already has. Bounded: `points` per server."""
+
+    def __init__(self, dispatcher: Dispatcher, snapshot: Callable[[], PoolSnapshot | None], *,
+                 period_s: float = HISTORY_PERIOD_S, points: int = HISTORY_POINTS,
+                 clock: Callable[[], float] = time.time):
+        self._dispatcher = dispatcher
+        self._snapshot = snapshot
+        self.period_s = period_s
+        self._points: deque[_Point] = deque(maxlen=points + 1)
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    def sample(self) -> None:
+        stats = {s.server_id: s for s in self._dispatcher.stats().servers}
+        snap = self._snapshot()
+        entries = {e.id: e for e in snap.entries} if snap else {}
+        ids = sorted(set(stats) | set(entries))
+        self._points.append(_Point(
+            self._clock(),
+            {i: stats[i].answered if i in stats else 0 for i in ids},
+            {i: stats[i].completion_tokens if i in stats else 0 for i in ids},
+            {i: (entries[i].load.running if i in entries and entries[i].load else None) for i in ids},
+            {i: (entries[i].load.waiting if i in entries and entries[i].load else None) for i in ids},
+        ))
+
+    def series(self) -> dict[str, Any]:
+        """{"t": [...], "servers": {id: {"requests_per_s", "tokens_per_s", "running", "waiting"}}}; rates are
+        between consecutive points (None where a server was not there yet)."""
+        points = list(self._points)
+        out: dict[str, Any] = {"t": [p.at for p in points[1:]], "period_s": self.period_s, "servers": {}}
+        ids = sorted({i for p in points for i in p.answered})
+        for sid in ids:
+            rps, tps, running, waiting = [], [], [], []
+            for before, now in itertools.pairwise(points):
+                dt = max(now.at - before.at, 1e-9)
+                known = sid in before.answered and sid in now.answered
+                rps.append(round((now.answered[sid] - before.answered[sid]) / dt, 3) if known else None)
+                tps.append(round((now.tokens[sid] - before.tokens[sid]) / dt, 1) if known else None)
+                running.append(now.running.get(sid))
+                waiting.append(now.waiting.get(sid))
+            out["servers"][sid] = {"requests_per_s": rps, "tokens_per_s": tps, "running": running,
+                                   "waiting": waiting}
+        return out
+
+    async def _loop(self) -> None:
+        while True:
+            self.sample()
+            await asyncio.sleep(self.period_s)
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="pool-history")
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
 
 def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: JobRunner | None,
-               jobs: list[Any] | None = None, *, details: bool = False) -> dict[str, Any]:
+               jobs: list[Any] | None = None, *, details: bool = False,
+               history: PoolHistory | None = None) -> dict[str, Any]:
     """What the pool page shows: servers as the registry and this dispatcher see them, running evals
     with their progress, recent failures. No tokens. Error texts (they can name hosts and dataset paths) only
     with `details`, for a caller that presented a valid API key or the jobs token; otherwise counts only."""
@@ -39,13 +121,16 @@ def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: Jo
             "tokens_per_s": load.tokens_per_s if load else None,
             "inflight": seen.inflight if seen else 0, "window": seen.window if seen else 0,
             "answered": seen.answered if seen else 0,
-            "errors": sum(seen.failures.values()) if seen else 0,
+            # Stale keep-alive connections the dispatcher retried at once are retries, not the server's errors.
+            "errors": sum(n for k, n in seen.failures.items() if k != RESET) if seen else 0,
+            "retried_resets": seen.failures.get(RESET, 0) if seen else 0,
             "probe_failures": entry.probe_failures_total, "last_error": entry.last_error if details else None,
         })
-        if entry.last_error or (seen and seen.failures):
+        server_failures = {k: n for k, n in seen.failures.items() if k != RESET} if seen else {}
+        if entry.last_error or server_failures:
             failures.append({"server_id": entry.id, "status": entry.status.value,
                              "last_error": entry.last_error if details else None,
-                             "request_failures": dict(seen.failures) if seen else {}})
+                             "request_failures": server_failures})
     evals = []
     for job_id, benches in (runner.live.items() if runner else ()):
         for bench, p in benches.items():
@@ -57,7 +142,9 @@ def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: Jo
     return {"time": time.time(), "version": snapshot.version if snapshot else None, "servers": servers,
             "evals": evals, "jobs": recent_jobs, "failures": failures,
             "dispatcher": {"submitted": totals.submitted, "completed": totals.completed, "failed": totals.failed,
-                           "retries": totals.retries, "hedges": totals.hedges, "inflight": totals.inflight_total}}
+                           "retries": totals.retries, "hedges": totals.hedges, "inflight": totals.inflight_total,
+                           "keepalive_resets": sum(s.failures.get(RESET, 0) for s in totals.servers)},
+            "history": history.series() if history is not None else None}
 
 
 def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], PoolSnapshot | None], *,
@@ -65,6 +152,9 @@ def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], P
     """The gateway's routes, the pool page and its data, and (with a jobs runner) the jobs API."""
     app = gateway.app()
     page = resources.files("fedpool").joinpath("static/pool.html").read_text(encoding="utf-8")
+    history = PoolHistory(dispatcher, snapshot)
+    app.on_startup.append(history.start)
+    app.on_cleanup.append(history.stop)
 
     async def index(request: web.Request) -> web.Response:
         return web.Response(text=page, content_type="text/html")
@@ -73,7 +163,7 @@ def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], P
         jobs = await asyncio.to_thread(runner.store.list) if runner is not None else None
         presented = bearer(request)
         details = gateway.knows(presented) or (jobs_token is not None and matches(presented, jobs_token.encode()))
-        return web.json_response(pool_state(snapshot(), dispatcher, runner, jobs, details=details),
+        return web.json_response(pool_state(snapshot(), dispatcher, runner, jobs, details=details, history=history),
                                  headers={"Cache-Control": "no-store"})
 
     app.router.add_get("/", index)

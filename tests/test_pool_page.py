@@ -62,6 +62,23 @@ async def test_pool_page_shows_servers_and_follows_a_failure(
             row_a = page.locator('#servers tr[data-id="gpu-a"]')
             assert "A100" in await row_a.inner_text() and "healthy" in await row_a.inner_text()
             assert "V100" in await page.locator('#servers tr[data-id="gpu-b"]').inner_text()
+            # Traffic through the gateway shows in the live charts (a point every 2 s, rates between points).
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                for i in range(30):
+                    async with session.post(url + "/v1/completions", json={
+                            "model": "page-model", "prompt": f"q{i}", "max_tokens": 4}) as resp:
+                        assert resp.status == 200
+            await page.wait_for_function(
+                "() => [...document.querySelectorAll('#chart-requests_per_s polyline')].some("
+                "l => l.getAttribute('points').split(' ').length >= 2)", timeout=20000)
+            servers_charted = await page.eval_on_selector_all(
+                "#chart-requests_per_s polyline", "lines => lines.map(l => l.dataset.server)")
+            assert set(servers_charted) <= {"gpu-a", "gpu-b"} and servers_charted
+            assert "gpu-a" in await page.locator("#legend").inner_text()
+            retried = page.locator('#servers thead th[title*="keep-alive"]')
+            assert await retried.count() == 1  # stale keep-alive resets have their own column, not "errors"
             await page.screenshot(path=str(tmp_path / "pool-healthy.png"), full_page=True)
 
             await second.stop()  # the V100 server goes away; the registry's probes mark it down

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fedpool.federation import pricing
 from fedpool.federation.ledger import InflightLedger
-from fedpool.federation.pricing import CostFit, server_cost
+from fedpool.federation.pricing import CostFit, server_cost, step_cost
 from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,32 +52,37 @@ class _Clock:
         return self.t
 
 
-@pytest.mark.parametrize("true_prefill,true_decode", [(3.0, 1.0), (0.8, 2.5)])
-def test_cost_fit_learns_a_kinds_prefill_and_decode_factors(true_prefill: float, true_decode: float) -> None:
-    """A server whose real prefill and decode cost `true_*` × the prior's, answering a mix of prompt-heavy and
-    decode-heavy requests: the fit's factors converge on the true ones, the prior itself does not move."""
+@pytest.mark.parametrize("slowness,batch", [(3.0, 1), (0.6, 1), (2.0, 8)])
+def test_cost_fit_learns_a_kinds_speed_from_busy_time(slowness: float, batch: int) -> None:
+    """A server `slowness` × slower than its prior in everything, answering a mix of prompt-heavy and
+    decode-heavy requests `batch` at a time: the fitted factor converges on the true one (decode steps priced at
+    the batch it actually ran, not at a full batch's share), and the prior itself does not move."""
+    import random
+
     clock = _Clock()
     ledger = InflightLedger(clock=clock, wall_clock=clock)
     fit = CostFit(ledger, clock, tau_s=1e6, window_s=1.0)
     server = _entry("s", "A100")
     prior = server_cost(server)
     before = server_cost(server)
-    import random
     rng = random.Random(3)
     for _ in range(60):
-        prompt, completion = rng.choice([(4000, 4), (100, 400), (1500, 60)])
-        busy = prompt * prior.prefill_s_per_token * true_prefill + completion * prior.decode_s_per_token * true_decode
-        ledger.take("s", "c")
+        shapes = [rng.choice([(4000, 4), (100, 400), (1500, 60)])] * batch  # a batch of like requests
+        steps = shapes[0][1]  # decoded together: one step per answer token
+        busy = slowness * (sum(p for p, _ in shapes) * prior.prefill_s_per_token
+                           + steps * step_cost(server, batch))
+        for _ in shapes:
+            ledger.take("s", "c")
         clock.t += busy
-        ledger.release("s", "c")
-        clock.t += 0.4  # idle between requests: not busy time
-        fit.observe(server, "k", prompt, completion)
-    a, b = fit.fitted_kinds()["k"]
-    assert a == pytest.approx(true_prefill, rel=0.1)
-    assert b == pytest.approx(true_decode, rel=0.1)
+        for _ in shapes:
+            ledger.release("s", "c")
+        clock.t += 0.4  # idle between batches: not busy time
+        for p, c in shapes:
+            fit.observe(server, "k", p, c)
+    assert fit.fitted_kinds()["k"] == pytest.approx(slowness, rel=0.15)
     assert server_cost(server) == before
     cost = fit.costs({"k": [server]})["k"]
-    assert cost.prefill_s_per_token == pytest.approx(prior.prefill_s_per_token * true_prefill, rel=0.1)
+    assert cost.prefill_s_per_token == pytest.approx(prior.prefill_s_per_token * slowness, rel=0.15)
 
 
 def test_unfitted_kinds_take_the_fitted_kinds_mean_speed() -> None:
@@ -87,7 +92,7 @@ def test_unfitted_kinds_take_the_fitted_kinds_mean_speed() -> None:
     a100, v100 = _entry("a", "A100"), _entry("v", "V100")
     prior = server_cost(a100)
     for _ in range(10):
-        busy = prior.of(1000, 100) * 2.0
+        busy = (1000 * prior.prefill_s_per_token + 100 * step_cost(a100, 1)) * 2.0
         ledger.take("a", "c")
         clock.t += busy
         ledger.release("a", "c")

