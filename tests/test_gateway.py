@@ -210,3 +210,54 @@ async def test_lm_evaluation_harness_through_the_gateway_matches_direct(
     direct = await asyncio.to_thread(run_lm_eval, direct_server.url, tmp_path, tmp_path / "direct", "unused")
     via = await asyncio.to_thread(run_lm_eval, gateway_url, tmp_path, tmp_path / "gateway", KEYS[0].secret)
     assert len(direct) == 20 and via == direct  # record by record
+
+
+async def test_an_overloaded_gateway_refuses_at_once_and_recovers(gateway_url: str) -> None:
+    """While the gateway's event loop is far behind (here: blocked 150 ms at a time, as a CPU-bound gateway
+    is), new requests get 503 with Retry-After and an OpenAI-shaped error instead of joining a queue that
+    only grows; once the loop keeps up again, requests are served."""
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    def post() -> tuple[int, dict[str, object], str | None]:
+        req = urllib.request.Request(gateway_url + "/v1/completions", method="POST",
+                                     data=json.dumps({"model": "emu-model", "prompt": "q", "max_tokens": 2}).encode(),
+                                     headers={"Authorization": f"Bearer {KEYS[0].secret}",
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read()), resp.headers.get("Retry-After")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read()), err.headers.get("Retry-After")
+
+    assert (await asyncio.to_thread(post))[0] == 200
+    refused: list[tuple[int, dict[str, object], str | None]] = []
+    stop = threading.Event()
+
+    def client() -> None:  # keeps asking while the loop is saturated, until it is told no
+        while not stop.is_set():
+            answer = post()
+            if answer[0] == 503:
+                refused.append(answer)
+                return
+
+    sender = threading.Thread(target=client)
+    sender.start()
+    deadline = time.monotonic() + 20
+    while sender.is_alive() and time.monotonic() < deadline:  # saturated: busy 150 ms, one turn free, again
+        time.sleep(0.15)  # noqa: ASYNC251 - the point: this loop is made to fall behind
+        await asyncio.sleep(0)
+    stop.set()
+    while sender.is_alive():  # its last request may still be in flight: let the loop answer it
+        await asyncio.sleep(0.05)
+    assert refused, "the gateway never noticed its loop falling behind"
+    status, body, retry_after = refused[0]
+    assert retry_after == "1" and body["error"]["code"] == "gateway_overloaded"  # type: ignore[index]
+    for _ in range(50):  # the loop free again: served within a few seconds
+        await asyncio.sleep(0.1)
+        if (await asyncio.to_thread(post))[0] == 200:
+            break
+    else:
+        raise AssertionError("the gateway kept refusing after its loop caught up")
