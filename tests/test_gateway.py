@@ -250,10 +250,9 @@ async def test_an_overloaded_gateway_refuses_at_once_and_recovers(gateway_url: s
         time.sleep(0.15)  # noqa: ASYNC251 - the point: this loop is made to fall behind
         await asyncio.sleep(0)
     stop.set()
-    while sender.is_alive():  # its last request may still be in flight: let the loop answer it
-        await asyncio.sleep(0.05)
+    await asyncio.to_thread(sender.join)  # its last request may still be in flight: the loop answers it
     assert refused, "the gateway never noticed its loop falling behind"
-    status, body, retry_after = refused[0]
+    _, body, retry_after = refused[0]
     assert retry_after == "1" and body["error"]["code"] == "gateway_overloaded"  # type: ignore[index]
     for _ in range(50):  # the loop free again: served within a few seconds
         await asyncio.sleep(0.1)
