@@ -253,7 +253,7 @@ class EvalRun:
         return EvalSummary(self.spec.name, self._dir, summary, wall, writer.resumed, self._counters.written)
 
     async def _summarize(self, records: list[Record]) -> dict[str, Any]:
-        """The benchmark's scores (corpus WER/BLEU/chrF, bootstrap intervals over every record): on a CPU
+        """The benchmark's scores (corpus WER/BLEU, bootstrap intervals over every record): on a CPU
         actor when the run has them, else on a thread; never on the event loop, which has other evals'
         requests in flight. An actor that fails (its node gone for good) leaves the work to a thread."""
         if self._scoring is not None:

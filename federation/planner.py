@@ -43,7 +43,6 @@ DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 @dataclass(slots=True)
 class _Shape:
     """Running sums of one client's answered prompt and completion tokens."""
-
     prompt_sum: float = 0.0
     completion_sum: float = 0.0
     answered: int = 0
@@ -65,10 +64,9 @@ def kind_key(server: ServerEntry) -> str:
 
 
 class PlannedRouting(Policy, name="planned"):
-    """Routes by the plan; the dispatcher tells it, through the ledger and the client book, what it sends.
-    The plan makes every server kind finish together, so the tail's hedging and stealing are off under it:
-    on the Table 7 design they moved and copied requests against the plan (makespan 42.1 s with them,
-    40.2 s without, one run each)."""
+    """Routes by the plan; the dispatcher tells it, through the ledger and the client book, what it sends. The
+    plan makes every server kind finish together, so the tail's hedging and stealing are off under it: on Table 7
+    they moved and copied requests against the plan (makespan 42.1 s with them, 40.2 s without, one run each)."""
 
     plans_the_tail = True
 
@@ -244,8 +242,7 @@ class PlannedRouting(Policy, name="planned"):
             self._plan = self._solve(route, now)
             self._sent = {}
             self.plans_made += 1
-            log.debug("plan %d: %s", self.plans_made, {c: {k: round(n) for k, n in q.items()}
-                                                       for c, q in self._plan.kind_quotas.items()})
+            log.debug("plan %d: %s", self.plans_made, self._plan.kind_quotas)
         return self._plan
 
     def _unsent(self) -> dict[str, int]:

@@ -390,7 +390,7 @@ def _verifier_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--media-actors", type=_positive_int, default=2,
                         help="Ray CPU actors encoding images, audio and video frames (specs with media)")
     parser.add_argument("--metric-actors", type=_non_negative_int, default=1,
-                        help="Ray CPU actors computing each benchmark's summary: corpus WER/BLEU/chrF and "
+                        help="Ray CPU actors computing each benchmark's summary: corpus WER/BLEU and "
                              "bootstrap intervals (0: on a thread of this process)")
 
 

@@ -1,5 +1,5 @@
-"""Planned routing's prices: data-sheet priors that are not the emulator's generating constants, and a fit
-that learns each server kind's real costs (both its speed and its prefill-to-decode ratio) from answers."""
+"""Planned routing's prices: data-sheet priors that are not the emulator's generating constants (and do not move
+when the emulator's world is perturbed), and a fit that learns each server kind's speed from answers."""
 
 from __future__ import annotations
 
@@ -42,6 +42,29 @@ def test_priors_are_not_the_emulators_generating_constants() -> None:
     # gives the V100 a lower efficiency): the fit has to learn the difference
     a100, v100 = server_cost(_entry("a", "A100")), server_cost(_entry("v", "V100"))
     assert v100.prefill_s_per_token / a100.prefill_s_per_token == pytest.approx(312 / 125)
+
+
+def test_perturbing_the_emulator_leaves_the_priors_where_they_are() -> None:
+    """The Table 7 pool under three perturbation seeds: every emulated server's profile moves (prefill and
+    decode scaled by factors routing never sees), and the planner's price for each server does not."""
+    from fedpool.benchmarks.speedup_engine import load_pool_config
+
+    pool = load_pool_config(ROOT / "benchmarks" / "configs" / "table7_pool.yaml")
+    entries = {s.id: _entry(s.id, s.accelerator) for s in pool.emulated}
+    priors = {sid: server_cost(e) for sid, e in entries.items()}
+    plain = {s.id: s.resolved(pool.output_spread) for s in pool.emulated}
+    for seed in (1, 2, 3):
+        perturbed = {s.id: s.resolved(pool.output_spread, seed) for s in pool.emulated}
+        for sid, profile in perturbed.items():
+            assert profile.prefill_s_per_token != plain[sid].prefill_s_per_token
+            assert profile.decode_s_per_token != plain[sid].decode_s_per_token
+            assert server_cost(entries[sid]) == priors[sid], (seed, sid)
+    # and the prices cannot see the emulator: nothing in routing imports it
+    for module in ("pricing.py", "planner.py", "plan_lp.py", "learning.py", "policies.py", "dispatcher.py"):
+        tree = ast.parse((ROOT / "federation" / module).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any("emulator" in name or "deploy" in name or "benchmarks" in name for name in imported), module
 
 
 class _Clock:
