@@ -33,14 +33,17 @@ def machine_description() -> str:
 
 
 def code_version() -> str:
-    """The commit the report ran on (with `+changes` when the tree had uncommitted changes), or `unknown`."""
+    """The commit the report ran on (with `+changes` when the tree had uncommitted changes outside
+    `benchmarks/results/`: a benchmark's own charts, written before its report, are not a change to the code), or
+    `unknown`."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
