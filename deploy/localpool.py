@@ -41,6 +41,26 @@ def init_local_ray(num_cpus: int | None = None) -> None:
         ray.init(address="auto", **common)
 
 
+LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "::1")
+
+
+def is_loopback_address(address: str) -> bool:
+    """A Ray address (HOST:PORT, maybe ray://) on this machine's loopback interface."""
+    host = address.removeprefix("ray://").rpartition(":")[0]
+    return host.startswith(LOOPBACK_HOSTS)
+
+
+def loopback_ray_mode() -> None:
+    """Ray's single-machine mode for this process and the Ray processes it starts: every Ray address stays on
+    127.0.0.1. Needed to start a loopback-only cluster, and to join one: without it Ray (2.60) rewrites a
+    driver's 127.0.0.1 address to the machine's outside address, where that cluster does not listen, and the
+    driver waits for a GCS it can never reach."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray picks the node's address, after import
+
+
 def init_loopback_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Join the Ray cluster at `address`, or start one on this machine bound to 127.0.0.1 only; says which.
 
@@ -50,12 +70,11 @@ def init_loopback_ray(address: str | None = None, num_cpus: int | None = None) -
     Ray process on the loopback address), set for this process and every Ray process it starts."""
     common: dict[str, object] = {"namespace": "fedpool", "logging_level": logging.WARNING, "log_to_driver": False}
     if address:
+        if is_loopback_address(address):
+            loopback_ray_mode()
         ray.init(address=address, **common)
         return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} (--address {address})"
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    from ray._private import ray_constants
-
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray picks the node's address, after import
+    loopback_ray_mode()
     ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **common)
     return f"started a local Ray cluster at {ray.get_runtime_context().gcs_address} (loopback only; it stops with this)"
 

@@ -46,6 +46,8 @@ def connect_ray(address: str, quiet: bool = False) -> None:
     clusters on a host, `auto` finds the one started last."""
     import ray
 
+    from fedpool.deploy.localpool import is_loopback_address, loopback_ray_mode
+
     if ray.is_initialized():
         return
     if address != "auto" and not _tcp_reachable(address):
@@ -55,6 +57,8 @@ def connect_ray(address: str, quiet: bool = False) -> None:
         )
     how = ("--address" if address != "auto" else
            "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster started last on this machine")
+    if is_loopback_address(address):  # a loopback-only cluster (`fedpool up`): join it on loopback
+        loopback_ray_mode()
     try:
         ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
     except ConnectionError as exc:

@@ -59,6 +59,12 @@ def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
         assert answer.choices[0].text is not None and answer.usage is not None
         again = fedpool("up", "--servers", "1", "--port", str(free_port()), "--state-dir", str(state))
         assert again.returncode == 5 and "already up" in again.stderr  # one pool per state dir
+        # Another command joins the loopback-only cluster at the address `up` wrote (Ray used to rewrite
+        # 127.0.0.1 to the machine's outside address, where nothing listens, and the command hung).
+        listed = fedpool("server", "list", "--json", "--address", ready["ray_address"], "--state-dir",
+                         str(state / "registry"), "--quiet", timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert len(json.loads(listed.stdout)["servers"]) == 2
 
         data = tmp_path / "sums.jsonl"
         data.write_text("".join(json.dumps({"a": i, "b": i + 1, "answer": str(2 * i + 1)}) + "\n" for i in range(8)))
