@@ -91,10 +91,11 @@ class ChaosPool:
     # same scenarios with shorter timelines, where races between hedges, steals and reports are tighter.
     speedup: float = field(default_factory=lambda: float(os.environ.get("FEDPOOL_CHAOS_SPEEDUP", "1")))
 
-    async def add_emulator(self, server_id: str, *faults: str, revision: str | None = None) -> str:
+    async def add_emulator(self, server_id: str, *faults: str, revision: str | None = None,
+                           model: str = MODEL) -> str:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL, "--port", str(port),
+        argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", model, "--port", str(port),
                 "--profile-json", SLOW_PROFILE, "--speedup", str(self.speedup), *faults]
         proc = EngineProcess(server_id, argv, self.work / f"{server_id}.log")
         await proc.start()
@@ -102,7 +103,7 @@ class ChaosPool:
         self.extra.append(proc)
         self.urls[server_id] = url
         extra = {"revision": revision} if revision is not None else {}
-        await self.registry.register(ServerRecord(id=server_id, url=url, engine="vllm", model=MODEL,
+        await self.registry.register(ServerRecord(id=server_id, url=url, engine="vllm", model=model,
                                                   accelerator="A100", capacity=4, **extra))
         return url
 
@@ -289,13 +290,20 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
     from fedpool.federation.gateway import Gateway
     from prometheus_client.parser import text_string_to_metric_families
 
+    model = "chaos-stream-model"  # served by the two replicas only, so the killed one surely carries streams
     for i in range(2):
-        await pool.add_emulator(f"replica-{i}", revision="chaos-r1")
+        await pool.add_emulator(f"replica-{i}", revision="chaos-r1", model=model)
     victim = pool.extra[-2]
     config = DispatchConfig(timeouts=Timeouts(connect_s=2.0, first_byte_s=4.0, total_s=30.0), max_attempts=8)
     started = time.perf_counter()
     async with PoolConnection(pool.registry, policy="least_inflight", config=config) as conn:
-        await conn.refresh()
+        for _ in range(100):  # until the prober has found both replicas healthy
+            await conn.refresh()
+            snapshot = conn.snapshot
+            if snapshot is not None and sum(e.record.model == model and e.status.routable
+                                            for e in snapshot.entries) == 2:
+                break
+            await asyncio.sleep(0.2)
         gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
         runner = web.AppRunner(gateway.app(), access_log=None)
         await runner.setup()
@@ -308,7 +316,7 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
 
                 async def one(i: int) -> str:  # "done", "error event" or "cut"
                     chat = i % 2 == 1
-                    body: dict[str, Any] = {"model": MODEL, "max_tokens": 48, "temperature": 0, "stream": True}
+                    body: dict[str, Any] = {"model": model, "max_tokens": 48, "temperature": 0, "stream": True}
                     if chat:
                         body["messages"] = [{"role": "user", "content": f"Tell me about the number {i}."}]
                     else:
@@ -329,11 +337,12 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
                     return ended
 
                 tasks = [asyncio.create_task(one(i)) for i in range(16)]
-                for _ in range(600):  # until the streams are under way
-                    if chunks[0] >= 40 or all(t.done() for t in tasks):
+                for _ in range(600):  # until the streams are under way, the victim's among them
+                    if (chunks[0] >= 24 and conn.dispatcher.inflight().get("replica-0", 0) > 0) or all(
+                            t.done() for t in tasks):
                         break
                     await asyncio.sleep(0.05)
-                fired = victim.pid is not None and chunks[0] >= 40
+                fired = victim.pid is not None and conn.dispatcher.inflight().get("replica-0", 0) > 0
                 if victim.pid is not None:
                     os.kill(victim.pid, signal.SIGKILL)
                 endings = Counter(await asyncio.gather(*tasks))
