@@ -290,9 +290,18 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
     from fedpool.federation.gateway import Gateway
     from prometheus_client.parser import text_string_to_metric_families
 
-    model = "chaos-stream-model"  # served by the two replicas only, so the killed one surely carries streams
+    # Two real llama.cpp servers (the emulator writes a whole answer at once, so only a real engine can die
+    # half-way through a stream), serving a model of their own so the killed one surely carries streams.
+    model = "chaos-stream-model"
+    gguf = await asyncio.to_thread(ensure_gemma)
     for i in range(2):
-        await pool.add_emulator(f"replica-{i}", revision="chaos-r1", model=model)
+        config = LlamaServerConfig(model_path=gguf, alias=model, port=free_port(), slots=8, threads=1)
+        proc = llama_server_process(config, pool.work / f"replica-{i}.log", name=f"replica-{i}")
+        await proc.start()
+        pool.extra.append(proc)
+        await proc.wait_healthy(config.url + "/health", deadline_s=120)
+        await pool.registry.register(ServerRecord(id=f"replica-{i}", url=config.url, engine="llamacpp", model=model,
+                                                  revision="gemma3-270m-q4km", accelerator="cpu"))
     victim = pool.extra[-2]
     config = DispatchConfig(timeouts=Timeouts(connect_s=2.0, first_byte_s=4.0, total_s=30.0), max_attempts=8)
     started = time.perf_counter()
@@ -316,7 +325,7 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
 
                 async def one(i: int) -> str:  # "done", "error event" or "cut"
                     chat = i % 2 == 1
-                    body: dict[str, Any] = {"model": model, "max_tokens": 48, "temperature": 0, "stream": True}
+                    body: dict[str, Any] = {"model": model, "max_tokens": 96, "temperature": 0, "stream": True}
                     if chat:
                         body["messages"] = [{"role": "user", "content": f"Tell me about the number {i}."}]
                     else:
@@ -338,7 +347,7 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
 
                 tasks = [asyncio.create_task(one(i)) for i in range(16)]
                 for _ in range(600):  # until the streams are under way, the victim's among them
-                    if (chunks[0] >= 24 and conn.dispatcher.inflight().get("replica-0", 0) > 0) or all(
+                    if (chunks[0] >= 40 and conn.dispatcher.inflight().get("replica-0", 0) > 0) or all(
                             t.done() for t in tasks):
                         break
                     await asyncio.sleep(0.05)
