@@ -90,6 +90,8 @@ class Soak:
     fault_log: list[tuple[float, str, str]] = field(default_factory=list)
     started_pids: set[int] = field(default_factory=set)
     refused_races: int = 0
+    early_races: int = 0  # racing resumes that came before the raced run had written eval.json (nothing to resume)
+    last_log: Path | None = None
     race_problems: list[str] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
     pending: set[asyncio.Task[None]] = field(default_factory=set)  # faults being undone (thaw, restart)
@@ -97,7 +99,8 @@ class Soak:
     # ---- clients ----------------------------------------------------------------------------------------
     async def fedpool(self, *args: str) -> asyncio.subprocess.Process:
         address = ray.get_runtime_context().gcs_address
-        log_file = (self.work / "logs" / f"client-{time.monotonic_ns()}.log").open("wb")
+        self.last_log = self.work / "logs" / f"client-{time.monotonic_ns()}.log"
+        log_file = self.last_log.open("wb")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fedpool.cli", *args[:2], "--address", address, "--state-dir",
             str(self.work / "registry"), "--quiet", *args[2:], stdout=log_file, stderr=asyncio.subprocess.STDOUT)
@@ -220,11 +223,15 @@ class Soak:
             return None
         run = self.rng.choice(running)
         racer = await self.fedpool("eval", "resume", str(run.out))
+        racer_log = self.last_log
+        assert racer_log is not None
 
         async def judge() -> None:
             code = await racer.wait()
             if code == 5:
                 self.refused_races += 1
+            elif code == 2 and "nothing to resume" in await asyncio.to_thread(racer_log.read_text):
+                self.early_races += 1  # it came before the run it raced had written eval.json: nothing to resume
             elif code not in (0, 4):  # 0/4: the other had just ended, this one found little or nothing to do
                 self.race_problems.append(f"{run.out.name}: racing resume exited {code}")
 
@@ -359,7 +366,8 @@ def main() -> None:
         f"run by real `fedpool eval run` / `eval resume` processes, {args.parallel} at a time, for "
         f"{minutes:.1f} minutes; seed {args.seed}. A fault every 3–8 s from the catalogue (module docstring).\n\n"
         "## Faults fired\n\n" + markdown_table(("fault", "times"), kinds) + "\n\n"
-        f"Racing resumes refused (exit 5): {state.refused_races}"
+        f"Racing resumes refused (exit 5): {state.refused_races}; come before the raced run had written its "
+        f"eval.json (exit 2, nothing to resume yet): {state.early_races}"
         + (f"; problems: {state.race_problems}" if state.race_problems else "") + ". "
         f"Client processes per run: {min(starts)}–{max(starts)} (a run killed or left incomplete is resumed).\n\n"
         "## History check\n\n"

@@ -89,9 +89,9 @@ def _read_plan(out: Path) -> dict[str, Any]:
         from fedpool.pipeline.ownership import LOCK_FILE
 
         if out.is_dir() and {p.name for p in out.iterdir()} == {LOCK_FILE}:
-            raise CliError(f"{out} has no {EVAL_FILE}: the `fedpool eval run` that made it stopped before writing "
-                           f"anything, so there is nothing to resume; run `fedpool eval run --out {out}` again",
-                           EXIT_USAGE) from None
+            raise CliError(f"{out} has no {EVAL_FILE} yet: no `fedpool eval run` has written its run here (one "
+                           "stopped before writing anything, or one is still starting), so there is nothing to "
+                           f"resume; run `fedpool eval run --out {out}` (again)", EXIT_USAGE) from None
         raise CliError(f"{out} has no {EVAL_FILE}: not a directory made by `fedpool eval run`", EXIT_USAGE) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CliError(f"{path}: not a fedpool run description ({type(exc).__name__}); it was damaged",
