@@ -29,6 +29,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import secrets
 import shutil
 import signal
 import statistics
@@ -45,6 +46,7 @@ import psutil
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 
 MODEL = "emu-model"
+LOADGEN_KEY = "sk-" + secrets.token_hex(32)  # this run's key, fresh each run: never written to a report
 RATES = (250, 500, 1000, 1500, 2000, 2500, 3000)
 LITELLM_RATES = (25, 50, 100, 200, 400)
 WARMUP_S = 1.0
@@ -88,7 +90,7 @@ async def _generate(urls: Sequence[str], rate: float, stream: bool) -> dict[str,
             start = time.perf_counter()
             status = 0
             try:
-                async with session.post(url, json=body, headers={"Authorization": "Bearer sk-loadgen-0123456789"}) as r:
+                async with session.post(url, json=body, headers={"Authorization": f"Bearer {LOADGEN_KEY}"}) as r:
                     await r.read()
                     status = r.status
             except (aiohttp.ClientError, TimeoutError, OSError):
@@ -269,7 +271,10 @@ def litellm(backends: Sequence[str], port: int, work: Path) -> Iterator[psutil.P
     cfg = work / "litellm.yaml"
     cfg.write_text(f"model_list:\n{deployments}\nrouter_settings:\n  routing_strategy: simple-shuffle\n"
                    "litellm_settings:\n  drop_params: true\n  telemetry: false\n")
-    env = {**os.environ, "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true", "LITELLM_TELEMETRY": "False"}
+    # LiteLLM 1.108 refuses to start without a strong master key; the load generator presents it on every path
+    # (the others ignore it, or take it as the client's name).
+    env = {**os.environ, "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true", "LITELLM_TELEMETRY": "False",
+           "LITELLM_MASTER_KEY": LOADGEN_KEY}
     proc = subprocess.Popen([str(binary), "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1",
                              "--num_workers", "1"], stdout=(work / "litellm.log").open("wb"),
                             stderr=subprocess.STDOUT, env=env)
