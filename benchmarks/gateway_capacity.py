@@ -46,7 +46,9 @@ import psutil
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 
 MODEL = "emu-model"
-LOADGEN_KEY = "sk-" + secrets.token_hex(32)  # this run's key, fresh each run: never written to a report
+# This run's key, fresh each run and never written to a report; in the environment so that the load-generator
+# processes (which import this module again) present the same one.
+LOADGEN_KEY = os.environ.setdefault("FEDPOOL_BENCH_LOADGEN_KEY", "sk-" + secrets.token_hex(32))
 RATES = (250, 500, 1000, 1500, 2000, 2500, 3000)
 LITELLM_RATES = (25, 50, 100, 200, 400)
 WARMUP_S = 1.0
