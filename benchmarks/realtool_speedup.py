@@ -360,7 +360,9 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
     from fedpool.registry import RegistryClient
 
 
-    init_loopback_ray()
+    joined = ray.is_initialized()  # a caller's Ray (the test session's): used, and left running
+    if not joined:
+        init_loopback_ray()
     registry = await RegistryClient.start(work / "registry", probe_interval_s=2.0)
     try:
         async with local_llama_servers(registry, LocalServerSpec(count=servers, slots=slots, threads=threads),
@@ -381,7 +383,8 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
                     await runner.cleanup()
     finally:
         await registry.terminate()
-        ray.shutdown()
+        if not joined:
+            ray.shutdown()
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------

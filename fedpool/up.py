@@ -196,10 +196,20 @@ def down(state_dir: Path, out: TextIO = sys.stdout, timeout_s: float = 60.0) -> 
     if pid is None:
         print(f"no pool is up from {state}", file=out)
         return 0
+    import psutil
+
+    try:  # everything it started: Ray's processes and workers exit after it, and `down` waits for them too
+        started = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        started = []
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if running_pid(state) is None or not _alive(pid):
+            _, left = psutil.wait_procs(started, timeout=max(0.0, deadline - time.monotonic()))
+            for proc in left:  # still there at the deadline: nothing of the pool may outlive `down`
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
             print(f"stopped the pool of {state} (pid {pid})", file=out)
             return 0
         time.sleep(0.2)
