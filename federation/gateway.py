@@ -81,7 +81,29 @@ def parse_api_keys(text: str) -> list[ApiKey]:
     return keys
 
 
-class LoopLagGuard:
+class AppTask:
+    """One background coroutine (`_run`) for an aiohttp app's life: `start` and `stop` fit on_startup and
+    on_cleanup; stop cancels it and waits for it."""
+
+    task_name = "app-task"
+    _task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=self.task_name)
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class LoopLagGuard(AppTask):
     """Overload seen where it happens: the gateway's own event loop falling behind. A probe sleeps
     `probe_s` and measures how late it woke; a smoothed lag above `limit_s` means requests are arriving faster
     than this process can handle them, and new ones are refused at once (503, Retry-After) until the lag is
@@ -94,9 +116,10 @@ class LoopLagGuard:
         self.limit_s = limit_s
         self.lag_s = 0.0
         self.overloaded = False
-        self._task: asyncio.Task[None] | None = None
 
-    async def _probe(self) -> None:
+    task_name = "gateway-loop-lag"
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             expected = loop.time() + self.probe_s
@@ -107,17 +130,6 @@ class LoopLagGuard:
                 self.overloaded = self.lag_s > self.limit_s / 2
             else:
                 self.overloaded = self.lag_s > self.limit_s
-
-    async def start(self, _app: web.Application | None = None) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._probe(), name="gateway-loop-lag")
-
-    async def stop(self, _app: web.Application | None = None) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
 
 class _Metrics:

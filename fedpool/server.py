@@ -5,7 +5,6 @@ over one pool connection, so jobs and gateway clients share every engine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections import deque
@@ -18,7 +17,7 @@ from aiohttp import web
 
 from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import Dispatcher
-from fedpool.federation.gateway import Gateway
+from fedpool.federation.gateway import AppTask, Gateway
 from fedpool.federation.httpauth import bearer, matches
 from fedpool.registry import PoolSnapshot
 
@@ -36,7 +35,7 @@ class _Point:
     waiting: dict[str, float | None]
 
 
-class PoolHistory:
+class PoolHistory(AppTask):
     """The last minutes of every server, for the pool page's charts: what this process's dispatcher answered
     (requests and tokens, as rates between points) and what the engines reported running and waiting,
     sampled every `period_s` from data the gateway already has. Bounded: `points` per server."""
@@ -49,7 +48,6 @@ class PoolHistory:
         self.period_s = period_s
         self._points: deque[_Point] = deque(maxlen=points + 1)
         self._clock = clock
-        self._task: asyncio.Task[None] | None = None
 
     def sample(self) -> None:
         stats = {s.server_id: s for s in self._dispatcher.stats().servers}
@@ -83,21 +81,12 @@ class PoolHistory:
                                    "waiting": waiting}
         return out
 
-    async def _loop(self) -> None:
+    task_name = "pool-history"
+
+    async def _run(self) -> None:
         while True:
             self.sample()
             await asyncio.sleep(self.period_s)
-
-    async def start(self, _app: web.Application | None = None) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="pool-history")
-
-    async def stop(self, _app: web.Application | None = None) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
 
 def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: JobRunner | None,
