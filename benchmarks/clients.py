@@ -257,11 +257,9 @@ class Pool:
 @contextlib.asynccontextmanager
 async def local_pool(work: Path) -> AsyncIterator[Pool]:
     import ray
-    from aiohttp import web
     from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
-    from fedpool.deploy.process import free_port
     from fedpool.federation import PoolConnection
-    from fedpool.federation.gateway import Gateway
+    from fedpool.federation.gateway import Gateway, serving
     from fedpool.registry import RegistryClient
 
 
@@ -272,15 +270,8 @@ async def local_pool(work: Path) -> AsyncIterator[Pool]:
         async with local_servers(registry, spec, work / "logs") as launchers:
             async with PoolConnection(registry) as conn:
                 await conn.refresh()
-                gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
-                runner = web.AppRunner(gateway.app(), access_log=None)
-                await runner.setup()
-                port = free_port()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
-                try:
-                    yield Pool(launchers[0].record.url, f"http://127.0.0.1:{port}")
-                finally:
-                    await runner.cleanup()
+                async with serving(Gateway(conn.dispatcher, lambda: conn.snapshot).app()) as url:
+                    yield Pool(launchers[0].record.url, url)
     finally:
         await registry.terminate()
         ray.shutdown()

@@ -352,11 +352,9 @@ class Pool:
 @contextlib.asynccontextmanager
 async def local_pool(work: Path, servers: int, slots: int, threads: int) -> AsyncIterator[Pool]:
     import ray
-    from aiohttp import web
     from fedpool.deploy.localpool import LocalServerSpec, init_loopback_ray, local_llama_servers
-    from fedpool.deploy.process import free_port
     from fedpool.federation import DispatchConfig, PoolConnection
-    from fedpool.federation.gateway import Gateway
+    from fedpool.federation.gateway import Gateway, serving
     from fedpool.registry import RegistryClient
 
 
@@ -370,17 +368,9 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
             config = DispatchConfig(client_order="shortest_first")
             async with PoolConnection(registry, config=config) as conn:
                 await conn.refresh()
-                gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
-                runner = web.AppRunner(gateway.app(), access_log=None)
-                await runner.setup()
-                port = free_port()
-                await web.TCPSite(runner, "127.0.0.1", port).start()
-                try:
+                async with serving(Gateway(conn.dispatcher, lambda: conn.snapshot).app()) as url:
                     yield Pool(launchers[0].record.model, {lr.record.id: lr.record.url for lr in launchers},
-                               f"http://127.0.0.1:{port}", ray.get_runtime_context().gcs_address,
-                               work / "registry", slots)
-                finally:
-                    await runner.cleanup()
+                               url, ray.get_runtime_context().gcs_address, work / "registry", slots)
     finally:
         await registry.terminate()
         if not joined:

@@ -286,8 +286,8 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
     one cut off without either is lost."""
     import json
 
-    from aiohttp import ClientSession, web
-    from fedpool.federation.gateway import Gateway
+    from aiohttp import ClientSession
+    from fedpool.federation.gateway import Gateway, serving
     from prometheus_client.parser import text_string_to_metric_families
 
     # Two real llama.cpp servers (the emulator writes a whole answer at once, so only a real engine can die
@@ -313,14 +313,9 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
                                             for e in snapshot.entries) == 2:
                 break
             await asyncio.sleep(0.2)
-        gateway = Gateway(conn.dispatcher, lambda: conn.snapshot)
-        runner = web.AppRunner(gateway.app(), access_log=None)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}/v1"
-        chunks = [0]
-        try:
+        async with serving(Gateway(conn.dispatcher, lambda: conn.snapshot).app()) as base:
+            url = f"{base}/v1"
+            chunks = [0]
             async with ClientSession() as session:
 
                 async def one(i: int) -> str:  # "done", "error event" or "cut"
@@ -355,12 +350,10 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
                 if victim.pid is not None:
                     os.kill(victim.pid, signal.SIGKILL)
                 endings = Counter(await asyncio.gather(*tasks))
-                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                async with session.get(f"{base}/metrics") as resp:
                     metrics = await resp.text()
             migrations = sum(sample.value for family in text_string_to_metric_families(metrics)
                              for sample in family.samples if sample.name == "fedpool_gateway_stream_migrations_total")
-        finally:
-            await runner.cleanup()
     wall = time.perf_counter() - started
     done, errored = endings.get("done", 0), endings.get("error event", 0)
     note = (f"killed {'mid-stream' if fired else 'before streams were under way'}; {done} streams ended [DONE], "

@@ -21,7 +21,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -101,6 +101,18 @@ class AppTask:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Serve `app` on host:port (0: a free port the OS picks) for the block; yields its base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield f"http://{host}:{port or runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 class LoopLagGuard(AppTask):

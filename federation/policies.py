@@ -13,7 +13,6 @@ import bisect
 import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -186,17 +185,25 @@ class PowerOfTwo(Policy, name="power_of_two"):
 
 class CapacityWeighted(Policy, name="capacity_weighted"):
     """Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates. Expected waits
-    within `tie_tolerance` of the lowest are a tie, given to the tied server this policy has picked least
-    often: learned weights of identical servers always differ a little, and an exact comparison sent every
-    request that found both idle to the one that happened to measure faster (92/8 between two equal servers at
-    100 req/s); a random pick among the tied still drifted by a few percent over a few hundred requests."""
+    within `tie_tolerance` of the lowest are a tie: learned weights of identical servers always differ a
+    little, and an exact comparison sent every request that found both idle to the one that happened to
+    measure faster (92/8 between two equal servers at 100 req/s).
+
+    Idle servers, and ties, take turns in proportion to speed by stride scheduling over a virtual clock:
+    each server has a pass, the pick is the lowest, and a pick advances its pass by 1 / weight *at that
+    moment*. A server's pass is never behind the clock (one that sat out, new or busy, rejoins at the clock:
+    no burst of catch-up turns). Counting turns since the start instead (fewest picks per unit of the
+    current weight) made every past turn count at today's weight: one slow measurement after 200 turns
+    gave a server no turn for the rest of a run, so its speed was never measured again (276/24 between two
+    equal servers at a light load)."""
 
     def __init__(self, rng: random.Random | None = None, sample_size: int = 4, tie_tolerance: float = 0.1):
         super().__init__(rng)
         self._sample_size = sample_size
         self._tolerance = tie_tolerance
         self.candidate_limit = sample_size
-        self._picked: Counter[str] = Counter()  # server -> times this policy chose it (one entry per server)
+        self._clock = 0.0  # virtual time: the pass of the latest turn
+        self._pass: dict[str, float] = {}  # server -> its next turn on the virtual clock (one entry per server)
 
     def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
         pool = list(candidates)
@@ -205,22 +212,23 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
         idle = [c for c in pool if c.inflight == 0 and c.scraped_waiting <= 0]
         if len(idle) > 1:
             # Several idle servers: each would start the request at once, so they take turns in proportion
-            # to speed (stride scheduling: the fewest picks per unit of weight), not the fastest always.
-            # Sending every request to the one measured fastest starved the other of answers, so its rate
-            # was never measured again: two equal servers at a light load ended 264/36 after one unlucky
-            # early measurement.
-            pick = min(idle, key=lambda c: ((self._picked[c.server_id] + 1) / max(c.weight, 1e-12), c.server_id))
-            self._picked[pick.server_id] += 1
+            # to speed, not the fastest always (that starved the other of the answers that measure it).
+            pick = self._take_turn(idle)
             return RouteDecision(pick.server_id, f"idle, chosen in proportion to speed ({pick.weight:.3g})")
         best = min(c.expected_wait for c in pool)
         near = [c for c in pool if c.expected_wait <= best * (1 + self._tolerance)]
-        if len(near) == 1:
-            pick = near[0]
-        else:
-            fewest = min(self._picked[c.server_id] for c in near)
-            pick = self._rng.choice([c for c in near if self._picked[c.server_id] == fewest])
-        self._picked[pick.server_id] += 1
+        pick = self._take_turn(near)
         return RouteDecision(pick.server_id, f"lowest expected wait ({pick.expected_wait:.3g})")
+
+    def _take_turn(self, tied: Sequence[Candidate]) -> Candidate:
+        """The tied server whose turn it is; ties between passes go to the lower id (deterministic)."""
+        def turn(c: Candidate) -> float:
+            return max(self._pass.get(c.server_id, self._clock), self._clock)
+
+        pick = min(tied, key=lambda c: (turn(c), c.server_id))
+        self._clock = turn(pick)
+        self._pass[pick.server_id] = self._clock + 1.0 / max(pick.weight, 1e-12)
+        return pick
 
 
 class PrefixAffinity(Policy, name="prefix_affinity"):

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,44 +31,25 @@ from fedpool.cli_support import (
 )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
+def _bounded(kind: type[int] | type[float], what: str, low: float, high: float | None,
+             too_far: str) -> Callable[[str], Any]:
+    """An argparse `type=` for a number of `kind` in [low, high]; its errors say what was expected."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (low <= value and (high is None or value <= high)):  # (a NaN is neither: refused)
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+            raise argparse.ArgumentTypeError(f"{too_far}, got {shown}")
+        return value
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 <= value <= 86400:
-        raise argparse.ArgumentTypeError(f"expected 0 to 86400 seconds, got {value:g}")
-    return value
+_positive_int = _bounded(int, "a whole number", 1, None, "expected a number >= 1")
+_non_negative_int = _bounded(int, "a whole number", 0, None, "expected a number >= 0")
+_port = _bounded(int, "a port number", 1, 65535, "a port is 1 to 65535")
+_seconds = _bounded(float, "seconds", 0, 86400, "expected 0 to 86400 seconds")
 
 
 def _wait_flag(parser: argparse.ArgumentParser) -> None:

@@ -110,11 +110,10 @@ def run_up(options: UpOptions, out: TextIO = sys.stdout, err: TextIO = sys.stder
 
 
 async def _up(options: UpOptions, state: Path, out: TextIO, err: TextIO) -> int:
-    from aiohttp import web
 
     from fedpool.deploy.localpool import local_servers
     from fedpool.federation import DispatchConfig, PoolConnection
-    from fedpool.federation.gateway import Gateway
+    from fedpool.federation.gateway import Gateway, serving
     from fedpool.registry import RegistryClient
     from fedpool.server import build_app
 
@@ -134,24 +133,21 @@ async def _up(options: UpOptions, state: Path, out: TextIO, err: TextIO) -> int:
             async with PoolConnection(registry, policy=options.policy, config=config) as pool:
                 await pool.refresh()
                 gateway = Gateway(pool.dispatcher, lambda: pool.snapshot)
-                runner = web.AppRunner(build_app(gateway, pool.dispatcher, lambda: pool.snapshot), access_log=None)
-                await runner.setup()
-                await web.TCPSite(runner, options.host, options.port).start()
-                base = f"http://{options.host}:{options.port}"
-                model = spec.served_model()
-                import ray
+                app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot)
+                async with serving(app, options.host, options.port) as base:
+                    model = spec.served_model()
+                    import ray
 
-                ready = {"url": base, "model": model, "pid": os.getpid(), "servers": spec.count,
-                         "engine": spec.engine, "ray_address": ray.get_runtime_context().gcs_address,
-                         "state_dir": str(state), "started_at": time.time()}
-                (state / READY_FILE).write_text(json.dumps(ready, indent=2) + "\n")
-                print(f"fedpool pool up: {spec.count} {spec.engine} server(s) serving {model!r} at {base}/v1 "
-                      f"(Ray {ready['ray_address']})\n", file=out, flush=True)
-                print(recipes(base, model), file=out, flush=True)
-                print("\nCtrl-C (or `fedpool down`) stops everything this started.", file=out, flush=True)
-                await stop.wait()
-                print("[fedpool up] stopping", file=err, flush=True)
-                await runner.cleanup()
+                    ready = {"url": base, "model": model, "pid": os.getpid(), "servers": spec.count,
+                             "engine": spec.engine, "ray_address": ray.get_runtime_context().gcs_address,
+                             "state_dir": str(state), "started_at": time.time()}
+                    (state / READY_FILE).write_text(json.dumps(ready, indent=2) + "\n")
+                    print(f"fedpool pool up: {spec.count} {spec.engine} server(s) serving {model!r} at {base}/v1 "
+                          f"(Ray {ready['ray_address']})\n", file=out, flush=True)
+                    print(recipes(base, model), file=out, flush=True)
+                    print("\nCtrl-C (or `fedpool down`) stops everything this started.", file=out, flush=True)
+                    await stop.wait()
+                    print("[fedpool up] stopping", file=err, flush=True)
     finally:
         await registry.terminate()
     return 0

@@ -80,7 +80,7 @@ def test_policies_are_deterministic_given_the_seed() -> None:
 def test_capacity_weighted_shares_idle_servers_by_speed_and_breaks_near_ties_evenly() -> None:
     """Identical servers learn slightly different rates; both idle, they must share (it sent all to one, and
     the one starved of answers never had its rate measured again). Idle servers take turns in proportion to
-    speed; busy servers whose expected waits are within 10% are a tie, shared evenly."""
+    speed; busy servers whose expected waits are within 10% are a tie, shared the same way."""
     import random as _random
     from collections import Counter as _Counter
 
@@ -93,10 +93,24 @@ def test_capacity_weighted_shares_idle_servers_by_speed_and_breaks_near_ties_eve
     fast = [Candidate("v100", 0, 64, 64, 100.0), Candidate("a100", 0, 64, 64, 200.0)]
     picks = _Counter(policy.choose(fast, RouteContext("r")).server_id for _ in range(300))
     assert abs(picks["a100"] - 200) <= 2, picks  # twice the speed, twice the share while both are idle
-    # Busy: the expected wait decides, and near-equal waits are a tie shared evenly.
+    # Busy: the expected wait decides, and near-equal waits are a tie, taken in turns by speed.
     busy = [Candidate("a", 3, 64, 64, 100.0), Candidate("b", 3, 64, 64, 105.0)]
-    policy = make_policy("capacity_weighted", _random.Random(3))  # (its pick counts span idle and busy turns)
     picks = _Counter(policy.choose(busy, RouteContext("r")).server_id for _ in range(1000))
-    assert abs(picks["a"] - 500) <= 2, picks
+    assert abs(picks["a"] - 1000 * 100 / 205) <= 2, picks
     unequal = [Candidate("v100", 3, 64, 64, 100.0), Candidate("a100", 3, 64, 64, 200.0)]
     assert {policy.choose(unequal, RouteContext("r")).server_id for _ in range(200)} == {"a100"}
+
+
+def test_capacity_weighted_turns_follow_todays_speeds_not_the_history_of_turns() -> None:
+    """Two equal idle servers take 200 turns; then one measures 4× slower (a stalled loop charged its
+    requests). From then on it gets a fifth of the turns, at once. Counting turns since the start at today's
+    weight gave it none for the next 300 (the 276/24 split CI saw between two equal servers)."""
+    policy = make_policy("capacity_weighted", random.Random(5))
+    equal = [cand("a", 0, weight=100.0), cand("b", 0, weight=100.0)]
+    first = Counter(policy.choose(equal, CTX).server_id for _ in range(200))
+    assert first == {"a": 100, "b": 100}
+    slow = [cand("a", 0, weight=25.0), cand("b", 0, weight=100.0)]
+    after = Counter(policy.choose(slow, CTX).server_id for _ in range(100))
+    assert abs(after["a"] - 20) <= 1, after
+    again = Counter(policy.choose(equal, CTX).server_id for _ in range(100))  # measured equal again: even
+    assert abs(again["a"] - 50) <= 2, again
