@@ -60,6 +60,7 @@ class DispatcherStats:
     waiting: int = 0  # requests waiting for a slot
     decisions: int = 0  # slots granted (each a routing decision)
     decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
+    loop_stalled_s: float = 0.0  # seconds this process's loop stood still with attempts in flight (not charged)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from fedpool.federation.policies import Candidate, DispatchState, Hold, Policy, 
 from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Routes
 from fedpool.federation.serverbook import BookSettings, ServerBook
+from fedpool.federation.stalls import LoopStalls
 from fedpool.federation.tail import TailRescue
 from fedpool.federation.transport import open_stream, post_completion
 from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
@@ -56,7 +57,11 @@ class Dispatcher:
         self._rng = rng or random.Random(0)
         self._on_failure = on_failure
         self._sleep = sleep
-        self._ledger = InflightLedger(clock=clock, wall_clock=wall_clock)
+        # Busy time and occupancy (what server speeds are measured on) leave out the seconds this process's
+        # own loop stood still (federation/stalls.py). Only on the real clock: an injected clock is a test's
+        # deterministic time, which real stalls must not move.
+        self._stalls = LoopStalls(lambda: self._ledger.total() > 0) if clock is time.monotonic else None
+        self._ledger = InflightLedger(clock=self._stalls.clock if self._stalls else clock, wall_clock=wall_clock)
         self._clients = ClientBook(config.client_order, self._ledger)
         self._book = ServerBook(BookSettings(config.window_factor, config.adaptive_windows, config.learn_throughput,
                                              config.breaker_failures, config.breaker_cooldown_s,
@@ -338,6 +343,8 @@ class Dispatcher:
         """Count a slot on the chosen server. Called in the same step as the choice (no await in
         between), so concurrent picks cannot pile onto one server."""
         self._book.take(server, client_id, now)
+        if self._stalls is not None:
+            self._stalls.arm()
         return Slot(server, client_id, now)
 
     def _release(self, slot: Slot) -> None:
@@ -360,6 +367,7 @@ class Dispatcher:
             submitted=self._submitted, completed=self._completed, failed=self._failed, retries=self._retries,
             hedges=self._tail.hedges, inflight_total=self._ledger.total(), waiting=self._waiting.live(),
             decisions=self._decisions, decision_s=self._decision_s,
+            loop_stalled_s=self._stalls.stalled_s if self._stalls else 0.0,
             servers=self._book.server_stats(snapshot.entries if snapshot else ()),
         )
 

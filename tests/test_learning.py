@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from fedpool.federation.learning import BusyRate, WindowController, WindowObservation
 from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.stalls import LoopStalls
 
 
 def test_throughput_counts_busy_time_only() -> None:
@@ -120,3 +124,30 @@ def test_a_lasting_shift_of_the_mix_becomes_the_new_latency_baseline() -> None:
     off.decide(obs(per_token_latency_s=0.001))
     off.decide(obs(per_token_latency_s=0.001))
     assert off.decide(obs(per_token_latency_s=9.0)).reason != "latency inflation"
+
+
+async def test_a_stalled_loop_is_not_charged_to_the_server() -> None:
+    """The client's own loop stops for 0.2 s while an attempt is in flight (a long callback: here a blocking
+    sleep, on purpose): the ledger's occupancy and busy time on the stall-discounting clock leave it out, so
+    the server is not measured slow for what the client did. The clock never goes back, and the watch stops
+    with the last attempt (nothing stays scheduled on an idle dispatcher)."""
+    ledger: InflightLedger
+    stalls = LoopStalls(lambda: ledger.total() > 0)
+    ledger = InflightLedger(clock=stalls.clock, wall_clock=time.time)
+    ledger.take("s", "c")
+    stalls.arm()
+    await asyncio.sleep(0.03)  # the watch's timer runs on time: no stall
+    before = stalls.clock()
+    wall = time.monotonic()
+    time.sleep(0.2)  # noqa: ASYNC251 - the point: the loop stands still
+    during = stalls.clock()
+    await asyncio.sleep(0.03)
+    ledger.release("s", "c")
+    assert during >= before and during - before < 0.03, (before, during)  # it stood still, it did not go back
+    assert stalls.stalled_s >= 0.18 and stalls.stalls >= 1, stalls.stalled_s
+    # in flight ~0.26 s of wall time, of which 0.2 s stalled: charged ~0.06 s
+    assert ledger.occupancy_s("s") < 0.15, ledger.occupancy_s("s")
+    assert ledger.busy_s("s") == pytest.approx(ledger.occupancy_s("s"))  # one attempt: the same seconds
+    assert time.monotonic() - wall >= 0.2
+    await asyncio.sleep(0.03)  # the next tick finds nothing in flight and does not reschedule
+    assert not stalls.watching
