@@ -150,15 +150,18 @@ class ServerLearning:
     adaptive: bool = True
     last_decision: WindowDecision | None = None
     tokens_per_s: float | None = None  # tokens per busy second as of the last closed period (the window's view)
-    # One sequence's speed as of the last closed period: the answers' reference latencies (each client's mean
+    # One sequence's speed, as of its latest answer: the answers' reference latencies (each client's mean
     # latency over every server, ServerBook) per attempt-second here — 1.0 for a server as fast as the pool's
     # average for the same requests, whatever mix of requests it was given. Weights compare this × capacity,
     # which does not grow with the traffic a server is given (tokens per busy second does: a server given
     # more requests batches more, learned a higher rate and was given still more; two equal servers ended
     # 92/8), nor with the shape of its requests (tokens per attempt-second did: a server that had answered a
     # short-answer eval's requests, mostly prefill, looked slower than its twin by half and got a third of
-    # the traffic once that eval was done).
+    # the traffic once that eval was done). As of each answer, not of the last closed period: two equal servers
+    # whose periods closed either side of a slow spell were left 4.7× apart until the next, and the one
+    # measured slow was given no request to close it with.
     sequence_speed: float | None = None
+    speed_at: float | None = None  # when sequence_speed was last measured (an answer)
     sequence_rate: BusyRate = field(default_factory=lambda: BusyRate(tau_s=3 * LEARN_PERIOD_S))
     _latencies: list[float] = field(default_factory=list)
     _rate_limited: int = 0
@@ -194,6 +197,8 @@ class ServerLearning:
             self.rate.add(now, busy_total_s, tokens)
         if reference_s > 0:
             self.sequence_rate.add(now, occupancy_s, reference_s)
+            self.sequence_speed = self.sequence_rate.value(now, occupancy_s)
+            self.speed_at = now
         if self._period_start is None or now - self._period_start < self.period_s:
             return None
         self._period_start = now
@@ -201,7 +206,6 @@ class ServerLearning:
         if rate is None:
             return None
         self.tokens_per_s = rate
-        self.sequence_speed = self.sequence_rate.value(now, occupancy_s)
         if not self.adaptive:
             return None
         ordered = sorted(self._latencies)

@@ -189,7 +189,7 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
     little, and an exact comparison sent every request that found both idle to the one that happened to
     measure faster (92/8 between two equal servers at 100 req/s).
 
-    Idle servers, and ties, take turns in proportion to speed by stride scheduling over a virtual clock:
+    Idle servers, and near-equal waits, take turns in proportion to speed by stride scheduling over a virtual clock:
     each server has a pass, the pick is the lowest, and a pick advances its pass by 1 / weight *at that
     moment*. A server's pass is never behind the clock (one that sat out, new or busy, rejoins at the clock:
     no burst of catch-up turns). Counting turns since the start instead (fewest picks per unit of the
@@ -217,16 +217,21 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
             return RouteDecision(pick.server_id, f"idle, chosen in proportion to speed ({pick.weight:.3g})")
         best = min(c.expected_wait for c in pool)
         near = [c for c in pool if c.expected_wait <= best * (1 + self._tolerance)]
-        pick = self._take_turn(near)
+        pick = near[0] if len(near) == 1 else self._take_turn(near)
         return RouteDecision(pick.server_id, f"lowest expected wait ({pick.expected_wait:.3g})")
 
     def _take_turn(self, tied: Sequence[Candidate]) -> Candidate:
-        """The tied server whose turn it is; ties between passes go to the lower id (deterministic)."""
+        """The tied server whose turn it is (equal passes: a random one of them). Only ties take turns: a
+        request that had one place to go (the others busy) is no turn of anyone's. Counted as turns, those
+        moved the clock between ties, so the order in which the forced picks came decided who won the next
+        tie: one of two equal servers got two thirds of the turns."""
         def turn(c: Candidate) -> float:
             return max(self._pass.get(c.server_id, self._clock), self._clock)
 
-        pick = min(tied, key=lambda c: (turn(c), c.server_id))
-        self._clock = turn(pick)
+        first = min(turn(c) for c in tied)
+        due = [c for c in tied if turn(c) == first]
+        pick = due[0] if len(due) == 1 else self._rng.choice(due)
+        self._clock = first
         self._pass[pick.server_id] = self._clock + 1.0 / max(pick.weight, 1e-12)
         return pick
 

@@ -4,6 +4,7 @@ throughput, circuit breaker and answer counters; and the candidates a policy see
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -21,6 +22,10 @@ log = logging.getLogger("fedpool.dispatcher")
 
 SAMPLE_TRIES = 4  # random draws per wanted candidate before a sampled choice scans the whole route
 CLIENT_LATENCY_ALPHA = 0.05  # one answer's weight in its client's mean latency (what server speeds compare to)
+# A learned speed no answer has renewed for this many learning periods fades toward the prior (on the learned
+# scale), with this many periods' time constant: a server measured slow once and then given nothing (the
+# others' expected waits always lower) is tried again instead of keeping that one measurement for good.
+STALE_PERIODS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +197,15 @@ class ServerBook:
         if not self._settings.learn_throughput:
             return prior
         learned = self._learned(server.id, server.capacity)
-        return learned if learned is not None else prior * self._rate_scale()
+        if learned is None:
+            return prior * self._rate_scale()
+        learning = self.learning[server.id]
+        horizon = STALE_PERIODS * self._settings.learn_period_s
+        stale = self._clock() - (learning.speed_at or 0.0) - horizon
+        if stale <= 0:
+            return learned
+        fallback = prior * self._rate_scale()
+        return fallback + (learned - fallback) * math.exp(-stale / horizon)
 
     def _learned(self, server_id: str, capacity: int) -> float | None:
         learning = self.learning.get(server_id)
@@ -207,14 +220,19 @@ class ServerBook:
         return (self.ledger.on_server(server.id) + extra) / rate if rate > 0 else float("inf")
 
     def _rate_scale(self) -> float:
-        """Mean learned-rate / prior over the servers with a learned rate (1.0 when none): puts priors on
-        the learned scale. Recomputed at most once per learning period."""
+        """Mean learned-rate / prior over the servers with a learned rate (1.0 when none), those measured in
+        the last STALE_PERIODS periods where any were: puts priors on the learned scale. Recomputed at most
+        once per learning period."""
         now = self._clock()
         if now - self._rate_scale_at >= self._settings.learn_period_s or self._rate_scale_at < 0:
-            ratios = [
-                learned / self._priors[sid] for sid, lrn in self.learning.items()
+            horizon = STALE_PERIODS * self._settings.learn_period_s
+            known = [
+                (learned / self._priors[sid], now - (lrn.speed_at or 0.0) <= horizon)
+                for sid, lrn in self.learning.items()
                 if self._priors.get(sid) and (learned := self._learned(sid, lrn.controller.capacity)) is not None
             ]
+            # Servers measured lately set the scale (a stale measurement would pull the prior it fades to)
+            ratios = [ratio for ratio, fresh in known if fresh] or [ratio for ratio, _ in known]
             self._rate_scale_value = sum(ratios) / len(ratios) if ratios else 1.0
             self._rate_scale_at = now
         return self._rate_scale_value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -151,3 +152,46 @@ async def test_a_stalled_loop_is_not_charged_to_the_server() -> None:
     assert time.monotonic() - wall >= 0.2
     await asyncio.sleep(0.03)  # the next tick finds nothing in flight and does not reschedule
     assert not stalls.watching
+
+
+def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:
+    """Two equal servers; one measured 4× slower in a slow spell and then given nothing (the other's expected
+    wait always lower) must not keep that one measurement for good: after two learning periods without an
+    answer its weight fades toward the prior on the learned scale, and a new answer measures it again at once
+    (speeds are renewed by each answer, not at a period's close)."""
+    from fedpool.federation.serverbook import BookSettings, ServerBook
+    from fedpool.registry import ServerEntry, ServerRecord, ServerStatus, prior_weight
+
+    now = [0.0]
+    ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: now[0])
+    book = ServerBook(BookSettings(1.0, True, True, 5, 30.0, learn_period_s=1.0), ledger, clock=lambda: now[0])
+    entries = []
+    for sid in ("s0", "s1"):
+        record = ServerRecord(id=sid, url=f"http://127.0.0.1:1/{sid}", engine="vllm", model="m", revision="r",
+                              accelerator="A100")
+        entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=8, weight=prior_weight(record)))
+    fast, slow = entries
+
+    def answer(entry: ServerEntry, latency: float) -> None:
+        ledger.take(entry.record.id, "c")
+        now[0] += latency
+        ledger.release(entry.record.id, "c")
+        book.note_success(entry, 10, latency, "c")
+
+    for _ in range(10):
+        answer(fast, 0.1)
+        answer(slow, 0.1)
+    answer(slow, 0.4)
+    answer(slow, 0.4)
+    answer(slow, 0.4)  # a slow spell on s1: measured well below s0 on its own latest answer
+    book.free_candidates(entries, None, random.Random(0))  # (the book sees the priors)
+    measured_slow = book.weight_of(slow)
+    assert measured_slow < 0.8 * book.weight_of(fast)
+    for _ in range(10):
+        answer(fast, 0.1)  # 1 s: within two periods, s1's measurement stands
+    assert book.weight_of(slow) == pytest.approx(measured_slow)
+    for _ in range(80):
+        answer(fast, 0.1)  # 8 s more without an answer from s1: back near the prior's scale (s0's weight)
+    assert book.weight_of(slow) > 0.9 * book.weight_of(fast)
+    answer(slow, 0.1)
+    assert book.learning["s1"].speed_at == now[0]

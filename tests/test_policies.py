@@ -114,3 +114,16 @@ def test_capacity_weighted_turns_follow_todays_speeds_not_the_history_of_turns()
     assert abs(after["a"] - 20) <= 1, after
     again = Counter(policy.choose(equal, CTX).server_id for _ in range(100))  # measured equal again: even
     assert abs(again["a"] - 50) <= 2, again
+
+
+def test_capacity_weighted_gives_equal_turns_to_no_server_by_name() -> None:
+    """Two equal servers, each busy while the other is sent one, then both idle: the both-idle turns split
+    about evenly. Equal passes are common (a server that sat out rejoins at the clock), and giving them to the
+    lower id handed s0 194 of 300 requests between two equal servers."""
+    policy = make_policy("capacity_weighted", random.Random(6))
+    both_idle: Counter[str] = Counter()
+    for _ in range(300):
+        policy.choose([cand("a", 1, weight=100.0), cand("b", 0, weight=100.0)], CTX)
+        policy.choose([cand("a", 0, weight=100.0), cand("b", 1, weight=100.0)], CTX)
+        both_idle[policy.choose([cand("a", 0, weight=100.0), cand("b", 0, weight=100.0)], CTX).server_id] += 1
+    assert 110 <= both_idle["a"] <= 190, both_idle
