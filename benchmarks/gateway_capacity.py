@@ -332,6 +332,24 @@ def sustained_rate(sweep: Sequence[Sample], direct: dict[float, Sample] | None) 
     return best
 
 
+def _why_not_sustained(result: PathResult, direct: dict[float, Sample]) -> str:
+    """For a path that sustained no swept rate: what its lowest rate missed (the criterion's terms)."""
+    if result.sustained or not result.sweep:
+        return ""
+    first = result.sweep[0]
+    base = direct.get(first.rate, direct[min(direct)]) if direct else None
+    misses = []
+    if first.ok != first.offered:
+        misses.append(f"{first.ok}/{first.offered} answered 200")
+    if first.achieved_rps < 0.95 * first.rate:
+        misses.append(f"sent {first.achieved_rps:.0f}/s")
+    added = first.p99_ms - (base.p99_ms if base else 0.0)
+    if added > ADDED_P99_LIMIT_MS:
+        misses.append(f"p99 {added:+.1f} ms over direct (limit +{ADDED_P99_LIMIT_MS:.0f})")
+    return (f"at its lowest rate, {first.rate:.0f}/s: " + ", ".join(misses)
+            + f"; {first.cpu_ms_per_request:.1f} ms CPU a request")
+
+
 def sweep(urls: Sequence[str], rates: Sequence[float], watch: Sequence[psutil.Process], label: str,
           stream: bool = False, stop_after_failures: bool = True) -> list[Sample]:
     out = []
@@ -418,7 +436,7 @@ def body(results: dict[str, PathResult], args: argparse.Namespace) -> str:
         markdown_table(["path", "sustained req/s", "vs direct", "note"],
                        [[r.name, f"{r.sustained:.0f}" if not r.missing else "-",
                          f"{r.sustained / results['direct'].sustained:.2f}" if r.sustained and results[
-                             "direct"].sustained else "-", r.missing]
+                             "direct"].sustained else "-", r.missing or _why_not_sustained(r, direct)]
                         for r in results.values()]),
         "",
         "## Every point (non-streaming)",
