@@ -91,19 +91,19 @@ class Soak:
     started_pids: set[int] = field(default_factory=set)
     refused_races: int = 0
     early_races: int = 0  # racing resumes that came before the raced run had written eval.json (nothing to resume)
-    last_log: Path | None = None
     race_problems: list[str] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
     pending: set[asyncio.Task[None]] = field(default_factory=set)  # faults being undone (thaw, restart)
 
     # ---- clients ----------------------------------------------------------------------------------------
-    async def fedpool(self, *args: str) -> asyncio.subprocess.Process:
+    async def fedpool(self, *args: str, log: Path | None = None) -> asyncio.subprocess.Process:
+        """A `fedpool` client process, its output to `log` (default: a fresh file under logs/)."""
         address = ray.get_runtime_context().gcs_address
-        self.last_log = self.work / "logs" / f"client-{time.monotonic_ns()}.log"
-        log_file = self.last_log.open("wb")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "fedpool.cli", *args[:2], "--address", address, "--state-dir",
-            str(self.work / "registry"), "--quiet", *args[2:], stdout=log_file, stderr=asyncio.subprocess.STDOUT)
+        log = log or self.work / "logs" / f"client-{time.monotonic_ns()}.log"
+        with log.open("wb") as log_file:  # the child keeps its own copy of the descriptor
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "fedpool.cli", *args[:2], "--address", address, "--state-dir",
+                str(self.work / "registry"), "--quiet", *args[2:], stdout=log_file, stderr=asyncio.subprocess.STDOUT)
         self.started_pids.add(proc.pid)
         return proc
 
@@ -222,9 +222,8 @@ class Soak:
         if not running:
             return None
         run = self.rng.choice(running)
-        racer = await self.fedpool("eval", "resume", str(run.out))
-        racer_log = self.last_log
-        assert racer_log is not None
+        racer_log = self.work / "logs" / f"race-{time.monotonic_ns()}.log"
+        racer = await self.fedpool("eval", "resume", str(run.out), log=racer_log)
 
         async def judge() -> None:
             code = await racer.wait()

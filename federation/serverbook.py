@@ -199,13 +199,20 @@ class ServerBook:
         learned = self._learned(server.id, server.capacity)
         if learned is None:
             return prior * self._rate_scale()
-        learning = self.learning[server.id]
-        horizon = STALE_PERIODS * self._settings.learn_period_s
-        stale = self._clock() - (learning.speed_at or 0.0) - horizon
+        stale = self._unrenewed_s(self.learning[server.id], self._clock()) - self._stale_after_s
         if stale <= 0:
             return learned
         fallback = prior * self._rate_scale()
-        return fallback + (learned - fallback) * math.exp(-stale / horizon)
+        return fallback + (learned - fallback) * math.exp(-stale / self._stale_after_s)
+
+    @property
+    def _stale_after_s(self) -> float:
+        return STALE_PERIODS * self._settings.learn_period_s
+
+    @staticmethod
+    def _unrenewed_s(learning: ServerLearning, now: float) -> float:
+        """Seconds since an answer last renewed the server's learned speed."""
+        return now - (learning.speed_at or 0.0)
 
     def _learned(self, server_id: str, capacity: int) -> float | None:
         learning = self.learning.get(server_id)
@@ -225,9 +232,8 @@ class ServerBook:
         once per learning period."""
         now = self._clock()
         if now - self._rate_scale_at >= self._settings.learn_period_s or self._rate_scale_at < 0:
-            horizon = STALE_PERIODS * self._settings.learn_period_s
             known = [
-                (learned / self._priors[sid], now - (lrn.speed_at or 0.0) <= horizon)
+                (learned / self._priors[sid], self._unrenewed_s(lrn, now) <= self._stale_after_s)
                 for sid, lrn in self.learning.items()
                 if self._priors.get(sid) and (learned := self._learned(sid, lrn.controller.capacity)) is not None
             ]

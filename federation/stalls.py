@@ -51,12 +51,6 @@ class LoopStalls:
             return
         self._schedule(loop)
 
-    def disarm(self) -> None:
-        if self._handle is not None:
-            self.stalled_s += self._pending(self._inner())
-            self._handle.cancel()
-            self._handle = None
-
     def _pending(self, now: float) -> float:
         return max(0.0, now - self._due - self._tolerance) if self._handle is not None else 0.0
 
