@@ -35,14 +35,23 @@ BLOCK = 16  # tokens per KV block (vLLM's default block size)
 
 
 class StepProfile(Protocol):
-    max_running: int
-    prefill_s_per_token: float
-    decode_s_per_token: float
-    batch_slowdown: float
-    attn_s_per_ctx_token: float
-    kv_cache_tokens: int | None
-    max_batched_tokens: int
-    prefix_cache: bool
+    # Read-only members, so a frozen dataclass (EmulatorProfile) satisfies the protocol.
+    @property
+    def max_running(self) -> int: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    @property
+    def decode_s_per_token(self) -> float: ...
+    @property
+    def batch_slowdown(self) -> float: ...
+    @property
+    def attn_s_per_ctx_token(self) -> float: ...
+    @property
+    def kv_cache_tokens(self) -> int | None: ...
+    @property
+    def max_batched_tokens(self) -> int: ...
+    @property
+    def prefix_cache(self) -> bool: ...
 
 
 class PromptTooLong(Exception):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
+from fedpool.registry import Engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +64,15 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     raise ValueError(f"unknown engine {spec.engine!r}; use vllm, sglang, llamacpp or emulated")
 
 
-def registry_engine(engine: str, profile: str = "tiny") -> str:
+def registry_engine(engine: str, profile: str = "tiny") -> Engine:
     """The registry adapter an engine is probed with (an emulator speaks its profile's protocol)."""
     if engine != "emulated":
-        return engine
+        return Engine(engine)
     from fedpool.deploy.emulator import PROFILES
 
     if profile not in PROFILES:
         raise ValueError(f"unknown emulator profile {profile!r}; known: {', '.join(sorted(PROFILES))}")
-    return PROFILES[profile].protocol
+    return Engine(PROFILES[profile].protocol)
 
 
 _GPU_NAMES = (("H200", "H200"), ("H100", "H100"), ("A100", "A100"), ("V100", "V100"), ("L40S", "L40S"),

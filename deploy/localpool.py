@@ -10,6 +10,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import ray
 from fedpool.deploy import (
@@ -27,18 +28,29 @@ from fedpool.registry import Engine, RegistryClient, ServerRecord
 log = logging.getLogger("fedpool.localpool")
 
 
+class _RaySettings(TypedDict):
+    """What every `ray.init` here passes (typed, so `**` checks against ray.init's parameters)."""
+
+    namespace: str
+    logging_level: int
+    log_to_driver: bool
+
+
+# fedpool's namespace, and Ray's own logging kept quiet
+_RAY_SETTINGS: _RaySettings = {"namespace": "fedpool", "logging_level": logging.WARNING, "log_to_driver": False}
+
+
 def init_local_ray(num_cpus: int | None = None) -> None:
     """Start Ray on this machine, or join the cluster already running here (`ray start`), quietly."""
     if ray.is_initialized():
         return
-    common: dict[str, object] = {"namespace": "fedpool", "logging_level": logging.WARNING, "log_to_driver": False}
     try:
-        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **common)
+        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **_RAY_SETTINGS)
     except ValueError as exc:  # Ray refuses resource settings when a cluster already runs on this node
         if "existing cluster" not in str(exc):
             raise
         log.info("joining the Ray cluster already running on this machine")
-        ray.init(address="auto", **common)
+        ray.init(address="auto", **_RAY_SETTINGS)
 
 
 LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "::1")
@@ -68,14 +80,13 @@ def init_loopback_ray(address: str | None = None, num_cpus: int | None = None) -
     127.0.0.1; a pool meant for this machine's tools must not be reachable from the network, so the local
     cluster is started with Ray's single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which keeps every
     Ray process on the loopback address), set for this process and every Ray process it starts."""
-    common: dict[str, object] = {"namespace": "fedpool", "logging_level": logging.WARNING, "log_to_driver": False}
     if address:
         if is_loopback_address(address):
             loopback_ray_mode()
-        ray.init(address=address, **common)
+        ray.init(address=address, **_RAY_SETTINGS)
         return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} (--address {address})"
     loopback_ray_mode()
-    ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **common)
+    ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **_RAY_SETTINGS)
     return f"started a local Ray cluster at {ray.get_runtime_context().gcs_address} (loopback only; it stops with this)"
 
 
@@ -177,7 +188,7 @@ async def _launcher(registry: RegistryClient, spec: LocalPoolSpec, index: int, l
         argv = engine_argv(EngineSpec(engine="vllm", model=model, port=port, model_path=str(weights),
                                       capacity=spec.slots, python=str(python), extra_args=vllm_cpu_args()))
         env = vllm_cpu_env()
-        engine = "vllm"
+        engine = Engine.VLLM
         capacity = spec.slots
     else:
         from fedpool.deploy.emulator import PROFILES

@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,9 @@ from fedpool.pipeline.spec import BenchmarkSpec
 
 MAX_ROW_BYTES = 8 * 1024 * 1024
 MAX_REPORTED_PROBLEMS = 20
+
+# (line or row number, the row's fields or a description of why it could not be read)
+RawRow = tuple[int, dict[str, Any] | str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +39,7 @@ def dataset_sha256(path: Path) -> str:
         if path.is_dir():
             digest.update(str(file.relative_to(path)).encode() + b"\0")
         with file.open("rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+            for chunk in iter(partial(fh.read, 1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
 
@@ -87,7 +92,7 @@ def load_samples(spec: BenchmarkSpec) -> list[Sample]:
     return samples
 
 
-def _jsonl_rows(path: Path):
+def _jsonl_rows(path: Path) -> Iterator[RawRow]:
     with path.open("rb") as fh:
         for number, raw in enumerate(fh, start=1):
             if len(raw) > MAX_ROW_BYTES:
@@ -103,7 +108,7 @@ def _jsonl_rows(path: Path):
             yield number, row if isinstance(row, dict) else f"row is a JSON {type(row).__name__}, not an object"
 
 
-def _csv_rows(path: Path):
+def _csv_rows(path: Path) -> Iterator[RawRow]:
     with path.open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
         try:
@@ -126,7 +131,7 @@ def _csv_rows(path: Path):
             raise DataError(str(path), reader.line_num, f"not valid CSV ({exc})") from None
 
 
-def _parquet_rows(path: Path):
+def _parquet_rows(path: Path) -> Iterator[RawRow]:
     """Rows of a Parquet file, numbered from 1; read a row group at a time (large files stay bounded)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -142,7 +147,7 @@ def _parquet_rows(path: Path):
             yield number, row
 
 
-def _hf_rows(path: Path, split: str | None):
+def _hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
     """Rows of a Hugging Face dataset saved with `save_to_disk` (needs the `datasets` package)."""
     try:
         import datasets

@@ -103,7 +103,8 @@ def _video(path: Path, media: MediaSpec, sample_id: str) -> list[dict[str, Any]]
     if not path.exists():
         raise DataError(str(path), None, f"sample {sample_id!r}: video does not exist")
     try:
-        import cv2
+        # OpenCV is optional (not a dependency): its module and stubs exist only where a user installed it.
+        import cv2  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         raise DataError(str(path), None, f"sample {sample_id!r}: video files need OpenCV (pip install "
                         "opencv-python-headless), or give a directory of frame images") from None
@@ -180,7 +181,8 @@ class MediaPool:
         import ray
 
         remote = ray.remote(MediaWorker).options(**cpu_actor_options(num_cpus))
-        self._actors = [remote.remote() for _ in range(max(1, actors))]
+        # Ray's handles are not typed for .remote
+        self._actors: list[Any] = [remote.remote() for _ in range(max(1, actors))]
         self._busy = [0] * len(self._actors)
 
     async def ready(self) -> None:

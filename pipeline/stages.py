@@ -64,7 +64,7 @@ class StagePool:
             num_cpus = max(0.01, min(1.0, total / (2 * actors))) if total > 0 else 0.0
         self.num_cpus = num_cpus
         remote = ray.remote(StageWorker).options(**cpu_actor_options(num_cpus, actor_options))
-        self._actors = [remote.remote() for _ in range(actors)]
+        self._actors: list[Any] = [remote.remote() for _ in range(actors)]  # Ray's handles are not typed for .remote
         self._busy = [0] * actors
         self.calls = 0  # calls answered (for reports and tests: the work did run here)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,8 @@ class VerifierWorker:
         for item in items:
             completion = self._llm(judge_prompt(item, self._config.field_chars), max_tokens=self._config.max_tokens,
                                    temperature=0.0, stop=["\n\nQuestion:", "\nQuestion:"])
+            if isinstance(completion, Iterator):  # only with stream=True, which is never asked for here
+                raise TypeError("llama_cpp returned a stream for a non-streaming completion")
             out.append(parse_judgment(completion["choices"][0]["text"]))
         return out
 
@@ -160,7 +162,8 @@ class VerifierPool:
         self.config = config
         # Restarted elsewhere (loading the model again) if its node dies; calls in flight are retried.
         remote = ray.remote(VerifierWorker).options(**cpu_actor_options(config.threads))
-        self._actors = [remote.remote(config.model_dump()) for _ in range(config.actors)]
+        # Ray's handles are not typed for .remote
+        self._actors: list[Any] = [remote.remote(config.model_dump()) for _ in range(config.actors)]
         self._busy = [0] * len(self._actors)
         self.judged = 0
         self.unparsed = 0

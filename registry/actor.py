@@ -12,7 +12,7 @@ import time
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import ray
@@ -319,7 +319,8 @@ class RegistryActor:
 def create_registry_actor(config: RegistryConfig) -> ray.actor.ActorHandle:
     """Get the registry actor, creating it (detached, restartable) when it does not exist yet."""
     remote_cls = ray.remote(RegistryActor)
-    return remote_cls.options(
+    # Ray types ActorClass.remote() as `ActorHandle[T] | type[T]`; what it returns is always the handle.
+    return cast(ray.actor.ActorHandle, remote_cls.options(
         name=REGISTRY_NAME,
         namespace=config.namespace,
         lifetime="detached",
@@ -329,7 +330,7 @@ def create_registry_actor(config: RegistryConfig) -> ray.actor.ActorHandle:
         num_cpus=0,
         max_concurrency=1000,
         resources=dict(config.resources),
-    ).remote(config.model_dump())
+    ).remote(config.model_dump()))
 
 
 def get_registry_actor(namespace: str = NAMESPACE) -> ray.actor.ActorHandle:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class RegistryError(Exception):
     """Base class of every error the registry raises on purpose."""
@@ -22,7 +24,8 @@ class RegistrationError(RegistryError):
         where = f"field '{field}'" if field else f"check '{check}'" if check else "registration"
         super().__init__(f"server {server_id!r}: {where} failed: {reason}")
 
-    def __reduce__(self):  # keeps the fields across Ray's (de)serialisation of actor errors
+    def __reduce__(self) -> tuple[Callable[..., RegistrationError], tuple[object, ...]]:
+        # keeps the fields across Ray's (de)serialisation of actor errors
         return (_rebuild_registration_error, (self.server_id, self.reason, self.field, self.check))
 
 
@@ -39,5 +42,5 @@ class UnknownServerError(RegistryError):
         self.server_id = server_id
         super().__init__(f"no server with id {server_id!r} is registered")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[UnknownServerError], tuple[str]]:
         return (UnknownServerError, (self.server_id,))

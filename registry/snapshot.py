@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -135,6 +135,14 @@ class PoolSnapshot:
     Built either from entries or lazily from wire rows (entries are made on first use, once)."""
 
     __slots__ = ("_by_id", "_count", "_entries", "_make", "taken_at", "version")
+    # Set through object.__setattr__ (the class forbids plain assignment): `_make`, when given, builds
+    # `_entries` on first read; `_by_id` is built on the first lookup by id.
+    version: int
+    taken_at: float
+    _entries: tuple[ServerEntry, ...]
+    _count: int
+    _make: Callable[[], tuple[ServerEntry, ...]] | None
+    _by_id: dict[str, ServerEntry] | None
 
     def __init__(self, version: int, taken_at: float, entries: tuple[ServerEntry, ...] = ()):
         object.__setattr__(self, "version", version)
@@ -193,14 +201,16 @@ class PoolSnapshot:
 
     @property
     def _index(self) -> Mapping[str, ServerEntry]:
-        if self._by_id is None:
-            object.__setattr__(self, "_by_id", {entry.id: entry for entry in self.entries})
-        return self._by_id
+        by_id = self._by_id
+        if by_id is None:
+            by_id = {entry.id: entry for entry in self.entries}
+            object.__setattr__(self, "_by_id", by_id)
+        return by_id
 
     def __len__(self) -> int:
         return self._count
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[ServerEntry]:
         return iter(self.entries)
 
     def get(self, server_id: str) -> ServerEntry | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -128,14 +129,14 @@ class JobStore:
         with self._db() as db:  # column names are fixed above
             return db.execute(f"UPDATE jobs SET {sets} WHERE {where}", (*values, *params)).rowcount > 0
 
-    def requeue_interrupted(self) -> list[str]:
+    def requeue_interrupted(self) -> builtins.list[str]:  # `list` here is the method above
         """Jobs left running by a server that stopped: queued again (they resume from their artifact)."""
         with self._db() as db:
             ids = [r[0] for r in db.execute("SELECT id FROM jobs WHERE state = 'running'").fetchall()]
             db.execute("UPDATE jobs SET state = 'queued' WHERE state = 'running'")
         return ids
 
-    def queued(self) -> list[str]:
+    def queued(self) -> builtins.list[str]:
         with self._db() as db:
             return [r[0] for r in db.execute("SELECT id FROM jobs WHERE state = 'queued' ORDER BY created_at")]
 

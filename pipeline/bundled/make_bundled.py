@@ -38,7 +38,8 @@ CAPITALS: list[tuple[str, list[str]]] = [
 
 
 def make_arith(rng: random.Random, n: int = 60) -> list[dict[str, object]]:
-    rows, seen = [], set()
+    rows: list[dict[str, object]] = []
+    seen: set[tuple[int, int]] = set()
     while len(rows) < n:
         a, b = rng.randint(1, 20), rng.randint(1, 20)
         if (a, b) in seen:
@@ -56,7 +57,7 @@ def make_capitals() -> list[dict[str, object]]:
 
 
 def make_capitals_mc(rng: random.Random, n: int = 60) -> list[dict[str, object]]:
-    rows = []
+    rows: list[dict[str, object]] = []
     items = rng.sample(CAPITALS, n)
     for i, (country, names) in enumerate(items):
         distractors = rng.sample([c[1][0] for c in CAPITALS if c[1][0] != names[0]], 3)

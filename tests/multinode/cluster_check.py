@@ -9,9 +9,13 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from ray.cluster_utils import Cluster
+
+if TYPE_CHECKING:
+    from fedpool.deploy.emulator import EmulatedServer
 
 
 @ray.remote(num_cpus=0)
@@ -20,16 +24,16 @@ class NodeLauncher:
 
     def __init__(self, token: str):
         self._token = token
-        self._server = None
+        self._server: EmulatedServer | None = None
 
     async def launch(self, server_id: str) -> dict[str, str]:
         from fedpool.deploy.emulator import EmulatedServer
-        from fedpool.registry import RegistryClient, ServerRecord
+        from fedpool.registry import Engine, RegistryClient, ServerRecord
 
         self._server = EmulatedServer(model="multi-model")
         url = await self._server.start()
         client = await RegistryClient.connect(token=self._token)
-        await client.register(ServerRecord(id=server_id, url=url, engine="vllm", model="multi-model"))
+        await client.register(ServerRecord(id=server_id, url=url, engine=Engine.VLLM, model="multi-model"))
         return {"server_id": server_id, "node": ray.get_runtime_context().get_node_id()}
 
 

@@ -12,15 +12,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+if TYPE_CHECKING:
+    from ray._private.node import Node
+
 MODEL = "node-loss-model"
 
 
-async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, object]:
+async def main(cluster: Cluster, worker: Node, worker_id: str) -> dict[str, object]:
     from fedpool.benchmarks.costs import StageCosts, actor_hooks
     from fedpool.benchmarks.reliability import count
     from fedpool.clients import EvalProgress, EvalTarget, run_evals
@@ -29,7 +33,7 @@ async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, ob
     from fedpool.pipeline import load_spec
     from fedpool.pipeline.bundled import bundled_spec_paths
     from fedpool.pipeline.stages import StagePool
-    from fedpool.registry import RegistryClient, ServerRecord
+    from fedpool.registry import Engine, RegistryClient, ServerRecord
 
     work = Path(tempfile.mkdtemp(prefix="fedpool-node-loss-"))
     registry = await RegistryClient.start(work / "registry", token="node-loss-token-1234", probe_interval_s=0.5)
@@ -37,7 +41,8 @@ async def main(cluster: Cluster, worker: object, worker_id: str) -> dict[str, ob
     servers = [EmulatedServer(model=MODEL, profile=profile, seed=i) for i in range(2)]
     for i, server in enumerate(servers):
         await server.start()
-        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine="vllm", model=MODEL, capacity=4))
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM, model=MODEL,
+                                             capacity=4))
     # Soft affinity: the actors start on the worker node, and may be started again elsewhere when it is gone.
     stages = StagePool(2, num_cpus=0.5, actor_options={
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=worker_id, soft=True)})
