@@ -41,10 +41,11 @@ from pathlib import Path
 
 import psutil
 import ray
+
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.localpool import init_local_ray
 from fedpool.deploy.process import EngineProcess, free_port
-from fedpool.registry import RegistryClient, ServerRecord
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 
 log = logging.getLogger("fedpool.chaos_soak")
 MODEL = "soak-model"
@@ -305,7 +306,7 @@ async def soak(args: argparse.Namespace, work: Path) -> tuple[Soak, dict[str, in
             assert proc.pid is not None
             state.started_pids.add(proc.pid)
             await proc.wait_healthy(url + "/health", deadline_s=60)
-            await registry.register(ServerRecord(id=f"soak-{i}", url=url, engine="vllm", model=MODEL,
+            await registry.register(ServerRecord(id=f"soak-{i}", url=url, engine=Engine.VLLM, model=MODEL,
                                                  accelerator="A100", capacity=8))
             servers.append(Server(f"soak-{i}", url, proc))
         deadline = state.t0 + args.minutes * 60

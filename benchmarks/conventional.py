@@ -27,14 +27,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import aiohttp
+
 from fedpool.benchmarks.costs import StageCosts, spend_inline
 from fedpool.federation import AttemptError, Endpoint, InferenceRequest, Timeouts, post_completion
 from fedpool.pipeline import (
     ArtifactWriter,
     BenchmarkSpec,
+    ErrorKind,
     Provenance,
     Record,
     Sample,
@@ -46,8 +48,8 @@ from fedpool.pipeline import (
 )
 from fedpool.pipeline.verifier import VerifierWorker, judge_item, with_judgment
 
-CLIENT_MODES = ("static", "sliding", "whole")
 ClientMode = Literal["static", "sliding", "whole"]
+CLIENT_MODES: tuple[ClientMode, ...] = ("static", "sliding", "whole")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +85,14 @@ class BaselineResult:
     artifact_dir: Path | None = None
 
 
-def shards(samples: Sequence[Sample], parts: int) -> list[list[Sample]]:
+ItemT = TypeVar("ItemT")
+
+
+def shards(samples: Sequence[ItemT], parts: int) -> list[list[ItemT]]:
     """Contiguous, nearly equal shards, as data-parallel evaluation splits its documents."""
     size, extra = divmod(len(samples), parts)
-    out, start = [], 0
+    out: list[list[ItemT]] = []
+    start = 0
     for i in range(parts):
         end = start + size + (1 if i < extra else 0)
         out.append(list(samples[start:end]))
@@ -234,7 +240,7 @@ class ConventionalEval:
             completion = await post_completion(session, server.url, request, self.timeouts)
         except AttemptError as exc:  # no retries elsewhere: this eval has no other server
             return None, Provenance(server_id=server.id, model=self.model, attempts=1, error=str(exc),
-                                    error_kind=exc.kind.value, completed_at=time.time())
+                                    error_kind=ErrorKind(exc.kind.value), completed_at=time.time())
         return completion.text, Provenance(
             server_id=server.id, engine=server.engine, accelerator=server.accelerator, model=self.model, attempts=1,
             latency_s=self._clock() - start, prompt_tokens=completion.prompt_tokens,

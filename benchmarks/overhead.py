@@ -14,15 +14,18 @@ import asyncio
 import multiprocessing as mp
 import random
 import time
+from multiprocessing.synchronize import Event
 
 import aiohttp
+
 from fedpool.benchmarks.report import markdown_table, write_report
 
 LITELLM_MEDIAN_MS = 12.0
 
 
-def _serve(kind: str, port_out: mp.Queue, stop: mp.Event, upstream: str | None) -> None:  # child process
+def _serve(kind: str, port_out: mp.Queue, stop: Event, upstream: str | None) -> None:  # child process
     from aiohttp import web
+
     from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 
     async def main() -> None:
@@ -34,9 +37,9 @@ def _serve(kind: str, port_out: mp.Queue, stop: mp.Event, upstream: str | None) 
             return
         from fedpool.federation import DispatchConfig, Dispatcher, make_policy, new_session
         from fedpool.federation.gateway import Gateway
-        from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+        from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
-        record = ServerRecord(id="emu-0", url=upstream or "", engine="vllm", model="bench-model", capacity=512)
+        record = ServerRecord(id="emu-0", url=upstream or "", engine=Engine.VLLM, model="bench-model", capacity=512)
         snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 512, 1.0),))
         async with new_session() as session:
             dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted"),
@@ -95,10 +98,10 @@ async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
     """Placement decisions (policy choice + in-flight accounting) without I/O: acquire then release."""
     from fedpool.federation import Dispatcher, InferenceRequest, make_policy, new_session
     from fedpool.federation.types import Endpoint
-    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     entries = tuple(
-        ServerEntry(ServerRecord(id=f"s{i}", url=f"http://127.0.0.1:{20000 + i}", engine="vllm", model="m",
+        ServerEntry(ServerRecord(id=f"s{i}", url=f"http://127.0.0.1:{20000 + i}", engine=Engine.VLLM, model="m",
                                  capacity=8), ServerStatus.HEALTHY, 8, 1.0)
         for i in range(servers)
     )

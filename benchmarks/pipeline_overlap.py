@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import ray
+
 from fedpool.benchmarks.costs import StageCosts, actor_hooks
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.clients import EvalTarget, run_evals
@@ -33,7 +34,7 @@ from fedpool.pipeline.artifact import read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.pipeline.stages import StagePool
 from fedpool.pipeline.verifier import VerifierConfig, VerifierPool, judge_item
-from fedpool.registry import RegistryClient, ServerRecord
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 
 MODEL = "overlap-model"
 
@@ -47,7 +48,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     await server.start()
     work = Path(tempfile.mkdtemp(prefix="fedpool-overlap-"))
     registry = await RegistryClient.start(work / "registry", probe_interval_s=1.0)
-    await registry.register(ServerRecord(id="emu-0", url=server.url, engine="vllm", model=MODEL,
+    await registry.register(ServerRecord(id="emu-0", url=server.url, engine=Engine.VLLM, model=MODEL,
                                          accelerator="A100", capacity=args.slots))
     model_path = await asyncio.to_thread(ensure_gemma)
     verifier = VerifierPool(VerifierConfig(model_path=str(model_path), actors=args.verifier_actors,

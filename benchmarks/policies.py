@@ -24,7 +24,7 @@ from fedpool.benchmarks.assignment import saturated_cost
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
 POLICIES = ("capacity_weighted", "least_inflight", "power_of_two", "round_robin", "random", "prefix_affinity")
 
@@ -68,7 +68,7 @@ async def run_policy(name: str, jobs: list[tuple[int, int]], args: argparse.Name
             server = EmulatedServer(model="bench-model", profile=kind.profile, speedup=args.speedup)
             await server.start()
             servers.append(server)
-            record = ServerRecord(id=f"{kind.accelerator.lower()}-{i}", url=server.url, engine="vllm",
+            record = ServerRecord(id=f"{kind.accelerator.lower()}-{i}", url=server.url, engine=Engine.VLLM,
                                   model="bench-model", accelerator=kind.accelerator, gpu_count=1,
                                   capacity=kind.profile.max_running)
             entries.append(ServerEntry(record, ServerStatus.HEALTHY, record.capacity or 1, prior_weight(record)))

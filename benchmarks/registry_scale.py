@@ -20,17 +20,20 @@ import random
 import statistics
 import tempfile
 import time
+from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Any
 
 import psutil
 import ray
+
 from fedpool.benchmarks.report import markdown_table, write_report
-from fedpool.registry import RegistryClient, ServerRecord
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 
 PRODUCTION_STACK_SCRAPE_S = 30.0
 
 
-def _farm(n: int, ports_out: mp.Queue, stop: mp.Event) -> None:  # runs in a child process
+def _farm(n: int, ports_out: mp.Queue, stop: Event) -> None:  # runs in a child process
     from fedpool.deploy.emulator import EmulatedServer
 
     async def main() -> None:
@@ -114,7 +117,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
 
         async def add(i: int, url: str) -> None:
             async with sem:
-                await registry.register(ServerRecord(id=f"emu-{i:05d}", url=url, engine="vllm",
+                await registry.register(ServerRecord(id=f"emu-{i:05d}", url=url, engine=Engine.VLLM,
                                                      model="scale-model", accelerator="A100", capacity=64))
 
         t0 = time.perf_counter()
@@ -128,7 +131,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         for proc in (actor, prober, farm_proc, driver):
             proc.cpu_percent(None)
         deadline_in = args.duration
-        readers = [
+        # Ray's ActorHandle types an actor's methods as the plain methods, without `.remote`: typed loosely once.
+        readers: list[Any] = [
             ray.remote(SnapshotReaders).options(num_cpus=0).remote(args.clients // args.reader_processes, seed)
             for seed in range(args.reader_processes)
         ]

@@ -23,12 +23,13 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.clients import EvalProgress, EvalTarget, run_evals
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_process
@@ -40,7 +41,7 @@ from fedpool.federation.transport import Timeouts
 from fedpool.pipeline import load_spec
 from fedpool.pipeline.artifact import read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
-from fedpool.registry import RegistryClient, ServerRecord, ServerStatus
+from fedpool.registry import Engine, RegistryClient, ServerRecord, ServerStatus
 
 log = logging.getLogger("fedpool.reliability")
 MODEL = "chaos-model"
@@ -102,9 +103,10 @@ class ChaosPool:
         await proc.wait_healthy(url + "/health", deadline_s=30)
         self.extra.append(proc)
         self.urls[server_id] = url
-        extra = {"revision": revision} if revision is not None else {}
-        await self.registry.register(ServerRecord(id=server_id, url=url, engine="vllm", model=model,
-                                                  accelerator="A100", capacity=4, **extra))
+        if revision is None:  # the registry's own default
+            revision = ServerRecord.model_fields["revision"].default
+        await self.registry.register(ServerRecord(id=server_id, url=url, engine=Engine.VLLM, model=model,
+                                                  revision=revision, accelerator="A100", capacity=4))
         return url
 
     async def status(self) -> dict[str, ServerStatus]:
@@ -128,7 +130,7 @@ async def chaos_pool(work: Path, *, emulators: int = 3, llama: bool = True) -> A
             await pool.llama.start()
             await pool.llama.wait_healthy(config.url + "/health", deadline_s=120)
             pool.urls["llama-0"] = config.url
-            await registry.register(ServerRecord(id="llama-0", url=config.url, engine="llamacpp", model=MODEL,
+            await registry.register(ServerRecord(id="llama-0", url=config.url, engine=Engine.LLAMACPP, model=MODEL,
                                                  accelerator="cpu"))
         yield pool
     finally:
@@ -139,7 +141,7 @@ async def chaos_pool(work: Path, *, emulators: int = 3, llama: bool = True) -> A
         await pool.registry.terminate()
 
 
-Fault = Callable[[ChaosPool], Awaitable[None]]
+Fault = Callable[[ChaosPool], Coroutine[Any, Any, None]]
 
 
 async def run_eval(pool: ChaosPool, out: Path, fault: Fault | None = None, *, at: float = 0.5,
@@ -287,8 +289,9 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
     import json
 
     from aiohttp import ClientSession
-    from fedpool.federation.gateway import Gateway, serving
     from prometheus_client.parser import text_string_to_metric_families
+
+    from fedpool.federation.gateway import Gateway, serving
 
     # Two real llama.cpp servers (the emulator writes a whole answer at once, so only a real engine can die
     # half-way through a stream), serving a model of their own so the killed one surely carries streams.
@@ -300,12 +303,12 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
         await proc.start()
         pool.extra.append(proc)
         await proc.wait_healthy(config.url + "/health", deadline_s=120)
-        await pool.registry.register(ServerRecord(id=f"replica-{i}", url=config.url, engine="llamacpp", model=model,
-                                                  revision="gemma3-270m-q4km", accelerator="cpu"))
+        await pool.registry.register(ServerRecord(id=f"replica-{i}", url=config.url, engine=Engine.LLAMACPP,
+                                                  model=model, revision="gemma3-270m-q4km", accelerator="cpu"))
     victim = pool.extra[-2]
-    config = DispatchConfig(timeouts=Timeouts(connect_s=2.0, first_byte_s=4.0, total_s=30.0), max_attempts=8)
+    dispatch_config = DispatchConfig(timeouts=Timeouts(connect_s=2.0, first_byte_s=4.0, total_s=30.0), max_attempts=8)
     started = time.perf_counter()
-    async with PoolConnection(pool.registry, policy="least_inflight", config=config) as conn:
+    async with PoolConnection(pool.registry, policy="least_inflight", config=dispatch_config) as conn:
         for _ in range(100):  # until the prober has found both replicas healthy
             await conn.refresh()
             snapshot = conn.snapshot
@@ -380,7 +383,7 @@ async def scenario_partitioned(pool: ChaosPool, out: Path, baseline: float | Non
     proxy = await _PartitionProxy.start(url)
     pool.cleanups.append(proxy.stop)
     await pool.registry.deregister("behind")
-    await pool.registry.register(ServerRecord(id="partitioned", url=proxy.url, engine="vllm", model=MODEL,
+    await pool.registry.register(ServerRecord(id="partitioned", url=proxy.url, engine=Engine.VLLM, model=MODEL,
                                               accelerator="A100", capacity=4))
     wall, summaries, _ = await run_eval(pool, out)
     status = await pool.status()

@@ -25,8 +25,11 @@ import resource
 import statistics
 import time
 from dataclasses import asdict, replace
+from multiprocessing.synchronize import Event
+from typing import TypedDict
 
 import psutil
+
 from fedpool.benchmarks.assignment import Workload, ideal_makespan
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
@@ -56,7 +59,22 @@ def full_step(profile: EmulatorProfile, modality: str) -> float:
             + profile.attn_s_per_ctx_token * n * (prompt + answer / 2))
 
 
-def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Queue, stop: mp.Event) -> None:
+class DriveFigures(TypedDict):
+    """What `drive` measured: wall and CPU seconds, the dispatcher's counters, each eval's completion time."""
+
+    wall_s: float
+    finished: dict[str, float]
+    completed: int
+    failed: int
+    decisions: int
+    decision_s: float
+    process_cpu_s: float
+    inflight_end: int
+    on_server_s: float
+    expected_on_server_s: float
+
+
+def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Queue, stop: Event) -> None:
     from fedpool.deploy.emulator import EmulatedServer
 
     profiles = {k: EmulatorProfile(**v) for k, v in json.loads(profiles_json).items()}
@@ -77,15 +95,16 @@ def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Qu
 
 
 async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], args: argparse.Namespace,
-                ) -> dict[str, object]:
+                ) -> DriveFigures:
     from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
     from fedpool.registry.weights import prior_weight
 
     accel = {name: acc for name, acc, _ in GROUPS}
     entries = []
     for i, (name, url) in enumerate(urls):
-        record = ServerRecord(id=f"{name}-{i}", url=url, engine="sglang" if "sglang" in name else "vllm", model=MODEL,
+        engine = Engine.SGLANG if "sglang" in name else Engine.VLLM
+        record = ServerRecord(id=f"{name}-{i}", url=url, engine=engine, model=MODEL,
                               accelerator=accel[name], gpu_count=1, capacity=args.max_running)
         entries.append(ServerEntry(record, ServerStatus.HEALTHY, args.max_running, prior_weight(record)))
     snap = PoolSnapshot(1, 0.0, tuple(entries))

@@ -18,16 +18,18 @@ import asyncio
 import multiprocessing as mp
 import random
 import time
+from multiprocessing.synchronize import Event
 from typing import Any
 
 import aiohttp
 import psutil
+
 from fedpool.benchmarks.report import markdown_table, write_report
 
 MODEL = "soak-model"
 
 
-def _emulator_child(port_out: mp.Queue, stop: mp.Event) -> None:  # runs in a child process
+def _emulator_child(port_out: mp.Queue, stop: Event) -> None:  # runs in a child process
     from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 
     async def main() -> None:
@@ -39,15 +41,16 @@ def _emulator_child(port_out: mp.Queue, stop: mp.Event) -> None:  # runs in a ch
     asyncio.run(main())
 
 
-def _gateway_child(port_out: mp.Queue, stop: mp.Event, measure: mp.Event, tasks_out: mp.Queue,
+def _gateway_child(port_out: mp.Queue, stop: Event, measure: Event, tasks_out: mp.Queue,
                    upstream: str) -> None:  # runs in a child process
     from aiohttp import web
+
     from fedpool.federation import DispatchConfig, Dispatcher, make_policy, new_session
     from fedpool.federation.gateway import Gateway
-    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     async def main() -> None:
-        record = ServerRecord(id="emu-0", url=upstream, engine="vllm", model=MODEL, capacity=1024)
+        record = ServerRecord(id="emu-0", url=upstream, engine=Engine.VLLM, model=MODEL, capacity=1024)
         snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 1024, 1.0),))
         async with new_session() as session:
             dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"),
@@ -105,7 +108,7 @@ async def stream_clients(url: str, clients: int, duration_s: float, max_each: in
     return done, errors, chunks
 
 
-def gateway_figures(proc: psutil.Process, measure: mp.Event, tasks_out: mp.Queue) -> dict[str, float]:
+def gateway_figures(proc: psutil.Process, measure: Event, tasks_out: mp.Queue) -> dict[str, float]:
     measure.set()
     tasks, inflight, waiting = tasks_out.get(timeout=30)
     return {"rss_mb": proc.memory_info().rss / 2**20, "fds": float(proc.num_fds()), "tasks": float(tasks),
@@ -158,13 +161,13 @@ async def soak_dispatcher(requests: int, servers: int) -> dict[str, Any]:
         make_policy,
         new_session,
     )
-    from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     emus = [EmulatedServer(model=MODEL, profile=EmulatorProfile(decode_s_per_token=0.0, max_running=256), seed=i)
             for i in range(servers)]
     for emu in emus:
         await emu.start()
-    entries = tuple(ServerEntry(ServerRecord(id=f"emu-{i}", url=e.url, engine="vllm", model=MODEL, capacity=64),
+    entries = tuple(ServerEntry(ServerRecord(id=f"emu-{i}", url=e.url, engine=Engine.VLLM, model=MODEL, capacity=64),
                                 ServerStatus.HEALTHY, 64, 1.0) for i, e in enumerate(emus))
     snap = PoolSnapshot(1, 0.0, entries)
     sent = 0

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import sys
 import tempfile
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def body(report: SpeedupReport, pool_path: Path, evals_path: Path, charts: list[
         "",
         "## Arms", "",
     ]
-    rows = []
+    rows: list[Sequence[object]] = []  # table cells of any printable kind; reused for each table below
     for arm, result in report.arms.items():
         lo, hi = report.ratio_spread(arm)
         runs = ", ".join(f"{run[arm].makespan_s:.1f}" for run in report.runs)

@@ -35,8 +35,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+
 from fedpool.benchmarks.assignment import Workload, best_static_split, careful_split, ideal_makespan, split_makespan
-from fedpool.benchmarks.conventional import CLIENT_MODES, BaselineResult, BaselineServer, ConventionalEval
+from fedpool.benchmarks.conventional import (
+    CLIENT_MODES,
+    BaselineResult,
+    BaselineServer,
+    ClientMode,
+    ConventionalEval,
+)
 from fedpool.benchmarks.costs import StageCosts, actor_hooks, inline_hooks
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy import EngineProcess, free_port
@@ -49,7 +57,6 @@ from fedpool.pipeline.stages import StagePool
 from fedpool.pipeline.verifier import VerifierConfig, VerifierPool, VerifierWorker
 from fedpool.pipeline.yamlfile import field_problems, read_yaml
 from fedpool.registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 log = logging.getLogger("fedpool.bench")
 
@@ -137,7 +144,7 @@ class PoolConfig(BaseModel):
         kinds = sum(bool(x) for x in (self.emulated, self.servers, self.local_llamacpp))
         if kinds != 1:
             raise ValueError("give exactly one of: emulated, servers, local_llamacpp")
-        ids = [s.id for s in [*self.emulated, *self.servers]]
+        ids = [s.id for s in self.emulated] + [s.id for s in self.servers]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"server ids must be unique: {dup}")
@@ -375,17 +382,17 @@ async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClie
     processes: list[EngineProcess] = []
     servers = []
     try:
-        for s in config.emulated:
-            profile = s.resolved(config.output_spread, config.perturb_seed)
+        for emulated in config.emulated:
+            profile = emulated.resolved(config.output_spread, config.perturb_seed)
             port = free_port()
             argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", config.model, "--port", str(port),
                     "--profile-json", json.dumps(asdict(profile)), "--speedup", str(config.time_scale)]
-            process = EngineProcess(name=s.id, argv=argv, log_path=log_dir / f"{s.id}.log")
+            process = EngineProcess(name=emulated.id, argv=argv, log_path=log_dir / f"{emulated.id}.log")
             await process.start()
             processes.append(process)
             record = ServerRecord(
-                id=s.id, url=f"http://127.0.0.1:{port}", engine=Engine(profile.protocol), model=config.model,
-                revision="emulated", accelerator=s.accelerator, gpu_count=1, capacity=profile.max_running,
+                id=emulated.id, url=f"http://127.0.0.1:{port}", engine=Engine(profile.protocol), model=config.model,
+                revision="emulated", accelerator=emulated.accelerator, gpu_count=1, capacity=profile.max_running,
                 labels={"profile": profile.name},
             )
             servers.append(LiveServer(record, profile, 1.0 / max(profile.decode_s_per_token, 1e-9)))
@@ -537,7 +544,7 @@ def _token_means(records: Sequence[Any]) -> tuple[float, float]:
 
 async def run_conventional(
     pool: PoolConfig, evals: Sequence[PreparedEval], config: EvalsConfig, out_dir: Path, period_s: float,
-    mode: str = "static",
+    mode: ClientMode = "static",
 ) -> ArmResult:
     judge = await asyncio.to_thread(verifier_config, config, evals, pool)
     # Each judged eval's process has its own judge, loaded before the clock starts (warm), as the federated
@@ -553,7 +560,7 @@ async def run_conventional(
                 [BaselineServer(sid, by_id[sid].record.url, by_id[sid].record.engine.value,
                                 by_id[sid].record.accelerator, by_id[sid].record.capacity or 8)
                  for sid in assignment[p.spec.name]],
-                model=servers[0].record.model, out_dir=out_dir, mode=mode,  # type: ignore[arg-type]
+                model=servers[0].record.model, out_dir=out_dir, mode=mode,
                 batch_size=config.batch_size, window=config.window, costs=p.costs, time_scale=pool.time_scale,
                 judge=judges.get(p.spec.name),
             )

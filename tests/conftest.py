@@ -13,10 +13,12 @@ import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import ray
+
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile, Faults
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
 from fedpool.deploy.models import GEMMA_ALIAS, ensure_gemma
@@ -29,8 +31,8 @@ TEST_TOKEN = "test-registry-token-7f3a9c"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every async test checks that it leaves no task of its own running."""
     for item in items:
-        if inspect.iscoroutinefunction(getattr(item, "obj", None)):
-            item.fixturenames.insert(0, "no_leaked_tasks")  # type: ignore[attr-defined]
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.fixturenames.insert(0, "no_leaked_tasks")
 
 
 @pytest.fixture
@@ -170,7 +172,7 @@ def _safe_name(proc: psutil.Process) -> str:
 
 def files_containing(root: Path, secrets: list[str]) -> list[str]:
     """Every file under root that contains any of the secret strings (for the artifact scans)."""
-    hits = []
+    hits: list[str] = []
     for path in root.rglob("*"):
         if path.is_file():
             text = path.read_text(encoding="utf-8", errors="replace")
@@ -178,11 +180,13 @@ def files_containing(root: Path, secrets: list[str]) -> list[str]:
     return hits
 
 
-def read_jsonl(path: Path) -> list[dict[str, object]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Each line's JSON object; its values are whatever the file holds (json.loads's Any), for tests to check."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def wait_http_up(url: str, proc: subprocess.Popen, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[type-arg]
+def wait_http_up(url: str, proc: subprocess.Popen[str] | subprocess.Popen[bytes], what: str,
+                 timeout_s: float = 60.0) -> None:
     """Until `url`/health answers; fails at once if the server process `proc` has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

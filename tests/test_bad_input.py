@@ -12,7 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from fedpool.clients.jobs import JobRequest, resolve_specs
+from fedpool.config import ConfigError, apply_defaults, read_config_file
 from fedpool.federation import Endpoint
 from fedpool.federation.errors import AttemptError, FailureKind
 from fedpool.federation.transport import parse_completion
@@ -29,12 +34,7 @@ from fedpool.pipeline.errors import ArtifactError, OwnershipError, PipelineError
 from fedpool.pipeline.media import encode_sample
 from fedpool.pipeline.schema import Record
 from fedpool.pipeline.spec import MediaSpec
-from fedpool.registry import ServerRecord
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
-
-from fedpool.config import ConfigError, apply_defaults, read_config_file
+from fedpool.registry import Engine, ServerRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "name: t\ndata: {path: d.jsonl}\nprompt: {template: 'Q: {q}'}\n"
@@ -334,12 +334,11 @@ CASES: list[Case] = [
     ("CLI flag", "zero servers", lambda t: cli("demo", "--servers", "0").stderr, ("--servers", ">= 1")),
     ("CLI flag", "unknown policy", lambda t: cli("eval", "run", "--policy", "x").stderr, ("--policy", "'x'")),
     ("CLI flag", "missing required", lambda t: cli("server", "add", "--id", "x").stderr, ("--url",)),
-    ("registration", "bad URL", lambda t: validation(lambda: ServerRecord(id="a", url="ftp://x", engine="vllm",
+    ("registration", "bad URL", lambda t: validation(lambda: ServerRecord(id="a", url="ftp://x", engine=Engine.VLLM,
                                                                           model="m")), ("url",)),
-    ("registration", "unknown engine", lambda t: validation(lambda: ServerRecord(id="a", url="http://x:1",
-                                                                                 engine="tgi", model="m")),
-     ("engine",)),
-    ("registration", "bad id", lambda t: validation(lambda: ServerRecord(id="a b", url="http://x:1", engine="vllm",
+    ("registration", "unknown engine", lambda t: validation(lambda: ServerRecord.model_validate(
+        {"id": "a", "url": "http://x:1", "engine": "tgi", "model": "m"})), ("engine",)),
+    ("registration", "bad id", lambda t: validation(lambda: ServerRecord(id="a b", url="http://x:1", engine=Engine.VLLM,
                                                                          model="m")), ("id",)),
     ("REST body", "job concurrency 0", lambda t: validation(lambda: JobRequest(model="m", concurrency=0)),
      ("concurrency",)),
@@ -419,9 +418,10 @@ CASES: list[Case] = [
      lambda t: _api_keys("a:sk-0123456789abcdef\nb:sk-0123456789abcdef\n"), ("line 2", "same secret as line 1")),
     ("credentials", "a short API secret", lambda t: _api_keys("a:sk-short\n"), ("line 1", "16")),
     ("registration", "accelerator with shell syntax", lambda t: validation(lambda: ServerRecord(
-        id="a", url="http://x:1", engine="vllm", model="m", accelerator="A100; rm -rf /")), ("not a device name",)),
+        id="a", url="http://x:1", engine=Engine.VLLM, model="m", accelerator="A100; rm -rf /")),
+     ("not a device name",)),
     ("registration", "accelerator too long", lambda t: validation(lambda: ServerRecord(
-        id="a", url="http://x:1", engine="vllm", model="m", accelerator="X" * 40)), ("accelerator",)),
+        id="a", url="http://x:1", engine=Engine.VLLM, model="m", accelerator="X" * 40)), ("accelerator",)),
     ("server response", "a 400's reason is kept", lambda t: _upstream_reason(),
      ("request_error", "exceeds the available context size")),
 ]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import ray
-from fedpool.registry import RegistryClient
 
+from fedpool.registry import RegistryClient
 from tests.conftest import TEST_TOKEN, EmulatorFactory, files_containing, read_jsonl
 
 FEDPOOL = [sys.executable, "-m", "fedpool.cli"]
@@ -214,10 +214,10 @@ def count_lines(path: Path) -> int:
 async def test_eval_killed_midway_then_resumed_loses_and_doubles_nothing(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:
-    from fedpool.registry import ServerRecord
+    from fedpool.registry import Engine, ServerRecord
 
     server = await emulators.start(model="emu-model", max_running=2, decode_s=0.02)  # ~0.16 s a request
-    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=2))
     address = ray.get_runtime_context().gcs_address
     spec = ROOT / "pipeline" / "bundled" / "arith.yaml"
     out = tmp_path / "run"
@@ -291,11 +291,11 @@ async def test_eval_run_routes_by_plan_with_a_client_order(
 ) -> None:
     """`fedpool eval run --planned --client-order shortest_first`: two benchmarks over two servers through the
     planner; every record once, and the routing settings saved for resume and in each artifact's config."""
-    from fedpool.registry import ServerRecord
+    from fedpool.registry import Engine, ServerRecord
 
     for i in range(2):
         server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
-        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine="vllm", model="emu-model",
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM, model="emu-model",
                                              accelerator="A100" if i else "V100", gpu_count=1, capacity=4))
     address = ray.get_runtime_context().gcs_address
     out = tmp_path / "run"
@@ -323,10 +323,10 @@ async def test_runs_are_owned_outages_heal_and_unknown_models_are_refused(
     runs the failed records again (kept aside in records.retried.jsonl). A model no registered server serves
     is refused before anything is written."""
     from fedpool.deploy.emulator import Faults
-    from fedpool.registry import ServerRecord
+    from fedpool.registry import Engine, ServerRecord
 
     server = await emulators.start(model="emu-model", max_running=2, decode_s=0.05)  # ~0.4 s a request
-    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=2))
     address = ray.get_runtime_context().gcs_address
     spec = ROOT / "pipeline" / "bundled" / "arith.yaml"
 

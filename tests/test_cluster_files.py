@@ -19,14 +19,14 @@ import kubernetes_validate
 import psutil
 import pytest
 import yaml
-from fedpool.deploy.process import free_port
-from fedpool.federation.gateway import _Metrics as GatewayMetrics
-from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
-from fedpool.registry.exporter import pool_metrics_text
-from fedpool.registry.snapshot import LoadSample
 from prometheus_client import generate_latest
 
 from fedpool.cli import build_parser
+from fedpool.deploy.process import free_port
+from fedpool.federation.gateway import _Metrics as GatewayMetrics
+from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+from fedpool.registry.exporter import pool_metrics_text
+from fedpool.registry.snapshot import LoadSample
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -114,7 +114,7 @@ def test_slurm_script_builds_the_serve_command(tmp_path: Path) -> None:
 
 
 def exported_metric_names() -> set[str]:
-    record = ServerRecord(id="a100-0", url="http://10.0.0.5:8000", engine="vllm", model="m", accelerator="A100",
+    record = ServerRecord(id="a100-0", url="http://10.0.0.5:8000", engine=Engine.VLLM, model="m", accelerator="A100",
                           gpu_count=1, capacity=64)
     entry = ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=64, weight=2.0,
                         load=LoadSample(running=3, waiting=1, observed_at=1.0, kv_cache_usage=0.2, tokens_per_s=90.0),

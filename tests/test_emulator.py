@@ -7,16 +7,19 @@ import time
 
 import aiohttp
 import pytest
+
 from fedpool.deploy.batching import BLOCK, BatchEngine, PromptTooLong, prompt_blocks
 from fedpool.deploy.emulator import PROFILES, EmulatedServer, EmulatorProfile, profile_from_json
 
 FAST = 10.0  # engine seconds per wall second in these tests (slow enough that timing is the model)
 
 
-def profile(**kw: object) -> EmulatorProfile:
-    base: dict[str, object] = {"max_running": 8, "decode_s_per_token": 0.01, "batch_slowdown": 0.0,
-                               "prefill_s_per_token": 0.0, "max_batched_tokens": 4096}
-    return EmulatorProfile(**{**base, **kw})  # type: ignore[arg-type]
+def profile(*, max_running: int = 8, decode_s_per_token: float = 0.01, prefill_s_per_token: float = 0.0,
+            max_batched_tokens: int = 4096, kv_cache_tokens: int | None = None,
+            prefix_cache: bool = False) -> EmulatorProfile:
+    return EmulatorProfile(max_running=max_running, decode_s_per_token=decode_s_per_token, batch_slowdown=0.0,
+                           prefill_s_per_token=prefill_s_per_token, max_batched_tokens=max_batched_tokens,
+                           kv_cache_tokens=kv_cache_tokens, prefix_cache=prefix_cache)
 
 
 async def timed(engine: BatchEngine, n: int, prompt: int, out: int) -> float:

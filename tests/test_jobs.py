@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import ray
+
 from fedpool.clients.jobs.client import AsyncJobsClient, JobsApiError, JobsClient
 from fedpool.deploy.process import free_port
-from fedpool.registry import RegistryClient, ServerRecord
-
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, read_jsonl, wait_http_up
 
 pytestmark = pytest.mark.ray
@@ -66,7 +66,7 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:
     server = await emulators.start(model="emu-model", max_running=2, decode_s=0.03)  # ~0.15 s a request
-    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=2))
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=2))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(tmp_path, port)

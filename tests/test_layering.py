@@ -38,7 +38,7 @@ def room_of(module: str) -> str:
 
 def imports_of(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(room_of(alias.name) for alias in node.names)

@@ -8,13 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy import LeaseSettings, LlamaServerConfig, ServerLauncher, free_port, llama_server_process
 from fedpool.federation import PoolConnection
 from fedpool.pipeline import load_spec
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.registry import Engine, RegistryClient, ServerRecord, ServerStatus
-
 from tests.conftest import TEST_TOKEN, LlamaServers, files_containing, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.llamacpp]
@@ -81,7 +81,7 @@ async def test_launcher_registers_heartbeats_and_deregisters_when_the_engine_die
 ) -> None:
     config = LlamaServerConfig(model_path=llama_servers.model_path, alias=llama_servers.alias, port=free_port(),
                                slots=2, threads=1)
-    record = ServerRecord(id="launched", url=config.url, engine="llamacpp", model=config.alias)
+    record = ServerRecord(id="launched", url=config.url, engine=Engine.LLAMACPP, model=config.alias)
     launcher = ServerLauncher(llama_server_process(config, tmp_path / "engine.log"), record, registry,
                               lease=LeaseSettings(ttl_s=5, heartbeat_s=0.5))
     try:

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.federation import PoolConnection
 from fedpool.pipeline import SpecError, load_samples, load_spec, request_body
 from fedpool.pipeline.errors import DataError
 from fedpool.pipeline.media import MediaPool, encode_in_thread, encode_sample, sample_indices
 from fedpool.pipeline.spec import MediaSpec
-from fedpool.registry import RegistryClient, ServerRecord
-
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import read_jsonl
 
 
@@ -174,7 +174,7 @@ async def test_media_encoded_on_actors_reaches_the_server_and_the_record(
     await server.start()
     media = MediaPool(1, num_cpus=0.25)
     try:
-        await registry.register(ServerRecord(id="cap", url=server.url, engine="openai", model="mm-model"))
+        await registry.register(ServerRecord(id="cap", url=server.url, engine=Engine.OPENAI, model="mm-model"))
         await media.ready()
         async with PoolConnection(registry, policy="least_inflight") as pool:
             (summary,) = await run_evals([spec], pool.dispatcher, tmp_path / "out", EvalTarget(model="mm-model"),

@@ -7,13 +7,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def last_json_line(stdout: str) -> dict[str, object]:
+def last_json_line(stdout: str) -> dict[str, Any]:
     """The script's report: its last JSON line (Ray's raylet may print log lines after it)."""
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import jiwer
 import pytest
 import sacrebleu
+
 from fedpool.pipeline import (
     ArtifactError,
     ArtifactWriter,
     DataError,
+    ErrorKind,
     Provenance,
     SpecError,
     aggregate,
@@ -198,7 +200,7 @@ def test_summary_uses_the_corpus_form(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path)).model_copy(update={"metrics": ["wer", "exact_match"]})
     samples = load_samples(spec)
     good = finish_record(spec, samples[0], "a0", Provenance(server_id="s1", attempts=1))
-    bad = finish_record(spec, samples[1], None, Provenance(error="x", error_kind="timeout"))
+    bad = finish_record(spec, samples[1], None, Provenance(error="x", error_kind=ErrorKind.TIMEOUT))
     summary = summarize_records(spec, [good, bad])
     by_metric = {s["metric"]: s for s in summary["scores"]}
     assert by_metric["wer"]["value"] == pytest.approx(50.0)  # 0 + 1 edit over 1 + 1 words
@@ -209,7 +211,7 @@ def test_failed_records_count_as_wrong_not_dropped(tmp_path: Path) -> None:
     spec = load_spec(write_spec(tmp_path))
     samples = load_samples(spec)
     good = finish_record(spec, samples[0], " a0\nmore", Provenance(server_id="s1", attempts=1))
-    bad = finish_record(spec, samples[1], None, Provenance(error="all attempts failed", error_kind="timeout"))
+    bad = finish_record(spec, samples[1], None, Provenance(error="all attempts failed", error_kind=ErrorKind.TIMEOUT))
     assert good.output.text.prediction_postprocessed == ["a0"] and good.metrics == {"exact_match": 1.0}
     assert bad.metrics == {"exact_match": 0.0} and bad.failed
     summary = summarize_records(spec, [good, bad])
@@ -316,7 +318,7 @@ def test_replay_refuses_a_changed_dataset_and_rescore_redoes_scores(tmp_path: Pa
               "dataset": {"path": str(spec.data_path()), "sha256": dataset_sha256(spec.data_path())}}
     writer = ArtifactWriter(tmp_path / "run" / spec.name, config)
     writer.write(finish_record(spec, samples[0], "A0 is it", Provenance(server_id="s", attempts=1)))
-    writer.write(finish_record(spec, samples[1], None, Provenance(error="x", error_kind="timeout")))
+    writer.write(finish_record(spec, samples[1], None, Provenance(error="x", error_kind=ErrorKind.TIMEOUT)))
     writer.close()
     saved = load_saved(tmp_path / "run" / spec.name)
     assert saved.spec.prompt == spec.prompt and saved.spec.data_path() == spec.data_path()
@@ -340,6 +342,7 @@ def test_the_artifact_names_every_package_that_can_change_a_score() -> None:
 
 def test_one_vectorized_bootstrap_serves_means_and_corpus_statistics() -> None:
     import numpy as np
+
     from fedpool.pipeline.metrics import aggregate, aggregate_corpus, bootstrap
 
     rng = np.random.default_rng(1)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import ray
-from fedpool.deploy.process import free_port
-from fedpool.registry import RegistryClient, ServerRecord
 
+from fedpool.deploy.process import free_port
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
 
 pytestmark = pytest.mark.ray
@@ -43,9 +43,9 @@ async def test_pool_page_shows_servers_and_follows_a_failure(
     assert shutil.which(CHROMIUM), "Debian's chromium is needed (make test installs it)"
     first = await emulators.start(model="page-model")
     second = await emulators.start(model="page-model", seed=1)
-    await registry.register(ServerRecord(id="gpu-a", url=first.url, engine="vllm", model="page-model",
+    await registry.register(ServerRecord(id="gpu-a", url=first.url, engine=Engine.VLLM, model="page-model",
                                          accelerator="A100", capacity=8))
-    await registry.register(ServerRecord(id="gpu-b", url=second.url, engine="vllm", model="page-model",
+    await registry.register(ServerRecord(id="gpu-b", url=second.url, engine=Engine.VLLM, model="page-model",
                                          accelerator="V100", capacity=4))
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -10,10 +10,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import ray
+
 from fedpool.deploy.emulator import EmulatedServer
 from fedpool.deploy.process import free_port
 from fedpool.registry import (
     AuthError,
+    Engine,
     PoolSnapshot,
     RegistrationError,
     RegistryClient,
@@ -23,15 +25,14 @@ from fedpool.registry import (
     UnknownServerError,
 )
 from fedpool.registry.actor import get_registry_actor
-
 from tests.conftest import TEST_TOKEN, EmulatorFactory
 
 pytestmark = pytest.mark.ray
 
 
 def record(server: EmulatedServer, sid: str = "emu-0", **kw: object) -> ServerRecord:
-    return ServerRecord(id=sid, url=server.url, engine="vllm", model=server.model, accelerator="A100",
-                        gpu_count=1, capacity=8, **kw)  # type: ignore[arg-type]
+    return ServerRecord.model_validate({"id": sid, "url": server.url, "engine": Engine.VLLM, "model": server.model,
+                                        "accelerator": "A100", "gpu_count": 1, "capacity": 8, **kw})
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> float:
@@ -66,11 +67,11 @@ async def test_bad_registrations_are_refused_with_named_reasons(
     registry: RegistryClient, emulators: EmulatorFactory
 ) -> None:
     server = await emulators.start(model="real-model")
-    nowhere = ServerRecord(id="ghost", url=f"http://127.0.0.1:{free_port()}", engine="vllm", model="real-model")
+    nowhere = ServerRecord(id="ghost", url=f"http://127.0.0.1:{free_port()}", engine=Engine.VLLM, model="real-model")
     with pytest.raises(RegistrationError) as err:
         await registry.register(nowhere)
     assert err.value.check == "reachable" and "ghost" in str(err.value)
-    wrong_model = ServerRecord(id="wm", url=server.url, engine="vllm", model="other-model")
+    wrong_model = ServerRecord(id="wm", url=server.url, engine=Engine.VLLM, model="other-model")
     with pytest.raises(RegistrationError) as err:
         await registry.register(wrong_model)
     assert err.value.check == "model" and "real-model" in str(err.value)
@@ -259,8 +260,8 @@ async def test_emulator_speaks_both_protocols_to_the_unchanged_adapters(
     sglang_like = EmulatedServer(model="m-sglang", profile=PROFILES["sglang-a100-illustrative"])
     await sglang_like.start()
     emulators.servers.append(sglang_like)
-    await registry.register(ServerRecord(id="v", url=vllm_like.url, engine="vllm", model="m-vllm"))
-    entry = await registry.register(ServerRecord(id="s", url=sglang_like.url, engine="sglang", model="m-sglang"))
+    await registry.register(ServerRecord(id="v", url=vllm_like.url, engine=Engine.VLLM, model="m-vllm"))
+    entry = await registry.register(ServerRecord(id="s", url=sglang_like.url, engine=Engine.SGLANG, model="m-sglang"))
     assert entry.capacity == 32  # discovered from SGLang's /server_info
     await eventually(lambda: _has_load(registry, "v"))
     await eventually(lambda: _has_load(registry, "s"))

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
 from fedpool.registry import Engine, LoadSample, ProbeResult, RegistrationError, ServerRecord, ServerStatus, adapter_for
 from fedpool.registry.adapters import MetricsParseError
 from fedpool.registry.adapters.base import MetricSamples
@@ -15,14 +17,13 @@ from fedpool.registry.errors import AuthError, UnknownServerError
 from fedpool.registry.persistence import StateStore
 from fedpool.registry.state import RegistryState, RegistryTimings
 from fedpool.registry.status import StatusThresholds, derive_status
-from pydantic import ValidationError
 
 METRICS = Path(__file__).parent / "data" / "metrics"
 
 
 def rec(**kw: object) -> ServerRecord:
     base: dict[str, object] = {"id": "s1", "url": "http://127.0.0.1:8000", "engine": "vllm", "model": "m"}
-    return ServerRecord(**{**base, **kw})
+    return ServerRecord.model_validate({**base, **kw})
 
 
 class Clock:
@@ -169,7 +170,7 @@ def test_versions_grow_and_snapshots_are_frozen() -> None:
     snap = state.snapshot()
     assert snap.version > v0 and snap.ids() == ("s1",)
     with pytest.raises(AttributeError):
-        snap.version = 99  # type: ignore[misc]
+        snap.version = 99
     state.upsert(rec(id="s2", url="http://127.0.0.1:8001", model="other"), 4)
     assert state.snapshot().version > snap.version
     assert state.snapshot().filter(model="other").ids() == ("s2",)
@@ -281,7 +282,7 @@ def test_wire_rows_rebuild_the_same_snapshot_lazily() -> None:
     assert lazy.entries == full.entries and lazy == full
     assert lazy.get("s2").last_error == "refused"  # type: ignore[union-attr]
     with pytest.raises(AttributeError):
-        lazy.version = 7  # type: ignore[misc]
+        lazy.version = 7
     membership = state.membership_version
     state.record_probe(ProbeResult("s1", True, 0.02, clock.t, load=load))
     assert state.membership_version == membership  # load changes do not resend records

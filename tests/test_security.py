@@ -5,6 +5,7 @@ test_jobs; secrets never reaching artifacts or logs in test_local_pool, test_job
 
 from __future__ import annotations
 
+import argparse
 import ast
 from pathlib import Path
 
@@ -18,7 +19,7 @@ PICKLE_ALLOWED = {"registry/client.py"}
 
 
 def sources() -> dict[str, ast.AST]:
-    out = {}
+    out: dict[str, ast.AST] = {}
     for room in ROOMS:
         for path in sorted((ROOT / room).rglob("*.py")):
             out[str(path.relative_to(ROOT))] = ast.parse(path.read_text(encoding="utf-8"))
@@ -60,15 +61,15 @@ def test_tokens_are_compared_in_constant_time() -> None:
                 assert not ("token" in text.lower() and ("given" in text or "header" in text)), (path, text)
 
 
-def subparser(*names: str):  # type: ignore[no-untyped-def]
+def subparser(*names: str) -> argparse.ArgumentParser:
     parser = build_parser()
     for name in names:
-        action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         parser = action.choices[name]
     return parser
 
 
-def default_of(parser, dest: str) -> object:  # type: ignore[no-untyped-def]
+def default_of(parser: argparse.ArgumentParser, dest: str) -> object:
     return next(a.default for a in parser._actions if a.dest == dest)
 
 
@@ -84,9 +85,8 @@ def test_every_listener_binds_loopback_by_default() -> None:
 
 
 def test_engine_children_never_see_fedpool_credentials_and_show_config_masks_env_secrets() -> None:
-    from fedpool.deploy.process import child_environment
-
     from fedpool.config import mask
+    from fedpool.deploy.process import child_environment
 
     env = child_environment({"HF_TOKEN": "hf_secret_value"}, environ={
         "PATH": "/bin", "FEDPOOL_REGISTRY_TOKEN": "reg-token-0123456789", "FEDPOOL_JOBS_TOKEN": "jobs-0123456789abc",

@@ -8,14 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import ray
+
 from fedpool.deploy.engines import EngineSpec, engine_argv, gpu_family
 from fedpool.registry import RegistryClient
-
 from tests.conftest import TEST_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def test_gpu_names_map_to_families() -> None:
     assert gpu_family("Some New Chip") == "Some New Chip"
 
 
-async def wait_for(check, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float = 60.0) -> None:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if await check():
@@ -148,7 +149,7 @@ async def test_serve_joins_a_registry_started_afresh(
         await wait_for(lambda: known_to(registry))
         await registry.terminate()  # killed for good: the name is free when it returns
         fresh = await RegistryClient.start(tmp_path_factory.mktemp("afresh"), token=TEST_TOKEN, probe_interval_s=0.3)
-        await wait_for(lambda: known_to(fresh), timeout_s=30)  # type: ignore[arg-type]
+        await wait_for(lambda: known_to(fresh), timeout_s=30)
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.communicate, timeout=30)

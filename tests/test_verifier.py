@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy.models import ensure_gemma
 from fedpool.federation import DispatchConfig, PoolConnection
@@ -12,15 +14,14 @@ from fedpool.pipeline import load_spec
 from fedpool.pipeline.actors import cpu_actor_options
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.pipeline.verifier import JudgeItem, VerifierConfig, VerifierPool
-from fedpool.registry import RegistryClient, ServerRecord
-
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import EmulatorFactory, read_jsonl
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture
-def verifier_pool(ray_cluster: None) -> VerifierPool:
+def verifier_pool(ray_cluster: None) -> Iterator[VerifierPool]:
     pool = VerifierPool(VerifierConfig(model_path=str(ensure_gemma()), actors=1, threads=1))
     yield pool
     pool.shutdown()
@@ -61,7 +62,7 @@ async def test_every_record_of_a_verified_eval_is_judged_once(
     registry: RegistryClient, emulators: EmulatorFactory, verifier_pool: VerifierPool, tmp_path: Path
 ) -> None:
     server = await emulators.start(model="emu-model")
-    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=4))
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=4))
     spec = load_spec(bundled_spec_paths()[1])
     spec = spec.model_copy(update={"verifier": True, "data": spec.data.model_copy(update={"limit": 6})})
     async with PoolConnection(registry) as pool:
@@ -86,7 +87,7 @@ async def test_judge_calls_count_as_work_left_when_judges_share_the_engines_core
     much as an inference call and the arith eval has less work left. Both evals start together, so the first
     grant already follows the order."""
     server = await emulators.start(model="emu-model", max_running=1)
-    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=1))
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=1))
     paths = {p.stem: p for p in bundled_spec_paths()}
     judged = load_spec(paths["capitals_mc"])
     judged = judged.model_copy(update={"verifier": True, "data": judged.data.model_copy(update={"limit": 4})})
@@ -120,7 +121,7 @@ async def test_benchmark_summaries_are_computed_on_cpu_actors(
     from fedpool.pipeline.stages import StagePool
 
     server = await emulators.start(model="emu-model")
-    await registry.register(ServerRecord(id="emu", url=server.url, engine="vllm", model="emu-model", capacity=4))
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=4))
     specs = [load_spec(p) for p in bundled_spec_paths()[:2]]
     specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": 8})}) for s in specs]
     scoring = StagePool(1, num_cpus=0.1)
