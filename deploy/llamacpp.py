@@ -6,7 +6,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fedpool.deploy.models import bundled_chat_template
 from fedpool.deploy.process import EngineProcess
+
+# Flags by which an operator chooses the chat template (or turns off the Jinja engine it is rendered by) in
+# `extra_args`: theirs wins over the one fedpool picks for the bundled model.
+_OPERATOR_TEMPLATE_FLAGS = ("--chat-template", "--chat-template-file", "--no-jinja")
 
 
 class LlamaServerNotInstalled(RuntimeError):
@@ -34,6 +39,9 @@ class LlamaServerConfig:
     threads: int = 1
     ctx_per_slot: int = 1024
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+    # A Jinja chat template; None: the bundled Gemma's (deploy/models.py) for the bundled GGUF, and for any other
+    # GGUF the template embedded in it.
+    chat_template: str | None = None
 
     @property
     def url(self) -> str:
@@ -53,8 +61,20 @@ class LlamaServerConfig:
             "-t", str(self.threads),
             "-tb", str(self.threads),
             "-c", str(self.ctx_per_slot * self.slots),
+            *self.chat_template_args(),
             *self.extra_args,
         ]
+
+    def chat_template_args(self) -> list[str]:
+        """`--jinja --chat-template TEMPLATE` where fedpool knows better than the GGUF, else nothing.
+
+        `--jinja` comes first: llama-server takes `--chat-template` as a Jinja source only then (without it, only a
+        built-in name; a built-in name such as `gemma` given with Jinja on, the default, is rendered as the literal
+        text `gemma`)."""
+        if any(arg.split("=", 1)[0] in _OPERATOR_TEMPLATE_FLAGS for arg in self.extra_args):
+            return []
+        template = self.chat_template or bundled_chat_template(self.model_path)
+        return ["--jinja", "--chat-template", template] if template else []
 
 
 def llama_server_process(config: LlamaServerConfig, log_path: Path, name: str | None = None) -> EngineProcess:
