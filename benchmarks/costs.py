@@ -14,8 +14,9 @@ import asyncio
 import hashlib
 import time
 
-from fedpool.pipeline.stages import Batcher, StageHooks, StagePool
 from pydantic import BaseModel, ConfigDict, Field
+
+from fedpool.pipeline.stages import Batcher, StageHooks, StagePool
 
 
 class StageCosts(BaseModel):

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 from fedpool.deploy.engines import EngineSpec, engine_argv

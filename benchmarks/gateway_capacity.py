@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 
 MODEL = "emu-model"

@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 from prometheus_client.parser import text_string_to_metric_families
+
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 
 log = logging.getLogger("fedpool.realtool")
 
@@ -190,6 +191,7 @@ class StartGate:
 
     async def start(self) -> None:
         from aiohttp import web
+
         from fedpool.deploy.process import free_port
 
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -352,6 +354,7 @@ class Pool:
 @contextlib.asynccontextmanager
 async def local_pool(work: Path, servers: int, slots: int, threads: int) -> AsyncIterator[Pool]:
     import ray
+
     from fedpool.deploy.localpool import LocalServerSpec, init_loopback_ray, local_llama_servers
     from fedpool.federation import DispatchConfig, PoolConnection
     from fedpool.federation.gateway import Gateway, serving

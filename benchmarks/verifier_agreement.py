@@ -18,6 +18,7 @@ import random
 import time
 
 import ray
+
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.models import ensure_gemma
 from fedpool.pipeline.bundled import BUNDLED_DIR

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
 from fedpool.deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")

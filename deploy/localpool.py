@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TypedDict
 
 import ray
+
 from fedpool.deploy import (
     GEMMA_ALIAS,
     EngineProcess,

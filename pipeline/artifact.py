@@ -16,10 +16,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from fedpool.pipeline.errors import ArtifactError, ArtifactWriteError
 from fedpool.pipeline.ownership import DirectoryLock, private_dir
 from fedpool.pipeline.schema import Record
-from pydantic import ValidationError
 
 RECORDS_FILE = "records.jsonl"
 CONFIG_FILE = "config.json"

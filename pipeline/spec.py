@@ -8,11 +8,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
 from fedpool.pipeline.errors import SpecError
 from fedpool.pipeline.metrics import METRICS
 from fedpool.pipeline.postprocess import POSTPROCESSORS
 from fedpool.pipeline.yamlfile import field_problems, read_yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class DataSource(BaseModel):

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from fedpool.pipeline.actors import cpu_actor_options
 from fedpool.pipeline.postprocess import OPTION_LETTERS
 from fedpool.pipeline.schema import Record
-from pydantic import BaseModel, ConfigDict, Field
 
 _RATING = re.compile(r"Rating:\s*([01])\s*$", re.MULTILINE)
 CUT_MARK = " […] "

@@ -16,6 +16,8 @@ from typing import Any, cast
 
 import aiohttp
 import ray
+from pydantic import BaseModel, ConfigDict, Field
+
 from fedpool.registry.auth import check_token
 from fedpool.registry.checks import verify_server
 from fedpool.registry.errors import AuthError
@@ -25,7 +27,6 @@ from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import ProbeRow, ServerEntry, probe_from_row
 from fedpool.registry.state import RegistryState, RegistryTimings
 from fedpool.registry.status import StatusThresholds
-from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("fedpool.registry")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+
 from fedpool.registry.adapters import adapter_for
 from fedpool.registry.errors import RegistrationError
 from fedpool.registry.records import ServerRecord

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
 from fedpool.registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
 from fedpool.registry.auth import TOKEN_FILE, ensure_token, read_saved_token, resolve_client_token, token_digest
 from fedpool.registry.errors import AuthError, RegistryError

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-from fedpool.registry.snapshot import PoolSnapshot, ServerStatus
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from fedpool.registry.snapshot import PoolSnapshot, ServerStatus
 
 SERVER_LABELS = ("server_id", "engine", "accelerator", "model")
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
+
 from fedpool.registry.adapters import MetricsParseError, adapter_for
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import ProbeResult, probe_to_row

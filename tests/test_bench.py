@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+
 from fedpool.benchmarks.assignment import Workload, ideal_makespan, saturated_cost
 from fedpool.benchmarks.speedup_engine import (
     ArmResult,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fedpool.benchmarks.reliability import SCENARIOS, run_scenario
 
 pytestmark = [pytest.mark.ray, pytest.mark.llamacpp]

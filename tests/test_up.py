@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
+
 from fedpool.deploy.process import free_port
 
 pytestmark = [pytest.mark.llamacpp]

@@ -15,13 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
+
 from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy.vllm_cpu import TINY_MODEL_NAME, ensure_tiny_model, ensure_vllm_python, vllm_cpu_args, vllm_cpu_env
 from fedpool.federation import PoolConnection
 from fedpool.pipeline import load_spec
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.registry import RegistryClient
-
 from tests.conftest import TEST_TOKEN, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]

@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
 from fedpool.clients.jobs.runner import JobRunner, resolve_specs
 from fedpool.clients.jobs.store import Job, JobList, JobRequest
 from fedpool.federation.httpauth import bearer, matches
 from fedpool.pipeline.errors import PipelineError
 from fedpool.pipeline.ownership import private_dir
 from fedpool.pipeline.yamlfile import field_problems
-from pydantic import BaseModel, ValidationError
 
 TOKEN_FILE = "jobs.token"
 TOKEN_ENV = "FEDPOOL_JOBS_TOKEN"

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from fedpool.clients.eval_client import EvalProgress, EvalTarget
 from fedpool.clients.jobs.store import FINAL_STATES, JobRequest, JobStore
 from fedpool.clients.runner import run_evals
@@ -18,7 +20,6 @@ from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec, load_samples, load_spec, spec_from_dict
 from fedpool.pipeline.errors import PipelineError, SpecError
 from fedpool.pipeline.ownership import DirectoryLock
-from pydantic import ValidationError
 
 log = logging.getLogger("fedpool.jobs")
 

@@ -13,8 +13,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from fedpool.pipeline.ownership import private_dir
 from pydantic import BaseModel, ConfigDict, Field
+
+from fedpool.pipeline.ownership import private_dir
 
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
 FINAL_STATES = frozenset({"done", "failed", "cancelled"})

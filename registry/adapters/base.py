@@ -7,9 +7,10 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 from fedpool.registry.records import Engine
 from fedpool.registry.snapshot import LoadSample
-from prometheus_client.parser import text_string_to_metric_families
 
 _ADAPTERS: dict[Engine, type[EngineAdapter]] = {}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+
 from fedpool.registry.adapters.base import EngineAdapter, MetricSamples
 from fedpool.registry.records import Engine
 from fedpool.registry.snapshot import LoadSample
