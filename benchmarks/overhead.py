@@ -111,8 +111,8 @@ async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(0)))
         start = time.perf_counter()
         for _ in range(n):
-            slot = await dispatcher._acquire(request, set())  # the decision path of submit(), minus HTTP
-            dispatcher._release(slot)
+            state, _ = await dispatcher._acquire(request, set())  # the decision path of submit(), minus HTTP
+            dispatcher._release(state, request.client_id)
         return n / (time.perf_counter() - start)
 
 

@@ -4,17 +4,9 @@ from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, S
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from fedpool.federation.planner import PlannedRouting  # registers the `planned` policy
-from fedpool.federation.policies import (
-    Candidate,
-    Hold,
-    Policy,
-    RouteContext,
-    RouteDecision,
-    make_policy,
-    policy_names,
-)
+from fedpool.federation.policies import Candidate, Hold, Policy, ServerView, make_policy, policy_names
 from fedpool.federation.pool import PoolConnection
-from fedpool.federation.transport import Timeouts, new_session, post_completion
+from fedpool.federation.transport import HttpTransport, Timeouts, Transport, new_session, post_completion
 from fedpool.federation.types import (
     Attempt,
     Completion,
@@ -35,6 +27,7 @@ __all__ = [
     "Endpoint",
     "FailureKind",
     "Hold",
+    "HttpTransport",
     "InferenceRequest",
     "InferenceResult",
     "NoServerError",
@@ -42,11 +35,11 @@ __all__ = [
     "Policy",
     "PoolConnection",
     "RequestFailed",
-    "RouteContext",
-    "RouteDecision",
     "SamplingParams",
     "ServerStats",
+    "ServerView",
     "Timeouts",
+    "Transport",
     "make_policy",
     "new_session",
     "policy_names",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from fedpool.federation.dispatch_types import CLIENT_ORDERS
 from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.types import InferenceRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class ClientBook:
         self._shapes: dict[str, ClientShape] = {}
         self.done_sending: set[str] = set()
         self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
+        self._seen: dict[str, float] = {}  # client -> when it last submitted or was answered (insertion-ordered)
 
     # ---- what clients say ---------------------------------------------------------------------------
     def set_weight(self, client_id: str, weight: float) -> None:
@@ -68,13 +70,19 @@ class ClientBook:
     def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
         self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
 
-    def note_request(self, client_id: str, prompt_chars: int, max_tokens: int | None) -> None:
+    def note_request(self, client_id: str, request: InferenceRequest, now: float) -> None:
         """Every submitted request: its answer budget (for longest_answers_first) and, for a client that
         announced nothing, a guessed shape from its first request."""
+        max_tokens = request.params.max_tokens
         if max_tokens is not None:
             self._answer[client_id] = float(max_tokens)
         if client_id not in self._shapes:
-            self._shapes[client_id] = ClientShape(max(1.0, prompt_chars / CHARS_PER_TOKEN), max_tokens, False)
+            self._shapes[client_id] = ClientShape(max(1.0, request.prompt_chars() / CHARS_PER_TOKEN), max_tokens,
+                                                  False)
+        seen = self._seen
+        if client_id in seen:
+            del seen[client_id]  # most recent last: the idle sweep looks at the front only
+        seen[client_id] = now
 
     def note_served(self, client_id: str, prompt_tokens: int | None, completion_tokens: int | None,
                     slot_s: float) -> None:
@@ -87,6 +95,28 @@ class ClientBook:
         """The service a client has had, in the reported work's units (see the module docstring)."""
         scale = self._all_work / self._all_s if self._all_s > 0 else 1.0
         return self._served_s.get(client_id, 0.0) * scale
+
+    def idle(self, now: float, ttl_s: float) -> list[str]:
+        """Clients not seen for `ttl_s` with nothing in flight or waiting (oldest first; O(those))."""
+        out = []
+        for client_id, seen in self._seen.items():
+            if now - seen < ttl_s:
+                break
+            if not self._ledger.of_client(client_id) and not self.waiting.get(client_id):
+                out.append(client_id)
+        return out
+
+    def forget(self, client_id: str) -> None:
+        """Drop everything kept about a client that has gone (a weight it was given by configuration stays)."""
+        for table in (self._work_left, self._answer, self._served_s, self._seen):
+            table.pop(client_id, None)
+        self._requests_left.pop(client_id, None)
+        self._shapes.pop(client_id, None)
+        self.done_sending.discard(client_id)
+
+    def known(self) -> int:
+        """Clients the book holds anything for."""
+        return len(self._seen | self._shapes | self._served_s)
 
     # ---- reads --------------------------------------------------------------------------------------
     def requests_left(self) -> dict[str, int]:
@@ -108,4 +138,11 @@ class ClientBook:
 
     def key(self, client_id: str) -> tuple[float, float]:
         """Smaller first: the criterion, then requests in flight per unit of weight."""
-        return self.first(client_id), self._ledger.of_client(client_id) / self._weights.get(client_id, 1.0)
+        order = self.order
+        if order == "fair":
+            first = 0.0
+        elif order == "shortest_first":
+            first = self._work_left[client_id] if client_id in self._work_left else self.served(client_id)
+        else:
+            first = -self._answer.get(client_id, 0.0)
+        return first, self._ledger.of_client(client_id) / self._weights.get(client_id, 1.0)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import aiohttp
-from fedpool.federation.transport import Timeouts
+from fedpool.federation.transport import StreamBody, Timeouts
 from fedpool.federation.types import Attempt
 from fedpool.registry import ServerEntry
 
@@ -77,5 +76,5 @@ class OpenStream:
     """An upstream response being streamed; read `response.content`."""
 
     server: ServerEntry
-    response: aiohttp.ClientResponse
+    response: StreamBody
     attempts: tuple[Attempt, ...]

@@ -1,35 +1,47 @@
-"""The request path: choose a server, hold a slot in its admission window, POST, release, retry elsewhere."""
+"""The request path: wait for a slot on the request's route, in the serving order; the policy picks a server
+with room (sampled from the route's index); count the slot in the same step; send; give the slot back however
+the attempt ends; learn from the answer; retry elsewhere on failure.
+
+One request, start to end: `submit` → `_acquire` (the request joins its route's queue; granted on the loop's
+next turn, together with every request submitted in the same turn, in the client order) → `_grant` (the
+policy places the head: `ServerBook.take` counts the slot and updates the index) → the transport's
+`complete` → `_release` (the slot back; waiting requests on that server's routes granted) → `_answered`
+(learning, client service, result). Hedging and stealing at a client's tail are `federation/tail.py`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+
 from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream, Slot
+from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
 from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from fedpool.federation.hedging import AttemptOutcome
 from fedpool.federation.ledger import InflightLedger
-from fedpool.federation.policies import Candidate, DispatchState, Hold, Policy, RouteContext
+from fedpool.federation.policies import DispatchState, Hold, Policy
 from fedpool.federation.retries import RetryState, backoff_s
-from fedpool.federation.routes import Routes
-from fedpool.federation.serverbook import BookSettings, ServerBook
+from fedpool.federation.routes import Route, Waiter
+from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
 from fedpool.federation.stalls import LoopStalls
-from fedpool.federation.tail import TailRescue
-from fedpool.federation.transport import open_stream, post_completion
+from fedpool.federation.tail import Racer, TailRescue
+from fedpool.federation.transport import HttpTransport, Transport
 from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
-from fedpool.federation.waiting import Blocked, Waiter, WaitQueues
-from fedpool.registry import PoolSnapshot, ServerEntry
+from fedpool.registry import PoolSnapshot
 
 log = logging.getLogger("fedpool.dispatcher")
 
-WAIT_POLL_S = 0.25  # waiters re-check breakers and snapshots at least this often
+WAIT_POLL_S = 0.25  # while requests wait: breakers half-open, deadlines pass, snapshots are looked at again
 STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing since it started: `stalled`
+CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
+MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
+NO_TRIED: set[str] = set()  # shared, never mutated: a request that has failed nowhere yet
 
 
 class Dispatcher:
@@ -38,7 +50,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        transport: Transport | aiohttp.ClientSession,
         snapshots: Callable[[], PoolSnapshot | None],
         policy: Policy,
         *,
@@ -49,10 +61,12 @@ class Dispatcher:
         on_failure: Callable[[str, FailureKind], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
-        self._session = session
+        self._config = config = config or DispatchConfig()
+        # A session is the common case (HTTP); tests and the simulator pass their own Transport.
+        self._transport: Transport = (HttpTransport(transport, config.timeouts)
+                                      if isinstance(transport, aiohttp.ClientSession) else transport)
         self._snapshots = snapshots
         self._policy = policy
-        self._config = config = config or DispatchConfig()
         self._clock = clock
         self._rng = rng or random.Random(0)
         self._on_failure = on_failure
@@ -66,19 +80,21 @@ class Dispatcher:
         self._book = ServerBook(BookSettings(config.window_factor, config.adaptive_windows, config.learn_throughput,
                                              config.breaker_failures, config.breaker_cooldown_s,
                                              config.learn_period_s), self._ledger, clock=clock)
-        # A new snapshot may change the servers and their priors: the scale that puts priors on the learned
-        # rates is computed again.
-        self._routes = Routes(snapshots, on_new_snapshot=self._book.forget_rate_scale)
-        self._waiting = WaitQueues()
-        self._tail = TailRescue(config, clients=self._clients, waiting=self._waiting, routes=self._routes,
-                                book=self._book, policy=policy, rng=self._rng, clock=clock, start_copy=self._copy)
+        self._book.on_forget = policy.forget_server
+        self._tail = TailRescue(config, clients=self._clients, book=self._book, policy=policy, rng=self._rng,
+                                clock=clock, waiting=lambda: self._waiting, start_copy=self._start_copy)
         policy.attach(DispatchState(self._ledger, self._clients, clock))
-        self._submitted = self._completed = self._failed = self._retries = 0
+        self._seq = itertools.count()
+        self._waiting = 0  # requests waiting for a slot, every route
+        self._waiting_routes: set[Route] = set()
+        self._submitted_routes: set[Route] = set()  # routes with requests submitted in this loop turn
+        self._grant_soon: asyncio.Handle | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
-        self._grant_soon: asyncio.Handle | None = None  # one grant pass for every request submitted in a tick
-        self._decisions = 0
+        self._swept_at = clock()
+        self._submitted = self._completed = self._failed = self._retries = self._decisions = 0
         self._decision_s = 0.0
 
+    # ---- what clients say ---------------------------------------------------------------------------
     @property
     def policy(self) -> Policy:
         return self._policy
@@ -96,17 +112,20 @@ class Dispatcher:
         where stragglers may be hedged."""
         if done:
             self._clients.done_sending.add(client_id)
+            self._tail.client_done(client_id)
         else:
             self._clients.done_sending.discard(client_id)
 
     def set_client_weight(self, client_id: str, weight: float) -> None:
         """Weighted fair share when the pool is saturated: a client of weight 2 gets twice the slots."""
         self._clients.set_weight(client_id, weight)
+        self._touch(client_id)
 
     def set_client_remaining(self, client_id: str, work: float, requests: int | None = None) -> None:
         """How much work the client has left (any consistent unit; used by client_order="shortest_first")
         and, when known, how many requests it has still to complete (used by planned routing)."""
         self._clients.set_remaining(client_id, work, requests)
+        self._touch(client_id)
 
     def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
         """A client's expected prompt length and answer budget, before its first request (the planned
@@ -122,137 +141,238 @@ class Dispatcher:
         return out
 
     def notify_snapshot(self) -> None:
-        """Call when a new snapshot arrived: waiting requests look again."""
-        self._dispatch_waiting()
+        """Call when a new snapshot arrived: routes are rebuilt, waiting requests look again."""
+        if self._book.sync(self._snapshots()):
+            for route in list(self._waiting_routes):
+                self._grant(route)
 
-    # ---- the hot path -------------------------------------------------------------------------
+    # ---- the hot path -------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
         """Complete the request exactly once or raise RequestFailed / NoServerError after every retry."""
         self._submitted += 1
-        retry = RetryState()
+        client = request.client_id
+        retry: RetryState | None = None
         while True:
-            slot = await self._acquire(request, retry.tried)
+            state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
-            primary = self._start_attempt(slot, request)
-            winner, others, hedged = await self._tail.race(request, slot.server, primary, started)
-            for outcome in others:
-                if outcome.cancelled:
-                    self._settle_lost_race(outcome, retry)
-            errors = [o for o in others if o.error is not None]
-            if winner is None:
-                for outcome in errors[:-1]:
-                    self._record_failure(outcome.server, outcome.started, outcome.error, retry)  # type: ignore[arg-type]
-                last = errors[-1]
-                await self._after_failure(request, last.server, last.started, last.error, retry)  # type: ignore[arg-type]
+            racer = self._tail.enter(request, state, route, started)
+            try:
+                completion = await self._transport.complete(state, request)
+            except AttemptError as err:
+                self._release(state, client)
+                if racer is not None:
+                    self._tail.leave(racer)
+                    won = await self._copy_outcome(racer, retry)
+                    if won is not None and racer.won is not None:
+                        retry = won[1]
+                        self._record_failure(state, started, err, retry)
+                        return self._answered(request, won[0], racer.won, racer.copy_started, racer.won_at, retry,
+                                              hedged=True)
+                retry = retry or RetryState()
+                await self._after_failure(request, state, started, err, retry)
                 continue
-            for outcome in errors:
-                self._record_failure(outcome.server, outcome.started, outcome.error, retry)  # type: ignore[arg-type]
-            return self._answered(request, winner, retry, hedged)
+            except asyncio.CancelledError:
+                self._release(state, client)
+                if racer is None:
+                    raise
+                self._tail.leave(racer)
+                task = asyncio.current_task()
+                if (not racer.cancelled_task or racer.won is None or racer.copy_server is None or task is None
+                        or task.cancelling() != 1):
+                    await self._drop_copy(racer)
+                    raise
+                task.uncancel()  # the cancel was the winning copy's: the request is answered
+                retry = retry or RetryState()
+                self._settle_lost_race(state, started, retry)
+                return self._answered(request, racer.copy_server, racer.won, racer.copy_started, racer.won_at,
+                                      retry, hedged=True)
+            except BaseException:
+                self._release(state, client)
+                if racer is not None:
+                    self._tail.leave(racer)
+                    await self._drop_copy(racer)
+                raise
+            answered_at = self._clock()
+            self._release(state, client)
+            if racer is not None:
+                self._tail.leave(racer)
+                if racer.copy is not None and racer.copy_server is not None:
+                    await self._drop_copy(racer)
+                    retry = retry or RetryState()
+                    if racer.copy_error is None:  # (a failed copy was counted against its server already)
+                        retry.attempts.append(Attempt(racer.copy_server.id, racer.copy_started,
+                                                      answered_at - racer.copy_started, lost_race=True))
+                return self._answered(request, state, completion, started, answered_at, retry, racer.hedged)
+            return self._answered(request, state, completion, started, answered_at, retry, False)
 
-    def _answered(self, request: InferenceRequest, winner: AttemptOutcome, retry: RetryState,
-                  hedged: bool) -> InferenceResult:
-        server, completion = winner.server, winner.completion
-        assert completion is not None
-        latency = winner.finished - winner.started
-        retry.attempts.append(Attempt(server.id, winner.started, latency))
-        self._book.note_success(self._routes.current(server), completion.completion_tokens or 0, latency,
-                                request.client_id)
-        self._policy.observe_answer(request.client_id, server, completion.prompt_tokens,
-                                    completion.completion_tokens)
-        self._clients.note_served(request.client_id, completion.prompt_tokens, completion.completion_tokens, latency)
+    def _answered(self, request: InferenceRequest, state: ServerState, completion: Completion, started: float,
+                  answered_at: float, retry: RetryState | None, hedged: bool) -> InferenceResult:
+        latency = answered_at - started
+        attempts = retry.attempts if retry is not None else []
+        attempts.append(Attempt(state.id, started, latency))
+        client = request.client_id
+        self._book.sync(self._snapshots())  # the window decision below reads the newest scrape
+        self._book.note_success(state, completion.completion_tokens or 0, latency, client)
+        entry = state.entry
+        if entry is not None:
+            self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens)
+        self._clients.note_served(client, completion.prompt_tokens, completion.completion_tokens, latency)
         self._tail.timer.observe(request.model, latency)
         self._completed += 1
+        if self._waiting_routes:
+            self._touch(client)  # its service grew: under shortest_first its place in the queue moves
         return InferenceResult(
-            request_id=request.request_id, completion=completion, server_id=server.id,
-            engine=server.engine.value, accelerator=server.record.accelerator,
-            model_revision=server.record.revision, latency_s=latency, attempts=tuple(retry.attempts), hedged=hedged,
+            request_id=request.request_id, completion=completion, server_id=state.id,
+            engine=entry.engine.value if entry is not None else "", accelerator=entry.record.accelerator if entry
+            else "", model_revision=entry.record.revision if entry else "", latency_s=latency,
+            attempts=tuple(attempts), hedged=hedged,
         )
 
-    def _settle_lost_race(self, outcome: AttemptOutcome, retry: RetryState) -> None:
-        """A copy cancelled because another answered first. If its server answered nothing at all while it
-        ran (long enough to tell), the server accepts requests and does not answer them: a passive failure
-        (`stalled`), reported like any other, so a hung server cannot come out of a run looking healthy."""
-        age = outcome.finished - outcome.started
-        silent = self._book.last_answer_at.get(outcome.server.id, float("-inf")) < outcome.started
-        delay = self._tail.timer.delay(outcome.server.record.model) or 0.0
-        if silent and age >= max(STALL_MIN_S, 2 * delay):
-            err = AttemptError(FailureKind.STALLED, f"no answer in {age:.1f}s while a copy elsewhere answered")
-            self._record_failure(outcome.server, outcome.started, err, retry)
-            return
-        retry.attempts.append(Attempt(outcome.server.id, outcome.started, age, lost_race=True))
-
-    def _start_attempt(self, slot: Slot, request: InferenceRequest) -> asyncio.Task[Completion]:
-        """One POST on a held slot, as a task; the slot is released however it ends. A task cancelled before
-        its first step never runs its body (nor its `finally`), so that case releases from a callback."""
-        started = [False]
-        task = asyncio.create_task(self._attempt(slot, request, started))
-
-        def release_if_never_started(done: asyncio.Task[Completion]) -> None:
-            if not started[0]:
-                self._release(slot)
-
-        task.add_done_callback(release_if_never_started)
-        return task
-
-    async def _attempt(self, slot: Slot, request: InferenceRequest, started: list[bool]) -> Completion:
-        started[0] = True
+    # ---- waiting for a slot -------------------------------------------------------------------------
+    async def _acquire(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route]:
+        """Wait for a slot, in the serving order (ClientBook.key, then arrival); a request that just finished
+        cannot barge ahead of waiting ones."""
+        loop = asyncio.get_running_loop()
+        client = request.client_id
+        clients = self._clients
+        now = self._clock()
+        clients.note_request(client, request, now)
+        route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
+                                       request.pinned_servers))
+        if route is None:
+            self._book.sync(self._snapshots())
+            route = self._book.route((request.model, request.revision, request.pinned_engines,
+                                      request.pinned_servers), request.model, request.revision,
+                                     request.pinned_engines, request.pinned_servers)
+        waiter = Waiter(request, tried, loop.create_future(), next(self._seq),
+                        now + self._config.no_server_timeout_s, route)
+        route.join(waiter, clients.key(client))
+        clients.waiting[client] += 1
+        self._waiting += 1
+        self._waiting_routes.add(route)
+        # Granted on the loop's next turn, not here: requests that arrive together (evals starting at once,
+        # a client refilling its workers) are granted in one pass, in the client order, instead of in the
+        # order their coroutines happened to run.
+        self._submitted_routes.add(route)
+        if self._grant_soon is None:
+            self._grant_soon = loop.call_soon(self._grant_submitted)
         try:
-            return await post_completion(self._session, slot.server.url, request, self._config.timeouts)
-        finally:
-            self._release(slot)
-
-    def _copy(self, server: ServerEntry, request: InferenceRequest) -> asyncio.Task[Completion]:
-        """A second attempt of `request` on `server` (a hedge or a steal), counted like any other."""
-        return self._start_attempt(self._take(server, request.client_id, self._clock()), request)
-
-    @contextlib.asynccontextmanager
-    async def stream(self, request: InferenceRequest) -> AsyncIterator[OpenStream]:
-        """An upstream streaming response with its slot held until the caller is done reading it.
-
-        Failures before the first byte are retried elsewhere like any request; once bytes have gone to
-        the caller the stream cannot move here, and a break is the caller's to handle (the gateway
-        continues it on another replica)."""
-        self._submitted += 1
-        retry = RetryState()
-        while True:
-            slot = await self._acquire(request, retry.tried)
-            server = slot.server
-            started = self._clock()
-            try:
-                response = await open_stream(self._session, server.url, request, self._config.timeouts)
-            except AttemptError as err:
-                self._release(slot)
-                await self._after_failure(request, server, started, err, retry)
-                continue
-            break
-        try:
-            yield OpenStream(server, response, tuple(retry.attempts))
-            self._book.note_success(self._routes.current(server), 0, self._clock() - started, request.client_id)
-            self._completed += 1
-        except BaseException:
-            self._failed += 1
+            return await waiter.future, route
+        except asyncio.CancelledError:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._release(future.result(), client)  # granted in the same turn as the cancellation
             raise
         finally:
-            response.release()
-            self._release(slot)
+            if not waiter.future.done():
+                waiter.future.cancel()
+            route.left()
+            self._waiting -= 1
+            left = clients.waiting[client] - 1
+            if left:
+                clients.waiting[client] = left
+            else:
+                del clients.waiting[client]
+            if not route.waiting:
+                self._waiting_routes.discard(route)
+                if len(self._book.routes) > MAX_IDLE_ROUTES:
+                    self._book.drop_route(route)
 
-    def note_stream_failure(self, server: ServerEntry, kind: FailureKind) -> None:
-        """A stream broke after its first byte (the caller saw it): counted against the server."""
-        self._note_failure(server, kind)
+    def _grant_submitted(self) -> None:
+        self._grant_soon = None
+        self._book.sync(self._snapshots())
+        routes, self._submitted_routes = self._submitted_routes, set()
+        for route in routes:
+            self._grant(route)
 
-    def _record_failure(self, server: ServerEntry, started: float, err: AttemptError, retry: RetryState) -> None:
-        retry.record(server.id, started, self._clock(), err)
-        self._note_failure(server, err.kind)
+    def _grant(self, route: Route) -> None:
+        """Grant free slots of the route to its waiters, in the serving order (synchronous: the choice and the
+        count happen in one step)."""
+        if not route.waiting:
+            return
+        began = time.process_time()
+        now = self._clock()
+        key, policy, book = self._clients.key, self._policy, self._book
+        held: set[str] = set()
+        route.memo.clear()
+        while route.waiting and route.free:
+            head = route.head(key, held)
+            if head is None:
+                break
+            placed = policy.place(route, head.request, head.tried)
+            if placed is Hold.ROUTE_FULL:
+                break
+            if placed is Hold.CLIENT_HELD:
+                held.add(head.request.client_id)
+                continue
+            route.granted(head)
+            book.take(placed, head.request.client_id, now)
+            head.future.set_result(placed)
+            self._decisions += 1
+        if held:
+            route.unskip(held, key)
+        if self._stalls is not None and self._ledger.total():
+            self._stalls.arm()
+        if route.waiting and self._tick_handle is None:
+            self._arm_tick()
+        self._decision_s += time.process_time() - began
 
-    async def _after_failure(
-        self, request: InferenceRequest, server: ServerEntry, started: float, err: AttemptError, retry: RetryState
-    ) -> None:
+    def _arm_tick(self) -> None:
+        delay = min(WAIT_POLL_S, self._policy.recheck_s() or WAIT_POLL_S)
+        cooldown = self._book.next_cooldown()
+        if cooldown is not None:
+            delay = max(0.0, min(delay, cooldown - self._clock()))
+        self._tick_handle = asyncio.get_running_loop().call_later(delay, self._tick)
+
+    def _tick(self) -> None:
+        """While anyone waits: new snapshots, breakers half-open, no-server deadlines, a policy's own times."""
+        self._tick_handle = None
+        now = self._clock()
+        self._book.sync(self._snapshots())
+        self._book.tick(now)
+        for route in list(self._waiting_routes):
+            if not route.servers:
+                for waiter in route.waiters():
+                    if now >= waiter.deadline:
+                        waiter.future.set_exception(NoServerError(
+                            f"no routable server serves model {waiter.request.model!r}"
+                            + (f" revision {waiter.request.revision!r}" if waiter.request.revision else "")
+                            + f" (waited {self._config.no_server_timeout_s:g}s)"))
+            self._grant(route)
+        if self._waiting_routes and self._tick_handle is None:
+            self._arm_tick()
+        if now - self._swept_at >= CLIENT_TTL_S / 10:
+            self._sweep(now)
+
+    def _release(self, state: ServerState, client: str) -> None:
+        self._book.release(state, client)
+        if self._tail.enabled:
+            self._tail.on_release(state)  # before waiters: it only takes stragglers of clients done sending
+        for route in state.routes:
+            if route.waiting:
+                route.touch(client, self._clients.key(client))
+                self._grant(route)
+
+    def _touch(self, client: str) -> None:
+        """The client's serving key moved: its waiting requests take their new place."""
+        if self._waiting_routes:
+            key = self._clients.key(client)
+            for route in self._waiting_routes:
+                route.touch(client, key)
+
+    # ---- failures -----------------------------------------------------------------------------------
+    def _record_failure(self, state: ServerState, started: float, err: AttemptError, retry: RetryState) -> None:
+        retry.record(state.id, started, self._clock(), err)
+        self._note_failure(state, err.kind)
+
+    async def _after_failure(self, request: InferenceRequest, state: ServerState, started: float,
+                             err: AttemptError, retry: RetryState) -> None:
         """Record a failed attempt; return to retry (at once or after a backoff) or raise RequestFailed."""
-        self._record_failure(server, started, err, retry)
+        self._record_failure(state, started, err, retry)
         if err.kind.retriable:
             self._retries += 1
         try:
-            at_once = retry.retry_at_once(request.request_id, server.id, err, self._config.max_attempts)
+            at_once = retry.retry_at_once(request.request_id, state.id, err, self._config.max_attempts)
         except RequestFailed:
             self._failed += 1
             raise
@@ -260,103 +380,151 @@ class Dispatcher:
             await self._sleep(backoff_s(retry.counted, self._config.backoff_base_s, self._config.backoff_max_s,
                                         self._rng))
 
-    # ---- waiting for a slot -------------------------------------------------------------------
-    async def _acquire(self, request: InferenceRequest, tried: set[str]) -> Slot:
-        """Wait for a slot, in the serving order (ClientBook.key, then arrival); a request that just finished
-        cannot barge ahead of waiting ones."""
-        loop = asyncio.get_running_loop()
-        client = request.client_id
-        self._clients.note_request(client, request.prompt_chars(), request.params.max_tokens)
-        self._clients.waiting[client] += 1
-        waiter = self._waiting.join(request, tried, loop.create_future(),
-                                    self._clock() + self._config.no_server_timeout_s)
-        # Granted on the loop's next turn, not here: requests that arrive together (evals starting at once,
-        # a client refilling its workers) are granted in one pass, in the client order, instead of in the
-        # order their coroutines happened to run.
-        if self._grant_soon is None:
-            self._grant_soon = loop.call_soon(self._grant_submitted)
-        try:
-            return await waiter.future
-        except asyncio.CancelledError:
-            # Granted a slot in the same tick as the cancellation: give it back.
-            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                self._release(waiter.future.result())
-            raise
-        finally:
-            self._waiting.leave(waiter)
-            self._clients.waiting[client] -= 1
-            if self._clients.waiting[client] <= 0:
-                del self._clients.waiting[client]
-
-    def _grant_submitted(self) -> None:
-        self._grant_soon = None
-        self._dispatch_waiting()
-
-    def _tick(self) -> None:
-        self._tick_handle = None
-        self._dispatch_waiting()
-
-    def _dispatch_waiting(self) -> None:
-        """Grant free slots to waiters (synchronous: choice and count happen in one step)."""
-        if not self._waiting:
-            return
-        started = time.perf_counter()
-        try:
-            now = self._clock()
-            blocked: Blocked = set()
-            memo: set[str] = set()  # the policy's scratch for this pass
-            while (head := self._waiting.next_head(self._clients.key, blocked)) is not None:
-                held = self._place(head, now, memo)
-                if held is None:
-                    self._waiting.pop(head)
-                else:
-                    blocked.add(head.route_key if held is Hold.ROUTE_FULL else (head.request.client_id,
-                                                                                  head.route_key))
-            if self._waiting and self._tick_handle is None:
-                # Re-check while anyone waits: breakers half-open, no-server deadlines pass with time, and a
-                # policy may hold requests for reasons that move with time (a plan's next period).
-                delay = min(WAIT_POLL_S, self._policy.recheck_s() or WAIT_POLL_S)
-                self._tick_handle = asyncio.get_running_loop().call_later(delay, self._tick)
-        finally:
-            self._decision_s += time.perf_counter() - started
-
-    def _place(self, waiter: Waiter, now: float, memo: set[str]) -> Hold | None:
-        """Give the waiter a slot if its policy places it (None), else say why it waits."""
-        request = waiter.request
-        servers = self._routes.servers_for(request)
-        view = _RouteView(servers, waiter.tried, now, memo, self._book, self._rng)
-        placed = self._policy.place(view, RouteContext(request.request_id, request.prefix_text(), request.client_id))
-        if isinstance(placed, Hold):
-            if not servers and now >= waiter.deadline:
-                waiter.future.set_exception(NoServerError(
-                    f"no routable server serves model {request.model!r}"
-                    + (f" revision {request.revision!r}" if request.revision else "")
-                    + f" (waited {self._config.no_server_timeout_s:g}s)"
-                ))
-                return None
-            return placed
-        waiter.future.set_result(self._take(next(s for s in servers if s.id == placed), request.client_id, now))
-        self._decisions += 1
-        return None
-
-    def _take(self, server: ServerEntry, client_id: str, now: float) -> Slot:
-        """Count a slot on the chosen server. Called in the same step as the choice (no await in
-        between), so concurrent picks cannot pile onto one server."""
-        self._book.take(server, client_id, now)
-        if self._stalls is not None:
-            self._stalls.arm()
-        return Slot(server, client_id, now)
-
-    def _release(self, slot: Slot) -> None:
-        self._ledger.release(slot.server.id, slot.client_id)
-        self._tail.on_release(slot.server)  # before waiters: it only takes stragglers that come first
-        self._dispatch_waiting()
-
-    # ---- bookkeeping --------------------------------------------------------------------------
-    def _note_failure(self, server: ServerEntry, kind: FailureKind) -> None:
-        self._book.note_failure(self._routes.current(server), kind)
+    def _note_failure(self, state: ServerState, kind: FailureKind) -> None:
+        self._book.note_failure(state, kind)
         if kind.counts_against_server and self._on_failure is not None:
-            self._on_failure(server.id, kind)
+            self._on_failure(state.id, kind)
+
+    def note_stream_failure(self, server_id: str, kind: FailureKind) -> None:
+        """A stream broke after its first byte (the caller saw it): counted against the server."""
+        state = self._book.get(server_id)
+        if state is not None:
+            self._note_failure(state, kind)
+        elif kind.counts_against_server and self._on_failure is not None:
+            self._on_failure(server_id, kind)
+
+    # ---- copies at the tail (federation/tail.py decides when and where) ------------------------------
+    def _start_copy(self, racer: Racer, state: ServerState) -> None:
+        """A second attempt of a racer's request on `state` (a hedge or a steal), counted like any other."""
+        client = racer.request.client_id
+        self._book.take(state, client, self._clock())
+        racer.copy_server, racer.copy_started, racer.hedged = state, self._clock(), True
+        self._tail.hedges += 1
+        racer.copy = asyncio.get_running_loop().create_task(self._run_copy(racer, state))
+
+        def release_if_never_ran(task: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step never runs its body (nor its `finally`).
+            if not racer.copy_ran:
+                self._release(state, client)
+
+        racer.copy.add_done_callback(release_if_never_ran)
+
+    async def _run_copy(self, racer: Racer, state: ServerState) -> None:
+        racer.copy_ran = True
+        try:
+            completion = await self._transport.complete(state, racer.request)
+        except AttemptError as err:
+            racer.copy_error = err
+            self._note_failure(state, err.kind)
+            return
+        finally:
+            self._release(state, racer.request.client_id)
+        racer.won, racer.won_at = completion, self._clock()
+        if racer.racing and racer.task is not None:
+            racer.racing = False
+            racer.cancelled_task = True
+            racer.task.cancel()  # the first attempt's task takes the copy's answer (Dispatcher.submit)
+
+    async def _copy_outcome(self, racer: Racer, retry: RetryState | None
+                            ) -> tuple[ServerState, RetryState] | None:
+        """The first attempt failed: a copy still running may answer instead."""
+        copy = racer.copy
+        if copy is None or racer.copy_server is None:
+            return None
+        racer.racing = False
+        if not copy.done():
+            await asyncio.wait([copy])
+        retry = retry or RetryState()
+        if racer.copy_error is not None:  # (counted against its server when it failed)
+            retry.record(racer.copy_server.id, racer.copy_started, self._clock(), racer.copy_error)
+            return None
+        if racer.won is None:
+            return None
+        return racer.copy_server, retry
+
+    async def _drop_copy(self, racer: Racer) -> None:
+        """Cancel a copy that lost (or whose request is gone) and wait for it: its slot is back on return."""
+        copy = racer.copy
+        if copy is None:
+            return
+        racer.racing = False
+        if not copy.done():
+            copy.cancel()
+            await asyncio.gather(copy, return_exceptions=True)
+
+    def _settle_lost_race(self, state: ServerState, started: float, retry: RetryState) -> None:
+        """The first attempt was cancelled because a copy answered first. If its server answered nothing at all
+        while it ran (long enough to tell), the server accepts requests and does not answer them: a passive
+        failure (`stalled`), reported like any other, so a hung server cannot come out of a run looking healthy."""
+        now = self._clock()
+        age = now - started
+        entry = state.entry
+        delay = self._tail.timer.delay(entry.record.model if entry is not None else "") or 0.0
+        if state.last_answer_at < started and age >= max(STALL_MIN_S, 2 * delay):
+            self._record_failure(state, started, AttemptError(
+                FailureKind.STALLED, f"no answer in {age:.1f}s while a copy elsewhere answered"), retry)
+            return
+        retry.attempts.append(Attempt(state.id, started, age, lost_race=True))
+
+    # ---- streams ------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def stream(self, request: InferenceRequest, *, continuation: bool = False) -> AsyncIterator[OpenStream]:
+        """An upstream streaming response with its slot held until the caller is done reading it.
+
+        Failures before the first byte are retried elsewhere like any request; once bytes have gone to the
+        caller the stream cannot move here, and a break is the caller's to handle (the gateway continues it on
+        another replica, as a `continuation`: the same request, not a new submission). The slot is given back
+        on every path, cancellation included."""
+        if not continuation:
+            self._submitted += 1
+        client = request.client_id
+        retry: RetryState | None = None
+        while True:
+            state, _ = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
+            started = self._clock()
+            try:
+                response = await self._transport.open_stream(state, request)
+            except AttemptError as err:
+                self._release(state, client)
+                retry = retry or RetryState()
+                await self._after_failure(request, state, started, err, retry)
+                continue
+            except BaseException:
+                self._release(state, client)
+                raise
+            break
+        try:
+            assert state.entry is not None
+            yield OpenStream(state.entry, response, tuple(retry.attempts) if retry is not None else ())
+            self._book.note_success(state, 0, self._clock() - started, client)
+        finally:
+            response.release()
+            self._release(state, client)
+
+    def stream_ended(self, ok: bool) -> None:
+        """The caller's verdict on a stream it relayed (after any continuations): answered, or failed."""
+        if ok:
+            self._completed += 1
+        else:
+            self._failed += 1
+
+    # ---- bounded state and figures ---------------------------------------------------------------------
+    def _sweep(self, now: float) -> None:
+        """Forget clients gone for CLIENT_TTL_S (nothing in flight or waiting): their service, shapes, latency."""
+        self._swept_at = now
+        for client in self._clients.idle(now, CLIENT_TTL_S):
+            self._clients.forget(client)
+            self._book.forget_client(client)
+            self._policy.forget_client(client)
+
+    def forget_idle_clients(self, ttl_s: float = CLIENT_TTL_S) -> int:
+        """Forget clients idle for `ttl_s` now (the gateway calls this when it has many); returns how many."""
+        idle = self._clients.idle(self._clock(), ttl_s)
+        for client in idle:
+            self._clients.forget(client)
+            self._book.forget_client(client)
+            self._policy.forget_client(client)
+        return len(idle)
 
     def inflight(self) -> dict[str, int]:
         return self._ledger.by_server()
@@ -365,30 +533,8 @@ class Dispatcher:
         snapshot = self._snapshots()
         return DispatcherStats(
             submitted=self._submitted, completed=self._completed, failed=self._failed, retries=self._retries,
-            hedges=self._tail.hedges, inflight_total=self._ledger.total(), waiting=self._waiting.live(),
+            hedges=self._tail.hedges, inflight_total=self._ledger.total(), waiting=self._waiting,
             decisions=self._decisions, decision_s=self._decision_s,
             loop_stalled_s=self._stalls.stalled_s if self._stalls else 0.0,
             servers=self._book.server_stats(snapshot.entries if snapshot else ()),
         )
-
-
-class _RouteView:
-    """One waiting request's route, as its policy sees it for one decision (see policies.RouteView)."""
-
-    __slots__ = ("_book", "_now", "_rng", "_tried", "memo", "servers")
-
-    def __init__(self, servers: Sequence[ServerEntry], tried: set[str], now: float, memo: set[str],
-                 book: ServerBook, rng: random.Random):
-        self.servers, self._tried, self._now, self.memo, self._book, self._rng = servers, tried, now, memo, book, rng
-
-    def usable(self, server: ServerEntry, *, avoid_tried: bool = True) -> bool:
-        return ((not avoid_tried or server.id not in self._tried) and self._book.breaker(server.id).allows(self._now)
-                and self._book.has_room(server))
-
-    def free_candidates(self, limit: int | None) -> list[Candidate]:
-        # Servers this request failed on are avoided while any other open one serves the route (even if full:
-        # then it waits for those rather than going back).
-        avoid = not self._tried or any(s.id not in self._tried and self._book.breaker(s.id).allows(self._now)
-                                       for s in self.servers)
-        return self._book.free_candidates(self.servers, limit, self._rng,
-                                          lambda s: self.usable(s, avoid_tried=avoid))

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from fedpool.federation.types import Attempt
 
 
 class FailureKind(StrEnum):
@@ -50,7 +54,7 @@ class NoServerError(Exception):
 class RequestFailed(Exception):
     """Every attempt failed; carries the attempts so the record can say what happened."""
 
-    def __init__(self, message: str, attempts: tuple[object, ...], last_kind: FailureKind | None,
+    def __init__(self, message: str, attempts: tuple[Attempt, ...], last_kind: FailureKind | None,
                  last_error: AttemptError | None = None, server_id: str | None = None):
         self.attempts = attempts
         self.last_kind = last_kind

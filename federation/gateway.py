@@ -25,13 +25,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import FailureKind, NoServerError, RequestFailed
 from fedpool.federation.httpauth import bearer, matches
 from fedpool.federation.streams import StreamRelay
 from fedpool.federation.types import Endpoint, InferenceRequest
 from fedpool.registry import PoolSnapshot
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger("fedpool.gateway")
 

@@ -165,8 +165,8 @@ class ServerLearning:
     sequence_rate: BusyRate = field(default_factory=lambda: BusyRate(tau_s=3 * LEARN_PERIOD_S))
     _latencies: list[float] = field(default_factory=list)
     _rate_limited: int = 0
-    _full: bool = False
-    _period_start: float | None = None
+    full: bool = False  # the window was full at some point this period
+    period_start: float | None = None
 
     @classmethod
     def for_capacity(
@@ -181,10 +181,10 @@ class ServerLearning:
         return self.controller.limit if self.adaptive else max(1, int(capacity * self.controller.max_factor))
 
     def on_start(self, now: float, inflight_after: int, window: int) -> None:
-        if self._period_start is None:
-            self._period_start = now
+        if self.period_start is None:
+            self.period_start = now
         if inflight_after >= window:
-            self._full = True
+            self.full = True
 
     def on_rate_limited(self) -> None:
         self._rate_limited += 1
@@ -199,9 +199,9 @@ class ServerLearning:
             self.sequence_rate.add(now, occupancy_s, reference_s)
             self.sequence_speed = self.sequence_rate.value(now, occupancy_s)
             self.speed_at = now
-        if self._period_start is None or now - self._period_start < self.period_s:
+        if self.period_start is None or now - self.period_start < self.period_s:
             return None
-        self._period_start = now
+        self.period_start = now
         rate = self.rate.value(now, busy_total_s)
         if rate is None:
             return None
@@ -214,9 +214,38 @@ class ServerLearning:
             per_token_latency_s=ordered[len(ordered) // 2] if ordered else None,
             scraped_waiting=scraped_waiting,
             rate_limited=self._rate_limited,
-            window_was_full=self._full,
+            window_was_full=self.full,
             inflight=inflight,
         )
-        self._latencies, self._rate_limited, self._full = [], 0, False
+        self._latencies, self._rate_limited, self.full = [], 0, False
         self.last_decision = self.controller.decide(obs)
         return self.last_decision
+
+
+class HedgeTimer:
+    """When to hedge a straggler: `factor` × the median latency of recent answers for a model, never sooner
+    than `min_delay_s`, and not at all before `min_samples` answers have been seen."""
+
+    def __init__(self, factor: float = 2.0, min_delay_s: float = 0.2, min_samples: int = 8, window: int = 200):
+        self._factor = factor
+        self._min_delay_s = min_delay_s
+        self._min_samples = min_samples
+        self._window = window
+        self._latencies: dict[str, deque[float]] = {}
+
+    def observe(self, model: str, latency_s: float) -> None:
+        seen = self._latencies.get(model)
+        if seen is None:
+            seen = self._latencies[model] = deque(maxlen=self._window)
+        seen.append(latency_s)
+
+    def delay(self, model: str) -> float | None:
+        seen = self._latencies.get(model)
+        if not seen or len(seen) < self._min_samples:
+            return None
+        return max(self._min_delay_s, self._factor * statistics.median(seen))
+
+    def forget(self, models: set[str]) -> None:
+        """Keep only these models' latencies (a model no server serves any more is forgotten)."""
+        for model in [m for m in self._latencies if m not in models]:
+            del self._latencies[model]

@@ -1,133 +1,188 @@
 """The in-flight ledger: every attempt a dispatcher has on a server, counted once.
 
 Counted per server, per client and per server × client in the same step as the choice that sends it
-(`take`) and given back when the attempt ends however it ends (`release`), so nothing else counts:
-the server book's windows, the planner's unsent work and interference rule, tail stealing's drain
-estimates and the learned rates all read it. It also keeps what those readers need of the past:
+(`take`) and given back when the attempt ends however it ends (`release`), so nothing else counts: the
+admission windows and the index of servers with room, the planner's unsent work and interference rule, tail
+stealing's drain estimates and the learned rates all read it. Each server's figures live on one object,
+`ServerSlots` (the dispatcher's per-server state extends it), so the hot path reads attributes, not dicts:
 
-- a wall-clock history of each server's count, to line up with the registry's scrapes (which are
-  stamped with wall time and up to a probe interval old): `at(server, t)`;
-- each server's busy seconds (monotonic time with at least one attempt in flight), cumulative, the one
-  busy-time measurement every rate is computed from: `busy_s(server)`; and its occupancy (attempt-seconds:
-  the integral of its count over time), for per-sequence speeds: `occupancy_s(server)`.
+- `inflight` and `by_client`: attempts there now, in total and per client;
+- a coarse wall-clock history of the count, to line up with the registry's scrapes (stamped with wall time
+  and up to a probe interval old): `at(t)`;
+- busy seconds (monotonic time with at least one attempt in flight), the one busy-time measurement every
+  rate is computed from, and occupancy (attempt-seconds: ∫ count dt), for per-sequence speeds.
 
+A server's slots are forgotten (`forget`) once it has left the pool and nothing of it is in flight.
 Pure bookkeeping: clocks injected, no I/O.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import deque
 from collections.abc import Callable, Mapping
 
-HISTORY_LEN = 4096  # (wall time, count) changes kept per server; trimmed in halves
+HISTORY_BUCKET_S = 0.05  # the count's history keeps one entry per this much wall time (the largest count seen)
+HISTORY_S = 30.0  # ... over this much of the past: scrapes are at most a few probe intervals old
+
+
+class ServerSlots:
+    """One server's in-flight figures (mutated only by the ledger)."""
+
+    __slots__ = ("busy_since", "busy_total", "by_client", "history", "id", "inflight", "occupancy_at",
+                 "occupancy_total", "trimmed")
+
+    def __init__(self, server_id: str):
+        self.id = server_id
+        self.inflight = 0
+        self.by_client: dict[str, int] = {}
+        self.busy_total = 0.0
+        self.busy_since: float | None = None
+        self.occupancy_total = 0.0
+        self.occupancy_at: float | None = None
+        # (bucket start, largest count in the bucket, count at its end): appended when a new bucket starts.
+        self.history: deque[list[float]] = deque()
+        self.trimmed = False
+
+    def at(self, wall_time: float) -> int:
+        """The count at that wall-clock time (the largest within its bucket: others' load is never
+        overestimated); 0 before the first change; the oldest kept where the history no longer reaches."""
+        history = self.history
+        if not history:
+            return 0
+        index = bisect.bisect_right(history, wall_time, key=lambda b: b[0]) - 1
+        if index < 0:
+            return int(history[0][1]) if self.trimmed else 0
+        bucket = history[index]
+        return int(bucket[1] if wall_time < bucket[0] + HISTORY_BUCKET_S else bucket[2])
 
 
 class InflightLedger:
-    def __init__(self, *, clock: Callable[[], float], wall_clock: Callable[[], float],
-                 history_len: int = HISTORY_LEN):
+    def __init__(self, *, clock: Callable[[], float], wall_clock: Callable[[], float]):
         self._clock = clock
         self._wall_clock = wall_clock
-        self._history_len = history_len
-        self._server: Counter[str] = Counter()
-        self._client: Counter[str] = Counter()
-        self._pair: dict[str, Counter[str]] = {}  # server -> client -> in flight there
-        self._history: dict[str, list[tuple[float, int]]] = {}
-        self._trimmed: set[str] = set()
-        self._busy_total: dict[str, float] = {}
-        self._busy_since: dict[str, float] = {}
-        self._occupancy: dict[str, tuple[float, float]] = {}  # server -> (attempt-seconds so far, as of time)
+        self._servers: dict[str, ServerSlots] = {}
+        self._clients: dict[str, int] = {}
+        self._total = 0
+
+    def slots(self, server_id: str, factory: Callable[[str], ServerSlots] = ServerSlots) -> ServerSlots:
+        """The server's figures, made (by `factory`) on first use."""
+        slots = self._servers.get(server_id)
+        if slots is None:
+            slots = self._servers[server_id] = factory(server_id)
+        return slots
+
+    def forget(self, server_id: str) -> bool:
+        """Drop a server's figures if nothing of it is in flight; True when dropped."""
+        slots = self._servers.get(server_id)
+        if slots is None or slots.inflight:
+            return slots is None
+        del self._servers[server_id]
+        return True
 
     # ---- changes ------------------------------------------------------------------------------------
-    def take(self, server_id: str, client_id: str) -> int:
-        """One more attempt of `client_id` on `server_id`; returns the server's count after it."""
+    def take(self, slots: ServerSlots, client_id: str) -> int:
+        """One more attempt of `client_id` there; returns the server's count after it."""
         now = self._clock()
-        self._accrue(server_id, now)
-        self._server[server_id] += 1
-        self._client[client_id] += 1
-        self._pair.setdefault(server_id, Counter())[client_id] += 1
-        if server_id not in self._busy_since:
-            self._busy_since[server_id] = now
-        self._log(server_id)
-        return self._server[server_id]
+        n = slots.inflight
+        if slots.occupancy_at is not None:
+            slots.occupancy_total += n * (now - slots.occupancy_at)
+        slots.occupancy_at = now
+        if n == 0:
+            slots.busy_since = now
+        slots.inflight = n = n + 1
+        slots.by_client[client_id] = slots.by_client.get(client_id, 0) + 1
+        self._clients[client_id] = self._clients.get(client_id, 0) + 1
+        self._total += 1
+        self._log(slots, n)
+        return n
 
-    def release(self, server_id: str, client_id: str) -> int:
+    def release(self, slots: ServerSlots, client_id: str) -> int:
         """That attempt ended (answered, failed or cancelled); returns the server's count after it."""
         now = self._clock()
-        self._accrue(server_id, now)
-        _decrement(self._server, server_id)
-        _decrement(self._client, client_id)
-        pair = self._pair.get(server_id)
-        if pair is not None:
-            _decrement(pair, client_id)
-            if not pair:
-                del self._pair[server_id]
-        if server_id not in self._server and server_id in self._busy_since:
-            self._busy_total[server_id] = self._busy_total.get(server_id, 0.0) + now - self._busy_since.pop(server_id)
-        self._log(server_id)
-        return self._server.get(server_id, 0)
+        n = slots.inflight
+        if slots.occupancy_at is not None:
+            slots.occupancy_total += n * (now - slots.occupancy_at)
+        slots.occupancy_at = now
+        slots.inflight = n = n - 1
+        if n == 0 and slots.busy_since is not None:
+            slots.busy_total += now - slots.busy_since
+            slots.busy_since = None
+        left = slots.by_client[client_id] - 1
+        if left:
+            slots.by_client[client_id] = left
+        else:
+            del slots.by_client[client_id]
+        left = self._clients[client_id] - 1
+        if left:
+            self._clients[client_id] = left
+        else:
+            del self._clients[client_id]
+        self._total -= 1
+        self._log(slots, n)
+        return n
+
+    def _log(self, slots: ServerSlots, n: int) -> None:
+        """The count's coarse history: one bucket per HISTORY_BUCKET_S of wall time, trimmed to HISTORY_S."""
+        now = self._wall_clock()
+        history = slots.history
+        if history and now < history[-1][0] + HISTORY_BUCKET_S:
+            last = history[-1]
+            last[2] = n
+            if n > last[1]:
+                last[1] = n
+            return
+        history.append([now, n, n])
+        while now - history[0][0] > HISTORY_S and len(history) > 1:
+            history.popleft()
+            slots.trimmed = True
 
     # ---- reads --------------------------------------------------------------------------------------
     def on_server(self, server_id: str) -> int:
-        return self._server.get(server_id, 0)
+        slots = self._servers.get(server_id)
+        return slots.inflight if slots is not None else 0
 
     def of_client(self, client_id: str) -> int:
-        return self._client.get(client_id, 0)
+        return self._clients.get(client_id, 0)
 
     def clients_on(self, server_id: str) -> Mapping[str, int]:
         """Client -> attempts in flight on that server (a live view: do not keep it)."""
-        return self._pair.get(server_id, _EMPTY)
+        slots = self._servers.get(server_id)
+        return slots.by_client if slots is not None else _EMPTY
 
     def by_server(self) -> dict[str, int]:
-        return dict(self._server)
+        return {sid: s.inflight for sid, s in self._servers.items() if s.inflight}
 
     def total(self) -> int:
-        return sum(self._server.values())
+        return self._total
 
     def servers(self) -> set[str]:
-        return set(self._server)
+        """Servers with attempts in flight."""
+        return {sid for sid, s in self._servers.items() if s.inflight}
+
+    def known(self) -> int:
+        """Servers the ledger holds figures for (in flight or not)."""
+        return len(self._servers)
 
     def busy_s(self, server_id: str) -> float:
         """Seconds (monotonic clock) this dispatcher has had at least one attempt on the server, up to now."""
-        total = self._busy_total.get(server_id, 0.0)
-        since = self._busy_since.get(server_id)
-        return total + (self._clock() - since if since is not None else 0.0)
+        slots = self._servers.get(server_id)
+        if slots is None:
+            return 0.0
+        return slots.busy_total + (self._clock() - slots.busy_since if slots.busy_since is not None else 0.0)
 
     def occupancy_s(self, server_id: str) -> float:
         """Attempt-seconds on the server so far (∫ count dt): per-sequence speeds divide by it, so a server's
         speed does not grow with the traffic it is given (tokens per busy second does, with its batch)."""
-        total, at = self._occupancy.get(server_id, (0.0, self._clock()))
-        return total + self._server.get(server_id, 0) * (self._clock() - at)
-
-    def _accrue(self, server_id: str, now: float) -> None:
-        total, at = self._occupancy.get(server_id, (0.0, now))
-        self._occupancy[server_id] = (total + self._server.get(server_id, 0) * (now - at), now)
+        slots = self._servers.get(server_id)
+        if slots is None or slots.occupancy_at is None:
+            return 0.0
+        return slots.occupancy_total + slots.inflight * (self._clock() - slots.occupancy_at)
 
     def at(self, server_id: str, wall_time: float) -> int:
-        """The server's count at that wall-clock time. Before the first logged change it was 0, unless the
-        history was trimmed: then the largest count it holds (so other clients' load is never overestimated)."""
-        history = self._history.get(server_id)
-        if not history:
-            return 0
-        index = bisect.bisect_right(history, (wall_time, float("inf"))) - 1
-        if index < 0:
-            return max(n for _, n in history) if server_id in self._trimmed else 0
-        return history[index][1]
-
-    def _log(self, server_id: str) -> None:
-        history = self._history.get(server_id)
-        if history is None:
-            history = self._history[server_id] = []
-        history.append((self._wall_clock(), self._server.get(server_id, 0)))
-        if len(history) > 2 * self._history_len:  # a list (bisect needs O(1) indexing), trimmed in halves
-            del history[:self._history_len]
-            self._trimmed.add(server_id)
+        """The server's count at that wall-clock time (see ServerSlots.at)."""
+        slots = self._servers.get(server_id)
+        return slots.at(wall_time) if slots is not None else 0
 
 
 _EMPTY: Mapping[str, int] = {}
-
-
-def _decrement(counter: Counter[str], key: str) -> None:
-    counter[key] -= 1
-    if counter[key] <= 0:
-        del counter[key]

@@ -30,12 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpool.federation.plan_lp import MIN_SHARE, solve_phased_plan, solve_plan
-from fedpool.federation.policies import Candidate, DispatchState, Hold, Policy, RouteContext, RouteDecision, RouteView
+from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.pricing import CostFit, SpeedCalibration
+from fedpool.federation.types import InferenceRequest
 from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.planner")
 
+MAX_ROUTE_PLANS = 64  # routes planned at once (a gateway's callers pick models and revisions at will)
 MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 
@@ -54,8 +56,24 @@ class Plan:
     makespan: float  # nominal seconds (ServerCost units)
     quotas: Mapping[str, Mapping[str, float]]  # client -> server -> requests to send there
     kind_quotas: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # client -> kind -> requests
-    members: Mapping[str, Sequence[ServerEntry]] = field(default_factory=dict)  # kind -> its servers
+    members: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # kind -> its servers
     kind_of: Mapping[str, str] = field(default_factory=dict)  # server id -> kind
+
+
+@dataclass
+class _RoutePlan:
+    """One route's plan and what was placed on it since."""
+
+    plan: Plan | None = None
+    made_at: float = float("-inf")
+    servers_key: tuple[str, ...] = ()
+    servers_ref: Sequence[Any] | None = None
+    sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> kind -> placed
+    clients: set[str] = field(default_factory=set)  # clients that sent on this route
+
+
+def _expected_wait(c: Any) -> float:
+    return float(c.expected_wait)
 
 
 def kind_key(server: ServerEntry) -> str:
@@ -89,11 +107,10 @@ class PlannedRouting(Policy, name="planned"):
         self._speed: SpeedCalibration | None = None
         self._fit: CostFit | None = None
         self._shapes: dict[str, _Shape] = {}
-        self._sent: dict[str, Counter[str]] = {}  # since the plan: client -> kind -> requests placed
         self._cursor: dict[tuple[str, str], int] = {}  # round-robin position per client, kind
-        self._route_ref: Sequence[ServerEntry] | None = None
-        self._servers_key: tuple[str, ...] = ()
-        self._plan: Plan | None = None
+        self._routes: dict[object, _RoutePlan] = {}  # one plan per route (model, revision, pins)
+        self._placed: set[str] = set()  # clients that have sent on some route
+        self._plan: Plan | None = None  # the newest plan made (for describe)
         self._first_place_at: float | None = None
         self.plans_made = 0
 
@@ -109,12 +126,11 @@ class PlannedRouting(Policy, name="planned"):
         return self._state
 
     # ---- the policy interface ----------------------------------------------------------------------
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
         """Outside the plan (hedge copies): the lowest expected wait."""
-        pick = self._least(candidates, lambda c: c.expected_wait)
-        return RouteDecision(pick.server_id, "lowest expected wait (outside the plan)")
+        return self._least(candidates, _expected_wait)
 
-    def place(self, route: RouteView, context: RouteContext) -> str | Hold:
+    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
         now = self._st.clock()
         if self._first_place_at is None:
             self._first_place_at = now
@@ -122,16 +138,21 @@ class PlannedRouting(Policy, name="planned"):
             return Hold.ROUTE_FULL
         if self.warming_up():
             return Hold.CLIENT_HELD
-        plan = self._current_plan(route.servers, context.client_id, now)
-        quotas = plan.kind_quotas.get(context.client_id)
+        client_id = request.client_id
+        plans = self._route_plan(route)
+        if client_id not in plans.clients:
+            plans.clients.add(client_id)
+            self._placed.add(client_id)
+        plan = self._current_plan(plans, route.servers, client_id, now)
+        quotas = plan.kind_quotas.get(client_id)
         if not quotas:
             return Hold.CLIENT_HELD
-        pick = (self._pick(context.client_id, plan, quotas, route, avoid_tried=True)
-                or self._pick(context.client_id, plan, quotas, route, avoid_tried=False))
+        pick = (self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
+                or self._pick(client_id, plans, quotas, route, tried, avoid_tried=False))
         if pick is None:
             return Hold.CLIENT_HELD  # held for its planned servers (which are full); other clients may go on
-        self._sent.setdefault(context.client_id, Counter())[plan.kind_of[pick.id]] += 1
-        return pick.id
+        plans.sent.setdefault(client_id, Counter())[plan.kind_of[pick.id]] += 1
+        return pick
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
                        completion_tokens: int | None) -> None:
@@ -188,12 +209,14 @@ class PlannedRouting(Policy, name="planned"):
         return max(0.0, self._first_place_at + self.warmup_s - self._st.clock())
 
     # ---- following the plan -------------------------------------------------------------------------
-    def _pick(self, client_id: str, plan: Plan, quotas: Mapping[str, float], route: RouteView, *,
-              avoid_tried: bool) -> ServerEntry | None:
+    def _pick(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], route: RouteView,
+              tried: set[str], *, avoid_tried: bool) -> Any:
         """A usable server of this client's plan, from the kind with the most of its quota left, round-robin
         within the kind. O(kinds + servers looked at): a kind's scan stops at its first usable server, and a
         kind found with nothing usable is noted in the grant pass's memo and skipped by later picks."""
-        sent = self._sent.get(client_id, Counter())
+        plan = plans.plan
+        assert plan is not None
+        sent = plans.sent.get(client_id, Counter())
         kinds = sorted((k for k, q in quotas.items() if q > MIN_SHARE),
                        key=lambda k: (sent.get(k, 0) - quotas[k]) / quotas[k])  # most quota left first
         long_prompt = self._long_prompt(client_id)
@@ -205,7 +228,7 @@ class PlannedRouting(Policy, name="planned"):
             start = self._cursor.get((client_id, kind), 0)
             for i in range(len(members)):
                 server = members[(start + i) % len(members)]
-                if route.usable(server, avoid_tried=avoid_tried) and not self._interferes(client_id, server.id):
+                if route.usable(server, tried if avoid_tried else None) and not self._interferes(client_id, server.id):
                     self._cursor[client_id, kind] = (start + i + 1) % len(members)
                     return server
             if memo is not None:
@@ -230,36 +253,49 @@ class PlannedRouting(Policy, name="planned"):
         return False
 
     # ---- making the plan ----------------------------------------------------------------------------
-    def _current_plan(self, route: Sequence[ServerEntry], client_id: str, now: float) -> Plan:
-        if route is not self._route_ref:  # the dispatcher keeps one list per route and snapshot version
-            key = tuple(sorted(s.id for s in route))
-            if key != self._servers_key:
-                self._plan = None
-            self._servers_key, self._route_ref = key, route
-        newcomer = (self._plan is not None and client_id not in self._plan.quotas
-                    and self.shape(client_id) is not None)
-        if self._plan is None or now - self._plan.made_at >= self.period_s or newcomer:
-            self._plan = self._solve(route, now)
-            self._sent = {}
-            self.plans_made += 1
-            log.debug("plan %d: %s", self.plans_made, self._plan.kind_quotas)
-        return self._plan
+    def _route_plan(self, route: RouteView) -> _RoutePlan:
+        plans = self._routes.get(route.key)
+        if plans is None:
+            if len(self._routes) >= MAX_ROUTE_PLANS:  # the route planned longest ago gives way
+                oldest = min(self._routes, key=lambda k: self._routes[k].made_at)
+                del self._routes[oldest]
+            plans = self._routes[route.key] = _RoutePlan()
+        return plans
 
-    def _unsent(self) -> dict[str, int]:
-        """Requests each client has not sent yet: what it said it has left less what is in flight, and at
-        least what it has waiting (a client that said nothing: what it has waiting)."""
+    def _current_plan(self, plans: _RoutePlan, servers: Sequence[Any], client_id: str, now: float) -> Plan:
+        """The route's plan, made again when a period has passed, its servers changed or a client it does not
+        cover has a shape: at most once per period per route, whatever other routes do."""
+        if servers is not plans.servers_ref:  # the dispatcher keeps one list per route and snapshot
+            key = tuple(sorted(s.id for s in servers))
+            if key != plans.servers_key:
+                plans.plan = None
+            plans.servers_key, plans.servers_ref = key, servers
+        plan = plans.plan
+        newcomer = plan is not None and client_id not in plan.quotas and self.shape(client_id) is not None
+        if plan is None or now - plan.made_at >= self.period_s or newcomer:
+            plan = plans.plan = self._plan = self._solve(servers, plans.clients, now)
+            plans.made_at = now
+            plans.sent = {}
+            self.plans_made += 1
+            log.debug("plan %d: %s", self.plans_made, plan.kind_quotas)
+        return plan
+
+    def _unsent(self, clients: set[str]) -> dict[str, int]:
+        """Requests each of the route's clients has not sent yet: what it said it has left less what is in
+        flight, and at least what it has waiting (a client that said nothing: what it has waiting). A client
+        that has sent nowhere yet counts on every route (it will send on one of them)."""
         left, waiting, ledger = self._st.clients.requests_left(), self._st.clients.waiting, self._st.ledger
         out = {}
-        for cid in set(left) | set(waiting):
+        for cid in clients | {c for c in left if c not in self._placed}:
             n = max(left[cid] - ledger.of_client(cid) if cid in left else 0, waiting.get(cid, 0))
             if n > 0:
                 out[cid] = n
         return out
 
-    def _solve(self, route: Sequence[ServerEntry], now: float) -> Plan:
+    def _solve(self, route: Sequence[Any], route_clients: set[str], now: float) -> Plan:
         # What servers already hold is not priced in: a server holding a long queue made every plan degenerate
         # (it fixed T, and the LP put a client's whole remainder on one other server while the rest idled).
-        unsent = self._unsent()
+        unsent = self._unsent(route_clients)
         shapes = {c: s for c in unsent if (s := self.shape(c)) is not None}
         clients = sorted(shapes)
         servers = list(route)
@@ -271,16 +307,18 @@ class PlannedRouting(Policy, name="planned"):
         # members' answers (`CostFit`, the data sheet's prior until then); its members share its work by their
         # measured speeds relative to each other.
         assert self._speed is not None and self._fit is not None
-        columns: dict[str, list[ServerEntry]] = {}
+        columns: dict[str, list[Any]] = {}  # kind -> its servers (ServerViews with the registry's `entry`)
+        entries: dict[str, list[ServerEntry]] = {}
         for server in servers:
-            columns.setdefault(kind_key(server), []).append(server)
-        speed = self._speed.factors(servers)
+            columns.setdefault(kind_key(server.entry), []).append(server)
+            entries.setdefault(kind_key(server.entry), []).append(server.entry)
+        speed = self._speed.factors([s.entry for s in servers])
         within = {}
         for members in columns.values():
             mean = sum(speed[m.id] for m in members) / len(members)
             within.update({m.id: speed[m.id] / mean for m in members})
         weight = {col: float(len(members)) for col, members in columns.items()}
-        kind_cost = self._fit.costs(columns)
+        kind_cost = self._fit.costs(entries)
         cost = {(c, col): max(1e-12, kind_cost[col].of(*shapes[c])) for col in columns for c in clients}
         ids = sorted(columns)
         counts = {c: unsent[c] for c in clients}
@@ -298,3 +336,14 @@ class PlannedRouting(Policy, name="planned"):
                     x.setdefault(c, {})[member.id] = n * within[member.id] / weight[col]
         kind_of = {m.id: col for col, members in columns.items() for m in members}
         return Plan(now, makespan, x, by_kind, columns, kind_of)
+
+
+    # ---- bounded state --------------------------------------------------------------------------------
+    def forget_client(self, client_id: str) -> None:
+        self._shapes.pop(client_id, None)
+        self._placed.discard(client_id)
+        for key in [k for k in self._cursor if k[0] == client_id]:
+            del self._cursor[key]
+        for plans in self._routes.values():
+            plans.clients.discard(client_id)
+            plans.sent.pop(client_id, None)

@@ -1,10 +1,11 @@
 """Routing policies: small pure strategy classes behind one interface, registered by name.
 
 The dispatcher asks a policy to `place` one waiting request on a view of its route; the policy answers
-with a server id, or with a `Hold` (nothing free for this route, or for this client); the dispatcher acts
-on it. Most policies only `choose` among a few candidates with a free admission-window slot (the default
-`place` samples them); planned routing (`federation/planner.py`) looks at the whole route. No I/O, no
-clock reads of their own, randomness from an injected Random.
+with one of the route's servers, or with a `Hold` (nothing free for this route, or for this client); the
+dispatcher acts on it. Most policies only `choose` among a few candidates with a free admission-window slot
+(the default `place` samples them from the route's index of servers with room, in O(k)); planned routing
+(`federation/planner.py`) looks at the whole route. A policy hands back the server object it was given, never
+an id to look up. No I/O, no clock reads of their own, randomness from an injected Random.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from fedpool.federation.types import InferenceRequest
 from fedpool.registry import ServerEntry
 
 if TYPE_CHECKING:
@@ -27,63 +29,75 @@ if TYPE_CHECKING:
 _POLICIES: dict[str, type[Policy]] = {}
 
 
+class ServerView(Protocol):
+    """A server as a policy sees it at one decision (the dispatcher's ServerState; tests use `Candidate`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def inflight(self) -> int: ...  # this dispatcher's own requests there, counted at the moment of choosing
+    @property
+    def window(self) -> int: ...  # admission window: how many this dispatcher may keep there
+    @property
+    def capacity(self) -> int: ...  # max concurrent sequences the engine runs
+    @property
+    def weight(self) -> float: ...  # relative throughput: prior from the accelerator, corrected by observation
+    @property
+    def scraped_waiting(self) -> float: ...  # the engine's own queue (all clients), from the registry
+    @property
+    def scraped_running(self) -> float: ...
+    @property
+    def expected_wait(self) -> float: ...  # (in-flight + queued + 1) / weight: lower is sooner
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A server as a policy sees it at one decision."""
+    """A plain ServerView (for tests and offline use of a policy)."""
 
-    server_id: str
-    inflight: int  # this dispatcher's own requests there, counted at the moment of choosing
-    window: int  # admission window: how many this dispatcher may keep there
-    capacity: int  # max concurrent sequences the engine runs
-    weight: float  # relative throughput: prior from the accelerator, corrected by observation
-    scraped_waiting: float = 0.0  # the engine's own queue (all clients), from the registry
+    id: str
+    inflight: int
+    window: int
+    capacity: int
+    weight: float
+    scraped_waiting: float = 0.0
     scraped_running: float = 0.0
 
     @property
     def expected_wait(self) -> float:
-        """(in-flight + queued) per unit of throughput: lower is sooner."""
         return (self.inflight + self.scraped_waiting + 1) / max(self.weight, 1e-9)
 
 
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    server_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class RouteContext:
-    """What a policy may know about the request itself."""
-
-    request_id: str
-    prefix: str = ""
-    client_id: str = "default"
+V = TypeVar("V", bound=ServerView)
 
 
 class Hold(StrEnum):
     """Why a waiting request was not placed now."""
 
     ROUTE_FULL = "route_full"  # no server of its route can take a request: no client of that route goes now
-    CLIENT_HELD = "client_held"  # this client waits for its own (planned) servers; others of the route may go
+    CLIENT_HELD = "client_held"  # this client waits (for its own planned servers, or untried ones); others may go
 
 
 class RouteView(Protocol):
-    """One waiting request's route as the dispatcher shows it to a policy, for one decision."""
+    """One waiting request's route as the dispatcher shows it to a policy (federation/routes.py's Route)."""
 
     @property
-    def servers(self) -> Sequence[ServerEntry]:
-        """Every routable server of the route (model, revision, pins), room or not."""
+    def key(self) -> Any:
+        """What identifies the route (model, revision, pins): stable across snapshots."""
+
+    @property
+    def servers(self) -> Sequence[Any]:
+        """Every routable server of the route (ServerViews with `entry`, the registry's ServerEntry), room or not."""
 
     @property
     def memo(self) -> set[str]:
         """Scratch a policy may fill during one grant pass (cleared between passes)."""
 
-    def free_candidates(self, limit: int | None) -> list[Candidate]:
-        """Servers with a free window slot and a closed breaker, untried by this request where possible;
-        at most `limit` of them, sampled without visiting every server."""
+    def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> Sequence[Any]:
+        """Servers with room (window and breaker), avoiding the request's tried servers where others can serve;
+        at most `limit` of them, sampled in O(limit)."""
 
-    def usable(self, server: ServerEntry, *, avoid_tried: bool = True) -> bool:
-        """Whether the request may be sent to `server` now (room, breaker, not already failed on it)."""
+    def usable(self, server: Any, tried: set[str] | None = None) -> bool:
+        """Whether the request may be sent to `server` now (room, breaker, not one it failed on)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +123,13 @@ class Policy(ABC):
         (the planner) keep the state."""
         return None
 
-    def place(self, route: RouteView, context: RouteContext) -> str | Hold:
-        """The server for one waiting request, or why it waits. Default: `choose` among sampled candidates."""
-        free = route.free_candidates(self.candidate_limit)
+    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
+        """The server for one waiting request (one of `route.servers`), or why it waits (a `Hold`). Default:
+        `choose` among sampled candidates."""
+        free = route.free_candidates(self.candidate_limit, tried, self._rng)
         if not free:
-            return Hold.ROUTE_FULL
-        return self.choose(free, context).server_id
+            return Hold.CLIENT_HELD if tried and route.free_candidates(None, set(), self._rng) else Hold.ROUTE_FULL
+        return self.choose(free, request)
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
                        completion_tokens: int | None) -> None:
@@ -129,6 +144,14 @@ class Policy(ABC):
         """The policy's own state worth logging (JSON-able), if it keeps any."""
         return None
 
+    def forget_server(self, server_id: str) -> None:
+        """The server left the pool for good: drop what the policy keeps about it."""
+        return None
+
+    def forget_client(self, client_id: str) -> None:
+        """The client has gone (nothing in flight or waiting for a while): drop what the policy keeps about it."""
+        return None
+
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if name is not None:
@@ -139,13 +162,18 @@ class Policy(ABC):
         self._rng = rng or random.Random(0)
 
     @abstractmethod
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        """`candidates` is never empty."""
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        """One of `candidates` (never empty), handed back as given."""
 
-    def _least(self, candidates: Sequence[Candidate], key: Any) -> Candidate:
+    def _least(self, candidates: Sequence[V], key: Callable[[V], float]) -> V:
         """Lowest key; ties broken at random so no server always wins a tie."""
-        best = min(key(c) for c in candidates)
-        tied = [c for c in candidates if key(c) == best]
+        best, tied = None, []
+        for c in candidates:
+            k = key(c)
+            if best is None or k < best:
+                best, tied = k, [c]
+            elif k == best:
+                tied.append(c)
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
 
@@ -154,33 +182,31 @@ class RoundRobin(Policy, name="round_robin"):
         super().__init__(rng)
         self._next = 0
 
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        ordered = sorted(candidates, key=lambda c: c.server_id)
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        ordered = sorted(candidates, key=lambda c: c.id)
         pick = ordered[self._next % len(ordered)]
         self._next += 1
-        return RouteDecision(pick.server_id, "round robin")
+        return pick
 
 
 class RandomChoice(Policy, name="random"):
     candidate_limit = 1
 
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        return RouteDecision(self._rng.choice(list(candidates)).server_id, "uniform random")
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        return self._rng.choice(candidates)
 
 
 class LeastInflight(Policy, name="least_inflight"):
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        pick = self._least(candidates, lambda c: c.inflight)
-        return RouteDecision(pick.server_id, f"fewest in flight ({pick.inflight})")
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        return self._least(candidates, _inflight)
 
 
 class PowerOfTwo(Policy, name="power_of_two"):
     candidate_limit = 2
 
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        pair = self._rng.sample(list(candidates), min(2, len(candidates)))
-        pick = self._least(pair, lambda c: c.inflight + c.scraped_waiting)
-        return RouteDecision(pick.server_id, "less loaded of two random")
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        pair = self._rng.sample(list(candidates), min(2, len(candidates))) if len(candidates) > 2 else candidates
+        return self._least(pair, _load)
 
 
 class CapacityWeighted(Policy, name="capacity_weighted"):
@@ -205,34 +231,47 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
         self._clock = 0.0  # virtual time: the pass of the latest turn
         self._pass: dict[str, float] = {}  # server -> its next turn on the virtual clock (one entry per server)
 
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        pool = list(candidates)
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        pool = candidates
         if len(pool) > self._sample_size:
-            pool = self._rng.sample(pool, self._sample_size)
-        idle = [c for c in pool if c.inflight == 0 and c.scraped_waiting <= 0]
+            pool = self._rng.sample(list(pool), self._sample_size)
+        idle, waits, best = [], [], float("inf")
+        for c in pool:
+            if c.inflight == 0 and c.scraped_waiting <= 0:
+                idle.append(c)
+            wait = c.expected_wait
+            waits.append(wait)
+            if wait < best:
+                best = wait
         if len(idle) > 1:
             # Several idle servers: each would start the request at once, so they take turns in proportion
             # to speed, not the fastest always (that starved the other of the answers that measure it).
-            pick = self._take_turn(idle)
-            return RouteDecision(pick.server_id, f"idle, chosen in proportion to speed ({pick.weight:.3g})")
-        best = min(c.expected_wait for c in pool)
-        near = [c for c in pool if c.expected_wait <= best * (1 + self._tolerance)]
-        pick = near[0] if len(near) == 1 else self._take_turn(near)
-        return RouteDecision(pick.server_id, f"lowest expected wait ({pick.expected_wait:.3g})")
+            return self._take_turn(idle)
+        limit = best * (1 + self._tolerance)
+        near = [c for c, wait in zip(pool, waits, strict=True) if wait <= limit]
+        return near[0] if len(near) == 1 else self._take_turn(near)
 
-    def _take_turn(self, tied: Sequence[Candidate]) -> Candidate:
+    def forget_server(self, server_id: str) -> None:
+        self._pass.pop(server_id, None)
+
+    def _take_turn(self, tied: Sequence[V]) -> V:
         """The tied server whose turn it is (equal passes: a random one of them). Only ties take turns: a
         request that had one place to go (the others busy) is no turn of anyone's. Counted as turns, those
         moved the clock between ties, so the order in which the forced picks came decided who won the next
         tie: one of two equal servers got two thirds of the turns."""
-        def turn(c: Candidate) -> float:
-            return max(self._pass.get(c.server_id, self._clock), self._clock)
-
-        first = min(turn(c) for c in tied)
-        due = [c for c in tied if turn(c) == first]
+        clock, passes = self._clock, self._pass
+        first, due = float("inf"), []
+        for c in tied:
+            turn = passes.get(c.id, clock)
+            if turn < clock:
+                turn = clock
+            if turn < first:
+                first, due = turn, [c]
+            elif turn == first:
+                due.append(c)
         pick = due[0] if len(due) == 1 else self._rng.choice(due)
         self._clock = first
-        self._pass[pick.server_id] = self._clock + 1.0 / max(pick.weight, 1e-12)
+        passes[pick.id] = first + 1.0 / max(pick.weight, 1e-12)
         return pick
 
 
@@ -245,25 +284,35 @@ class PrefixAffinity(Policy, name="prefix_affinity"):
         super().__init__(rng)
         self._epsilon = epsilon
 
-    def choose(self, candidates: Sequence[Candidate], context: RouteContext) -> RouteDecision:
-        ring: list[tuple[int, Candidate]] = sorted(
-            (_hash(f"{c.server_id}#{i}"), c) for c in candidates for i in range(self.VIRTUAL_NODES)
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        ring: list[tuple[int, int]] = sorted(
+            (_hash(f"{c.id}#{i}"), n) for n, c in enumerate(candidates) for i in range(self.VIRTUAL_NODES)
         )
         keys = [k for k, _ in ring]
         total = sum(c.inflight for c in candidates) + 1
         bound = max(1.0, (1 + self._epsilon) * total / len(candidates))
-        start = bisect.bisect(keys, _hash(context.prefix))
-        seen: set[str] = set()
+        start = bisect.bisect(keys, _hash(request.prefix_text()))
+        seen: set[int] = set()
         for offset in range(len(ring)):
-            cand = ring[(start + offset) % len(ring)][1]
-            if cand.server_id in seen:
+            n = ring[(start + offset) % len(ring)][1]
+            if n in seen:
                 continue
-            seen.add(cand.server_id)
-            if cand.inflight + 1 <= bound:
-                why = "prefix home" if len(seen) == 1 else "prefix home full; next on ring"
-                return RouteDecision(cand.server_id, why)
-        pick = self._least(candidates, lambda c: c.expected_wait)
-        return RouteDecision(pick.server_id, "all over bound; least expected wait")
+            seen.add(n)
+            if candidates[n].inflight + 1 <= bound:
+                return candidates[n]  # the prefix's home, or the next on the ring when the home is full
+        return self._least(candidates, _expected_wait)  # all over the bound
+
+
+def _inflight(c: ServerView) -> float:
+    return c.inflight
+
+
+def _load(c: ServerView) -> float:
+    return c.inflight + c.scraped_waiting
+
+
+def _expected_wait(c: ServerView) -> float:
+    return c.expected_wait
 
 
 def _hash(text: str) -> int:

@@ -9,6 +9,8 @@ import random
 from types import TracebackType
 from typing import Any
 
+import aiohttp
+
 from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import FailureKind
@@ -48,7 +50,7 @@ class PoolConnection:
         self._reports: set[asyncio.Task[None]] = set()
         self._watcher: SnapshotWatcher | None = None
         self._dispatcher: Dispatcher | None = None
-        self._session = None
+        self._session: aiohttp.ClientSession | None = None
 
     @property
     def dispatcher(self) -> Dispatcher:

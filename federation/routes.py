@@ -1,45 +1,204 @@
-"""Which servers may serve a request: the current snapshot filtered by the request's route (model, revision,
-pinned engines and servers), computed once per snapshot and route; and a server as the newest snapshot has
-it. Pure bookkeeping over the snapshot source, no I/O."""
+"""A route: the servers that may serve a request (model, revision, pinned engines and servers), which of them
+have room now, and the requests waiting for one of them, in the serving order.
+
+Servers with room are an index (a list with positions) the server book keeps current as slots are taken and
+given back, so a policy samples candidates in O(k) and an empty index answers "route full" at once. Waiting
+requests queue FIFO per client; a heap orders the clients by their serving key (ClientBook.key, then the
+arrival of their first waiting request), refreshed lazily: an entry whose client's key moved is put back with
+the new key when it reaches the top, and a client whose key fell is pushed again at once (the dispatcher
+calls `touch`). Pure bookkeeping, no I/O.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import heapq
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fedpool.federation.types import InferenceRequest
-from fedpool.registry import PoolSnapshot, ServerEntry
+from fedpool.registry import ServerEntry
+
+if TYPE_CHECKING:
+    from fedpool.federation.serverbook import ServerState
+
+RouteKey = tuple[object, ...]
+ClientKey = tuple[float, float]
+SAMPLE_TRIES = 4  # random draws per wanted candidate that avoids a request's tried servers, before a scan
 
 
-class Routes:
-    def __init__(self, snapshots: Callable[[], PoolSnapshot | None],
-                 on_new_snapshot: Callable[[], None] | None = None):
-        self._snapshots = snapshots
-        self._on_new_snapshot = on_new_snapshot
-        self._cache: dict[tuple[object, ...], list[ServerEntry]] = {}
-        self._version = -1
-        self._snapshot: PoolSnapshot | None = None
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """A request waiting for a slot on any server of its route that can take it."""
 
-    def servers_for(self, request: InferenceRequest) -> list[ServerEntry]:
-        """Routable servers for the request's route in the current snapshot."""
-        snapshot = self._snapshots()
-        if snapshot is None:
-            return []
-        if self._version != snapshot.version or self._snapshot is not snapshot:
-            self._cache.clear()
-            self._version, self._snapshot = snapshot.version, snapshot
-            if self._on_new_snapshot is not None:
-                self._on_new_snapshot()
-        key = request.route_key()
-        servers = self._cache.get(key)
-        if servers is None:
-            view = snapshot.filter(model=request.model, revision=request.revision, engines=request.pinned_engines,
-                                   server_ids=request.pinned_servers, routable_only=True)
-            servers = self._cache[key] = list(view.entries)
-        return servers
+    request: InferenceRequest
+    tried: set[str]
+    future: asyncio.Future[Any]
+    seq: int
+    deadline: float
+    route: Route
 
-    def current(self, server: ServerEntry) -> ServerEntry:
-        """The server as the newest snapshot has it (its latest scrape): a slot holds the entry of the
-        snapshot it was granted from, which can be many probes old when the answer comes back."""
-        snapshot = self._snapshots()
-        newest = snapshot.get(server.id) if snapshot is not None else None
-        return newest if newest is not None else server
+
+class Route:
+    def __init__(self, key: RouteKey, model: str, revision: str | None, engines: tuple[str, ...] | None,
+                 server_ids: tuple[str, ...] | None):
+        self.key = key
+        self._model, self._revision = model, revision
+        self._engines = frozenset(engines) if engines is not None else None
+        self._ids = frozenset(server_ids) if server_ids is not None else None
+        self.servers: list[ServerState] = []  # every routable server of the route, room or not
+        self.free: list[ServerState] = []  # those with room now (unordered)
+        self._pos: dict[ServerState, int] = {}
+        self.memo: set[str] = set()  # a policy's scratch for one grant pass
+        # Waiting requests: per client FIFO, clients in a heap of (key..., head seq, client).
+        self.queues: dict[str, deque[Waiter]] = {}
+        self._heap: list[tuple[float, float, int, str]] = []
+        self._pushed: dict[str, ClientKey] = {}  # the key of each client's newest heap entry
+        self.waiting = 0  # live waiters
+
+    # ---- servers ----------------------------------------------------------------------------------
+    def admits(self, entry: ServerEntry) -> bool:
+        """Whether the route's requests may go to this server (routable, serving model and revision, pins)."""
+        record = entry.record
+        return (entry.status.routable and record.serves(self._model, self._revision)
+                and (self._engines is None or record.engine.value in self._engines)
+                and (self._ids is None or record.id in self._ids))
+
+    def set_servers(self, servers: list[ServerState]) -> None:
+        self.servers = servers
+        self.free, self._pos = [], {}
+
+    def set_free(self, state: ServerState, free: bool) -> None:
+        """Keep the index current: O(1)."""
+        pos = self._pos
+        if free:
+            if state not in pos:
+                pos[state] = len(self.free)
+                self.free.append(state)
+            return
+        index = pos.pop(state, None)
+        if index is not None:
+            last = self.free.pop()
+            if last is not state:
+                self.free[index] = last
+                pos[last] = index
+
+    def remove(self, state: ServerState) -> None:
+        self.set_free(state, False)
+        if state in self.servers:
+            self.servers.remove(state)
+
+    def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> list[ServerState]:
+        """Up to `limit` servers with room (all when None), sampled in O(limit). Servers the request failed on
+        are avoided while another open server serves the route (full or not: then it waits for those)."""
+        free = self.free
+        if not tried:
+            if limit is None or len(free) <= limit:
+                return free
+            return rng.sample(free, limit)
+        fresh = [s for s in free if s.id not in tried] if limit is None or len(free) <= SAMPLE_TRIES * limit \
+            else _sample_untried(free, limit, tried, rng)
+        if fresh:
+            return fresh if limit is None or len(fresh) <= limit else rng.sample(fresh, limit)
+        if any(s.id not in tried and s.admits for s in self.servers):
+            return []  # untried servers exist, all full: wait for them rather than go back
+        return free if limit is None or len(free) <= limit else rng.sample(free, limit)
+
+    def usable(self, state: ServerState, tried: set[str] | None = None) -> bool:
+        """Whether a request may go to `state` now (room, breaker, not one it failed on)."""
+        return state in self._pos and (not tried or state.id not in tried)
+
+    # ---- waiting ---------------------------------------------------------------------------------
+    def join(self, waiter: Waiter, key: ClientKey) -> None:
+        client = waiter.request.client_id
+        queue = self.queues.get(client)
+        if queue is None:
+            queue = self.queues[client] = deque()
+        queue.append(waiter)
+        self.waiting += 1
+        if len(queue) == 1 or client not in self._pushed:
+            self._push(client, key, waiter.seq)
+
+    def touch(self, client: str, key: ClientKey) -> None:
+        """The client's key moved (down, perhaps): a fresh entry, so it is not served later than its due."""
+        queue = self.queues.get(client)
+        if queue and self._pushed.get(client) != key:
+            self._push(client, key, queue[0].seq)
+
+    def _push(self, client: str, key: ClientKey, seq: int) -> None:
+        self._pushed[client] = key
+        heapq.heappush(self._heap, (key[0], key[1], seq, client))
+        if len(self._heap) > 2 * len(self.queues) + 64:
+            self._compact()
+
+    def head(self, key_of: Callable[[str], ClientKey], skip: set[str]) -> Waiter | None:
+        """The waiter that comes first in the serving order (clients in `skip` left out; their entries are put
+        back by `unskip`); cancelled waiters are dropped on the way."""
+        heap = self._heap
+        while heap:
+            first, share, seq, client = heap[0]
+            queue = self.queues.get(client)
+            while queue and queue[0].future.done():
+                queue.popleft()
+            if not queue:
+                heapq.heappop(heap)
+                self.queues.pop(client, None)
+                self._pushed.pop(client, None)
+                continue
+            pushed = self._pushed.get(client)
+            if pushed != (first, share):  # superseded by a newer entry of the same client
+                heapq.heappop(heap)
+                continue
+            key = key_of(client)
+            if key != pushed or seq != queue[0].seq:
+                self._pushed[client] = key
+                heapq.heapreplace(heap, (key[0], key[1], queue[0].seq, client))
+                continue
+            if client in skip:
+                heapq.heappop(heap)
+                self._pushed.pop(client, None)
+                continue
+            return queue[0]
+        return None
+
+    def unskip(self, skipped: set[str], key_of: Callable[[str], ClientKey]) -> None:
+        for client in skipped:
+            queue = self.queues.get(client)
+            if queue:
+                self._push(client, key_of(client), queue[0].seq)
+
+    def granted(self, waiter: Waiter) -> None:
+        """The head was placed (or failed): out of its queue."""
+        queue = self.queues.get(waiter.request.client_id)
+        if queue and queue[0] is waiter:
+            queue.popleft()
+
+    def left(self) -> None:
+        """A waiter stopped waiting (granted, failed or cancelled)."""
+        self.waiting -= 1
+
+    def waiters(self) -> list[Waiter]:
+        """Every live waiter (for deadlines; O(waiting))."""
+        return [w for queue in self.queues.values() for w in queue if not w.future.done()]
+
+    def clients(self) -> Sequence[str]:
+        return list(self.queues)
+
+    def _compact(self) -> None:
+        self._heap = [(k[0], k[1], self.queues[c][0].seq, c) for c, k in self._pushed.items()
+                      if self.queues.get(c)]
+        heapq.heapify(self._heap)
+
+
+def _sample_untried(free: list[ServerState], limit: int, tried: set[str], rng: random.Random) -> list[ServerState]:
+    picked: dict[str, ServerState] = {}
+    for _ in range(SAMPLE_TRIES * limit):
+        state = free[rng.randrange(len(free))]
+        if state.id not in tried:
+            picked[state.id] = state
+            if len(picked) == limit:
+                break
+    return list(picked.values()) or [s for s in free if s.id not in tried]

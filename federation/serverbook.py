@@ -1,31 +1,37 @@
-"""What one dispatcher knows about each server beyond the ledger's counts: its admission window, learned
-throughput, circuit breaker and answer counters; and the candidates a policy sees."""
+"""What one dispatcher knows about each server: one `ServerState` per server (its in-flight figures from the
+ledger, admission window, learned speed, circuit breaker, answer counters) and the routes it serves, each
+with an index of its servers that have room, kept current as slots are taken and given back, windows move,
+breakers open and close and snapshots arrive. A grant samples from that index: O(1), whatever the pool's size.
+
+A server that leaves the snapshot leaves every route at once; its state is forgotten when nothing of it is
+in flight any more (long-running processes hold no state for servers that are gone).
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-import random
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from fedpool.federation.breaker import CircuitBreaker
 from fedpool.federation.dispatch_types import ServerStats
 from fedpool.federation.errors import FailureKind
 from fedpool.federation.learning import LEARN_PERIOD_S, ServerLearning
-from fedpool.federation.ledger import InflightLedger
-from fedpool.federation.policies import Candidate
-from fedpool.registry import ServerEntry
+from fedpool.federation.ledger import InflightLedger, ServerSlots
+from fedpool.federation.routes import Route, RouteKey
+from fedpool.registry import PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
 
-SAMPLE_TRIES = 4  # random draws per wanted candidate before a sampled choice scans the whole route
 CLIENT_LATENCY_ALPHA = 0.05  # one answer's weight in its client's mean latency (what server speeds compare to)
 # A learned speed no answer has renewed for this many learning periods fades toward the prior (on the learned
 # scale), with this many periods' time constant: a server measured slow once and then given nothing (the
 # others' expected waits always lower) is tried again instead of keeping that one measurement for good.
 STALE_PERIODS = 2.0
+# The engine's own queue as a safety net: a server whose newest scrape shows requests waiting beyond what this
+# dispatcher knows is full for new grants until QUEUE_CLEAR_SCRAPES scrapes in a row show its queue empty.
+QUEUE_TRIP = 1.0
+QUEUE_CLEAR_SCRAPES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,54 @@ class BookSettings:
     breaker_failures: int
     breaker_cooldown_s: float
     learn_period_s: float = LEARN_PERIOD_S
+    engine_queue_guard: bool = True
+
+
+class ServerState(ServerSlots):
+    """One server as the dispatcher sees it. Policies read `id`, `inflight`, `window`, `capacity`, `weight`,
+    `scraped_waiting`, `scraped_running` and `expected_wait`; only the book and the ledger change it."""
+
+    __slots__ = ("answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
+                 "last_answer_at", "learning", "lease", "open_until", "present", "queue_clear", "queue_full",
+                 "routes", "scrape_at", "scraped_running", "scraped_waiting", "tokens", "trial", "url", "weight",
+                 "window")
+
+    def __init__(self, server_id: str):
+        super().__init__(server_id)
+        self.entry: ServerEntry | None = None
+        self.url = ""
+        self.capacity = 1
+        self.window = 0
+        self.weight = 1.0
+        self.scraped_waiting = 0.0
+        self.scraped_running = 0.0
+        self.learning: ServerLearning | None = None
+        self.routes: list[Route] = []
+        self.present = False  # in the current snapshot, routable
+        self.lease: int | None = None  # slots the registry leases this process there (None: not leasing)
+        self.queue_full = False  # the engine queues beyond what we know: no new grants until it drains
+        self.queue_clear = 0  # scrapes in a row with the queue empty, while queue_full
+        self.scrape_at = float("-inf")  # observed_at of the newest scrape seen
+        # Circuit breaker: open after consecutive failures, then one half-open trial after the cool-down.
+        self.breaker_failures = 0
+        self.open_until: float | None = None  # open (None: closed): no grants until then, then half-open
+        self.half_open = False
+        self.trial = False  # the half-open trial is in flight
+        self.answered = 0
+        self.tokens = 0
+        self.answer_s = 0.0
+        self.failures: dict[str, int] = {}
+        self.last_answer_at = float("-inf")
+
+    @property
+    def expected_wait(self) -> float:
+        """(in-flight + queued) per unit of throughput: lower is sooner."""
+        return (self.inflight + self.scraped_waiting + 1) / (self.weight if self.weight > 1e-9 else 1e-9)
+
+    @property
+    def admits(self) -> bool:
+        """Whether the breaker lets a new attempt through (closed, or half-open with no trial in flight)."""
+        return self.open_until is None or (self.half_open and not self.trial)
 
 
 class ServerBook:
@@ -43,105 +97,237 @@ class ServerBook:
         self._settings = settings
         self.ledger = ledger
         self._clock = clock
-        self.answered: Counter[str] = Counter()
-        self.last_answer_at: dict[str, float] = {}  # monotonic time of each server's latest answer
-        self.tokens: Counter[str] = Counter()
-        self.busy_s: Counter[str] = Counter()  # summed answer latencies (what the stats report)
-        self.failures: dict[str, Counter[str]] = {}
-        self.learning: dict[str, ServerLearning] = {}
-        self._breakers: dict[str, CircuitBreaker] = {}
-        self._priors: dict[str, float] = {}
-        self._rate_scale_at = -1.0
-        self._rate_scale_value = 1.0
+        self.routes: dict[RouteKey, Route] = {}
+        self.states: dict[str, ServerState] = {}  # the current snapshot's servers, and departed ones still busy
+        self._snapshot: PoolSnapshot | None = None
+        self._open: set[ServerState] = set()  # breakers open (waiting for their cool-down)
+        self._rate_scale = 1.0
+        self._refreshed_at = float("-inf")
         self._client_latency: dict[str, float] = {}  # client -> its mean answer latency over every server
+        self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
 
-    # ---- slots --------------------------------------------------------------------------------
-    def take(self, server: ServerEntry, client_id: str, now: float) -> None:
-        after = self.ledger.take(server.id, client_id)
-        self.breaker(server.id).on_dispatch(now)
-        self.learning_for(server).on_start(now, after, self.window(server))
+    # ---- the pool ---------------------------------------------------------------------------------
+    def sync(self, snapshot: PoolSnapshot | None) -> bool:
+        """Take a new snapshot (same object: nothing to do); True when it was new."""
+        if snapshot is self._snapshot:
+            return False
+        self._snapshot = snapshot
+        seen = set()
+        for entry in snapshot.entries if snapshot is not None else ():
+            seen.add(entry.id)
+            state = self.states.get(entry.id)
+            if state is None:
+                slots = self.ledger.slots(entry.id, ServerState)
+                assert isinstance(slots, ServerState)
+                state = self.states[entry.id] = slots
+            self._adopt(state, entry)
+        for server_id in [sid for sid in self.states if sid not in seen]:
+            state = self.states[server_id]
+            state.present = False
+            self._forget_if_idle(state)
+        for route in self.routes.values():
+            self._fill(route)
+        self._refresh(force=True)
+        return True
 
-    def has_room(self, server: ServerEntry) -> bool:
-        return self.ledger.on_server(server.id) < self.window(server)
+    def _adopt(self, state: ServerState, entry: ServerEntry) -> None:
+        state.entry = entry
+        state.url = entry.record.url
+        state.present = entry.status.routable
+        if state.learning is None or state.capacity != entry.capacity:
+            state.capacity = entry.capacity
+            if state.learning is None:
+                state.learning = ServerLearning.for_capacity(
+                    entry.capacity, adaptive=self._settings.adaptive_windows,
+                    max_factor=self._settings.window_factor, period_s=self._settings.learn_period_s)
+        load = entry.load
+        state.scraped_waiting = load.waiting if load is not None else 0.0
+        state.scraped_running = load.running if load is not None else 0.0
+        if self._settings.engine_queue_guard and load is not None and load.observed_at > state.scrape_at:
+            state.scrape_at = load.observed_at
+            # The engine's own queue: requests waiting there beyond ours (its scrape compared with what we had
+            # in flight then) mean someone else filled it; no new grants until it shows empty again.
+            beyond = load.running + load.waiting - state.capacity
+            if load.waiting >= QUEUE_TRIP and beyond >= QUEUE_TRIP:
+                state.queue_full, state.queue_clear = True, 0
+            elif state.queue_full and load.waiting <= 0:
+                state.queue_clear += 1
+                state.queue_full = state.queue_clear < QUEUE_CLEAR_SCRAPES
+        self._rewindow(state)
 
-    # ---- what a policy sees -------------------------------------------------------------------
-    def free_candidates(
-        self, servers: Sequence[ServerEntry], limit: int | None, rng: random.Random,
-        accept: Callable[[ServerEntry], bool] | None = None,
-    ) -> list[Candidate]:
-        """Candidates with a free window slot (and `accept`ed). A policy that looks at a random sample of
-        `limit` servers gets one drawn without visiting every server (a few random draws each; the whole route
-        is scanned only when those find too few), so a decision over 256 servers costs what one over 4 does."""
-        ok = accept or self.has_room
-        if limit is not None and len(servers) > SAMPLE_TRIES * limit:
-            picked: dict[str, ServerEntry] = {}
-            for _ in range(SAMPLE_TRIES * limit):
-                server = servers[rng.randrange(len(servers))]
-                if server.id not in picked and ok(server):
-                    picked[server.id] = server
-                    if len(picked) == limit:
-                        return [self._candidate(s) for s in picked.values()]
-        free = [s for s in servers if ok(s)]
-        if limit is not None and len(free) > limit:
-            free = rng.sample(free, limit)
-        return [self._candidate(s) for s in free]
+    def route(self, key: RouteKey, model: str, revision: str | None, engines: tuple[str, ...] | None,
+              server_ids: tuple[str, ...] | None) -> Route:
+        """The route for a request's key, made on first use (its servers from the current snapshot)."""
+        route = self.routes.get(key)
+        if route is None:
+            route = self.routes[key] = Route(key, model, revision, engines, server_ids)
+            self._fill(route)
+        return route
 
-    def window(self, server: ServerEntry) -> int:
-        """This dispatcher's admission window there, less what other clients keep running or queued on
-        the engine (from the registry's scrape), so several clients sharing a server do not overfill it."""
-        window = self.learning_for(server).window(server.capacity)
-        load = server.load
+    def _fill(self, route: Route) -> None:
+        servers = []
+        snapshot = self._snapshot
+        if snapshot is not None:
+            for entry in snapshot.entries:
+                if route.admits(entry):
+                    servers.append(self.states[entry.id])
+        kept = set(servers)
+        for state in route.servers:
+            if state not in kept and route in state.routes:
+                state.routes.remove(route)
+        for state in servers:
+            if route not in state.routes:
+                state.routes.append(route)
+        route.set_servers(servers)
+        for state in servers:
+            route.set_free(state, self.has_room(state))
+
+    def drop_route(self, route: Route) -> None:
+        """A route nobody waits on any more (gateway callers pin servers at will: routes must not pile up)."""
+        if self.routes.get(route.key) is route:
+            del self.routes[route.key]
+        for state in route.servers:
+            if route in state.routes:
+                state.routes.remove(route)
+        route.set_servers([])
+
+    def _forget_if_idle(self, state: ServerState) -> None:
+        if state.present or state.inflight:
+            return
+        for route in list(state.routes):
+            route.remove(state)
+        state.routes.clear()
+        self._open.discard(state)
+        del self.states[state.id]
+        self.ledger.forget(state.id)
+        if self.on_forget is not None:
+            self.on_forget(state.id)
+
+    def get(self, server_id: str) -> ServerState | None:
+        return self.states.get(server_id)
+
+    # ---- slots ---------------------------------------------------------------------------------------
+    def has_room(self, state: ServerState) -> bool:
+        return state.present and state.inflight < state.window and state.admits
+
+    def take(self, state: ServerState, client_id: str, now: float) -> None:
+        """Count a slot there (same step as the choice); the server leaves the index when full."""
+        n = self.ledger.take(state, client_id)
+        learning = state.learning
+        assert learning is not None
+        if learning.period_start is None:  # (inlined ServerLearning.on_start: this runs for every grant)
+            learning.period_start = now
+        if n >= state.window:
+            learning.full = True
+        if state.half_open:  # this is the one trial
+            state.trial = True
+        if n >= state.window or state.trial:
+            for route in state.routes:
+                route.set_free(state, False)
+
+    def release(self, state: ServerState, client_id: str) -> None:
+        n = self.ledger.release(state, client_id)
+        if n == state.window - 1 or not n:
+            room = self.has_room(state)
+            for route in state.routes:
+                route.set_free(state, room)
+        if not n and not state.present:
+            self._forget_if_idle(state)
+
+    def set_lease(self, state: ServerState, slots: int | None) -> None:
+        """The registry's lease of slots there for this process (None: not leasing)."""
+        if state.lease != slots:
+            state.lease = slots
+            self._rewindow(state)
+
+    def _rewindow(self, state: ServerState) -> None:
+        window = self.window(state)
+        if window != state.window:
+            state.window = window
+            room = self.has_room(state)
+            for route in state.routes:
+                route.set_free(state, room)
+
+    def window(self, state: ServerState) -> int:
+        """This dispatcher's admission window there: the learned window, less what other clients keep running
+        or queued on the engine (from the registry's scrape), within this process's lease; 0 while the
+        engine's own queue shows it full."""
+        learning = state.learning
+        if learning is None or not state.present:
+            return 0
+        window = learning.window(state.capacity)
+        entry = state.entry
+        load = entry.load if entry is not None else None
         if load is not None:
             # The scrape is up to a probe interval old: compare it with what *we* had in flight then.
-            others = max(0.0, load.running + load.waiting - self.ledger.at(server.id, load.observed_at))
-            window = min(window, max(1, int(server.capacity - others)))
-        return max(1, window)
+            others = max(0.0, load.running + load.waiting - state.at(load.observed_at))
+            window = min(window, max(1, int(state.capacity - others)))
+        window = max(1, window)
+        if state.lease is not None:
+            window = min(window, state.lease)
+        if state.queue_full:
+            window = 0
+        return window
 
-    def breaker(self, server_id: str) -> CircuitBreaker:
-        breaker = self._breakers.get(server_id)
-        if breaker is None:
-            breaker = CircuitBreaker(self._settings.breaker_failures, self._settings.breaker_cooldown_s)
-            self._breakers[server_id] = breaker
-        return breaker
+    # ---- breakers ------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Breakers whose cool-down passed turn half-open (one trial); learned weights refresh once a period."""
+        for state in [s for s in self._open if s.open_until is not None and s.open_until <= now]:
+            self._open.discard(state)
+            state.half_open = True
+            room = self.has_room(state)
+            for route in state.routes:
+                route.set_free(state, room)
+        self._refresh()
 
-    def learning_for(self, server: ServerEntry) -> ServerLearning:
-        learning = self.learning.get(server.id)
-        if learning is None:
-            learning = ServerLearning.for_capacity(
-                server.capacity, adaptive=self._settings.adaptive_windows, max_factor=self._settings.window_factor,
-                period_s=self._settings.learn_period_s,
-            )
-            self.learning[server.id] = learning
-        return learning
+    def next_cooldown(self) -> float | None:
+        return min((s.open_until for s in self._open if s.open_until is not None), default=None)
 
-    def forget_rate_scale(self) -> None:
-        self._rate_scale_at = -1.0
-
-    # ---- outcomes -----------------------------------------------------------------------------
-    def note_failure(self, server: ServerEntry, kind: FailureKind) -> None:
-        learning = self.learning_for(server)
-        if kind is FailureKind.RATE_LIMITED:
-            learning.on_rate_limited()
+    # ---- outcomes ------------------------------------------------------------------------------------
+    def note_success(self, state: ServerState, tokens: int, latency_s: float, client_id: str | None = None) -> None:
         now = self._clock()
-        learning.on_finish(0, 0.0, now, self.ledger.busy_s(server.id), server.load.waiting if server.load else 0.0,
-                           self.ledger.on_server(server.id), self.ledger.occupancy_s(server.id))
-        self.failures.setdefault(server.id, Counter())[kind.value] += 1
-        if kind.counts_against_server:
-            self.breaker(server.id).on_failure(now)
+        learning = state.learning
+        if learning is not None:
+            reference = self._reference_latency(client_id, latency_s)
+            decision = learning.on_finish(tokens, latency_s, now, self.ledger.busy_s(state.id), state.scraped_waiting,
+                                          state.inflight, self.ledger.occupancy_s(state.id), reference_s=reference)
+            if decision is not None:
+                log.debug("window of %s now %.1f: %s", state.id, decision.window, decision.reason)
+                self._rewindow(state)
+            state.weight = self._weight(state, now)
+        if state.open_until is not None or state.breaker_failures:
+            state.breaker_failures, state.open_until, state.half_open, state.trial = 0, None, False, False
+            self._open.discard(state)
+            room = self.has_room(state)
+            for route in state.routes:
+                route.set_free(state, room)
+        state.last_answer_at = now
+        state.answered += 1
+        state.tokens += tokens
+        state.answer_s += latency_s
+        if now - self._refreshed_at >= self._settings.learn_period_s:
+            self._refresh()
 
-    def note_success(self, server: ServerEntry, tokens: int, latency_s: float, client_id: str | None = None) -> None:
-        decision = self.learning_for(server).on_finish(
-            tokens, latency_s, self._clock(), self.ledger.busy_s(server.id),
-            server.load.waiting if server.load else 0.0, self.ledger.on_server(server.id),
-            self.ledger.occupancy_s(server.id), reference_s=self._reference_latency(client_id, latency_s),
-        )
-        if decision is not None:
-            log.debug("window of %s now %.1f: %s", server.id, decision.window, decision.reason)
-        self.breaker(server.id).on_success()
-        self.last_answer_at[server.id] = self._clock()
-        self.answered[server.id] += 1
-        self.tokens[server.id] += tokens
-        self.busy_s[server.id] += latency_s
+    def note_failure(self, state: ServerState, kind: FailureKind) -> None:
+        learning = state.learning
+        now = self._clock()
+        if learning is not None:
+            if kind is FailureKind.RATE_LIMITED:
+                learning.on_rate_limited()
+            decision = learning.on_finish(0, 0.0, now, self.ledger.busy_s(state.id), state.scraped_waiting,
+                                          state.inflight, self.ledger.occupancy_s(state.id))
+            if decision is not None:
+                self._rewindow(state)
+        state.failures[kind.value] = state.failures.get(kind.value, 0) + 1
+        if kind.counts_against_server:
+            state.breaker_failures += 1
+            state.trial = False
+            if state.open_until is not None or state.breaker_failures >= self._settings.breaker_failures:
+                state.open_until = now + self._settings.breaker_cooldown_s  # a failed trial re-opens
+                state.half_open = False
+                self._open.add(state)
+                for route in state.routes:
+                    route.set_free(state, False)
 
     def _reference_latency(self, client_id: str | None, latency_s: float) -> float:
         """What this answer would take on the pool's average server: the client's mean latency (an exponential
@@ -154,91 +340,75 @@ class ServerBook:
         self._client_latency[client_id] = mean
         return mean
 
-    def server_stats(self, entries: Iterable[ServerEntry]) -> tuple[ServerStats, ...]:
-        """Per-server figures: every server answered, failed or in flight here, and those of `entries`."""
-        windows = {e.id: self.window(e) for e in entries}
-        ids = sorted(set(self.answered) | set(self.failures) | self.ledger.servers() | set(windows))
-        return tuple(
-            ServerStats(
-                server_id=sid,
-                answered=self.answered.get(sid, 0),
-                failures=dict(self.failures.get(sid, {})),
-                inflight=self.ledger.on_server(sid),
-                window=windows.get(sid, 0),
-                completion_tokens=self.tokens.get(sid, 0),
-                busy_s=self.busy_s.get(sid, 0.0),
-                learned_tokens_per_s=self.learning[sid].tokens_per_s if sid in self.learning else None,
-                window_reason=(
-                    self.learning[sid].last_decision.reason  # type: ignore[union-attr]
-                    if sid in self.learning and self.learning[sid].last_decision else None
-                ),
-            )
-            for sid in ids
-        )
+    def forget_client(self, client_id: str) -> None:
+        self._client_latency.pop(client_id, None)
 
-    # ---- internals ----------------------------------------------------------------------------
-    def _candidate(self, server: ServerEntry) -> Candidate:
-        load = server.load
-        self._priors[server.id] = server.weight * server.capacity
-        return Candidate(
-            server_id=server.id,
-            inflight=self.ledger.on_server(server.id),
-            window=self.window(server),
-            capacity=server.capacity,
-            weight=self.weight_of(server),
-            scraped_waiting=load.waiting if load else 0.0,
-            scraped_running=load.running if load else 0.0,
-        )
-
-    def weight_of(self, server: ServerEntry) -> float:
+    # ---- learned weights -------------------------------------------------------------------------------
+    def _weight(self, state: ServerState, now: float) -> float:
         """Relative throughput: the learned speed of one sequence × capacity where known, else the accelerator
         prior × capacity, put on the same scale through the servers whose speed is known."""
-        prior = server.weight * server.capacity
-        if not self._settings.learn_throughput:
+        entry = state.entry
+        prior = (entry.weight if entry is not None else 1.0) * state.capacity
+        learning = state.learning
+        if not self._settings.learn_throughput or learning is None:
             return prior
-        learned = self._learned(server.id, server.capacity)
-        if learned is None:
-            return prior * self._rate_scale()
-        stale = self._unrenewed_s(self.learning[server.id], self._clock()) - self._stale_after_s
+        if not learning.sequence_speed:
+            return prior * self._rate_scale
+        learned = learning.sequence_speed * state.capacity
+        stale = now - (learning.speed_at or 0.0) - self._stale_after_s
         if stale <= 0:
             return learned
-        fallback = prior * self._rate_scale()
+        fallback = prior * self._rate_scale
         return fallback + (learned - fallback) * math.exp(-stale / self._stale_after_s)
 
     @property
     def _stale_after_s(self) -> float:
         return STALE_PERIODS * self._settings.learn_period_s
 
-    @staticmethod
-    def _unrenewed_s(learning: ServerLearning, now: float) -> float:
-        """Seconds since an answer last renewed the server's learned speed."""
-        return now - (learning.speed_at or 0.0)
+    def _refresh(self, force: bool = False) -> None:
+        """At most once per learning period (or when the pool changed): the scale that puts priors on the
+        learned scale (mean learned ÷ prior over the servers measured lately, else over all measured), then
+        every weight (they also fade with time)."""
+        now = self._clock()
+        if not force and now - self._refreshed_at < self._settings.learn_period_s:
+            return
+        self._refreshed_at = now
+        fresh, known = [], []
+        for state in self.states.values():
+            learning, entry = state.learning, state.entry
+            if learning is None or entry is None or not learning.sequence_speed or entry.weight <= 0:
+                continue
+            ratio = learning.sequence_speed / entry.weight
+            known.append(ratio)
+            if now - (learning.speed_at or 0.0) <= self._stale_after_s:
+                fresh.append(ratio)
+        ratios = fresh or known
+        self._rate_scale = sum(ratios) / len(ratios) if ratios else 1.0
+        for state in self.states.values():
+            state.weight = self._weight(state, now)
 
-    def _learned(self, server_id: str, capacity: int) -> float | None:
-        learning = self.learning.get(server_id)
-        if learning is None or not learning.sequence_speed:
-            return None
-        return learning.sequence_speed * capacity
+    def weight_of(self, state: ServerState) -> float:
+        return state.weight
 
-    def drain_s(self, server: ServerEntry, extra: int = 0) -> float:
+    def drain_s(self, state: ServerState, extra: int = 0) -> float:
         """How long the server would take to finish what this dispatcher has there (+ extra), in units of
         its relative throughput (what tail stealing compares)."""
-        rate = self.weight_of(server)
-        return (self.ledger.on_server(server.id) + extra) / rate if rate > 0 else float("inf")
+        return (state.inflight + extra) / state.weight if state.weight > 0 else float("inf")
 
-    def _rate_scale(self) -> float:
-        """Mean learned-rate / prior over the servers with a learned rate (1.0 when none), those measured in
-        the last STALE_PERIODS periods where any were: puts priors on the learned scale. Recomputed at most
-        once per learning period."""
-        now = self._clock()
-        if now - self._rate_scale_at >= self._settings.learn_period_s or self._rate_scale_at < 0:
-            known = [
-                (learned / self._priors[sid], self._unrenewed_s(lrn, now) <= self._stale_after_s)
-                for sid, lrn in self.learning.items()
-                if self._priors.get(sid) and (learned := self._learned(sid, lrn.controller.capacity)) is not None
-            ]
-            # Servers measured lately set the scale (a stale measurement would pull the prior it fades to)
-            ratios = [ratio for ratio, fresh in known if fresh] or [ratio for ratio, _ in known]
-            self._rate_scale_value = sum(ratios) / len(ratios) if ratios else 1.0
-            self._rate_scale_at = now
-        return self._rate_scale_value
+    # ---- figures ---------------------------------------------------------------------------------------
+    def server_stats(self, entries: Iterable[ServerEntry]) -> tuple[ServerStats, ...]:
+        """Per-server figures: every server of `entries` and every other the book still holds."""
+        ids = sorted({e.id for e in entries} | set(self.states))
+        out = []
+        for sid in ids:
+            state = self.states.get(sid)
+            if state is None:
+                out.append(ServerStats(sid, 0, {}, 0, 0, 0, 0.0))
+                continue
+            learning = state.learning
+            out.append(ServerStats(
+                server_id=sid, answered=state.answered, failures=dict(state.failures), inflight=state.inflight,
+                window=state.window, completion_tokens=state.tokens, busy_s=state.answer_s,
+                learned_tokens_per_s=learning.tokens_per_s if learning is not None else None,
+                window_reason=learning.last_decision.reason if learning and learning.last_decision else None))
+        return tuple(out)

@@ -29,9 +29,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed, classify_exception
 from fedpool.federation.tail import replicas
+from fedpool.federation.transport import StreamBody
 from fedpool.federation.types import Endpoint, InferenceRequest
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry
 
@@ -103,26 +105,31 @@ class StreamRelay:
         """The response (prepared on the first upstream chunk). RequestFailed / NoServerError before it are the
         caller's to answer as JSON errors."""
         current = self._req
+        first = True
         while True:
             try:
-                async with self._dispatcher.stream(current) as upstream:
+                async with self._dispatcher.stream(current, continuation=not first) as upstream:
+                    first = False
                     self.outcome.servers.append(upstream.server.id)
                     try:
                         await self._relay(upstream.response, upstream.server)
                     except UPSTREAM_BREAKS as exc:
                         kind = classify_exception(exc, reused_connection=False)
                         raise _Broke(upstream.server, kind, self.started) from exc
-                return await self._finish()
+                response = await self._finish()
+                self._dispatcher.stream_ended(ok=self.outcome.broken is None)
+                return response
             except ClientGone:
-                self.outcome.client_gone = True
+                self.outcome.client_gone = True  # the client's doing, not a failure of the pool
                 return self._out or web.Response(status=499)
             except _Broke as broke:
-                self._dispatcher.note_stream_failure(broke.server, broke.kind)
+                self._dispatcher.note_stream_failure(broke.server.id, broke.kind)
                 if not broke.reached_client:  # nothing reached the client yet: retried elsewhere, invisibly
                     current = self._elsewhere(current, broke)
                     continue
                 following = self._continuation(broke.server)
                 if following is None:
+                    self._dispatcher.stream_ended(ok=False)
                     return await self._end_with_error(broke.server)
                 current = following
                 self.outcome.migrations += 1
@@ -140,15 +147,16 @@ class StreamRelay:
             raise RequestFailed(f"request {req.request_id}: {err}", (), broke.kind, err, broke.server.id)
         return replace(req, pinned_servers=others)
 
-    async def _relay(self, response: aiohttp.ClientResponse, server: ServerEntry) -> None:
-        if self._out is None:
-            headers = {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
-            headers.setdefault("Content-Type", "text/event-stream")
-            headers.setdefault("Cache-Control", "no-cache")
-            headers["X-Fedpool-Server"] = server.id
-            self._out = web.StreamResponse(headers=headers)
-            await self._send(None)
+    async def _relay(self, response: StreamBody, server: ServerEntry) -> None:
         async for event in _sse_data(response.content):
+            if self._out is None:  # the client's response starts with the first upstream event, not before:
+                # a server that breaks before sending anything is retried elsewhere, unseen by the client
+                headers = {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
+                headers.setdefault("Content-Type", "text/event-stream")
+                headers.setdefault("Cache-Control", "no-cache")
+                headers["X-Fedpool-Server"] = server.id
+                self._out = web.StreamResponse(headers=headers)
+                await self._send(None)
             if event == "[DONE]":
                 await self._send(b"data: [DONE]\n\n")
                 self._progress.done_sent = True
@@ -179,7 +187,9 @@ class StreamRelay:
             if not isinstance(choice, dict):
                 continue
             if self._req.endpoint is Endpoint.CHAT:
-                delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+                delta = choice.get("delta")
+                if not isinstance(delta, dict):
+                    delta = {}
                 if "role" in delta:
                     if progress.role_sent:
                         choice["delta"] = {k: v for k, v in delta.items() if k != "role"}
@@ -261,7 +271,7 @@ class StreamRelay:
             raise ClientGone() from exc
 
 
-async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+async def _sse_data(content: Any) -> AsyncIterator[str]:
     """The `data:` payloads of a server-sent-event stream (comments and other fields skipped)."""
     while True:
         line = await content.readline()

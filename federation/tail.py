@@ -1,41 +1,43 @@
-"""The tail of a run: straggler hedging and tail stealing, both raced by `hedging.race`.
+"""The tail of a client's run: its last requests in flight, where a straggler would hold up the whole eval.
 
-Both act only at the tail: the client has said it has nothing left to send **and no request waits in the
-dispatcher, for any route**. (A client that hands all its requests over at once has "sent everything" from
-its first second; hedging and stealing then ran the whole run long, duplicating work and moving requests
-against the plan: on the Table 7 design they cost 4-5% of the makespan.) Hedging: a hedgeable request
-(greedy, no bit-for-bit reproducibility asked) still running after `hedge_factor` × the model's median
-latency is copied onto an idle server. Stealing: when a slot frees, requests queued on a server that will
-drain slower than this one may be taken: the freed server starts a copy of the one queued there last.
-Either way the first answer wins and the other copy is cancelled.
+Once a client has said it has nothing left to send and nothing waits in the dispatcher, its requests in flight
+may be copied onto idle servers: a straggler older than the model's hedge delay (a multiple of its median
+latency) is copied onto an idle replica (hedging), and a server that frees a slot copies the request queued
+last on the server that will drain slowest, if slower than itself (stealing). The first answer wins; the
+other copy is cancelled (its slot given back before the request returns).
 
 A copy only ever runs on a *replica* of the first server: the same engine, model and revision, with the
-revision explicitly set (`unspecified` matches nothing), so the winner of a timing race cannot change what
-is recorded beyond the batch numerics of one engine build.
+revision explicitly set (`unspecified` matches nothing), and only for requests whose answer a copy cannot
+change (greedy decoding, no bit-reproducibility asked), so the winner of a timing race cannot change what is
+recorded beyond the batch numerics of one engine build.
+
+Cost where it does not apply: a request in flight is registered (`enter`, a dict insert) and awaited inline
+by its own task — no task, timer or future of its own. A copy that wins cancels the waiting task
+(`Racer.task`), which takes the copy's answer (`won`). Copies, and the 10 Hz look for stragglers, exist only
+at a tail.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from fedpool.federation.clientbook import ClientBook
 from fedpool.federation.dispatch_types import DispatchConfig
-from fedpool.federation.hedging import AttemptOutcome, HedgeTimer, race
-from fedpool.federation.policies import Policy, RouteContext
-from fedpool.federation.routes import Routes
-from fedpool.federation.serverbook import ServerBook
-from fedpool.federation.stealing import RaceBook, Racer
+from fedpool.federation.errors import AttemptError
+from fedpool.federation.learning import HedgeTimer
+from fedpool.federation.policies import Policy
+from fedpool.federation.routes import Route
+from fedpool.federation.serverbook import ServerBook, ServerState
 from fedpool.federation.types import Completion, InferenceRequest
-from fedpool.federation.waiting import WaitQueues
 from fedpool.registry import ServerEntry
 
-HEDGE_RECHECK_S = 0.1  # how often a straggler looks again for an idle server to hedge on
+HEDGE_RECHECK_S = 0.1  # how often, at a tail, stragglers look for an idle server to be copied onto
 UNSPECIFIED_REVISION = "unspecified"
 
-Copy = tuple[asyncio.Task[Completion], ServerEntry, float]
-StartCopy = Callable[[ServerEntry, InferenceRequest], asyncio.Task[Completion]]
+StartCopy = Callable[["Racer", ServerState], None]
 
 
 def replicas(a: ServerEntry, b: ServerEntry) -> bool:
@@ -44,85 +46,147 @@ def replicas(a: ServerEntry, b: ServerEntry) -> bool:
             and a.record.revision == b.record.revision and a.record.revision != UNSPECIFIED_REVISION)
 
 
+@dataclass(eq=False, slots=True)
+class Racer:
+    """A hedgeable request in flight on `server`, awaited by `task`; at most one copy of it runs elsewhere."""
+
+    request: InferenceRequest
+    server: ServerState
+    route: Route
+    started: float
+    task: asyncio.Task[object] | None
+    racing: bool = True  # the first attempt has not returned yet
+    copy: asyncio.Task[None] | None = None
+    copy_server: ServerState | None = None
+    copy_started: float = 0.0
+    won: Completion | None = None  # the copy's answer, when it came first
+    won_at: float = 0.0
+    copy_error: AttemptError | None = None
+    copy_ran: bool = False  # the copy's task started (else its slot is given back when it is done)
+    hedged: bool = False  # a copy was started (hedge or steal)
+    cancelled_task: bool = False  # the copy answered first and cancelled `task` to hand it the answer
+
+
 class TailRescue:
-    def __init__(self, config: DispatchConfig, *, clients: ClientBook, waiting: WaitQueues, routes: Routes,
-                 book: ServerBook, policy: Policy, rng: random.Random, clock: Callable[[], float],
+    def __init__(self, config: DispatchConfig, *, clients: ClientBook, book: ServerBook, policy: Policy,
+                 rng: random.Random, clock: Callable[[], float], waiting: Callable[[], int],
                  start_copy: StartCopy):
-        self._enabled = config.hedging and not policy.plans_the_tail
+        self.enabled = config.hedging and not policy.plans_the_tail
         self._clients = clients
-        self._waiting = waiting
-        self._routes = routes
         self._book = book
         self._policy = policy
         self._rng = rng
         self._clock = clock
+        self._waiting = waiting
         self._start_copy = start_copy
         self.timer = HedgeTimer(config.hedge_factor, config.hedge_min_delay_s)
-        self._races = RaceBook()  # hedgeable requests in flight, per server: what stealing may take
+        self._racers: dict[str, dict[Racer, None]] = {}  # server id -> its racers, oldest first
+        self._look: asyncio.TimerHandle | None = None
         self.hedges = 0
 
-    async def race(self, request: InferenceRequest, server: ServerEntry, primary: asyncio.Task[Completion],
-                   started: float) -> tuple[AttemptOutcome | None, list[AttemptOutcome], bool]:
-        """Await the attempt on `server`, racing copies against it at the tail when the request allows."""
-        if not (self._enabled and request.hedgeable):
-            return await race(primary, server, started, launch=None, delay_s=None, recheck_s=HEDGE_RECHECK_S,
-                              clock=self._clock)
-        racer = Racer(request, server, asyncio.get_running_loop().create_future())
-        self._races.add(racer)
-        try:
-            outcome = await race(primary, server, started, launch=lambda: self._launch(racer),
-                                 delay_s=self.timer.delay(request.model), recheck_s=HEDGE_RECHECK_S,
-                                 clock=self._clock, wake=lambda: racer.wake)
-        finally:
-            self._races.forget(racer)
-            if racer.stolen is not None:  # stolen in the same tick the race ended: drop the copy
-                racer.stolen[0].cancel()
-                racer.stolen = None
-        self.hedges += outcome[2]
-        return outcome
+    # ---- racers ------------------------------------------------------------------------------------
+    def enter(self, request: InferenceRequest, server: ServerState, route: Route, started: float) -> Racer | None:
+        """Register a request in flight that a copy may race (None where none may)."""
+        if not self.enabled or not request.hedgeable:
+            return None
+        racer = Racer(request, server, route, started, asyncio.current_task())
+        racers = self._racers.get(server.id)
+        if racers is None:
+            racers = self._racers[server.id] = {}
+        racers[racer] = None
+        if self._look is None and request.client_id in self._clients.done_sending:
+            self._arm()
+        return racer
 
-    def on_release(self, thief: ServerEntry) -> None:
-        """A slot freed on `thief`: it may take stragglers queued on slower servers (before waiters: it only
-        takes stragglers of clients that come first in the serving order)."""
-        if not (self._enabled and self._races and self._clients.done_sending) or self._waiting.total():
-            return  # not the tail while any request waits: a thief takes waiting work, not another's stragglers
-        best_waiting = min((self._clients.key(c) for c in self._waiting.waiting_clients()), default=None)
+    def leave(self, racer: Racer) -> None:
+        """The first attempt returned (or failed): nothing may copy it any more."""
+        racer.racing = False
+        racers = self._racers.get(racer.server.id)
+        if racers is not None:
+            racers.pop(racer, None)
+            if not racers:
+                del self._racers[racer.server.id]
+
+    def client_done(self, client_id: str) -> None:
+        if self._racers and self._look is None:
+            self._arm()
+
+    # ---- hedging -----------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._look = loop.call_later(HEDGE_RECHECK_S, self._look_for_stragglers)
+
+    def _look_for_stragglers(self) -> None:
+        """At a tail (nothing waits in the dispatcher): copy each straggler older than its hedge delay onto an
+        idle replica. Looks again while racers of clients done sending remain."""
+        self._look = None
+        done = self._clients.done_sending
+        tail = [r for racers in self._racers.values() for r in racers
+                if r.request.client_id in done and r.copy is None and not r.hedged]
+        if not tail:
+            return
+        if not self._waiting():
+            now = self._clock()
+            for racer in tail:
+                delay = self.timer.delay(racer.request.model)
+                if delay is not None and now - racer.started >= delay and racer.racing:
+                    self._hedge(racer)
+        self._arm()
+
+    def _hedge(self, racer: Racer) -> None:
+        primary = racer.server.entry
+        if primary is None:
+            return
+        free = [s for s in racer.route.free if s is not racer.server and s.entry is not None
+                and replicas(primary, s.entry)]
+        if not free:
+            return
+        if self._policy.candidate_limit is not None and len(free) > self._policy.candidate_limit:
+            free = self._rng.sample(free, self._policy.candidate_limit)
+        self._start_copy(racer, self._policy.choose(free, racer.request))
+
+    # ---- stealing ----------------------------------------------------------------------------------
+    def on_release(self, thief: ServerState) -> None:
+        """A slot freed on `thief`: it may take stragglers queued on slower servers (only at a tail)."""
+        if not (self.enabled and self._racers and self._clients.done_sending) or self._waiting():
+            return
+        entry = thief.entry
+        if entry is None:
+            return
+        done = self._clients.done_sending
 
         def eligible(r: Racer) -> bool:
-            return (r.request.client_id in self._clients.done_sending
-                    and (best_waiting is None or self._clients.key(r.request.client_id) < best_waiting)
-                    and replicas(r.server, thief)
-                    and any(s.id == thief.id for s in self._routes.servers_for(r.request)))
+            return (r.request.client_id in done and r.server.entry is not None and replicas(r.server.entry, entry)
+                    and thief in r.route.servers)
 
-        for victim in self._races.stealable(thief, self._book, eligible):
-            victim.stolen = (self._start_copy(thief, victim.request), thief, self._clock())
-            if not victim.wake.done():
-                victim.wake.set_result(None)
+        for victim in self._stealable(thief, eligible):
+            self._start_copy(victim, thief)
 
-    def _launch(self, racer: Racer) -> Copy | None:
-        """A copy for `racer`: the one a stealing server already started, else a hedge on another idle replica
-        (only at the tail: the client has nothing left to send and nothing waits in the dispatcher)."""
-        if racer.stolen is not None:
-            launched, racer.stolen = racer.stolen, None
-            return launched
-        self._races.forget(racer)
-        launched = self._hedge(racer.request, racer.server)
-        if launched is None:
-            if racer.wake.done():
-                racer.wake = asyncio.get_running_loop().create_future()
-            self._races.add(racer)  # not copied: it may be stolen later
-        return launched
-
-    def _hedge(self, request: InferenceRequest, primary: ServerEntry) -> Copy | None:
-        if request.client_id not in self._clients.done_sending or self._waiting.total():
-            return None  # while anything waits, a copy would take a slot some waiting request needs
-        now = self._clock()
-        servers = [s for s in self._routes.servers_for(request)
-                   if s.id != primary.id and replicas(primary, s) and self._book.breaker(s.id).allows(now)]
-        free = self._book.free_candidates(servers, self._policy.candidate_limit, self._rng)
-        if not free:
-            return None
-        decision = self._policy.choose(free, RouteContext(request.request_id, request.prefix_text(),
-                                                          request.client_id))
-        server = next(s for s in servers if s.id == decision.server_id)
-        return self._start_copy(server, request), server, now
+    def _stealable(self, thief: ServerState, eligible: Callable[[Racer], bool]) -> Iterator[Racer]:
+        """While the thief has room: the racer queued last on the server whose queue drains slowest (in flight
+        ÷ learned rate), if slower than the thief would drain with one more."""
+        book = self._book
+        if thief.weight <= 0:
+            return
+        while book.has_room(thief):
+            worst, victim_id = book.drain_s(thief, extra=1), None
+            for server_id, racers in self._racers.items():
+                if server_id == thief.id or not racers:
+                    continue
+                drain = book.drain_s(next(iter(racers)).server)
+                if drain > worst:
+                    worst, victim_id = drain, server_id
+            if victim_id is None:
+                return
+            racers = self._racers[victim_id]
+            victim = next((r for r in reversed(racers) if r.copy is None and not r.hedged and r.racing
+                           and eligible(r)), None)
+            if victim is None:
+                return
+            racers.pop(victim)
+            if not racers:
+                del self._racers[victim_id]
+            yield victim

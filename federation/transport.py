@@ -1,4 +1,6 @@
-"""One HTTP attempt against one OpenAI-compatible server, with typed failures."""
+"""How the dispatcher reaches a server: the `Transport` interface (one attempt, or one opened stream, typed
+failures) and its implementation over HTTP (aiohttp). Tests and the simulator in benchmarks/ implement the
+same interface in process."""
 
 from __future__ import annotations
 
@@ -6,11 +8,12 @@ import json
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
+
 from fedpool.federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
-from fedpool.federation.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.types import TYPED_FIELDS, Completion, Endpoint, InferenceRequest
 
 log = logging.getLogger("fedpool.transport")
 
@@ -42,6 +45,50 @@ def make_trace_config() -> aiohttp.TraceConfig:
     return config
 
 
+class Target(Protocol):
+    """The server an attempt goes to (a dispatcher's ServerState): its id and base URL."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+
+class StreamBody(Protocol):
+    """An opened streaming response: its head, its body lines, and release() when done."""
+
+    @property
+    def headers(self) -> Any: ...
+
+    @property
+    def content(self) -> Any: ...  # `await content.readline()` -> bytes (b"" at the end)
+
+    def release(self) -> Any: ...
+
+
+class Transport(Protocol):
+    """One attempt at one server. Failures are AttemptError (typed); cancellation propagates as is."""
+
+    async def complete(self, server: Target, request: InferenceRequest) -> Completion: ...
+
+    async def open_stream(self, server: Target, request: InferenceRequest) -> StreamBody: ...
+
+
+class HttpTransport:
+    """The Transport over one shared aiohttp session (no connection cap: admission windows bound the load)."""
+
+    def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts | None = None):
+        self.session = session
+        self.timeouts = timeouts or Timeouts()
+
+    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+        return await post_completion(self.session, server.url, request, self.timeouts)
+
+    async def open_stream(self, server: Target, request: InferenceRequest) -> aiohttp.ClientResponse:
+        return await open_stream(self.session, server.url, request, self.timeouts)
+
+
 def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
     """The one shared session a dispatcher uses (no global connection cap; windows bound the load)."""
     return aiohttp.ClientSession(
@@ -58,7 +105,7 @@ async def post_completion(
     try:
         async with session.post(
             base_url + request.endpoint.value,
-            json=request.payload(),
+            json=request_body(request),
             timeout=timeouts.client_timeout(),
             trace_request_ctx=trace,
         ) as resp:
@@ -72,6 +119,25 @@ async def post_completion(
     except Exception as exc:
         raise transport_error(exc, trace.reused) from exc
     return parse_completion(raw, request.endpoint)
+
+
+def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, Any]:
+    """The OpenAI body of a request: its generation fields (typed ones as set, the rest passed through as
+    given), prompt or messages, model, stream."""
+    params = request.params
+    body: dict[str, Any] = dict(params.extra)
+    for name in TYPED_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            body[name] = list(value) if name == "stop" else value
+    prompt = request.prompt
+    if prompt is not None:
+        body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
+    if request.messages is not None:
+        body["messages"] = list(request.messages)
+    body["model"] = request.model
+    body["stream"] = stream
+    return body
 
 
 def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError:
@@ -120,7 +186,7 @@ async def open_stream(
     try:
         resp = await session.post(
             base_url + request.endpoint.value,
-            json={**request.payload(), "stream": True},
+            json=request_body(request, stream=True),
             timeout=aiohttp.ClientTimeout(
                 total=timeouts.total_s, sock_connect=timeouts.connect_s, sock_read=timeouts.first_byte_s
             ),
@@ -164,7 +230,9 @@ def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
         text = choice.get("text")
     if not isinstance(text, str):
         raise AttemptError(FailureKind.BAD_RESPONSE, "choice has no text")
-    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        usage = {}
     return Completion(
         text=text,
         finish_reason=choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None,

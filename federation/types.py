@@ -16,7 +16,7 @@ class Endpoint(StrEnum):
 
 
 # OpenAI generation fields fedpool reads itself; every other field of a body is passed through as given.
-_TYPED_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+TYPED_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +54,7 @@ class SamplingParams:
         elif stop is not None:
             raise ValueError("field 'stop' must be a string or a list of strings")
         return cls(number("max_tokens", int), number("temperature", float), number("top_p", float),
-                   number("seed", int), stop, {k: v for k, v in fields.items() if k not in _TYPED_FIELDS})
-
-    def as_fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.extra)
-        for name in _TYPED_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = list(value) if name == "stop" else value
-        return out
+                   number("seed", int), stop, {k: v for k, v in fields.items() if k not in TYPED_FIELDS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +82,6 @@ class InferenceRequest:
         return cls(prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
                    messages=tuple(messages) if isinstance(messages, list | tuple) else messages,
                    params=SamplingParams.from_fields(rest), **fields)
-
-    def payload(self) -> dict[str, Any]:
-        body: dict[str, Any] = self.params.as_fields()
-        if self.prompt is not None:
-            body["prompt"] = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
-        if self.messages is not None:
-            body["messages"] = list(self.messages)
-        return {**body, "model": self.model, "stream": False}
 
     @property
     def hedgeable(self) -> bool:

@@ -6,9 +6,11 @@ import asyncio
 import random
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import pytest
+
 from fedpool.deploy.emulator import EmulatedServer, Faults
 from fedpool.federation import (
     DispatchConfig,
@@ -23,8 +25,7 @@ from fedpool.federation import (
     make_policy,
     new_session,
 )
-from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
-
+from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import EmulatorFactory
 
 
@@ -34,7 +35,7 @@ def snapshot_of(
 ) -> PoolSnapshot:
     entries = []
     for i, server in enumerate(servers):
-        record = ServerRecord(id=f"s{i}", url=server.url, engine=(engines or ["vllm"] * len(servers))[i],
+        record = ServerRecord(id=f"s{i}", url=server.url, engine=Engine((engines or ["vllm"] * len(servers))[i]),
                               model=server.model, revision=revision,
                               accelerator=(accelerators or ["V100"] * len(servers))[i])
         entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=capacity,
@@ -42,7 +43,7 @@ def snapshot_of(
     return PoolSnapshot(version=1, taken_at=0.0, entries=tuple(entries))
 
 
-def request(i: int, model: str = "emu-model", **kw: object) -> InferenceRequest:
+def request(i: int, model: str = "emu-model", **kw: Any) -> InferenceRequest:
     return InferenceRequest.from_body({"prompt": f"question {i}", "max_tokens": 4}, request_id=f"r{i}", model=model,
                                       endpoint=Endpoint.COMPLETIONS, **kw)
 
@@ -51,7 +52,7 @@ FAST = DispatchConfig(backoff_base_s=0.01, backoff_max_s=0.05, no_server_timeout
                       timeouts=Timeouts(connect_s=1.0, first_byte_s=1.0, total_s=2.0))
 
 
-async def run_all(dispatcher: Dispatcher, n: int, **kw: object) -> list[object]:
+async def run_all(dispatcher: Dispatcher, n: int, **kw: Any) -> list[Any]:
     return await asyncio.gather(*(dispatcher.submit(request(i, **kw)) for i in range(n)), return_exceptions=True)
 
 
@@ -85,7 +86,7 @@ async def test_spreads_over_all_servers_and_never_exceeds_windows(emulators: Emu
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight", random.Random(0)), config=FAST)
         async with PeakWatcher(dispatcher) as watcher:
             results = await run_all(dispatcher, 60)
-    answered = Counter(r.server_id for r in results)  # type: ignore[union-attr]
+    answered = Counter(r.server_id for r in results)
     assert sum(answered.values()) == 60 and set(answered) == {"s0", "s1", "s2"}
     assert all(14 <= c <= 26 for c in answered.values()), answered
     assert max(watcher.peak.values()) <= 4  # the admission window held
@@ -101,9 +102,9 @@ async def test_failed_server_is_retried_elsewhere(emulators: EmulatorFactory) ->
         dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=FAST,
                                 on_failure=lambda sid, kind: failures.append((sid, kind)))
         results = await run_all(dispatcher, 20)
-    assert all(r.server_id == "s1" for r in results)  # type: ignore[union-attr]
-    retried = [r for r in results if len(r.attempts) > 1]  # type: ignore[union-attr]
-    assert retried and all(r.attempts[0].failure is FailureKind.SERVER_ERROR for r in retried)  # type: ignore[union-attr]
+    assert all(r.server_id == "s1" for r in results)
+    retried = [r for r in results if len(r.attempts) > 1]
+    assert retried and all(r.attempts[0].failure is FailureKind.SERVER_ERROR for r in retried)
     assert failures and {sid for sid, _ in failures} == {"s0"}
 
 
@@ -115,7 +116,7 @@ async def test_malformed_bodies_are_typed_and_retried(emulators: EmulatorFactory
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
         results = await run_all(dispatcher, 40)
     assert all(not isinstance(r, BaseException) for r in results)
-    kinds = [a.failure for r in results for a in r.attempts if a.failure]  # type: ignore[union-attr]
+    kinds = [a.failure for r in results for a in r.attempts if a.failure]
     assert kinds and set(kinds) == {FailureKind.BAD_RESPONSE}
 
 
@@ -126,8 +127,8 @@ async def test_server_killed_mid_run_loses_nothing(emulators: EmulatorFactory) -
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
         results = await run_all(dispatcher, 50)
-    assert [r.request_id for r in results] == [f"r{i}" for i in range(50)]  # type: ignore[union-attr]
-    assert Counter(r.server_id for r in results)["s1"] >= 40  # type: ignore[union-attr]
+    assert [r.request_id for r in results] == [f"r{i}" for i in range(50)]
+    assert Counter(r.server_id for r in results)["s1"] >= 40
 
 
 async def test_hung_server_is_routed_around_within_the_timeout(emulators: EmulatorFactory) -> None:
@@ -138,8 +139,8 @@ async def test_hung_server_is_routed_around_within_the_timeout(emulators: Emulat
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=config)
         results = await asyncio.wait_for(run_all(dispatcher, 8), timeout=20)
-    assert all(r.server_id == "s1" for r in results)  # type: ignore[union-attr]
-    timed_out = [a for r in results for a in r.attempts if a.failure is FailureKind.TIMEOUT]  # type: ignore[union-attr]
+    assert all(r.server_id == "s1" for r in results)
+    timed_out = [a for r in results for a in r.attempts if a.failure is FailureKind.TIMEOUT]
     assert timed_out and all(a.latency_s < 2.0 for a in timed_out)
 
 
@@ -228,7 +229,7 @@ async def test_heterogeneous_pool_gets_work_in_proportion_to_speed(emulators: Em
         dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(0)), config=FAST)
         results = await run_all(dispatcher, 300)  # long enough (~4 s > 2 s) for throughput periods to close
         stats = {s.server_id: s for s in dispatcher.stats().servers}
-    answered = Counter(r.server_id for r in results)  # type: ignore[union-attr]
+    answered = Counter(r.server_id for r in results)
     assert 1.5 <= answered["s0"] / answered["s1"] <= 2.6, answered
     fast_rate, slow_rate = stats["s0"].learned_tokens_per_s, stats["s1"].learned_tokens_per_s
     assert fast_rate is not None and slow_rate is not None and fast_rate > 1.4 * slow_rate
@@ -279,7 +280,7 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
     assert elapsed < 1.5  # the slow server's 2.4 s stragglers did not set the pace
     hedged = [r for r in results if r.hedged]
     assert hedged and all(r.server_id == "s1" for r in hedged)
-    assert all(any(a.lost_race for a in r.attempts) for r in hedged)
+    assert all(any(a.lost_race for a in r.attempts) for r in hedged), [r.attempts for r in hedged]
     assert sorted(r.request_id for r in results) == sorted(f"g{i}" for i in range(10))  # each exactly once
     assert stats.hedges == len(hedged) and stats.inflight_total == 0 and not sampled.hedged
     assert not mid_run.hedged
@@ -287,6 +288,7 @@ async def test_stragglers_are_hedged_at_the_tail_and_counted_once(emulators: Emu
 
 def test_failures_are_classified_by_type_not_message() -> None:
     import aiohttp
+
     from fedpool.federation.errors import classify_exception, kind_for_status
 
     disconnected = aiohttp.ServerDisconnectedError()
@@ -433,23 +435,29 @@ async def test_window_decisions_read_the_newest_scrape_not_the_granting_snapshot
     assert stats.window < 8 and stats.window_reason is not None and "engine queue" in stats.window_reason
 
 
-async def test_an_attempt_cancelled_before_it_starts_gives_its_slot_back(emulators: EmulatorFactory) -> None:
+async def test_a_copy_cancelled_before_it_starts_gives_its_slot_back(emulators: EmulatorFactory) -> None:
     """A task cancelled before its first step never runs its body: a hedge copy launched and cancelled in
     the same tick used to keep its slot (and its server's in-flight count) for ever."""
+    from fedpool.federation.tail import Racer
+
     server = await emulators.start(max_running=2, decode_s=0.01)
     snap = snapshot_of([server], capacity=2)
     async with new_session() as session:
         dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
-        entry = snap.entries[0]
-        slot = dispatcher._take(entry, "c", 0.0)
-        task = dispatcher._start_attempt(slot, request(1))
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        dispatcher.notify_snapshot()
+        route = dispatcher._book.route(("emu-model", None, None, None), "emu-model", None, None, None)
+        (state,) = route.servers
+        racer = Racer(request(1), state, route, 0.0, None)
+        dispatcher._start_copy(racer, state)
+        assert dispatcher.inflight() == {"s0": 1}
+        await dispatcher._drop_copy(racer)  # cancelled in the same tick it was launched
         assert dispatcher.inflight() == {}
         # and one that did start releases exactly once
-        slot = dispatcher._take(entry, "c", 0.0)
-        done = await dispatcher._start_attempt(slot, request(2))
-        assert done.text and dispatcher.inflight() == {}
+        racer = Racer(request(2), state, route, 0.0, None)
+        dispatcher._start_copy(racer, state)
+        assert racer.copy is not None
+        await racer.copy
+        assert racer.won is not None and racer.won.text and dispatcher.inflight() == {}
 
 
 def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None:
@@ -496,7 +504,7 @@ async def test_copies_race_only_on_replicas_of_the_first_server(emulators: Emula
             started = time.monotonic()
             results = await asyncio.gather(*(dispatcher.submit(InferenceRequest.from_body(
                 {"prompt": f"q{i}", "max_tokens": 8, "temperature": 0}, request_id=f"g{i}", model="emu-model",
-                endpoint=Endpoint.COMPLETIONS, **kw)) for i in range(6)))  # type: ignore[arg-type]
+                endpoint=Endpoint.COMPLETIONS, **kw)) for i in range(6)))
             return list(results), time.monotonic() - started
 
     slow = await emulators.start(max_running=8, decode_s=0.1)  # 8 tokens: 0.8 s
@@ -524,11 +532,12 @@ def test_an_unexpected_exception_is_its_own_kind_and_never_counts_against_a_serv
 
 def test_generation_parameters_are_typed_on_the_request() -> None:
     from fedpool.federation import SamplingParams
+    from fedpool.federation.transport import request_body
 
     req = InferenceRequest.from_body({"prompt": "q", "max_tokens": 8, "temperature": 0, "stop": "\n",
                                       "logprobs": 2}, request_id="r", model="m", endpoint=Endpoint.COMPLETIONS)
     assert req.params == SamplingParams(max_tokens=8, temperature=0.0, stop=("\n",), extra={"logprobs": 2})
-    assert req.hedgeable and req.payload() == {"prompt": "q", "max_tokens": 8, "temperature": 0.0, "stop": ["\n"],
+    assert req.hedgeable and request_body(req) == {"prompt": "q", "max_tokens": 8, "temperature": 0.0, "stop": ["\n"],
                                                "logprobs": 2, "model": "m", "stream": False}
     for bad in ({"max_tokens": "8"}, {"max_tokens": 2.5}, {"temperature": True}, {"stop": [1]}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -15,11 +15,11 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from fedpool.federation import DispatchConfig, PoolConnection
-from fedpool.federation.gateway import ApiKey, Gateway, parse_api_keys
-from fedpool.registry import RegistryClient, ServerRecord
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation.gateway import ApiKey, Gateway, parse_api_keys
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import EmulatorFactory
 
 pytestmark = pytest.mark.ray
@@ -31,7 +31,7 @@ KEYS = [ApiKey("sk-team-a-0123456789", "team-a"), ApiKey("sk-team-b-0123456789",
 async def gateway_url(registry: RegistryClient, emulators: EmulatorFactory) -> AsyncIterator[str]:
     for i in range(2):
         server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
-        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine="vllm", model="emu-model",
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM, model="emu-model",
                                              accelerator="A100", capacity=4))
     config = DispatchConfig(no_server_timeout_s=1.0)  # a model nobody serves is answered 503 quickly
     async with PoolConnection(registry, policy="capacity_weighted", config=config) as pool:

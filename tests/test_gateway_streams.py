@@ -16,11 +16,11 @@ import aiohttp
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
+
 from fedpool.deploy import LlamaServerConfig, free_port, llama_server_process
 from fedpool.deploy.models import GEMMA_ALIAS, ensure_gemma
 from fedpool.registry import Engine, RegistryClient, ServerRecord
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.conftest import TEST_TOKEN, wait_http_up
 
 pytestmark = [pytest.mark.ray, pytest.mark.llamacpp]
@@ -61,11 +61,11 @@ async def test_streams_survive_a_server_killed_mid_stream(registry: RegistryClie
         async def one(i: int) -> tuple[str, str]:
             kind = "chat" if i % 2 else "completion"
             if kind == "chat":
-                stream = await client.chat.completions.create(
+                chat_stream = await client.chat.completions.create(
                     model=GEMMA_ALIAS, messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
                     max_tokens=96, temperature=0, stream=True)
                 parts = []
-                async for c in stream:
+                async for c in chat_stream:
                     if c.choices and c.choices[0].delta.content:
                         parts.append(c.choices[0].delta.content)
                         chunks_seen[0] += 1
@@ -73,9 +73,9 @@ async def test_streams_survive_a_server_killed_mid_stream(registry: RegistryClie
             stream = await client.completions.create(model=GEMMA_ALIAS, prompt=f"The story of the number {i} is",
                                                      max_tokens=96, temperature=0, stream=True)
             parts = []
-            async for c in stream:
-                if c.choices and c.choices[0].text:
-                    parts.append(c.choices[0].text)
+            async for piece in stream:
+                if piece.choices and piece.choices[0].text:
+                    parts.append(piece.choices[0].text)
                     chunks_seen[0] += 1
             return kind, "".join(parts)
 

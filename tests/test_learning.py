@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 import pytest
+
 from fedpool.federation.learning import BusyRate, WindowController, WindowObservation
-from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.ledger import HISTORY_S, InflightLedger
 from fedpool.federation.stalls import LoopStalls
 
 
@@ -17,14 +17,14 @@ def test_throughput_counts_busy_time_only() -> None:
     now = [0.0]
     ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: now[0])
     rate = BusyRate(tau_s=1e9)  # no decay: the plain ratio
-    ledger.take("s", "c")
+    ledger.take(ledger.slots("s"), "c")
     now[0] = 1.0
-    ledger.release("s", "c")
+    ledger.release(ledger.slots("s"), "c")
     rate.add(now[0], ledger.busy_s("s"), 100)
     now[0] = 10.0  # idle from 1 to 10
-    ledger.take("s", "c")
+    ledger.take(ledger.slots("s"), "c")
     now[0] = 11.0
-    ledger.release("s", "c")
+    ledger.release(ledger.slots("s"), "c")
     rate.add(now[0], ledger.busy_s("s"), 100)
     assert ledger.busy_s("s") == pytest.approx(2.0)
     assert rate.value(now[0], ledger.busy_s("s")) == pytest.approx(100.0)  # 200 tokens over 2 busy seconds
@@ -36,43 +36,50 @@ def test_faster_server_learns_a_higher_rate_and_old_periods_fade() -> None:
     fast, slow = BusyRate(tau_s=5.0), BusyRate(tau_s=5.0)
     for _ in range(10):
         start = now[0]
-        ledger.take("fast", "c")
-        ledger.take("slow", "c")
+        ledger.take(ledger.slots("fast"), "c")
+        ledger.take(ledger.slots("slow"), "c")
         now[0] = start + 0.5
-        ledger.release("fast", "c")
+        ledger.release(ledger.slots("fast"), "c")
         fast.add(now[0], ledger.busy_s("fast"), 40)
         now[0] = start + 1.0
-        ledger.release("slow", "c")
+        ledger.release(ledger.slots("slow"), "c")
         slow.add(now[0], ledger.busy_s("slow"), 40)
-    assert fast.value(now[0], ledger.busy_s("fast")) == pytest.approx(2 * slow.value(now[0], ledger.busy_s("slow")))
+    fast_rate, slow_rate = fast.value(now[0], ledger.busy_s("fast")), slow.value(now[0], ledger.busy_s("slow"))
+    assert fast_rate is not None and slow_rate is not None and fast_rate == pytest.approx(2 * slow_rate)
     # The slow server speeds up: its rate follows within a few time constants.
     for _ in range(30):
-        ledger.take("slow", "c")
+        ledger.take(ledger.slots("slow"), "c")
         now[0] += 0.5
-        ledger.release("slow", "c")
+        ledger.release(ledger.slots("slow"), "c")
         slow.add(now[0], ledger.busy_s("slow"), 40)
     assert slow.value(now[0], ledger.busy_s("slow")) == pytest.approx(80.0, rel=0.05)
 
 
 def test_the_ledger_counts_each_attempt_once_per_server_client_and_pair() -> None:
     now = [0.0]
-    ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: 1000.0 + now[0], history_len=2)
-    ledger.take("a", "x")
-    ledger.take("a", "y")
+    ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: 1000.0 + now[0])
+    ledger.take(ledger.slots("a"), "x")
+    ledger.take(ledger.slots("a"), "y")
     now[0] = 1.0
-    ledger.take("b", "x")
+    ledger.take(ledger.slots("b"), "x")
     assert (ledger.on_server("a"), ledger.on_server("b"), ledger.of_client("x"), ledger.total()) == (2, 1, 2, 3)
     assert dict(ledger.clients_on("a")) == {"x": 1, "y": 1}
     now[0] = 2.0
-    ledger.release("a", "x")
-    ledger.release("a", "y")
+    ledger.release(ledger.slots("a"), "x")
+    ledger.release(ledger.slots("a"), "y")
     assert ledger.on_server("a") == 0 and dict(ledger.clients_on("a")) == {} and ledger.of_client("x") == 1
     assert ledger.busy_s("a") == pytest.approx(2.0) and ledger.busy_s("b") == pytest.approx(1.0)
     # The wall-clock history answers "how many did we have there at the scrape's time".
     assert ledger.at("a", 1000.5) == 2 and ledger.at("a", 1002.5) == 0 and ledger.at("a", 999.0) == 0
-    for _ in range(3):  # past 2 × history_len changes the history is trimmed: before it, the largest count kept
-        ledger.take("a", "x")
-        ledger.release("a", "x")
+    # Within one bucket of wall time the history keeps the largest count (others' load is never overestimated).
+    now[0] = 3.0
+    ledger.take(ledger.slots("a"), "x")
+    ledger.release(ledger.slots("a"), "x")
+    assert ledger.at("a", 1003.0) == 1 and ledger.at("a", 1003.5) == 0
+    # Past HISTORY_S the history is trimmed: before what it keeps, the largest count of its oldest bucket.
+    now[0] = 3.0 + HISTORY_S + 1
+    ledger.take(ledger.slots("a"), "x")
+    ledger.release(ledger.slots("a"), "x")
     assert ledger.at("a", 999.0) == 1
 
 
@@ -135,7 +142,7 @@ async def test_a_stalled_loop_is_not_charged_to_the_server() -> None:
     ledger: InflightLedger
     stalls = LoopStalls(lambda: ledger.total() > 0)
     ledger = InflightLedger(clock=stalls.clock, wall_clock=time.time)
-    ledger.take("s", "c")
+    ledger.take(ledger.slots("s"), "c")
     stalls.arm()
     await asyncio.sleep(0.03)  # the watch's timer runs on time: no stall
     before = stalls.clock()
@@ -143,7 +150,7 @@ async def test_a_stalled_loop_is_not_charged_to_the_server() -> None:
     time.sleep(0.2)  # noqa: ASYNC251 - the point: the loop stands still
     during = stalls.clock()
     await asyncio.sleep(0.03)
-    ledger.release("s", "c")
+    ledger.release(ledger.slots("s"), "c")
     assert during >= before and during - before < 0.03, (before, during)  # it stood still, it did not go back
     assert stalls.stalled_s >= 0.18 and stalls.stalls >= 1, stalls.stalled_s
     # in flight ~0.26 s of wall time, of which 0.2 s stalled: charged ~0.06 s
@@ -159,24 +166,26 @@ def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:
     wait always lower) must not keep that one measurement for good: after two learning periods without an
     answer its weight fades toward the prior on the learned scale, and a new answer measures it again at once
     (speeds are renewed by each answer, not at a period's close)."""
-    from fedpool.federation.serverbook import BookSettings, ServerBook
-    from fedpool.registry import ServerEntry, ServerRecord, ServerStatus, prior_weight
+    from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
+    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
     now = [0.0]
     ledger = InflightLedger(clock=lambda: now[0], wall_clock=lambda: now[0])
     book = ServerBook(BookSettings(1.0, True, True, 5, 30.0, learn_period_s=1.0), ledger, clock=lambda: now[0])
     entries = []
     for sid in ("s0", "s1"):
-        record = ServerRecord(id=sid, url=f"http://127.0.0.1:1/{sid}", engine="vllm", model="m", revision="r",
+        record = ServerRecord(id=sid, url=f"http://127.0.0.1:1/{sid}", engine=Engine.VLLM, model="m", revision="r",
                               accelerator="A100")
         entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=8, weight=prior_weight(record)))
-    fast, slow = entries
+    book.sync(PoolSnapshot(version=1, taken_at=0.0, entries=tuple(entries)))
+    fast, slow = (book.get(e.id) for e in entries)
+    assert isinstance(fast, ServerState) and isinstance(slow, ServerState)
 
-    def answer(entry: ServerEntry, latency: float) -> None:
-        ledger.take(entry.record.id, "c")
+    def answer(state: ServerState, latency: float) -> None:
+        book.take(state, "c", now[0])
         now[0] += latency
-        ledger.release(entry.record.id, "c")
-        book.note_success(entry, 10, latency, "c")
+        book.release(state, "c")
+        book.note_success(state, 10, latency, "c")
 
     for _ in range(10):
         answer(fast, 0.1)
@@ -184,7 +193,6 @@ def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:
     answer(slow, 0.4)
     answer(slow, 0.4)
     answer(slow, 0.4)  # a slow spell on s1: measured well below s0 on its own latest answer
-    book.free_candidates(entries, None, random.Random(0))  # (the book sees the priors)
     measured_slow = book.weight_of(slow)
     assert measured_slow < 0.8 * book.weight_of(fast)
     for _ in range(10):
@@ -194,4 +202,4 @@ def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:
         answer(fast, 0.1)  # 8 s more without an answer from s1: back near the prior's scale (s0's weight)
     assert book.weight_of(slow) > 0.9 * book.weight_of(fast)
     answer(slow, 0.1)
-    assert book.learning["s1"].speed_at == now[0]
+    assert slow.learning is not None and slow.learning.speed_at == now[0]

@@ -7,35 +7,59 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
+
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
 from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.ledger import InflightLedger, ServerSlots
 from fedpool.federation.plan_lp import solve_phased_plan, solve_plan
 from fedpool.federation.planner import PlannedRouting
-from fedpool.federation.policies import Candidate, DispatchState, Hold, RouteContext
+from fedpool.federation.policies import DispatchState, Hold
 from fedpool.federation.pricing import server_cost
-from fedpool.registry import PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
-
+from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import EmulatorFactory
 
 
 def entry(sid: str, accelerator: str, url: str = "http://127.0.0.1:9", capacity: int = 256,
           model: str = "emu-model") -> ServerEntry:
-    record = ServerRecord(id=sid, url=url, engine="vllm", model=model, accelerator=accelerator, gpu_count=1)
+    record = ServerRecord(id=sid, url=url, engine=Engine.VLLM, model=model, accelerator=accelerator, gpu_count=1)
     return ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=capacity, weight=prior_weight(record))
+
+
+class Server(ServerSlots):
+    """A server as the planner sees it (a ServerView with the registry's entry), its counts in the ledger."""
+
+    def __init__(self, server_entry: ServerEntry):
+        super().__init__(server_entry.id)
+        self.entry = server_entry
+        self.capacity = self.window = server_entry.capacity
+        self.weight, self.scraped_waiting, self.scraped_running = 1.0, 0.0, 0.0
+
+    @property
+    def expected_wait(self) -> float:
+        return (self.inflight + 1) / self.weight
 
 
 class View:
     """A route as a dispatcher shows it to its policy (policies.RouteView), with room decided by the test."""
 
-    def __init__(self, servers: list[ServerEntry], usable: Callable[[ServerEntry], bool] = lambda s: True):
-        self.servers, self.memo, self._usable = servers, set(), usable
+    key = ("emu-model", None, None, None)
 
-    def usable(self, server: ServerEntry, *, avoid_tried: bool = True) -> bool:
+    def __init__(self, servers: list[Server], usable: Callable[[Server], bool] = lambda s: True):
+        self.servers, self.memo, self._usable = servers, set[str](), usable
+
+    def usable(self, server: Server, tried: set[str] | None = None) -> bool:
         return self._usable(server)
 
-    def free_candidates(self, limit: int | None) -> list[Candidate]:
-        return [Candidate(s.id, 0, s.capacity, s.capacity, 1.0) for s in self.servers if self._usable(s)]
+    def free_candidates(self, limit: int | None, tried: set[str], rng: object) -> list[Server]:
+        return [s for s in self.servers if self._usable(s)]
+
+
+def prompt_of(client: str, chars: int, max_tokens: int | None) -> InferenceRequest:
+    body: dict[str, object] = {"prompt": "x" * chars}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return InferenceRequest.from_body(body, request_id=f"{client}-req", model="emu-model",
+                                      endpoint=Endpoint.COMPLETIONS, client_id=client)
 
 
 class Planning:
@@ -48,13 +72,20 @@ class Planning:
         self.policy = PlannedRouting(period_s=1.0, warmup_periods=warmup_periods)
         self.policy.attach(DispatchState(self.ledger, self.clients, lambda: self.now))
 
+    def server(self, sid: str, accelerator: str) -> Server:
+        made = self.ledger.slots(sid, lambda _: Server(entry(sid, accelerator)))
+        assert isinstance(made, Server)
+        return made
+
     def has(self, client: str, requests: int, prompt_chars: int | None = None, max_tokens: int | None = None) -> None:
         self.clients.set_remaining(client, 1.0, requests)
         if prompt_chars is not None:
-            self.clients.note_request(client, prompt_chars, max_tokens)
+            self.clients.note_request(client, prompt_of(client, prompt_chars, max_tokens), self.now)
 
-    def place(self, client: str, view: View) -> str | Hold:
-        return self.policy.place(view, RouteContext(f"{client}-req", client_id=client))
+    def place(self, client: str, view: View) -> Server | Hold:
+        placed = self.policy.place(view, prompt_of(client, 1, None), set())
+        assert isinstance(placed, Server | Hold)
+        return placed
 
 
 def test_roofline_costs_price_prefill_and_decode_by_the_data_sheet() -> None:
@@ -100,7 +131,7 @@ def test_phased_plan_lets_the_first_client_finish_early_within_the_makespan_slac
 
 def test_planner_waits_for_every_announced_client_then_follows_quotas() -> None:
     p = Planning(warmup_periods=0.5)
-    fast, slow = entry("fast", "A100"), entry("slow", "V100")
+    fast, slow = p.server("fast", "A100"), p.server("slow", "V100")
     route = View([fast, slow])
     p.has("video", 10, prompt_chars=28000, max_tokens=32)
     p.has("text", 40)
@@ -112,14 +143,14 @@ def test_planner_waits_for_every_announced_client_then_follows_quotas() -> None:
     p.now = 0.6
     assert not p.policy.warming_up()
     p.now = 0.0
-    p.clients.note_request("text", prompt_chars=1000, max_tokens=512)
+    p.clients.note_request("text", prompt_of("text", 1000, 512), p.now)
     assert not p.policy.warming_up()
     picks: Counter[str] = Counter()
     for _ in range(10):
         placed = p.place("video", route)
-        assert isinstance(placed, str) and not isinstance(placed, Hold)
+        assert isinstance(placed, Server)
         p.ledger.take(placed, "video")
-        picks[placed] += 1
+        picks[placed.id] += 1
     plan = p.policy.plan()
     assert plan is not None and plan.quotas["video"]
     for sid, quota in plan.quotas["video"].items():
@@ -130,13 +161,13 @@ def test_planner_waits_for_every_announced_client_then_follows_quotas() -> None:
     single = next(c for c in ("video", "text") if len(plan.quotas[c]) == 1)
     (home,) = plan.quotas[single]
     assert p.place(single, View([fast, slow], lambda s: s.id != home)) is Hold.CLIENT_HELD
-    assert p.place(single, route) == home
+    assert p.place(single, route) is p.ledger.slots(home)
     # Answers replace the prior shape; what servers hold is the ledger's.
-    p.policy.observe_answer("video", fast, 7000, 20)
+    p.policy.observe_answer("video", fast.entry, 7000, 20)
     assert p.policy.shape("video") == (7000, 20)
     for sid, n in picks.items():
         for _ in range(n):
-            p.ledger.release(sid, "video")
+            p.ledger.release(p.ledger.slots(sid), "video")
     assert p.ledger.of_client("video") == 0
 
 
@@ -197,23 +228,23 @@ async def test_longest_answers_first_serves_the_longest_answers_first(emulators:
 
 def test_long_prompts_wait_while_long_answers_run_on_a_server() -> None:
     p = Planning(warmup_periods=0.0)
-    a, b = entry("a", "A100"), entry("b", "A100")
+    a, b = p.server("a", "A100"), p.server("b", "A100")
     p.has("video", 50, prompt_chars=28000, max_tokens=32)
     p.has("text", 50, prompt_chars=1000, max_tokens=512)
-    p.ledger.take("a", "text")  # a long answer decodes on `a`
+    p.ledger.take(a, "text")  # a long answer decodes on `a`
     assert p.policy._interferes("video", "a") and not p.policy._interferes("video", "b")
     assert not p.policy._interferes("text", "a")  # short prompts may join it
-    assert {p.place("video", View([a, b])) for _ in range(3)} == {"b"}  # never `a` while the long answer runs
-    p.ledger.release("a", "text")
+    assert {p.place("video", View([a, b])) for _ in range(3)} == {b}  # never `a` while the long answer runs
+    p.ledger.release(a, "text")
     assert not p.policy._interferes("video", "a")
     p.policy.long_answer_tokens = None  # the rule can be switched off
-    p.ledger.take("a", "text")
+    p.ledger.take(a, "text")
     assert not p.policy._interferes("video", "a")
 
 
 def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
     p = Planning(warmup_periods=0.5)
-    fast, slow = entry("fast", "A100"), entry("slow", "V100")
+    fast, slow = p.server("fast", "A100"), p.server("slow", "V100")
     p.has("video", 10, prompt_chars=28000, max_tokens=32)
     p.has("text", 10)
     assert p.place("video", View([fast, slow])) is Hold.CLIENT_HELD
@@ -224,5 +255,5 @@ def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
     plan = p.policy.plan()
     assert plan is not None and set(plan.quotas) == {"video", "text"}
     # A later request's characters do not overwrite what the client announced.
-    p.clients.note_request("text", prompt_chars=40, max_tokens=512)
+    p.clients.note_request("text", prompt_of("text", 40, 512), p.now)
     assert p.policy.shape("text") == (250, 384)

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 from fedpool.federation import pricing
 from fedpool.federation.ledger import InflightLedger
 from fedpool.federation.pricing import CostFit, server_cost, step_cost
@@ -28,8 +29,9 @@ def _emulator_efficiencies() -> dict[str, set[float]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_derived":
             for kw in node.keywords:
-                if kw.arg in {"mfu", "bw_eff", "overhead"} and isinstance(kw.value, ast.Constant):
-                    found.setdefault(kw.arg, set()).add(float(kw.value.value))
+                value = kw.value.value if isinstance(kw.value, ast.Constant) else None
+                if kw.arg in {"mfu", "bw_eff", "overhead"} and isinstance(value, int | float):
+                    found.setdefault(kw.arg, set()).add(float(value))
     return found
 
 
@@ -95,10 +97,10 @@ def test_cost_fit_learns_a_kinds_speed_from_busy_time(slowness: float, batch: in
         busy = slowness * (sum(p for p, _ in shapes) * prior.prefill_s_per_token
                            + steps * step_cost(server, batch))
         for _ in shapes:
-            ledger.take("s", "c")
+            ledger.take(ledger.slots("s"), "c")
         clock.t += busy
         for _ in shapes:
-            ledger.release("s", "c")
+            ledger.release(ledger.slots("s"), "c")
         clock.t += 0.4  # idle between batches: not busy time
         for p, c in shapes:
             fit.observe(server, "k", p, c)
@@ -116,9 +118,9 @@ def test_unfitted_kinds_take_the_fitted_kinds_mean_speed() -> None:
     prior = server_cost(a100)
     for _ in range(10):
         busy = (1000 * prior.prefill_s_per_token + 100 * step_cost(a100, 1)) * 2.0
-        ledger.take("a", "c")
+        ledger.take(ledger.slots("a"), "c")
         clock.t += busy
-        ledger.release("a", "c")
+        ledger.release(ledger.slots("a"), "c")
         clock.t += 1.0
         fit.observe(a100, "A", 1000, 100)
     costs = fit.costs({"A": [a100], "V": [v100]})
