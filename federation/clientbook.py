@@ -145,4 +145,4 @@ class ClientBook:
             first = self._work_left[client_id] if client_id in self._work_left else self.served(client_id)
         else:
             first = -self._answer.get(client_id, 0.0)
-        return first, self._ledger.of_client(client_id) / self._weights.get(client_id, 1.0)
+        return first, self._ledger.clients.get(client_id, 0) / self._weights.get(client_id, 1.0)

@@ -17,6 +17,7 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -24,12 +25,12 @@ import aiohttp
 from fedpool.federation.clientbook import ClientBook
 from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
 from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.learning import HedgeTimer
+from fedpool.federation.ledger import InflightLedger, StallClock
 from fedpool.federation.policies import DispatchState, Hold, Policy
 from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Route, Waiter
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
-from fedpool.federation.stalls import LoopStalls
 from fedpool.federation.tail import Racer, TailRescue
 from fedpool.federation.transport import HttpTransport, Transport
 from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
@@ -42,6 +43,7 @@ STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing 
 CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
 NO_TRIED: set[str] = set()  # shared, never mutated: a request that has failed nowhere yet
+LAG_SMOOTHING = 0.1  # weight of one grant pass's lateness in the smoothed loop lag
 
 
 class Dispatcher:
@@ -72,23 +74,33 @@ class Dispatcher:
         self._on_failure = on_failure
         self._sleep = sleep
         # Busy time and occupancy (what server speeds are measured on) leave out the seconds this process's
-        # own loop stood still (federation/stalls.py). Only on the real clock: an injected clock is a test's
-        # deterministic time, which real stalls must not move.
-        self._stalls = LoopStalls(lambda: self._ledger.total() > 0) if clock is time.monotonic else None
-        self._ledger = InflightLedger(clock=self._stalls.clock if self._stalls else clock, wall_clock=wall_clock)
+        # own loop stood still (ledger.StallClock, probed by the grant passes). Only on the real clock: an
+        # injected clock is a test's deterministic time, which real stalls must not move.
+        self._stalls = StallClock() if clock is time.monotonic else None
+        self._ledger = InflightLedger(clock=self._stalls.now if self._stalls else clock, wall_clock=wall_clock)
         self._clients = ClientBook(config.client_order, self._ledger)
         self._book = ServerBook(BookSettings(config.window_factor, config.adaptive_windows, config.learn_throughput,
                                              config.breaker_failures, config.breaker_cooldown_s,
                                              config.learn_period_s), self._ledger, clock=clock)
         self._book.on_forget = policy.forget_server
-        self._tail = TailRescue(config, clients=self._clients, book=self._book, policy=policy, rng=self._rng,
-                                clock=clock, waiting=lambda: self._waiting, start_copy=self._start_copy)
+        # Hedgeable requests in flight, by the task awaiting each (None: no copies under this config or policy).
+        self._racers: dict[asyncio.Task[object], Racer] | None = (
+            {} if config.hedging and not policy.plans_the_tail else None)
+        self._hedge_timer = HedgeTimer(config.hedge_factor, config.hedge_min_delay_s)
+        self._tail = TailRescue(enabled=self._racers is not None, timer=self._hedge_timer,
+                                racers=self._racers if self._racers is not None else {}, clients=self._clients,
+                                book=self._book, policy=policy, rng=self._rng, clock=clock,
+                                waiting=lambda: self._waiting, start_copy=self._start_copy)
+        self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
+        self.loop_lag_s = 0.0  # the loop's lateness running the grant passes (smoothed): overload, seen here
         self._seq = itertools.count()
         self._waiting = 0  # requests waiting for a slot, every route
         self._waiting_routes: set[Route] = set()
         self._submitted_routes: set[Route] = set()  # routes with requests submitted in this loop turn
         self._grant_soon: asyncio.Handle | None = None
+        self._grant_asked_at = 0.0
+        self.loop_lag_at = 0.0
         self._tick_handle: asyncio.TimerHandle | None = None
         self._swept_at = clock()
         self._submitted = self._completed = self._failed = self._retries = self._decisions = 0
@@ -112,7 +124,7 @@ class Dispatcher:
         where stragglers may be hedged."""
         if done:
             self._clients.done_sending.add(client_id)
-            self._tail.client_done(client_id)
+            self._tail.client_done()
         else:
             self._clients.done_sending.discard(client_id)
 
@@ -151,17 +163,23 @@ class Dispatcher:
         """Complete the request exactly once or raise RequestFailed / NoServerError after every retry."""
         self._submitted += 1
         client = request.client_id
+        racers = self._racers
+        task = asyncio.current_task() if racers is not None and request.params.temperature == 0 \
+            and not request.reproducible else None  # hedgeable (tail.hedgeable): a copy may race it at the tail
         retry: RetryState | None = None
         while True:
             state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
-            racer = self._tail.enter(request, state, route, started)
+            racer = None
+            if task is not None and racers is not None:
+                racer = racers[task] = Racer(request, state, route, started, task)
+                if client in self._clients.done_sending:  # at the tail: stragglers are looked for
+                    self._tail.client_done()
             try:
                 completion = await self._transport.complete(state, request)
             except AttemptError as err:
                 self._release(state, client)
                 if racer is not None:
-                    self._tail.leave(racer)
                     won = await self._copy_outcome(racer, retry)
                     if won is not None and racer.won is not None:
                         retry = won[1]
@@ -175,8 +193,7 @@ class Dispatcher:
                 self._release(state, client)
                 if racer is None:
                     raise
-                self._tail.leave(racer)
-                task = asyncio.current_task()
+                self._end_race(racer)
                 if (not racer.cancelled_task or racer.won is None or racer.copy_server is None or task is None
                         or task.cancelling() != 1):
                     await self._drop_copy(racer)
@@ -189,21 +206,29 @@ class Dispatcher:
             except BaseException:
                 self._release(state, client)
                 if racer is not None:
-                    self._tail.leave(racer)
+                    self._end_race(racer)
                     await self._drop_copy(racer)
                 raise
             answered_at = self._clock()
             self._release(state, client)
-            if racer is not None:
-                self._tail.leave(racer)
-                if racer.copy is not None and racer.copy_server is not None:
-                    await self._drop_copy(racer)
-                    retry = retry or RetryState()
-                    if racer.copy_error is None:  # (a failed copy was counted against its server already)
-                        retry.attempts.append(Attempt(racer.copy_server.id, racer.copy_started,
-                                                      answered_at - racer.copy_started, lost_race=True))
-                return self._answered(request, state, completion, started, answered_at, retry, racer.hedged)
-            return self._answered(request, state, completion, started, answered_at, retry, False)
+            if racer is None:
+                return self._answered(request, state, completion, started, answered_at, retry, False)
+            racer.racing = False  # (_end_race, inlined: every hedgeable request passes here)
+            if task is not None and racers is not None and racers.get(task) is racer:
+                del racers[task]
+            if racer.copy is not None and racer.copy_server is not None:
+                await self._drop_copy(racer)
+                retry = retry or RetryState()
+                if racer.copy_error is None:  # (a failed copy was counted against its server already)
+                    retry.attempts.append(Attempt(racer.copy_server.id, racer.copy_started,
+                                                  answered_at - racer.copy_started, lost_race=True))
+            return self._answered(request, state, completion, started, answered_at, retry,
+                                  racer.copy_server is not None)
+
+    def _end_race(self, racer: Racer) -> None:
+        racer.racing = False
+        if self._racers is not None and racer.task is not None and self._racers.get(racer.task) is racer:
+            del self._racers[racer.task]
 
     def _answered(self, request: InferenceRequest, state: ServerState, completion: Completion, started: float,
                   answered_at: float, retry: RetryState | None, hedged: bool) -> InferenceResult:
@@ -214,17 +239,22 @@ class Dispatcher:
         self._book.sync(self._snapshots())  # the window decision below reads the newest scrape
         self._book.note_success(state, completion.completion_tokens or 0, latency, client)
         entry = state.entry
-        if entry is not None:
+        if self._observes and entry is not None:
             self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens)
         self._clients.note_served(client, completion.prompt_tokens, completion.completion_tokens, latency)
-        self._tail.timer.observe(request.model, latency)
+        seen = self._hedge_timer.latencies.get(request.model)  # (HedgeTimer.observe, inlined: every answer)
+        if seen is None:
+            seen = self._hedge_timer.latencies[request.model] = deque(maxlen=self._hedge_timer.window)
+        seen.append(latency)
         self._completed += 1
         if self._waiting_routes:
             self._touch(client)  # its service grew: under shortest_first its place in the queue moves
+        record = entry.record if entry is not None else None
         return InferenceResult(
             request_id=request.request_id, completion=completion, server_id=state.id,
-            engine=entry.engine.value if entry is not None else "", accelerator=entry.record.accelerator if entry
-            else "", model_revision=entry.record.revision if entry else "", latency_s=latency,
+            engine=record.engine.value if record is not None else "",
+            accelerator=record.accelerator if record is not None else "",
+            model_revision=record.revision if record is not None else "", latency_s=latency,
             attempts=tuple(attempts), hedged=hedged,
         )
 
@@ -256,6 +286,9 @@ class Dispatcher:
         self._submitted_routes.add(route)
         if self._grant_soon is None:
             self._grant_soon = loop.call_soon(self._grant_submitted)
+            self._grant_asked_at = loop.time()
+            if self._stalls is not None:
+                self._stalls.pending_since = self._grant_asked_at
         try:
             return await waiter.future, route
         except asyncio.CancelledError:
@@ -266,7 +299,7 @@ class Dispatcher:
         finally:
             if not waiter.future.done():
                 waiter.future.cancel()
-            route.left()
+            route.waiting -= 1
             self._waiting -= 1
             left = clients.waiting[client] - 1
             if left:
@@ -280,6 +313,11 @@ class Dispatcher:
 
     def _grant_submitted(self) -> None:
         self._grant_soon = None
+        # How late this pass runs is the loop's lag: a stall for the ledger's clock, overload for the gateway.
+        now = asyncio.get_running_loop().time()
+        lag = self._stalls.ran(now) if self._stalls is not None else now - self._grant_asked_at
+        self.loop_lag_s += LAG_SMOOTHING * (lag - self.loop_lag_s)
+        self.loop_lag_at = now
         self._book.sync(self._snapshots())
         routes, self._submitted_routes = self._submitted_routes, set()
         for route in routes:
@@ -311,8 +349,6 @@ class Dispatcher:
             self._decisions += 1
         if held:
             route.unskip(held, key)
-        if self._stalls is not None and self._ledger.total():
-            self._stalls.arm()
         if route.waiting and self._tick_handle is None:
             self._arm_tick()
         self._decision_s += time.process_time() - began
@@ -346,7 +382,7 @@ class Dispatcher:
 
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
-        if self._tail.enabled:
+        if self._racers and self._clients.done_sending:
             self._tail.on_release(state)  # before waiters: it only takes stragglers of clients done sending
         for route in state.routes:
             if route.waiting:
@@ -398,7 +434,7 @@ class Dispatcher:
         """A second attempt of a racer's request on `state` (a hedge or a steal), counted like any other."""
         client = racer.request.client_id
         self._book.take(state, client, self._clock())
-        racer.copy_server, racer.copy_started, racer.hedged = state, self._clock(), True
+        racer.copy_server, racer.copy_started = state, self._clock()
         self._tail.hedges += 1
         racer.copy = asyncio.get_running_loop().create_task(self._run_copy(racer, state))
 
@@ -428,10 +464,10 @@ class Dispatcher:
     async def _copy_outcome(self, racer: Racer, retry: RetryState | None
                             ) -> tuple[ServerState, RetryState] | None:
         """The first attempt failed: a copy still running may answer instead."""
+        self._end_race(racer)
         copy = racer.copy
         if copy is None or racer.copy_server is None:
             return None
-        racer.racing = False
         if not copy.done():
             await asyncio.wait([copy])
         retry = retry or RetryState()
@@ -459,7 +495,7 @@ class Dispatcher:
         now = self._clock()
         age = now - started
         entry = state.entry
-        delay = self._tail.timer.delay(entry.record.model if entry is not None else "") or 0.0
+        delay = self._hedge_timer.delay(entry.record.model if entry is not None else "") or 0.0
         if state.last_answer_at < started and age >= max(STALL_MIN_S, 2 * delay):
             self._record_failure(state, started, AttemptError(
                 FailureKind.STALLED, f"no answer in {age:.1f}s while a copy elsewhere answered"), retry)
@@ -535,6 +571,6 @@ class Dispatcher:
             submitted=self._submitted, completed=self._completed, failed=self._failed, retries=self._retries,
             hedges=self._tail.hedges, inflight_total=self._ledger.total(), waiting=self._waiting,
             decisions=self._decisions, decision_s=self._decision_s,
-            loop_stalled_s=self._stalls.stalled_s if self._stalls else 0.0,
+            loop_stalled_s=self._stalls.stalled_s if self._stalls is not None else 0.0,
             servers=self._book.server_stats(snapshot.entries if snapshot else ()),
         )

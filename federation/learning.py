@@ -25,10 +25,21 @@ class BusyRate:
     _at: float | None = None
     _busy_seen: float = 0.0
 
-    def add(self, now: float, busy_total_s: float, amount: float) -> None:
-        self._advance(now, busy_total_s)
+    def add(self, now: float, busy_total_s: float, amount: float) -> float | None:
+        """Add an amount; returns the rate after it (None while there is no busy time yet)."""
+        at = self._at
+        if at is not None and now > at:
+            keep = math.exp(-(now - at) / self.tau_s)
+            self.amount *= keep
+            self.busy *= keep
+        busy = busy_total_s - self._busy_seen
+        if busy > 0:
+            self.busy += busy
+        self._busy_seen = busy_total_s
+        self._at = now
         self.amount += amount
         self.answered += 1
+        return self.amount / self.busy if self.busy > 0 and self.amount > 0 else None
 
     def value(self, now: float, busy_total_s: float, min_answers: int = 1) -> float | None:
         self._advance(now, busy_total_s)
@@ -196,8 +207,7 @@ class ServerLearning:
             self._latencies.append(latency_s / tokens)
             self.rate.add(now, busy_total_s, tokens)
         if reference_s > 0:
-            self.sequence_rate.add(now, occupancy_s, reference_s)
-            self.sequence_speed = self.sequence_rate.value(now, occupancy_s)
+            self.sequence_speed = self.sequence_rate.add(now, occupancy_s, reference_s)
             self.speed_at = now
         if self.period_start is None or now - self.period_start < self.period_s:
             return None
@@ -230,22 +240,22 @@ class HedgeTimer:
         self._factor = factor
         self._min_delay_s = min_delay_s
         self._min_samples = min_samples
-        self._window = window
-        self._latencies: dict[str, deque[float]] = {}
+        self.window = window
+        self.latencies: dict[str, deque[float]] = {}  # model -> recent answer latencies (the dispatcher appends)
 
     def observe(self, model: str, latency_s: float) -> None:
-        seen = self._latencies.get(model)
+        seen = self.latencies.get(model)
         if seen is None:
-            seen = self._latencies[model] = deque(maxlen=self._window)
+            seen = self.latencies[model] = deque(maxlen=self.window)
         seen.append(latency_s)
 
     def delay(self, model: str) -> float | None:
-        seen = self._latencies.get(model)
+        seen = self.latencies.get(model)
         if not seen or len(seen) < self._min_samples:
             return None
         return max(self._min_delay_s, self._factor * statistics.median(seen))
 
     def forget(self, models: set[str]) -> None:
         """Keep only these models' latencies (a model no server serves any more is forgotten)."""
-        for model in [m for m in self._latencies if m not in models]:
-            del self._latencies[model]
+        for model in [m for m in self.latencies if m not in models]:
+            del self.latencies[model]

@@ -13,12 +13,22 @@ stealing's drain estimates and the learned rates all read it. Each server's figu
   rate is computed from, and occupancy (attempt-seconds: ∫ count dt), for per-sequence speeds.
 
 A server's slots are forgotten (`forget`) once it has left the pool and nothing of it is in flight.
+
+Busy time and occupancy are what server speeds are measured on, so they are kept on a `StallClock`: the
+monotonic clock less the seconds this process's own loop stood still. When the client's loop stops (a long
+callback, a garbage-collection pause, the process descheduled on a busy machine), answers that arrived
+meanwhile wait unread and every attempt in flight is charged the wait: one 150 ms stall at a light load made
+one of two identical servers measure several times slower than its twin. The probe is the dispatcher's own
+grant pass, scheduled with `call_soon` whenever requests arrive: one that runs more than a tolerance late
+means the loop was stopped (or busy) for the excess, and the clock stands still for it. No timer of its own:
+a stall is seen when a grant pass is pending (under load, nearly always); an idle dispatcher schedules nothing.
 Pure bookkeeping: clocks injected, no I/O.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -57,12 +67,44 @@ class ServerSlots:
         return int(bucket[1] if wall_time < bucket[0] + HISTORY_BUCKET_S else bucket[2])
 
 
+class StallClock:
+    """The monotonic clock less every stall the dispatcher's grant passes saw (see the module docstring);
+    continuous and never decreasing: it stands still while a pending grant pass is late."""
+
+    def __init__(self, inner: Callable[[], float] = time.monotonic, tolerance_s: float = 0.005):
+        self._inner = inner
+        self.tolerance_s = tolerance_s
+        self.stalled_s = 0.0  # stall seconds seen so far (beyond the tolerance), cumulative
+        self.stalls = 0
+        self.pending_since: float | None = None  # when the pending grant pass was scheduled (inner time)
+
+    def now(self) -> float:
+        now = self._inner()
+        since = self.pending_since
+        if since is not None and now - since > self.tolerance_s:
+            return since + self.tolerance_s - self.stalled_s
+        return now - self.stalled_s
+
+    def ran(self, now: float) -> float:
+        """The pending grant pass runs at `now` (inner time): its lateness beyond the tolerance is a stall.
+        Returns the lateness (the loop's lag)."""
+        since, self.pending_since = self.pending_since, None
+        if since is None:
+            return 0.0
+        lag = now - since
+        if lag > self.tolerance_s:
+            self.stalled_s += lag - self.tolerance_s
+            self.stalls += 1
+        return lag
+
+
 class InflightLedger:
     def __init__(self, *, clock: Callable[[], float], wall_clock: Callable[[], float]):
+        self.clock = clock  # busy time and occupancy are measured on it
         self._clock = clock
         self._wall_clock = wall_clock
         self._servers: dict[str, ServerSlots] = {}
-        self._clients: dict[str, int] = {}
+        self.clients: dict[str, int] = {}  # client -> attempts in flight (read-only to everyone else)
         self._total = 0
 
     def slots(self, server_id: str, factory: Callable[[str], ServerSlots] = ServerSlots) -> ServerSlots:
@@ -92,9 +134,18 @@ class InflightLedger:
             slots.busy_since = now
         slots.inflight = n = n + 1
         slots.by_client[client_id] = slots.by_client.get(client_id, 0) + 1
-        self._clients[client_id] = self._clients.get(client_id, 0) + 1
+        self.clients[client_id] = self.clients.get(client_id, 0) + 1
         self._total += 1
-        self._log(slots, n)
+        # The count's coarse history (one bucket per HISTORY_BUCKET_S of wall time; inlined here and in
+        # release: it runs for every attempt).
+        wall, history = self._wall_clock(), slots.history
+        if history and wall < history[-1][0] + HISTORY_BUCKET_S:
+            last = history[-1]
+            last[2] = n
+            if n > last[1]:
+                last[1] = n
+        else:
+            self._new_bucket(slots, wall, n)
         return n
 
     def release(self, slots: ServerSlots, client_id: str) -> int:
@@ -113,27 +164,24 @@ class InflightLedger:
             slots.by_client[client_id] = left
         else:
             del slots.by_client[client_id]
-        left = self._clients[client_id] - 1
+        left = self.clients[client_id] - 1
         if left:
-            self._clients[client_id] = left
+            self.clients[client_id] = left
         else:
-            del self._clients[client_id]
+            del self.clients[client_id]
         self._total -= 1
-        self._log(slots, n)
+        wall, history = self._wall_clock(), slots.history
+        if history and wall < history[-1][0] + HISTORY_BUCKET_S:
+            history[-1][2] = n
+        else:
+            self._new_bucket(slots, wall, n)
         return n
 
-    def _log(self, slots: ServerSlots, n: int) -> None:
-        """The count's coarse history: one bucket per HISTORY_BUCKET_S of wall time, trimmed to HISTORY_S."""
-        now = self._wall_clock()
+    @staticmethod
+    def _new_bucket(slots: ServerSlots, wall: float, n: int) -> None:
         history = slots.history
-        if history and now < history[-1][0] + HISTORY_BUCKET_S:
-            last = history[-1]
-            last[2] = n
-            if n > last[1]:
-                last[1] = n
-            return
-        history.append([now, n, n])
-        while now - history[0][0] > HISTORY_S and len(history) > 1:
+        history.append([wall, n, n])
+        while wall - history[0][0] > HISTORY_S and len(history) > 1:
             history.popleft()
             slots.trimmed = True
 
@@ -143,7 +191,7 @@ class InflightLedger:
         return slots.inflight if slots is not None else 0
 
     def of_client(self, client_id: str) -> int:
-        return self._clients.get(client_id, 0)
+        return self.clients.get(client_id, 0)
 
     def clients_on(self, server_id: str) -> Mapping[str, int]:
         """Client -> attempts in flight on that server (a live view: do not keep it)."""

@@ -87,6 +87,7 @@ class PlannedRouting(Policy, name="planned"):
     they moved and copied requests against the plan (makespan 42.1 s with them, 40.2 s without, one run each)."""
 
     plans_the_tail = True
+    observes_answers = True
 
     def __init__(self, rng: random.Random | None = None, *, period_s: float = 1.0, warmup_periods: float = 5.0,
                  makespan_slack: float = 0.02, long_answer_tokens: float | None = 128.0,

@@ -117,6 +117,7 @@ class Policy(ABC):
     # A policy that places by a makespan plan balances the finish itself: the tail's hedging and stealing
     # (which move and copy requests against the plan) stay off under it.
     plans_the_tail: ClassVar[bool] = False
+    observes_answers: ClassVar[bool] = False  # whether the dispatcher tells it of every answer (observe_answer)
 
     def attach(self, state: DispatchState) -> None:
         """Called once by the dispatcher that uses this policy. Policies that need more than the candidates

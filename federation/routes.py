@@ -119,8 +119,11 @@ class Route:
             queue = self.queues[client] = deque()
         queue.append(waiter)
         self.waiting += 1
-        if len(queue) == 1 or client not in self._pushed:
-            self._push(client, key, waiter.seq)
+        if len(queue) == 1 or client not in self._pushed:  # (_push, inlined: every request passes here)
+            self._pushed[client] = key
+            heapq.heappush(self._heap, (key[0], key[1], waiter.seq, client))
+            if len(self._heap) > 2 * len(self.queues) + 64:
+                self._compact()
 
     def touch(self, client: str, key: ClientKey) -> None:
         """The client's key moved (down, perhaps): a fresh entry, so it is not served later than its due."""
@@ -175,10 +178,6 @@ class Route:
         queue = self.queues.get(waiter.request.client_id)
         if queue and queue[0] is waiter:
             queue.popleft()
-
-    def left(self) -> None:
-        """A waiter stopped waiting (granted, failed or cancelled)."""
-        self.waiting -= 1
 
     def waiters(self) -> list[Waiter]:
         """Every live waiter (for deadlines; O(waiting))."""

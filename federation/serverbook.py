@@ -104,6 +104,7 @@ class ServerBook:
         self._rate_scale = 1.0
         self._refreshed_at = float("-inf")
         self._client_latency: dict[str, float] = {}  # client -> its mean answer latency over every server
+        self._stale_after_s = STALE_PERIODS * settings.learn_period_s
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
 
     # ---- the pool ---------------------------------------------------------------------------------
@@ -208,7 +209,8 @@ class ServerBook:
 
     # ---- slots ---------------------------------------------------------------------------------------
     def has_room(self, state: ServerState) -> bool:
-        return state.present and state.inflight < state.window and state.admits
+        return (state.present and state.inflight < state.window
+                and (state.open_until is None or (state.half_open and not state.trial)))
 
     def take(self, state: ServerState, client_id: str, now: float) -> None:
         """Count a slot there (same step as the choice); the server leaves the index when full."""
@@ -288,9 +290,21 @@ class ServerBook:
         now = self._clock()
         learning = state.learning
         if learning is not None:
-            reference = self._reference_latency(client_id, latency_s)
-            decision = learning.on_finish(tokens, latency_s, now, self.ledger.busy_s(state.id), state.scraped_waiting,
-                                          state.inflight, self.ledger.occupancy_s(state.id), reference_s=reference)
+            # What this answer would take on the pool's average server: the client's mean latency (an
+            # exponential mean over its answers, every server alike). Server speeds compare attempt-seconds
+            # against it, so the mix of requests a server was given cancels out.
+            reference = max(latency_s, 0.0)
+            if client_id is not None and latency_s > 0:
+                mean = self._client_latency.get(client_id)
+                reference = latency_s if mean is None else mean + CLIENT_LATENCY_ALPHA * (latency_s - mean)
+                self._client_latency[client_id] = reference
+            # The ledger's busy seconds and occupancy there, as of its clock (ServerSlots' figures).
+            at = self.ledger.clock()
+            busy = state.busy_total + (at - state.busy_since if state.busy_since is not None else 0.0)
+            occupancy = state.occupancy_total + (state.inflight * (at - state.occupancy_at)
+                                                 if state.occupancy_at is not None else 0.0)
+            decision = learning.on_finish(tokens, latency_s, now, busy, state.scraped_waiting, state.inflight,
+                                          occupancy, reference_s=reference)
             if decision is not None:
                 log.debug("window of %s now %.1f: %s", state.id, decision.window, decision.reason)
                 self._rewindow(state)
@@ -329,17 +343,6 @@ class ServerBook:
                 for route in state.routes:
                     route.set_free(state, False)
 
-    def _reference_latency(self, client_id: str | None, latency_s: float) -> float:
-        """What this answer would take on the pool's average server: the client's mean latency (an exponential
-        mean over its answers, every server alike). Server speeds compare attempt-seconds against it, so the
-        mix of requests a server was given cancels out."""
-        if client_id is None or latency_s <= 0:
-            return max(latency_s, 0.0)
-        mean = self._client_latency.get(client_id)
-        mean = latency_s if mean is None else mean + CLIENT_LATENCY_ALPHA * (latency_s - mean)
-        self._client_latency[client_id] = mean
-        return mean
-
     def forget_client(self, client_id: str) -> None:
         self._client_latency.pop(client_id, None)
 
@@ -360,10 +363,6 @@ class ServerBook:
             return learned
         fallback = prior * self._rate_scale
         return fallback + (learned - fallback) * math.exp(-stale / self._stale_after_s)
-
-    @property
-    def _stale_after_s(self) -> float:
-        return STALE_PERIODS * self._settings.learn_period_s
 
     def _refresh(self, force: bool = False) -> None:
         """At most once per learning period (or when the pool changed): the scale that puts priors on the

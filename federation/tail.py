@@ -2,19 +2,19 @@
 
 Once a client has said it has nothing left to send and nothing waits in the dispatcher, its requests in flight
 may be copied onto idle servers: a straggler older than the model's hedge delay (a multiple of its median
-latency) is copied onto an idle replica (hedging), and a server that frees a slot copies the request queued
-last on the server that will drain slowest, if slower than itself (stealing). The first answer wins; the
-other copy is cancelled (its slot given back before the request returns).
+latency) is copied onto a replica with room (hedging), and a server that frees a slot copies the request
+queued last on the server that will drain slowest, if slower than itself (stealing). The first answer wins;
+the other copy is cancelled (its slot given back before the request returns).
 
 A copy only ever runs on a *replica* of the first server: the same engine, model and revision, with the
 revision explicitly set (`unspecified` matches nothing), and only for requests whose answer a copy cannot
-change (greedy decoding, no bit-reproducibility asked), so the winner of a timing race cannot change what is
-recorded beyond the batch numerics of one engine build.
+change (`hedgeable`: greedy decoding, no bit-reproducibility asked), so the winner of a timing race cannot
+change what is recorded beyond the batch numerics of one engine build.
 
-Cost where it does not apply: a request in flight is registered (`enter`, a dict insert) and awaited inline
-by its own task — no task, timer or future of its own. A copy that wins cancels the waiting task
-(`Racer.task`), which takes the copy's answer (`won`). Copies, and the 10 Hz look for stragglers, exist only
-at a tail.
+Cost where it does not apply: the dispatcher notes a hedgeable request in flight in a dict (its task → a
+`Racer`) and awaits it inline — no task, timer or future of its own, and no call into this module. A copy
+that wins cancels the waiting task, which takes the copy's answer. Copies, and the 10 Hz look for
+stragglers, exist only at a tail.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.errors import AttemptError
 from fedpool.federation.learning import HedgeTimer
 from fedpool.federation.policies import Policy
@@ -34,10 +33,15 @@ from fedpool.federation.serverbook import ServerBook, ServerState
 from fedpool.federation.types import Completion, InferenceRequest
 from fedpool.registry import ServerEntry
 
-HEDGE_RECHECK_S = 0.1  # how often, at a tail, stragglers look for an idle server to be copied onto
+HEDGE_RECHECK_S = 0.1  # how often, at a tail, stragglers look for a server to be copied onto
 UNSPECIFIED_REVISION = "unspecified"
 
 StartCopy = Callable[["Racer", ServerState], None]
+
+
+def hedgeable(request: InferenceRequest) -> bool:
+    """A copy elsewhere cannot change what is recorded: greedy decoding, and no bit-reproducibility asked."""
+    return request.params.temperature == 0 and not request.reproducible
 
 
 def replicas(a: ServerEntry, b: ServerEntry) -> bool:
@@ -59,19 +63,20 @@ class Racer:
     copy: asyncio.Task[None] | None = None
     copy_server: ServerState | None = None
     copy_started: float = 0.0
-    won: Completion | None = None  # the copy's answer, when it came first
+    copy_ran: bool = False  # the copy's task started (else its slot is given back when it is done)
+    won: Completion | None = None  # the copy's answer
     won_at: float = 0.0
     copy_error: AttemptError | None = None
-    copy_ran: bool = False  # the copy's task started (else its slot is given back when it is done)
-    hedged: bool = False  # a copy was started (hedge or steal)
     cancelled_task: bool = False  # the copy answered first and cancelled `task` to hand it the answer
 
 
 class TailRescue:
-    def __init__(self, config: DispatchConfig, *, clients: ClientBook, book: ServerBook, policy: Policy,
-                 rng: random.Random, clock: Callable[[], float], waiting: Callable[[], int],
-                 start_copy: StartCopy):
-        self.enabled = config.hedging and not policy.plans_the_tail
+    def __init__(self, *, enabled: bool, timer: HedgeTimer, racers: dict[asyncio.Task[object], Racer],
+                 clients: ClientBook, book: ServerBook, policy: Policy, rng: random.Random,
+                 clock: Callable[[], float], waiting: Callable[[], int], start_copy: StartCopy):
+        self.enabled = enabled
+        self.timer = timer
+        self._racers = racers  # the dispatcher's: hedgeable requests in flight, by the task awaiting each
         self._clients = clients
         self._book = book
         self._policy = policy
@@ -79,62 +84,35 @@ class TailRescue:
         self._clock = clock
         self._waiting = waiting
         self._start_copy = start_copy
-        self.timer = HedgeTimer(config.hedge_factor, config.hedge_min_delay_s)
-        self._racers: dict[str, dict[Racer, None]] = {}  # server id -> its racers, oldest first
         self._look: asyncio.TimerHandle | None = None
         self.hedges = 0
 
-    # ---- racers ------------------------------------------------------------------------------------
-    def enter(self, request: InferenceRequest, server: ServerState, route: Route, started: float) -> Racer | None:
-        """Register a request in flight that a copy may race (None where none may)."""
-        if not self.enabled or not request.hedgeable:
-            return None
-        racer = Racer(request, server, route, started, asyncio.current_task())
-        racers = self._racers.get(server.id)
-        if racers is None:
-            racers = self._racers[server.id] = {}
-        racers[racer] = None
-        if self._look is None and request.client_id in self._clients.done_sending:
-            self._arm()
-        return racer
-
-    def leave(self, racer: Racer) -> None:
-        """The first attempt returned (or failed): nothing may copy it any more."""
-        racer.racing = False
-        racers = self._racers.get(racer.server.id)
-        if racers is not None:
-            racers.pop(racer, None)
-            if not racers:
-                del self._racers[racer.server.id]
-
-    def client_done(self, client_id: str) -> None:
-        if self._racers and self._look is None:
-            self._arm()
+    def client_done(self) -> None:
+        """A client has nothing left to send: look for its stragglers from now on."""
+        if self.enabled and self._racers and self._look is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._look = loop.call_later(HEDGE_RECHECK_S, self._look_for_stragglers)
 
     # ---- hedging -----------------------------------------------------------------------------------
-    def _arm(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._look = loop.call_later(HEDGE_RECHECK_S, self._look_for_stragglers)
-
     def _look_for_stragglers(self) -> None:
-        """At a tail (nothing waits in the dispatcher): copy each straggler older than its hedge delay onto an
-        idle replica. Looks again while racers of clients done sending remain."""
+        """At a tail (nothing waits in the dispatcher): copy each straggler older than its hedge delay onto a
+        replica with room. Looks again while racers of clients done sending remain."""
         self._look = None
         done = self._clients.done_sending
-        tail = [r for racers in self._racers.values() for r in racers
-                if r.request.client_id in done and r.copy is None and not r.hedged]
+        tail = [r for r in self._racers.values()
+                if r.request.client_id in done and r.racing and r.copy_server is None]
         if not tail:
             return
         if not self._waiting():
             now = self._clock()
             for racer in tail:
                 delay = self.timer.delay(racer.request.model)
-                if delay is not None and now - racer.started >= delay and racer.racing:
+                if delay is not None and now - racer.started >= delay:
                     self._hedge(racer)
-        self._arm()
+        self.client_done()
 
     def _hedge(self, racer: Racer) -> None:
         primary = racer.server.entry
@@ -150,17 +128,16 @@ class TailRescue:
 
     # ---- stealing ----------------------------------------------------------------------------------
     def on_release(self, thief: ServerState) -> None:
-        """A slot freed on `thief`: it may take stragglers queued on slower servers (only at a tail)."""
-        if not (self.enabled and self._racers and self._clients.done_sending) or self._waiting():
-            return
+        """A slot freed on `thief`: it may take stragglers queued on slower servers (only at a tail: the
+        dispatcher calls this only while some client is done sending and nothing waits)."""
         entry = thief.entry
-        if entry is None:
+        if not self._racers or entry is None or self._waiting():
             return
         done = self._clients.done_sending
 
         def eligible(r: Racer) -> bool:
-            return (r.request.client_id in done and r.server.entry is not None and replicas(r.server.entry, entry)
-                    and thief in r.route.servers)
+            return (r.request.client_id in done and r.racing and r.copy_server is None and r.server.entry is not None
+                    and replicas(r.server.entry, entry) and thief in r.route.servers)
 
         for victim in self._stealable(thief, eligible):
             self._start_copy(victim, thief)
@@ -172,21 +149,18 @@ class TailRescue:
         if thief.weight <= 0:
             return
         while book.has_room(thief):
-            worst, victim_id = book.drain_s(thief, extra=1), None
-            for server_id, racers in self._racers.items():
-                if server_id == thief.id or not racers:
-                    continue
-                drain = book.drain_s(next(iter(racers)).server)
+            by_server: dict[ServerState, list[Racer]] = {}
+            for racer in self._racers.values():  # oldest first (insertion order)
+                if racer.server is not thief:
+                    by_server.setdefault(racer.server, []).append(racer)
+            worst, victim_server = book.drain_s(thief, extra=1), None
+            for server in by_server:
+                drain = book.drain_s(server)
                 if drain > worst:
-                    worst, victim_id = drain, server_id
-            if victim_id is None:
+                    worst, victim_server = drain, server
+            if victim_server is None:
                 return
-            racers = self._racers[victim_id]
-            victim = next((r for r in reversed(racers) if r.copy is None and not r.hedged and r.racing
-                           and eligible(r)), None)
+            victim = next((r for r in reversed(by_server[victim_server]) if eligible(r)), None)
             if victim is None:
                 return
-            racers.pop(victim)
-            if not racers:
-                del self._racers[victim_id]
             yield victim

@@ -81,12 +81,33 @@ class HttpTransport:
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts | None = None):
         self.session = session
         self.timeouts = timeouts or Timeouts()
+        self._timeout = self.timeouts.client_timeout()
 
     async def complete(self, server: Target, request: InferenceRequest) -> Completion:
-        return await post_completion(self.session, server.url, request, self.timeouts)
+        """POST the request; return the parsed completion or raise AttemptError with its kind."""
+        trace = SimpleNamespace(reused=False)
+        try:
+            async with self.session.post(server.url + request.endpoint.value, json=request_body(request),
+                                         timeout=self._timeout, trace_request_ctx=trace) as resp:
+                raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
+                if resp.status != 200:
+                    raise http_error(resp.status, raw)
+                if len(raw) > MAX_RESPONSE_BYTES:
+                    raise AttemptError(FailureKind.BAD_RESPONSE, "response larger than 16 MiB")
+        except AttemptError:
+            raise
+        except Exception as exc:
+            raise transport_error(exc, trace.reused) from exc
+        return parse_completion(raw, request.endpoint)
 
     async def open_stream(self, server: Target, request: InferenceRequest) -> aiohttp.ClientResponse:
         return await open_stream(self.session, server.url, request, self.timeouts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Url:
+    id: str
+    url: str
 
 
 def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
@@ -100,25 +121,8 @@ def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
 async def post_completion(
     session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts
 ) -> Completion:
-    """POST the request; return the parsed completion or raise AttemptError with its kind."""
-    trace = SimpleNamespace(reused=False)
-    try:
-        async with session.post(
-            base_url + request.endpoint.value,
-            json=request_body(request),
-            timeout=timeouts.client_timeout(),
-            trace_request_ctx=trace,
-        ) as resp:
-            raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
-            if resp.status != 200:
-                raise http_error(resp.status, raw)
-            if len(raw) > MAX_RESPONSE_BYTES:
-                raise AttemptError(FailureKind.BAD_RESPONSE, "response larger than 16 MiB")
-    except AttemptError:
-        raise
-    except Exception as exc:
-        raise transport_error(exc, trace.reused) from exc
-    return parse_completion(raw, request.endpoint)
+    """POST the request to one server outside any dispatcher; the parsed completion, or AttemptError."""
+    return await HttpTransport(session, timeouts).complete(_Url(base_url, base_url), request)
 
 
 def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, Any]:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from fedpool.federation.learning import BusyRate, WindowController, WindowObservation
-from fedpool.federation.ledger import HISTORY_S, InflightLedger
-from fedpool.federation.stalls import LoopStalls
+from fedpool.federation.ledger import HISTORY_S, InflightLedger, StallClock
 
 
 def test_throughput_counts_busy_time_only() -> None:
@@ -134,31 +130,34 @@ def test_a_lasting_shift_of_the_mix_becomes_the_new_latency_baseline() -> None:
     assert off.decide(obs(per_token_latency_s=9.0)).reason != "latency inflation"
 
 
-async def test_a_stalled_loop_is_not_charged_to_the_server() -> None:
-    """The client's own loop stops for 0.2 s while an attempt is in flight (a long callback: here a blocking
-    sleep, on purpose): the ledger's occupancy and busy time on the stall-discounting clock leave it out, so
-    the server is not measured slow for what the client did. The clock never goes back, and the watch stops
-    with the last attempt (nothing stays scheduled on an idle dispatcher)."""
-    ledger: InflightLedger
-    stalls = LoopStalls(lambda: ledger.total() > 0)
-    ledger = InflightLedger(clock=stalls.clock, wall_clock=time.time)
-    ledger.take(ledger.slots("s"), "c")
-    stalls.arm()
-    await asyncio.sleep(0.03)  # the watch's timer runs on time: no stall
-    before = stalls.clock()
-    wall = time.monotonic()
-    time.sleep(0.2)  # noqa: ASYNC251 - the point: the loop stands still
-    during = stalls.clock()
-    await asyncio.sleep(0.03)
-    ledger.release(ledger.slots("s"), "c")
-    assert during >= before and during - before < 0.03, (before, during)  # it stood still, it did not go back
-    assert stalls.stalled_s >= 0.18 and stalls.stalls >= 1, stalls.stalled_s
-    # in flight ~0.26 s of wall time, of which 0.2 s stalled: charged ~0.06 s
-    assert ledger.occupancy_s("s") < 0.15, ledger.occupancy_s("s")
+def test_a_stalled_loop_is_not_charged_to_the_server() -> None:
+    """The client's own loop stops for 0.2 s while an attempt is in flight and a grant pass is pending (a long
+    callback, a GC pause, the process descheduled): the ledger's clock stands still from the pass's due time
+    until it runs, so the server's busy time and occupancy leave the stall out. The clock never goes back and
+    stays continuous when the stall is counted."""
+    inner = [100.0]
+    clock = StallClock(lambda: inner[0], tolerance_s=0.005)
+    ledger = InflightLedger(clock=clock.now, wall_clock=lambda: inner[0])
+    server = ledger.slots("s")
+    ledger.take(server, "c")
+    inner[0] = 100.03
+    clock.pending_since = inner[0]  # a request arrives: a grant pass is asked for
+    before = clock.now()
+    inner[0] = 100.23  # ... and runs 0.2 s late: the loop stood still
+    during = clock.now()
+    assert during >= before and during - before == pytest.approx(0.005)  # it stood still, it did not go back
+    assert clock.ran(inner[0]) == pytest.approx(0.2)
+    assert clock.now() == pytest.approx(during)  # continuous when the stall is counted
+    assert clock.stalled_s == pytest.approx(0.195) and clock.stalls == 1
+    inner[0] = 100.26
+    ledger.release(server, "c")
+    # in flight 0.26 s of monotonic time, of which 0.195 s stalled: charged 0.065 s
+    assert ledger.occupancy_s("s") == pytest.approx(0.065)
     assert ledger.busy_s("s") == pytest.approx(ledger.occupancy_s("s"))  # one attempt: the same seconds
-    assert time.monotonic() - wall >= 0.2
-    await asyncio.sleep(0.03)  # the next tick finds nothing in flight and does not reschedule
-    assert not stalls.watching
+    # A pass that runs on time is no stall.
+    clock.pending_since = inner[0]
+    inner[0] += 0.001
+    assert clock.ran(inner[0]) == pytest.approx(0.001) and clock.stalls == 1
 
 
 def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:

@@ -1,0 +1,162 @@
+"""One non-streamed request, traced: which of fedpool's files and functions it passes through.
+
+    python -m fedpool.benchmarks.trace_request [--servers 4] [--policy capacity_weighted] [--json]
+
+Four emulated servers run in a child process (their code is the servers', not the request path's). One
+dispatcher over them sends 40 requests first (connections open, speeds learned, the hedge timer armed), then
+one greedy request (temperature 0: hedging applies, as it does to most eval requests) is traced with
+`sys.setprofile` from the call of `Dispatcher.submit` to its return: every Python function that runs meanwhile
+in this process — the awaiting coroutine and every callback the loop runs for it (the grant pass, aiohttp's
+internals) — and whose code lives in one of fedpool's rooms. Counted two ways: named functions (`def`,
+methods and properties included) and every code object (with lambdas, comprehensions and generator
+expressions). docs/architecture.md quotes the figures; tests/test_request_path.py holds them to ≤ 8 files
+and ≤ 40 functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOMS = ("registry", "federation", "clients", "pipeline", "deploy", "benchmarks", "fedpool")
+MODEL = "trace-model"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Trace:
+    files: dict[str, set[str]] = field(default_factory=dict)  # file -> functions (qualified names)
+    lambdas: set[str] = field(default_factory=set)  # lambdas, comprehensions, generator expressions
+
+    @property
+    def functions(self) -> int:
+        return sum(len(names) for names in self.files.values())
+
+    def summary(self) -> dict[str, Any]:
+        return {"files": len(self.files), "functions": self.functions,
+                "code_objects": self.functions + len(self.lambdas),
+                "by_file": {f: sorted(names) for f, names in sorted(self.files.items())},
+                "lambdas": sorted(self.lambdas)}
+
+
+def _room_file(filename: str) -> str | None:
+    """The repository-relative path of a file in one of fedpool's rooms (through fedpool/'s symlinks too)."""
+    try:
+        rel = Path(filename).resolve().relative_to(ROOT)
+    except ValueError:
+        return None
+    return str(rel) if rel.parts and rel.parts[0] in ROOMS else None
+
+
+@contextmanager
+def tracing(trace: Trace) -> Iterator[None]:
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        where = _room_file(code.co_filename)
+        if where is None or where.endswith("trace_request.py"):
+            return
+        name = code.co_qualname
+        if name.endswith(("<lambda>", "<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")):
+            trace.lambdas.add(f"{where}:{name}")
+        else:
+            trace.files.setdefault(where, set()).add(name)
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+
+
+async def trace_one(servers: int = 4, policy: str = "capacity_weighted") -> Trace:
+    from fedpool.deploy.process import free_port
+    from fedpool.federation import Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+
+    ports = [free_port() for _ in range(servers)]
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL, "--port", str(p), "--profile", "tiny",
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        await _wait_up(ports)
+        entries = []
+        for i, port in enumerate(ports):
+            record = ServerRecord(id=f"s{i}", url=f"http://127.0.0.1:{port}", engine=Engine.VLLM, model=MODEL,
+                                  revision="r1", accelerator="A100", capacity=8)
+            entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=8,
+                                       weight=prior_weight(record)))
+        snapshot = PoolSnapshot(version=1, taken_at=time.time(), entries=tuple(entries))
+
+        def request(i: int) -> InferenceRequest:
+            return InferenceRequest.from_body({"prompt": f"What is {i} plus {i}?", "max_tokens": 8, "temperature": 0},
+                                              request_id=f"t{i}", model=MODEL, endpoint=Endpoint.COMPLETIONS,
+                                              client_id="eval")
+
+        async with new_session() as session:
+            dispatcher = Dispatcher(session, lambda: snapshot, make_policy(policy))
+            await asyncio.gather(*(dispatcher.submit(request(i)) for i in range(40)))
+            for i in range(4):
+                await dispatcher.submit(request(100 + i))  # one at a time, as the traced one
+            trace = Trace()
+            traced = request(999)
+            with tracing(trace):
+                await dispatcher.submit(traced)
+        return trace
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            await proc.wait()
+
+
+async def _wait_up(ports: list[int], timeout_s: float = 30.0) -> None:
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        for port in ports:
+            while True:
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"emulated server on port {port} did not come up")
+                await asyncio.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedpool.benchmarks.trace_request",
+                                     description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--servers", type=int, default=4)
+    parser.add_argument("--policy", default="capacity_weighted")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    summary = asyncio.run(trace_one(args.servers, args.policy)).summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    print(f"one non-streamed request on {args.servers} servers ({args.policy}): {summary['files']} files, "
+          f"{summary['functions']} functions ({summary['code_objects']} with lambdas and comprehensions)")
+    for path, names in summary["by_file"].items():
+        print(f"  {path} ({len(names)}): {', '.join(names)}")
+    if summary["lambdas"]:
+        print(f"  lambdas and comprehensions: {', '.join(summary['lambdas'])}")
+
+
+if __name__ == "__main__":
+    main()
