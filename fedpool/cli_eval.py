@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -21,12 +20,20 @@ from fedpool.cli_support import (
     CliError,
     registry_client,
 )
+from fedpool.options import (
+    EvalReplayOptions,
+    EvalRescoreOptions,
+    EvalResumeOptions,
+    EvalRunOptions,
+    PoolEvalOptions,
+    VerifierOptions,
+)
 
 EVAL_FILE = "eval.json"
 REPLAYED_SPECS = "replayed-specs"
 
 
-def cmd_eval_run(args: argparse.Namespace) -> int:
+def cmd_eval_run(args: EvalRunOptions) -> int:
     from fedpool.pipeline.artifact import write_json_atomic
 
     out = args.out.resolve()
@@ -46,7 +53,7 @@ def cmd_eval_run(args: argparse.Namespace) -> int:
         return _run_eval(args, out, plan, specs, client)
 
 
-def cmd_eval_resume(args: argparse.Namespace) -> int:
+def cmd_eval_resume(args: EvalResumeOptions) -> int:
     out = args.run_dir.resolve()
     with _owned(out, "fedpool eval resume"):
         plan = _read_plan(out)
@@ -154,7 +161,7 @@ async def require_servers(client: Any, model: str, revision: str | None, wait_s:
         await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
 
 
-def cmd_eval_replay(args: argparse.Namespace) -> int:
+def cmd_eval_replay(args: EvalReplayOptions) -> int:
     from fedpool.pipeline.artifact import write_json_atomic
     from fedpool.pipeline.errors import ArtifactError
     from fedpool.pipeline.reproduce import replay_specs
@@ -170,6 +177,8 @@ def cmd_eval_replay(args: argparse.Namespace) -> int:
         raise CliError(f"{source}: its benchmarks were run against different models {sorted(map(str, models))}",
                        EXIT_USAGE)
     (model, revision), = models
+    if not isinstance(model, str):
+        raise CliError(f"{source}: its configuration names no model", EXIT_USAGE)
     out = args.out.resolve()
     _refuse_existing_run(out)
     client = registry_client(args)
@@ -190,7 +199,7 @@ def cmd_eval_replay(args: argparse.Namespace) -> int:
         return _run_eval(args, out, plan, [b.spec for b in saved], client)
 
 
-def cmd_eval_rescore(args: argparse.Namespace) -> int:
+def cmd_eval_rescore(args: EvalRescoreOptions) -> int:
     from fedpool.pipeline import load_spec
     from fedpool.pipeline.errors import ArtifactError, SpecError
     from fedpool.pipeline.reproduce import benchmark_dirs, load_saved, rescoring_spec
@@ -213,7 +222,7 @@ def cmd_eval_rescore(args: argparse.Namespace) -> int:
 
         init_local_ray()
     summaries = asyncio.run(_rescore_all(saved, use, out, args, needs_judge))
-    if args.json:
+    if args.json_output:
         print(json.dumps({"out": str(out), "benchmarks": summaries}, indent=2, default=str))
     else:
         for summary in summaries:
@@ -223,7 +232,7 @@ def cmd_eval_rescore(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: argparse.Namespace,
+async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: EvalRescoreOptions,
                        needs_judge: bool) -> list[dict[str, Any]]:
     from fedpool.pipeline.reproduce import rescore_benchmark
 
@@ -239,7 +248,7 @@ async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: argpar
             verifier.shutdown()
 
 
-def verifier_pool(args: argparse.Namespace) -> Any:
+def verifier_pool(args: VerifierOptions) -> Any:
     from fedpool.deploy.models import ensure_gemma
     from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 
@@ -251,14 +260,14 @@ def verifier_pool(args: argparse.Namespace) -> Any:
         raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
 
 
-def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: list[Any], client: Any, *,
+def _run_eval(args: PoolEvalOptions, out: Path, plan: dict[str, Any], specs: list[Any], client: Any, *,
               retry_failed: bool = False) -> int:
     """Runs the evals; exit code 0 when every record has a prediction, EXIT_INCOMPLETE when some failed (their
     errors are in the records; `fedpool eval resume` runs them again)."""
     summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args, retry_failed))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
-    if args.json:
+    if args.json_output:
         print(json.dumps({"run_dir": str(out), "benchmarks": rows}, indent=2, default=str))
     else:
         for s in summaries:
@@ -273,7 +282,7 @@ def _run_eval(args: argparse.Namespace, out: Path, plan: dict[str, Any], specs: 
 
 
 async def _eval_through_pool(
-    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: argparse.Namespace, retry_failed: bool
+    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: PoolEvalOptions, retry_failed: bool
 ) -> list[Any]:
     from fedpool.clients import EvalTarget, run_evals
     from fedpool.federation import DispatchConfig, PoolConnection
@@ -283,17 +292,16 @@ async def _eval_through_pool(
 
     verifier = verifier_pool(args) if any(s.verifier for s in specs) else None
     # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
-    media = MediaPool(getattr(args, "media_actors", 2), num_cpus=0.5) if any(s.prompt.media for s in specs) else None
+    media = MediaPool(args.media_actors, num_cpus=0.5) if any(s.prompt.media for s in specs) else None
     # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well.
-    n_scoring = getattr(args, "metric_actors", 1)
-    scoring = StagePool(n_scoring, num_cpus=0.25) if n_scoring > 0 else None
+    scoring = StagePool(args.metric_actors, num_cpus=0.25) if args.metric_actors > 0 else None
     try:
         await asyncio.gather(*(x.ready() for x in (verifier, media, scoring) if x is not None))
         dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"),
-                                  no_server_timeout_s=getattr(args, "no_server_timeout", 60.0))
+                                  no_server_timeout_s=args.no_server_timeout)
         policy = "planned" if plan.get("planned") else plan["policy"]  # runs saved before `planned` was a policy
         async with PoolConnection(client, policy=policy, config=dispatch) as pool:
-            view = ProgressView(pool.dispatcher, mode="quiet" if getattr(args, "quiet", False) else "auto")
+            view = ProgressView(pool.dispatcher, mode="quiet" if args.quiet else "auto")
             async with view:
                 return await run_evals(
                     specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),

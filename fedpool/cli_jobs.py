@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fedpool.cli_support import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, emit
+from fedpool.options import JobOptions, JobsClientOptions, JobsSubmitOptions
 
 
-def _jobs_client(args: argparse.Namespace) -> Any:
+def _jobs_client(args: JobsClientOptions) -> Any:
     from fedpool.clients.jobs.client import JobsClient
 
-    token = os.environ.get("FEDPOOL_JOBS_TOKEN")
+    token = args.jobs_token.get_secret_value() if args.jobs_token else None  # FEDPOOL_JOBS_TOKEN
     path = args.jobs_token_file or Path("~/.fedpool/jobs/jobs.token").expanduser()
     if args.jobs_token_file or not token:
         try:
@@ -39,7 +38,7 @@ def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
                        EXIT_UNAVAILABLE) from None
 
 
-def cmd_jobs_submit(args: argparse.Namespace) -> int:
+def cmd_jobs_submit(args: JobsSubmitOptions) -> int:
     from fedpool.pipeline import load_spec
     from fedpool.pipeline.errors import SpecError
 
@@ -61,23 +60,29 @@ def cmd_jobs_submit(args: argparse.Namespace) -> int:
     return EXIT_OK if not args.wait or job["state"] == "done" else EXIT_FAILED
 
 
-def cmd_jobs_client(args: argparse.Namespace) -> int:
-    client = _jobs_client(args)
-    action = args.jobs_command
-    if action == "list":
-        jobs = _jobs_call(client.list, args.url)
-        if args.json:
-            print(json.dumps({"jobs": jobs}, indent=2))
-        else:
-            print("\n".join(_job_line(j) for j in jobs) if jobs else "(no jobs; submit one with `fedpool jobs submit`)")
-        return EXIT_OK
-    if action == "logs":
-        text = _jobs_call(lambda: client.logs(args.job_id), args.url)
-        print(json.dumps({"id": args.job_id, "log": text}) if args.json else text, end="" if not args.json else "\n")
-        return EXIT_OK
-    call = client.get if action == "show" else client.cancel
-    job = _jobs_call(lambda: call(args.job_id), args.url)
-    emit(args, job, _job_text)
+def cmd_jobs_list(args: JobsClientOptions) -> int:
+    jobs = _jobs_call(_jobs_client(args).list, args.url)
+    if args.json_output:
+        print(json.dumps({"jobs": jobs}, indent=2))
+    else:
+        print("\n".join(_job_line(j) for j in jobs) if jobs else "(no jobs; submit one with `fedpool jobs submit`)")
+    return EXIT_OK
+
+
+def cmd_jobs_logs(args: JobOptions) -> int:
+    text = _jobs_call(lambda: _jobs_client(args).logs(args.job_id), args.url)
+    print(json.dumps({"id": args.job_id, "log": text}) if args.json_output else text,
+          end="\n" if args.json_output else "")
+    return EXIT_OK
+
+
+def cmd_jobs_show(args: JobOptions) -> int:
+    emit(args, _jobs_call(lambda: _jobs_client(args).get(args.job_id), args.url), _job_text)
+    return EXIT_OK
+
+
+def cmd_jobs_cancel(args: JobOptions) -> int:
+    emit(args, _jobs_call(lambda: _jobs_client(args).cancel(args.job_id), args.url), _job_text)
     return EXIT_OK
 
 

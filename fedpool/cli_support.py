@@ -3,7 +3,6 @@ printing --json or a table."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -12,13 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedpool.options import Options, RayOptions
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command failed (a registry error, a job that failed)
 EXIT_USAGE = 2  # bad input: flags, specs, datasets, artifacts; the message names the culprit
 EXIT_UNAVAILABLE = 3  # Ray, the registry, a server or the model it needs is not there
 EXIT_INCOMPLETE = 4  # the run finished but some records failed (their errors are in the artifact)
 EXIT_BUSY = 5  # the directory is owned by another process (a second resume, a second jobs server)
-DEFAULT_STATE_DIR = Path("~/.fedpool/registry")
 
 
 class CliError(Exception):
@@ -80,7 +80,7 @@ def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def registry_client(args: argparse.Namespace) -> Any:
+def registry_client(args: RayOptions) -> Any:
     from fedpool.registry import RegistryClient, RegistryError
 
     connect_ray(args.address)
@@ -90,8 +90,9 @@ def registry_client(args: argparse.Namespace) -> Any:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from None
 
 
-def emit(args: argparse.Namespace, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
-    print(json.dumps(data, indent=2, default=str) if getattr(args, "json", False) else human(data))
+def emit(args: Options, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:
+    """`data` as JSON with --json, else as `human` writes it."""
+    print(json.dumps(data, indent=2, default=str) if getattr(args, "json_output", False) else human(data))
 
 
 def validation_message(exc: Any) -> str:

@@ -1,5 +1,5 @@
-"""Configuration for the `fedpool` CLI from flags, a config file and the environment, in that order of
-precedence, and `--show-config` to print what a command would run with (secrets masked).
+"""A command's settings from flags, the environment, a config file and the defaults, in that order of precedence
+(pydantic-settings merges the sources), and `--show-config` to print them with where each came from.
 
 The config file is TOML (`fedpool.toml`) or YAML (`.yaml`/`.yml`), found at `--config PATH`, else
 `$FEDPOOL_CONFIG`, else `./fedpool.toml`, else `~/.fedpool/config.toml`. Top-level keys apply to every
@@ -11,34 +11,26 @@ names with dashes or underscores (`api-key-file`, `max_running_jobs`). Environme
 
 from __future__ import annotations
 
-import argparse
 import tomllib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
 
+from fedpool.options import EnvOnly, Options, flag_names, key_of, marker, option_fields
 from fedpool.pipeline.artifact import SECRET_NAME
 
 SECRET_WORDS = ("token", "secret", "password", "api_key")
-# Environment variables of this form that are not options (tokens are read where they are used).
-NOT_OPTIONS = frozenset({"FEDPOOL_CONFIG", "FEDPOOL_REGISTRY_TOKEN", "FEDPOOL_REGISTRY_TOKEN_FILE",
-                         "FEDPOOL_JOBS_TOKEN", "FEDPOOL_JOBS_URL", "FEDPOOL_VENV", "FEDPOOL_WHEELHOUSE",
-                         "FEDPOOL_BUILD_JOBS", "FEDPOOL_VLLM_PYTHON", "FEDPOOL_VLLM_VENV", "FEDPOOL_VLLM_VERSION"})
+OUR_MESSAGES = frozenset({"number", "range", "choice"})  # options.py's errors, which say what was given
 
 
 class ConfigError(Exception):
-    """The config file or an environment variable is wrong; the message names it and the key."""
-
-
-@dataclass
-class Applied:
-    """Where each option's value comes from, for --show-config."""
-
-    file: Path | None = None
-    sources: dict[str, str] = field(default_factory=dict)  # dest -> "config file" | "env NAME"
+    """A flag, an environment variable or the config file is wrong; the message names it (and the key)."""
 
 
 def find_config_file(given: Path | None, environ: Mapping[str, str]) -> Path | None:
@@ -77,102 +69,152 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def _key(name: str) -> str:
-    return name.replace("-", "_")
+def env_name(key: str) -> str:
+    return "FEDPOOL_" + key.upper()
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+def file_options(model: type[BaseSettings]) -> set[str]:
+    """The keys a config file may set for a command: its options, less those read from the environment only."""
+    return {key for key, field in option_fields(model).items() if marker(field, EnvOnly) is None}
 
 
-def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {a.dest: a for a in parser._actions
-            if a.option_strings and a.dest not in ("help", "config", "show_config")}
+class CommandTable(PydanticBaseSettingsSource):
+    """The config file's values for one command: its top-level keys, then the table of each enclosing command
+    (`eval`, then `eval run`), the more specific winning. (pydantic-settings' TOML and YAML sources read a
+    whole file as one model's values; fedpool's file holds every command's.)"""
+
+    def __init__(self, settings_cls: type[BaseSettings], applied: Applied, command: str):
+        super().__init__(settings_cls)
+        self.values: dict[str, Any] = {}
+        self.where: dict[str, str] = {}  # key -> how the file spells it, for messages ("eval run.concurrency")
+        settable = file_options(settings_cls)
+        words = command.split()
+        for table in (" ".join(words[:depth]) for depth in range(len(words) + 1)):  # "", "eval", "eval run"
+            layer = applied.config.get(table) if table else applied.config
+            for raw_key, value in (layer.items() if isinstance(layer, dict) else ()):
+                key = raw_key.replace("-", "_")
+                if key in settable and not isinstance(value, dict):
+                    self.values[key] = value
+                    self.where[key] = f"{applied.file}: {table + '.' if table else ''}{raw_key}"
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self.values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.values)
 
 
-def _convert(action: argparse.Action, value: Any, where: str) -> Any:
-    if isinstance(action, argparse._StoreTrueAction):
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if isinstance(action, argparse._AppendAction):
-        items = value if isinstance(value, list) else [value]
-        return [_convert_one(action, v, where) for v in items]
-    return _convert_one(action, value, where)
+@dataclass(frozen=True)
+class Applied:
+    """The config file and the environment, checked against every command: what each command's settings are
+    built from, under its flags."""
+
+    file: Path | None
+    config: Mapping[str, Any]
+    environ: Mapping[str, str]
 
 
-def _convert_one(action: argparse.Action, value: Any, where: str) -> Any:
+@dataclass(frozen=True)
+class Layers:
+    """One command's values by where they come from, the most important first."""
+
+    flags: dict[str, Any]
+    env: dict[str, str]
+    table: CommandTable
+    file: Path | None
+
+    @classmethod
+    def of(cls, model: type[Options], command: str, flags: dict[str, Any], applied: Applied) -> Layers:
+        # Read from the mapping given rather than by pydantic-settings' EnvSettingsSource, which reads
+        # os.environ itself: main() passes the environment in, and the variable behind each value is known.
+        env = {key: applied.environ[env_name(key)] for key in option_fields(model)
+               if env_name(key) in applied.environ}
+        return cls(flags, env, CommandTable(model, applied, command), applied.file)
+
+    def sources(self, model: type[Options]) -> tuple[PydanticBaseSettingsSource, ...]:
+        return InitSettingsSource(model, self.flags), InitSettingsSource(model, self.env), self.table
+
+    def origin(self, key: str) -> str:
+        if key in self.flags:
+            return "flag"
+        if key in self.env:
+            return f"env {env_name(key)}"
+        return f"config file {self.file}" if key in self.table.values else "default"
+
+    def culprit(self, key: str, field: FieldInfo) -> str:
+        if key in self.flags:
+            return flag_names(key, field)[-1]
+        return f"environment {env_name(key)}" if key in self.env else self.table.where[key]
+
+
+def load_settings(model: type[Options], command: str, flags: dict[str, Any],
+                  applied: Applied) -> tuple[Options, Layers]:
+    """`command`'s settings: flags > environment > config file > defaults, each value checked. (`_build_sources`
+    is BaseSettings' own argument for sources made beforehand; mypy sees only the fields' __init__.)"""
+    layers = Layers.of(model, command, flags, applied)
     try:
-        converted = action.type(str(value)) if callable(action.type) else value  # type: ignore[misc]
-    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"{where}: {converted!r} is not one of {', '.join(map(str, action.choices))}")
-    return converted
+        return model(_build_sources=(layers.sources(model), flags)), layers  # type: ignore[call-arg]
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_problems(model, layers, exc, with_missing=True))) from None
 
 
-def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[
-        tuple[tuple[str, ...], argparse.ArgumentParser]]:
-    yield path, parser
-    for name, child in _subparsers(parser).items():
-        yield from _walk(child, (*path, name))
+def _problems(model: type[Options], layers: Layers, exc: ValidationError, *, with_missing: bool) -> list[str]:
+    fields = {key_of(name, field): field for name, field in model.model_fields.items()}
+    problems, missing = [], []
+    for error in exc.errors():
+        key = str(error["loc"][0])
+        if error["type"] == "missing":
+            missing.append(flag_names(key, fields[key])[-1])
+        else:
+            given = "" if error["type"] in OUR_MESSAGES else f", got {error['input']!r}"
+            problems.append(f"{layers.culprit(key, fields[key])}: {error['msg']}{given}")
+    if missing and with_missing:
+        problems.append(f"the following arguments are required: {', '.join(missing)}")
+    return problems
 
 
-def apply_defaults(parser: argparse.ArgumentParser, config: Mapping[str, Any], config_path: Path | None,
+class Commands(Protocol):
+    @property
+    def options(self) -> Mapping[str, type[Options]]: ...  # "eval run" -> its options model
+
+
+def apply_defaults(commands: Commands, config: Mapping[str, Any], config_path: Path | None,
                    environ: Mapping[str, str]) -> Applied:
-    """Set every (sub)parser's defaults from the config file, then from the environment (which wins over
-    the file); flags given on the command line win over both (flags > environment > file > defaults, the
-    usual order). Unknown keys are errors, named."""
-    applied = Applied(file=config_path)
-    known_keys: set[str] = set()
-    for path, sub in _walk(parser):
-        options = _options(sub)
-        known_keys.update(options)
-        values: dict[str, Any] = {}
-        for dest, action in options.items():
-            # the file: top level, then each enclosing command's table, most specific last
-            layers = [config] + [config.get(" ".join(path[:i])) for i in range(1, len(path) + 1)]
-            for depth, layer in enumerate(layers):
-                if not isinstance(layer, dict):
-                    continue
-                for raw_key, value in layer.items():
-                    if isinstance(value, dict) or _key(raw_key) != dest:
-                        continue
-                    where = f"{config_path}: {' '.join(path[:depth]) + '.' if depth else ''}{raw_key}"
-                    values[dest] = _convert(action, value, where)
-                    applied.sources[dest] = f"config file {config_path}"
-            env_name = "FEDPOOL_" + dest.upper()
-            if env_name in environ and env_name not in NOT_OPTIONS:
-                values[dest] = _convert(action, environ[env_name], f"environment {env_name}")
-                applied.sources[dest] = f"env {env_name}"
-        if values:
-            sub.set_defaults(**values)
-    commands = {" ".join(p) for p, _ in _walk(parser) if p}
+    """Check the config file and the environment against every command: an unknown key or table, a wrong type
+    or a value outside an option's choices is refused with the file (or variable) and the key named. What it
+    returns makes them the defaults of each command's flags."""
     for key, value in config.items():
-        if isinstance(value, dict):
-            if key not in commands:
-                raise ConfigError(f"{config_path}: [{key}] is not a fedpool command")
-            for inner in value:
-                if not isinstance(value[inner], dict) and _key(inner) not in known_keys:
-                    raise ConfigError(f"{config_path}: [{key}] {inner}: no such option")
-        elif _key(key) not in known_keys:
-            raise ConfigError(f"{config_path}: {key}: no such option")
+        if not isinstance(value, dict):
+            _check_key(f"{config_path}: {key}", key, commands.options.values())
+            continue
+        under = [m for name, m in commands.options.items() if f"{name} ".startswith(f"{key} ")]
+        if not under:
+            raise ConfigError(f"{config_path}: [{key}] is not a fedpool command")
+        for inner, inner_value in value.items():
+            if not isinstance(inner_value, dict):
+                _check_key(f"{config_path}: [{key}] {inner}", inner, under)
+    applied = Applied(config_path, config, environ)
+    for name, model in commands.options.items():
+        layers = Layers.of(model, name, {}, applied)
+        try:
+            model(_build_sources=(layers.sources(model), {}))  # type: ignore[call-arg]
+        except ValidationError as exc:  # options that must be given are not missing: the flags may give them
+            problems = _problems(model, layers, exc, with_missing=False)
+            if problems:
+                raise ConfigError(problems[0]) from None
     return applied
+
+
+def _check_key(where: str, key: str, models: Iterable[type[Options]]) -> None:
+    if not any(key.replace("-", "_") in file_options(model) for model in models):
+        raise ConfigError(f"{where}: no such option")
 
 
 def mask(dest: str, value: Any) -> Any:
     """Secrets are shown as *** (a token file's path is not a secret; its content is never read here), and so
     are the values of KEY=VALUE items whose KEY names a secret (`--env HF_TOKEN=...`)."""
-    if isinstance(value, str) and value and any(w in dest for w in SECRET_WORDS) and "file" not in dest \
-            and "path" not in dest:
+    if isinstance(value, SecretStr) or (isinstance(value, str) and value and any(w in dest for w in SECRET_WORDS)
+                                        and "file" not in dest and "path" not in dest):
         return "***"
     if isinstance(value, list):
         return [_mask_item(v) for v in value]
@@ -187,54 +229,13 @@ def _mask_item(item: Any) -> Any:
     return item
 
 
-def show(args: argparse.Namespace, parser_defaults: Mapping[str, Any], applied: Applied) -> dict[str, Any]:
-    """Every option of the chosen command with its value and where it came from."""
-    out: dict[str, Any] = {}
-    for dest, value in sorted(vars(args).items()):
-        if dest in ("func", "show_config", "config") or callable(value):
-            continue
-        if dest in applied.sources and parser_defaults.get(dest, object()) == value:
-            source = applied.sources[dest]
-        elif dest in parser_defaults and parser_defaults[dest] == value:
-            source = "default"
-        else:
-            source = "flag" if dest not in ("command",) and not dest.endswith("_command") else "command"
-        shown = str(value) if isinstance(value, Path) else value
-        out[dest] = {"value": mask(dest, shown), "from": source}
-    return {"config_file": str(applied.file) if applied.file else None, "options": out}
-
-
-def effective_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
-    """The defaults (after apply_defaults) of the parsers the command line goes through."""
-    defaults: dict[str, Any] = {}
-    current = parser
-    words = [w for w in argv if not w.startswith("-")]
-    while True:
-        defaults.update({a.dest: a.default for a in current._actions if a.option_strings})
-        defaults.update(current._defaults)
-        subs = _subparsers(current)
-        nxt = next((w for w in words if w in subs), None)
-        if nxt is None:
-            return defaults
-        words = words[words.index(nxt) + 1:]
-        current = subs[nxt]
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """`--config PATH` and `--show-config` on every command (before or after the command's name)."""
-    for _, sub in _walk(parser):
-        sub.add_argument("--config", type=Path, default=argparse.SUPPRESS,
-                         help="config file (TOML or YAML; default $FEDPOOL_CONFIG, ./fedpool.toml, "
-                              "~/.fedpool/config.toml)")
-        sub.add_argument("--show-config", action="store_true", default=argparse.SUPPRESS,
-                         help="print the configuration this command would run with (secrets masked), then exit")
-
-
-def config_flag(argv: list[str]) -> Path | None:
-    """--config's value, read before parsing (the file sets the parsers' defaults)."""
-    for i, word in enumerate(argv):
-        if word == "--config" and i + 1 < len(argv):
-            return Path(argv[i + 1]).expanduser()
-        if word.startswith("--config="):
-            return Path(word.split("=", 1)[1]).expanduser()
-    return None
+def show(settings: Options, command: str, layers: Layers) -> dict[str, Any]:
+    """Every option of the chosen command with its value and where it came from (`--show-config`)."""
+    words = command.split()
+    out: dict[str, Any] = {"command": {"value": words[0], "from": "command"}}
+    if len(words) > 1:
+        out[f"{words[0]}_command"] = {"value": words[1], "from": "command"}
+    for name, field in type(settings).model_fields.items():
+        key, value = key_of(name, field), getattr(settings, name)
+        out[key] = {"value": mask(key, str(value) if isinstance(value, Path) else value), "from": layers.origin(key)}
+    return {"config_file": str(layers.file) if layers.file else None, "options": dict(sorted(out.items()))}

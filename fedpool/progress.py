@@ -84,9 +84,9 @@ class ProgressView:
         for column in ("server", "answered", "in flight", "window", "errors", "learned tok/s"):
             servers.add_column(column, justify="left" if column == "server" else "right")
         for s in self._dispatcher.stats().servers:
-            rate = "-" if s.learned_tokens_per_s is None else f"{s.learned_tokens_per_s:.0f}"
+            learned = "-" if s.learned_tokens_per_s is None else f"{s.learned_tokens_per_s:.0f}"
             servers.add_row(s.server_id, str(s.answered), str(s.inflight), str(s.window),
-                            str(sum(s.failures.values())), rate)
+                            str(sum(s.failures.values())), learned)
         return Group(evals, servers)
 
     async def _draw_forever(self) -> None:

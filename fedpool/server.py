@@ -52,14 +52,14 @@ class PoolHistory(AppTask):
     def sample(self) -> None:
         stats = {s.server_id: s for s in self._dispatcher.stats().servers}
         snap = self._snapshot()
-        entries = {e.id: e for e in snap.entries} if snap else {}
-        ids = sorted(set(stats) | set(entries))
+        loads = {e.id: e.load for e in snap.entries} if snap else {}
+        ids = sorted(set(stats) | set(loads))
         self._points.append(_Point(
             self._clock(),
             {i: stats[i].answered if i in stats else 0 for i in ids},
             {i: stats[i].completion_tokens if i in stats else 0 for i in ids},
-            {i: (entries[i].load.running if i in entries and entries[i].load else None) for i in ids},
-            {i: (entries[i].load.waiting if i in entries and entries[i].load else None) for i in ids},
+            {i: load.running if (load := loads.get(i)) else None for i in ids},
+            {i: load.waiting if (load := loads.get(i)) else None for i in ids},
         ))
 
     def series(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
 )
 def test_every_command_has_help(args: list[str]) -> None:
     result = run(*args, "--help")
-    assert result.returncode == 0 and "usage: fedpool" in result.stdout
+    assert result.returncode == 0 and "usage: fedpool" in result.stdout.lower()
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_every_command_has_help(args: list[str]) -> None:
         (["demo", "--servers", "0"], "expected a number >= 1"),
         (["demo", "--policy", "fastest"], "invalid choice: 'fastest'"),
         (["server", "add", "--id", "x"], "the following arguments are required"),
-        (["frobnicate"], "invalid choice"),
+        (["frobnicate"], "No such command 'frobnicate'"),
         (["gateway", "--host", "0.0.0.0"], "refusing to serve on a non-loopback address without --api-key-file"),
         (["jobs", "submit", "--model", "m"], "the following arguments are required: --spec"),
         (["eval", "run", "--spec", "x.yaml", "--model", "m", "--out", "o", "--concurrency", "0"], "expected a number"),

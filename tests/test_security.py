@@ -5,9 +5,10 @@ test_jobs; secrets never reaching artifacts or logs in test_local_pool, test_job
 
 from __future__ import annotations
 
-import argparse
 import ast
 from pathlib import Path
+
+from pydantic import BaseModel
 
 from fedpool.cli import build_parser
 
@@ -61,16 +62,12 @@ def test_tokens_are_compared_in_constant_time() -> None:
                 assert not ("token" in text.lower() and ("given" in text or "header" in text)), (path, text)
 
 
-def subparser(*names: str) -> argparse.ArgumentParser:
-    parser = build_parser()
-    for name in names:
-        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        parser = action.choices[name]
-    return parser
+def subparser(*names: str) -> type[BaseModel]:
+    return build_parser().options[" ".join(names)]  # the command's options model
 
 
-def default_of(parser: argparse.ArgumentParser, dest: str) -> object:
-    return next(a.default for a in parser._actions if a.dest == dest)
+def default_of(parser: type[BaseModel], dest: str) -> object:
+    return parser.model_fields[dest].default
 
 
 def test_every_listener_binds_loopback_by_default() -> None:

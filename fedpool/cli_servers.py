@@ -1,0 +1,284 @@
+"""`fedpool registry | pool | serve | server`: the registry, the pool it sees, and the servers in it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedpool.cli_support import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    connect_ray,
+    emit,
+    registry_client,
+    validation_message,
+)
+from fedpool.options import (
+    RayJsonOptions,
+    RegistryStartOptions,
+    ServeOptions,
+    ServerAddOptions,
+    ServerListOptions,
+    ServerOptions,
+)
+
+
+def cmd_registry_start(args: RegistryStartOptions) -> int:
+    from fedpool.registry import RegistryClient
+
+    connect_ray(args.address)
+    token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
+
+    async def start() -> dict[str, Any]:
+        client = await RegistryClient.start(
+            args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            resources={args.pin_resource: 0.01} if args.pin_resource else {})
+        return await client.ping()
+
+    info = asyncio.run(start())
+    emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
+         f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)")
+    return EXIT_OK
+
+
+def cmd_registry_status(args: RayJsonOptions) -> int:
+    client = registry_client(args)
+    info = asyncio.run(client.ping())
+    emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
+         f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms")
+    return EXIT_OK
+
+
+def cmd_pool_status(args: RayJsonOptions) -> int:
+    from collections import Counter
+
+    client = registry_client(args)
+    snapshot = asyncio.run(client.snapshot())
+    entries = snapshot.entries
+    by = Counter((e.status.value, e.engine.value, e.record.accelerator) for e in entries)
+    routable = [e for e in entries if e.status.routable]
+    report = {
+        "version": snapshot.version, "servers": len(entries),
+        "by_status": dict(Counter(e.status.value for e in entries)),
+        "groups": [{"status": s, "engine": g, "accelerator": a, "servers": n} for (s, g, a), n in sorted(by.items())],
+        "models": {m: len(ids) for m, ids in snapshot.models().items()},
+        "capacity_routable": sum(e.capacity for e in routable),
+        "running": sum(e.load.running for e in routable if e.load),
+        "waiting": sum(e.load.waiting for e in routable if e.load),
+        "tokens_per_s": sum(e.load.tokens_per_s or 0.0 for e in routable if e.load),
+    }
+
+    def text(r: dict[str, Any]) -> str:
+        lines = [f"{r['servers']} server(s): " + ", ".join(f"{n} {s}" for s, n in sorted(r["by_status"].items())),
+                 f"routable capacity {r['capacity_routable']} sequences; running {r['running']:.0f}, waiting "
+                 f"{r['waiting']:.0f}, {r['tokens_per_s']:.1f} tokens/s"]
+        lines += [f"  {g['servers']} × {g['engine']} on {g['accelerator']} ({g['status']})" for g in r["groups"]]
+        lines += [f"  model {m}: {n} server(s)" for m, n in sorted(r["models"].items())]
+        return "\n".join(lines)
+
+    emit(args, report, text)
+    return EXIT_OK
+
+
+def cmd_serve(args: ServeOptions) -> int:
+    import socket
+
+    from pydantic import ValidationError
+
+    from fedpool.deploy import free_port
+    from fedpool.deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
+    from fedpool.registry import ServerRecord
+
+    port = args.port or free_port(args.host)
+    spec = EngineSpec(engine=args.engine, model=args.model, port=port, host=args.host, model_path=args.model_path,
+                      capacity=args.capacity, gpus=args.gpus or 0, threads=args.threads,
+                      python=args.python or sys.executable, profile=args.profile, speedup=args.speedup,
+                      extra_args=tuple(args.engine_args))
+    try:
+        argv = engine_argv(spec)
+        adapter = registry_engine(args.engine, args.profile)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
+    labels = parse_labels(args.label)
+    engine_env = _engine_env(args.env, args.env_file)
+    server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
+    try:
+        record = ServerRecord.model_validate({
+            "id": server_id, "url": args.advertise_url or f"http://{args.host}:{port}", "engine": adapter,
+            "model": args.model, "revision": args.revision, "accelerator": accelerator,
+            "gpu_count": args.gpus or gpus, "capacity": args.capacity,
+            "labels": {**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine}})
+    except ValidationError as exc:
+        raise CliError(validation_message(exc), EXIT_USAGE) from None
+    client = registry_client(args)
+    return asyncio.run(_serve_engine(client, record, argv, engine_env, args))
+
+
+async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: dict[str, str],
+                        args: ServeOptions) -> int:
+    import signal
+
+    from fedpool.deploy import EngineProcess, LeaseSettings, ServerLauncher
+
+    log_path = args.log_dir.expanduser() / f"{record.id}.log"
+    process = EngineProcess(record.id, argv, log_path, env=engine_env)
+    launcher = ServerLauncher(process, record, client, lease=LeaseSettings(args.lease, args.lease / 3),
+                              start_deadline_s=args.start_deadline)
+    print(f"starting {args.engine} as {record.id} at {record.url}; engine log: {log_path}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    took = await launcher.start()
+    print(f"{record.id} healthy after {took:.1f}s and registered ({record.engine.value}, {record.model}, "
+          f"{record.accelerator}); Ctrl-C to stop and deregister", flush=True)
+    stopped = asyncio.create_task(stop.wait())
+    died = asyncio.create_task(launcher.exited.wait())
+    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, died):
+        task.cancel()
+    await launcher.stop()
+    if launcher.exited.is_set() and not stop.is_set():
+        print(f"fedpool: error: the engine of {record.id} exited (code {process.returncode}); deregistered; "
+              f"see {log_path}", file=sys.stderr)
+        return EXIT_FAILED
+    print(f"{record.id} stopped and deregistered", flush=True)
+    return EXIT_OK
+
+
+def _engine_env(items: Sequence[str], env_file: Path | None) -> dict[str, str]:
+    """--env KEY=VALUE, --env KEY (from this process's environment) and --env-file lines, later ones winning."""
+    env: dict[str, str] = {}
+    if env_file is not None:
+        text = env_file.read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines(), start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise CliError(f"{env_file}:{number}: expected KEY=VALUE", EXIT_USAGE)
+            env[key.strip()] = value
+    for item in items:
+        if "=" not in item:
+            if item not in os.environ:
+                raise CliError(f"--env {item}: no such variable in this environment (give KEY=VALUE)", EXIT_USAGE)
+            env[item] = os.environ[item]
+        else:
+            env.update(parse_labels([item], "--env"))
+    return env
+
+
+def parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"{flag} {item!r}: expected KEY=VALUE", EXIT_USAGE)
+        labels[key] = value
+    return labels
+
+
+def cmd_server_add(args: ServerAddOptions) -> int:
+    from pydantic import ValidationError
+
+    from fedpool.registry import ServerRecord
+
+    labels = parse_labels(args.label)
+    try:
+        record = ServerRecord.model_validate({
+            "id": args.id, "url": args.url, "engine": args.engine, "model": args.model, "revision": args.revision,
+            "accelerator": args.accelerator, "gpu_count": args.gpus, "capacity": args.capacity, "labels": labels})
+    except ValidationError as exc:
+        raise CliError(validation_message(exc), EXIT_USAGE) from None
+    client = registry_client(args)
+    entry = asyncio.run(client.register(record, replace=args.replace))
+    emit(args, entry_json(entry), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
+         f"{e['accelerator']}), capacity {e['capacity']}, status {e['status']}")
+    return EXIT_OK
+
+
+def cmd_server_list(args: ServerListOptions) -> int:
+    client = registry_client(args)
+    snapshot = asyncio.run(client.snapshot())
+    if args.model:
+        snapshot = snapshot.filter(model=args.model)
+    rows = [entry_json(e) for e in snapshot.entries]
+    if args.json_output:
+        print(json.dumps({"version": snapshot.version, "servers": rows}, indent=2))
+        return EXIT_OK
+    print(format_server_table(rows))
+    return EXIT_OK
+
+
+def cmd_server_show(args: ServerOptions) -> int:
+    client = registry_client(args)
+    entry = asyncio.run(client.get(args.server_id))
+    emit(args, entry_json(entry), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
+    return EXIT_OK
+
+
+def cmd_server_drain(args: ServerOptions) -> int:
+    client = registry_client(args)
+    entry = asyncio.run(client.drain(args.server_id))
+    emit(args, entry_json(entry), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
+    return EXIT_OK
+
+
+def cmd_server_remove(args: ServerOptions) -> int:
+    client = registry_client(args)
+    record = asyncio.run(client.deregister(args.server_id))
+    emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
+    return EXIT_OK
+
+
+def entry_json(entry: Any) -> dict[str, Any]:
+    load = entry.load
+    return {
+        "id": entry.id,
+        "url": entry.url,
+        "engine": entry.engine.value,
+        "model": entry.record.model,
+        "revision": entry.record.revision,
+        "accelerator": entry.record.accelerator,
+        "gpu_count": entry.record.gpu_count,
+        "capacity": entry.capacity,
+        "status": entry.status.value,
+        "running": load.running if load else None,
+        "waiting": load.waiting if load else None,
+        "kv_cache_usage": load.kv_cache_usage if load else None,
+        "tokens_per_s": load.tokens_per_s if load else None,
+        "probe_latency_ms": entry.probe_latency_s * 1000 if entry.probe_latency_s is not None else None,
+        "last_error": entry.last_error,
+        "labels": dict(entry.record.labels),
+    }
+
+
+def format_server_table(rows: Sequence[dict[str, Any]]) -> str:
+    headers = ("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S")
+    table = [headers]
+    for r in rows:
+        table.append((
+            r["id"], r["engine"], r["accelerator"], r["model"], r["status"],
+            _num(r["running"]), _num(r["waiting"]),
+            f"{r['kv_cache_usage'] * 100:.0f}" if r["kv_cache_usage"] is not None else "-",
+            f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] is not None else "-",
+        ))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(headers))]
+    lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table]
+    if not rows:
+        lines.append("(no servers registered; add one with `fedpool server add`)")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
