@@ -18,19 +18,10 @@ import click
 from click.core import ParameterSource
 from pydantic.fields import FieldInfo
 
-from fedpool.cli_eval import cmd_eval_replay, cmd_eval_rescore, cmd_eval_resume, cmd_eval_run, verifier_pool
-from fedpool.cli_jobs import cmd_jobs_cancel, cmd_jobs_list, cmd_jobs_logs, cmd_jobs_show, cmd_jobs_submit
-from fedpool.cli_servers import (
-    cmd_pool_status,
-    cmd_registry_start,
-    cmd_registry_status,
-    cmd_serve,
-    cmd_server_add,
-    cmd_server_drain,
-    cmd_server_list,
-    cmd_server_remove,
-    cmd_server_show,
-)
+from fedpool import cli_eval as evals
+from fedpool import cli_jobs as jobs
+from fedpool import cli_servers as servers
+from fedpool import options as opt
 from fedpool.cli_support import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -42,34 +33,7 @@ from fedpool.cli_support import (
     registry_client,
 )
 from fedpool.config import ConfigError, Layers, apply_defaults, find_config_file, load_settings, read_config_file, show
-from fedpool.options import (
-    DemoOptions,
-    DownOptions,
-    EnvOnly,
-    EvalReplayOptions,
-    EvalRescoreOptions,
-    EvalResumeOptions,
-    EvalRunOptions,
-    Flag,
-    GatewayOptions,
-    JobOptions,
-    JobsClientOptions,
-    JobsServeOptions,
-    JobsSubmitOptions,
-    OneOf,
-    Options,
-    Positional,
-    RayJsonOptions,
-    RegistryStartOptions,
-    ServeOptions,
-    ServerAddOptions,
-    ServerListOptions,
-    ServerOptions,
-    UpOptions,
-    flag_names,
-    key_of,
-    marker,
-)
+from fedpool.options import EnvOnly, Flag, OneOf, Options, Positional, flag_names, key_of, marker
 
 CONFIG_FLAGS = ("config", "show_config")
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -97,7 +61,7 @@ class Chosen:
 
 
 # ---- commands -----------------------------------------------------------------------------------
-def cmd_demo(args: DemoOptions) -> int:
+def cmd_demo(args: opt.DemoOptions) -> int:
     from fedpool.demo import DemoOptions as Demo
     from fedpool.demo import report_json, run_demo
     from fedpool.deploy.localpool import LocalServerSpec
@@ -116,7 +80,7 @@ def cmd_demo(args: DemoOptions) -> int:
     return EXIT_OK
 
 
-def cmd_up(args: UpOptions) -> int:
+def cmd_up(args: opt.UpOptions) -> int:
     from fedpool.deploy.localpool import LocalPoolSpec
     from fedpool.up import PoolAlreadyUp, detach, run_up
     from fedpool.up import UpOptions as Up
@@ -136,7 +100,7 @@ def cmd_up(args: UpOptions) -> int:
         raise CliError(str(exc), EXIT_FAILED) from None
 
 
-def cmd_down(args: DownOptions) -> int:
+def cmd_down(args: opt.DownOptions) -> int:
     from fedpool.up import down
 
     return down(args.state_dir)
@@ -150,7 +114,7 @@ def cmd_bench_speedup(bench_args: Sequence[str]) -> int:
     return subprocess.run([sys.executable, "-m", "fedpool.benchmarks.speedup", *bench_args]).returncode
 
 
-def cmd_gateway(args: GatewayOptions) -> int:
+def cmd_gateway(args: opt.GatewayOptions) -> int:
     from fedpool.federation.gateway import parse_api_keys
 
     keys = None
@@ -173,7 +137,7 @@ def cmd_gateway(args: GatewayOptions) -> int:
     return EXIT_OK
 
 
-async def _serve_gateway(client: Any, args: GatewayOptions, keys: Any, jobs_dir: Path | None,
+async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_dir: Path | None,
                          jobs_token: str | None) -> None:
     import signal
 
@@ -191,16 +155,16 @@ async def _serve_gateway(client: Any, args: GatewayOptions, keys: Any, jobs_dir:
     config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
     async with PoolConnection(client, policy=args.policy, config=config) as pool:
         gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=keys, max_inflight=args.max_inflight)
-        jobs = None
+        job_runner = None
         if jobs_dir is not None:
             roots = [r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")]
-            jobs = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
-                             verifier_factory=lambda: verifier_pool(args), roots=roots)
+            job_runner = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
+                             verifier_factory=lambda: evals.verifier_pool(args), roots=roots)
             try:
-                await jobs.start()
+                await job_runner.start()
             except OwnershipError as exc:
                 raise CliError(str(exc), EXIT_BUSY) from None
-        app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=jobs, jobs_token=jobs_token)
+        app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=job_runner, jobs_token=jobs_token)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None, backlog=1024).start()
@@ -215,8 +179,8 @@ async def _serve_gateway(client: Any, args: GatewayOptions, keys: Any, jobs_dir:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        if jobs is not None:
-            await jobs.stop()
+        if job_runner is not None:
+            await job_runner.stop()
         await runner.cleanup()
 
 
@@ -232,57 +196,54 @@ def _raise_open_files_limit() -> None:
 
 
 LEAVES = (
-    Leaf("demo", DemoOptions, cmd_demo, "run the main job on the embedded default: local Ray, 2 llama.cpp "
+    Leaf("demo", opt.DemoOptions, cmd_demo, "run the main job on the embedded default: local Ray, 2 llama.cpp "
          "servers, 3 concurrent evals", "Start local Ray and a registry, launch real llama.cpp servers serving "
          "Gemma 3 270M, register them, run the bundled benchmarks concurrently through the pool, print scores, "
          "wall time, requests per server and where the artifacts are."),
-    Leaf("up", UpOptions, cmd_up, "bring up a local pool and keep it up: Ray, the registry, N servers, the gateway "
-         "and pool page", "Starts local Ray on loopback (or joins --address), the registry, N local servers "
-         "(llama.cpp with the bundled Gemma 3 270M by default, --engine vllm for vLLM's CPU build, --engine "
-         "emulated --profile P), and the OpenAI-compatible gateway with the pool page; prints the base URL and "
-         "paste-ready commands for lm-eval, inspect_ai, the openai SDK and vLLM's benchmark. Ctrl-C or SIGTERM "
-         "stops everything it started."),
-    Leaf("down", DownOptions, cmd_down, "stop the pool `fedpool up --detach` started"),
-    Leaf("registry start", RegistryStartOptions, cmd_registry_start,
-         "create the registry actor (detached, namespace fedpool)"),
-    Leaf("registry status", RayJsonOptions, cmd_registry_status, "show whether the registry runs and how it is doing"),
-    Leaf("gateway", GatewayOptions, cmd_gateway, "serve an OpenAI-compatible endpoint that routes through the pool",
-         "OpenAI-compatible /v1/completions, /v1/chat/completions (streaming too) and /v1/models in front of "
+    Leaf("up", opt.UpOptions, cmd_up, "bring up a local pool and keep it up: Ray, the registry, N servers, the "
+         "gateway and pool page", "Starts local Ray on loopback (or joins --address), the registry, N local servers "
+         "(llama.cpp with the bundled Gemma 3 270M by default, --engine vllm for vLLM's CPU build, --engine emulated "
+         "--profile P), and the OpenAI-compatible gateway with the pool page; prints the base URL and paste-ready "
+         "commands for lm-eval, inspect_ai, the openai SDK and vLLM's benchmark. Ctrl-C or SIGTERM stops everything "
+         "it started."),
+    Leaf("down", opt.DownOptions, cmd_down, "stop the pool `fedpool up --detach` started"),
+    Leaf("registry start", opt.RegistryStartOptions, servers.cmd_registry_start, "create the registry actor (detached, "
+         "namespace fedpool)"),
+    Leaf("registry status", opt.RayJsonOptions, servers.cmd_registry_status, "show whether the registry runs and how"),
+    Leaf("gateway", opt.GatewayOptions, cmd_gateway, "serve an OpenAI-compatible endpoint that routes through the "
+         "pool", "OpenAI-compatible /v1/completions, /v1/chat/completions (streaming too) and /v1/models in front of "
          "every registered server; /metrics for Prometheus; the pool page at /."),
-    Leaf("jobs serve", JobsServeOptions, cmd_gateway, "serve the jobs API with the gateway and the pool page (one "
-         "process, one pool connection)", "Jobs are kept in SQLite under --jobs-dir; a restarted server resumes "
+    Leaf("jobs serve", opt.JobsServeOptions, cmd_gateway, "serve the jobs API with the gateway and the pool page "
+         "(one process, one pool connection)", "Jobs are kept in SQLite under --jobs-dir; a restarted server resumes "
          "the jobs that were running from their artifacts. Every /jobs call needs the token in JOBS_DIR/jobs.token "
          "(or FEDPOOL_JOBS_TOKEN)."),
-    Leaf("jobs submit", JobsSubmitOptions, cmd_jobs_submit,
-         "submit benchmark specs as a job (sent inline, data paths absolute)"),
-    Leaf("jobs list", JobsClientOptions, cmd_jobs_list, "every job, newest first"),
-    Leaf("jobs show", JobOptions, cmd_jobs_show, "one job: state, progress, scores"),
-    Leaf("jobs cancel", JobOptions, cmd_jobs_cancel, "cancel a queued or running job"),
-    Leaf("jobs logs", JobOptions, cmd_jobs_logs, "a job's log"),
-    Leaf("pool status", RayJsonOptions, cmd_pool_status,
-         "servers by status, engine and accelerator; capacity and load"),
-    Leaf("eval run", EvalRunOptions, cmd_eval_run, "run benchmark specs concurrently through the pool into --out"),
-    Leaf("eval resume", EvalResumeOptions, cmd_eval_resume,
-         "finish a run in RUN_DIR: its missing records, and (unless --keep-failed) its failed ones again"),
-    Leaf("eval replay", EvalReplayOptions, cmd_eval_replay, "run a finished run's exact configuration again, into "
-         "a new --out", "Reads each benchmark's saved configuration (spec, prompt, generation parameters, model "
-         "and revision) from ARTIFACT, checks that every dataset is unchanged (SHA-256), and runs it again through "
-         "the pool into --out."),
-    Leaf("eval rescore", EvalRescoreOptions, cmd_eval_rescore, "recompute post-processing, metrics and the verifier "
-         "from an artifact, no inference", "Reads every record of ARTIFACT (a run directory or one benchmark's "
-         "directory) and writes a new artifact to --out with post-processing, metrics and, for specs with "
-         "`verifier: true`, the verifier's judgments computed again. --spec may change postprocess, metrics and "
-         "verifier; anything that decides the model's answers (prompt, generation, data) needs a new run."),
-    Leaf("serve", ServeOptions, cmd_serve, "start an engine on this node, register it, heartbeat, deregister on "
-         "exit", "Start vLLM, SGLang, llama.cpp or an emulated server as a child process (its output in a log "
-         "file), wait until healthy, register it with the registry (accelerator detected with nvidia-smi unless "
-         "given), renew its lease, and deregister on SIGTERM/SIGINT or when the engine dies. Arguments after -- go "
-         "to the engine."),
-    Leaf("server add", ServerAddOptions, cmd_server_add, "register a running server (the registry checks it first)"),
-    Leaf("server list", ServerListOptions, cmd_server_list, "table of registered servers with status and load"),
-    Leaf("server show", ServerOptions, cmd_server_show, "one server in detail"),
-    Leaf("server drain", ServerOptions, cmd_server_drain, "stop new requests to a server, remove it once idle"),
-    Leaf("server remove", ServerOptions, cmd_server_remove, "deregister a server now"),
+    Leaf("jobs submit", opt.JobsSubmitOptions, jobs.cmd_jobs_submit, "submit benchmark specs as a job (sent inline)"),
+    Leaf("jobs list", opt.JobsClientOptions, jobs.cmd_jobs_list, "every job, newest first"),
+    Leaf("jobs show", opt.JobOptions, jobs.cmd_jobs_show, "one job: state, progress, scores"),
+    Leaf("jobs cancel", opt.JobOptions, jobs.cmd_jobs_cancel, "cancel a queued or running job"),
+    Leaf("jobs logs", opt.JobOptions, jobs.cmd_jobs_logs, "a job's log"),
+    Leaf("pool status", opt.RayJsonOptions, servers.cmd_pool_status, "servers by status, engine and accelerator; "
+         "capacity and load"),
+    Leaf("eval run", opt.EvalRunOptions, evals.cmd_eval_run, "run benchmark specs concurrently through the pool"),
+    Leaf("eval resume", opt.EvalResumeOptions, evals.cmd_eval_resume, "finish a run in RUN_DIR: its missing records, "
+         "and (unless --keep-failed) its failed ones again"),
+    Leaf("eval replay", opt.EvalReplayOptions, evals.cmd_eval_replay, "run a finished run's exact configuration again",
+         "Reads each benchmark's saved configuration (spec, prompt, generation parameters, model and revision) from "
+         "ARTIFACT, checks that every dataset is unchanged (SHA-256), and runs it again through the pool into --out."),
+    Leaf("eval rescore", opt.EvalRescoreOptions, evals.cmd_eval_rescore, "recompute post-processing, metrics and the "
+         "verifier from an artifact, no inference", "Reads every record of ARTIFACT (a run directory or one "
+         "benchmark's directory) and writes a new artifact to --out with post-processing, metrics and, for specs "
+         "with `verifier: true`, the verifier's judgments computed again. --spec may change postprocess, metrics "
+         "and verifier; anything that decides the model's answers (prompt, generation, data) needs a new run."),
+    Leaf("serve", opt.ServeOptions, servers.cmd_serve, "start an engine, register it, heartbeat, deregister at exit",
+         "Start vLLM, SGLang, llama.cpp or an emulated server as a child process (its output in a log file), wait "
+         "until healthy, register it (accelerator detected with nvidia-smi unless given), renew its lease, and "
+         "deregister on SIGTERM/SIGINT or when the engine dies. Arguments after -- go to the engine."),
+    Leaf("server add", opt.ServerAddOptions, servers.cmd_server_add, "register a running server (checked first)"),
+    Leaf("server list", opt.ServerListOptions, servers.cmd_server_list, "registered servers, status and load"),
+    Leaf("server show", opt.ServerOptions, servers.cmd_server_show, "one server in detail"),
+    Leaf("server drain", opt.ServerOptions, servers.cmd_server_drain, "no new requests to a server; removed once idle"),
+    Leaf("server remove", opt.ServerOptions, servers.cmd_server_remove, "deregister a server now"),
 )
 GROUPS = {
     "registry": "start or inspect the registry actor in a running Ray cluster",

