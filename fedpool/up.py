@@ -19,9 +19,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from fedpool.deploy.localpool import LocalPoolSpec
+
+if TYPE_CHECKING:
+    import psutil
 
 PID_FILE = "up.pid"
 READY_FILE = "up.json"
@@ -186,37 +189,99 @@ def detach(argv: list[str], options: UpOptions, out: TextIO = sys.stdout, timeou
 
 
 def down(state_dir: Path, out: TextIO = sys.stdout, timeout_s: float = 60.0) -> int:
-    """Stop the `fedpool up` of this state dir (SIGTERM, then SIGKILL after `timeout_s`). 0 when it is gone."""
+    """Stop the `fedpool up` of this state dir and every process of its pool (SIGTERM to it; SIGKILL to whatever
+    is left after `timeout_s`). Returns once all of them are gone: 0 when they stopped by themselves."""
     state = state_dir.expanduser().resolve()
     pid = running_pid(state)
     if pid is None:
         print(f"no pool is up from {state}", file=out)
         return 0
-    import psutil
-
-    try:  # everything it started: Ray's processes and workers exit after it, and `down` waits for them too
-        started = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        started = []
+    pool = PoolProcesses(pid)
+    pool.scan()
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if running_pid(state) is None or not _alive(pid):
-            _, left = psutil.wait_procs(started, timeout=max(0.0, deadline - time.monotonic()))
-            for proc in left:  # still there at the deadline: nothing of the pool may outlive `down`
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+        pool.scan()  # processes started since (Ray's workers and agents come and go while it shuts down)
+        if not pool.alive():
             print(f"stopped the pool of {state} (pid {pid})", file=out)
             return 0
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
-    print(f"the pool of {state} (pid {pid}) did not stop in {timeout_s:g} s; killed it", file=out)
+        time.sleep(DOWN_POLL_S)
+    left = pool.kill_all()
+    print(f"the pool of {state} (pid {pid}) did not stop in {timeout_s:g} s; killed {len(left)} process(es) of it",
+          file=out)
     return 1
 
 
-def _alive(pid: int) -> bool:
+DOWN_POLL_S = 0.1
+KILL_WAIT_S = 10.0  # after SIGKILL, how long `down` waits for the processes to be gone
+
+
+class PoolProcesses:
+    """Every process of the pool a `fedpool up` runs: itself, every process of its session (the detached `up` leads
+    a session of its own, so Ray's processes and workers and the servers stay in it when their parent has died
+    and they are re-parented, or when they start after `down` began), and its descendants seen so far (an `up`
+    run in the foreground shares its terminal's session, which is not the pool's). Waiting only for the
+    children seen when `down` began let `down` return while the `up` process itself, a Ray process re-parented
+    mid-shutdown or a worker started after that snapshot was still running."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.pid = pid
+        self.seen: dict[int, psutil.Process] = {}
+        self.own_session = _session_of(pid) == pid
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.seen[pid] = psutil.Process(pid)
+
+    def scan(self) -> None:
+        """Add the processes of the pool running now."""
+        import psutil
+
+        leader = self.seen.get(self.pid)
+        if leader is None:
+            return
+        found: list[psutil.Process] = []
+        with contextlib.suppress(psutil.Error):
+            if leader.is_running():  # (its pid not yet taken by another process)
+                found.extend(leader.children(recursive=True))
+        if self.own_session:
+            for proc in psutil.process_iter():
+                if proc.pid not in self.seen and _session_of(proc.pid) == self.pid:
+                    found.append(proc)
+        for proc in found:
+            self.seen.setdefault(proc.pid, proc)
+
+    def alive(self) -> list[psutil.Process]:
+        """The pool's processes still running (a zombie has exited: it only waits for its parent to reap it)."""
+        import psutil
+
+        running = []
+        for proc in self.seen.values():
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    running.append(proc)
+            except psutil.NoSuchProcess:
+                pass
+        return running
+
+    def kill_all(self) -> list[psutil.Process]:
+        """SIGKILL every process of the pool still running and wait until they are gone; those that were."""
+        import psutil
+
+        self.scan()
+        left = self.alive()
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        deadline = time.monotonic() + KILL_WAIT_S
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(DOWN_POLL_S)
+        return left
+
+
+def _session_of(pid: int) -> int | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        return os.getsid(pid)
+    except OSError:  # gone (or not ours to ask about)
+        return None
+

@@ -41,6 +41,21 @@ def fedpool(*args: str, timeout: float = 900, env: dict[str, str] | None = None)
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def running(proc: psutil.Process) -> bool:
+    """Running and not a zombie (an exited process its parent has not reaped yet)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
 def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
     state = tmp_path / "up"
     port = free_port()
@@ -49,6 +64,7 @@ def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
     assert f"http://127.0.0.1:{port}/v1" in started.stdout and "lm_eval --model local-completions" in started.stdout
     ready = json.loads((state / "up.json").read_text())
     tree = [psutil.Process(ready["pid"]), *psutil.Process(ready["pid"]).children(recursive=True)]
+    assert session_of(ready["pid"]) == ready["pid"]  # the detached `up` leads a session: its pool is in it
     names = {p.name() for p in tree}
     assert "llama-server" in names and any("raylet" in n for n in names), names
     assert ready["ray_address"].startswith("127.0.0.1:")  # Ray on loopback only
@@ -84,6 +100,10 @@ def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
     finally:
         stopped = fedpool("down", "--state-dir", str(state), timeout=120)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
-    alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = [p for p in tree if running(p)]
     assert not alive, [(p.pid, p.name()) for p in alive]
+    # Nor any process that joined the pool later (a Ray worker started after `up` was ready, or re-parented):
+    # the detached `up` leads its own session, and every process of the pool is in it.
+    stragglers = [p for p in psutil.process_iter() if session_of(p.pid) == ready["pid"] and running(p)]
+    assert not stragglers, [(p.pid, p.name()) for p in stragglers]
     assert not (state / "up.pid").exists() and not (state / "up.json").exists()
