@@ -12,8 +12,16 @@ gateway, each run with its own API key:
 - **lm-evaluation-harness** (`lm_eval --model local-completions`, a generate_until task from a local file);
 - **inspect_ai** (`inspect eval` with `--model openai-api/pool/MODEL`, `POOL_BASE_URL`; chat completions);
 - **vLLM's serving benchmark** (`vllm bench serve --backend openai`, random prompts from a fixed seed, from
-  the vLLM CPU build's own venv; the tokenizer is the tiny model's).
+  the vLLM CPU build's own venv; the tokenizer is the tiny model's);
+- **lmms-eval** (`lmms-eval eval --model openai`, a text task from a local file, `num_concurrent`);
+- **OpenCompass** (`opencompass CONFIG` with an `OpenAISDK` model, a local tokenizer and its own key, a local
+  JSONL dataset);
+- **evalscope perf** (`evalscope perf --api openai --dataset openqa --dataset-path FILE`, streaming).
 
+inspect_ai, lmms-eval, OpenCompass and evalscope live in venvs of their own (`scripts/install_tools.sh`, with the
+fixes docs/researchers.md states), the openai SDK and lm-eval in fedpool's; each runs as a researcher would run it,
+offline. A tool's exit code is not trusted:
+lmms-eval and OpenCompass exit 0 from runs that failed, so each run is judged by what it wrote.
 A client that is not installed is reported as such (and makes `all_ok=0`). Writes
 benchmarks/results/clients.md, ending with `result: clients=N all_ok=0|1 answers_same_pct=X`.
 """
@@ -39,6 +47,10 @@ from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 
 MODEL = "emu-model"
 TOOLS_HOME = Path.home() / ".cache" / "fedpool" / "tools"  # scripts/install_tools.sh
+TOKENIZER_DIR = TOOLS_HOME / "tokenizer"  # a local tokenizer (the tiny model's), built by scripts/install_tools.sh
+CONCURRENCY = 4  # every client keeps at most this many requests in flight, direct and through the gateway
+# Tools installed in venvs of their own: distribution name -> the venv under TOOLS_HOME
+TOOL_VENVS = {"inspect_ai": "inspect", "lmms_eval": "lmms", "opencompass": "opencompass", "evalscope": "evalscope"}
 QUESTIONS = [f"Question {i}: what is {i} plus {i + 3}?" for i in range(12)]
 
 
@@ -70,11 +82,11 @@ class ClientResult:
 
 
 def _version(dist: str) -> str:
-    if dist == "inspect_ai":
-        python = TOOLS_HOME / "inspect" / "bin" / "python"
+    if dist in TOOL_VENVS:
+        python = TOOLS_HOME / TOOL_VENVS[dist] / "bin" / "python"
         if not python.exists():
             return "not installed"
-        done = subprocess.run([str(python), "-c", "import inspect_ai; print(inspect_ai.__version__)"],
+        done = subprocess.run([str(python), "-c", f"from importlib.metadata import version; print(version({dist!r}))"],
                               capture_output=True, text=True, timeout=60)
         return done.stdout.strip() or "unknown"
     try:
@@ -144,7 +156,7 @@ async def lm_eval(base: str, key: str, work: Path) -> ClientRun:
     out = work / "lm_eval_out"
     code, wall = await _run(
         [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-         f"model={MODEL},base_url={base}/v1/completions,num_concurrent=4,tokenized_requests=False,"
+         f"model={MODEL},base_url={base}/v1/completions,num_concurrent={CONCURRENCY},tokenized_requests=False,"
          "tokenizer_backend=None", "--tasks", "fedpool_clients_check", "--include_path", str(tasks),
          "--output_path", str(out), "--log_samples"], _env(key), work / "lm_eval.log")
     if code != 0:
@@ -179,7 +191,7 @@ async def inspect_ai(base: str, key: str, work: Path) -> ClientRun:
     logs = work / "inspect_logs"
     code, wall = await _run(
         [str(inspect), "eval", "check_task.py", "--model", f"openai-api/pool/{MODEL}", "--log-dir", str(logs),
-         "--log-format", "json", "--max-tokens", "8", "--temperature", "0", "--max-connections", "4",
+         "--log-format", "json", "--max-tokens", "8", "--temperature", "0", "--max-connections", str(CONCURRENCY),
          "--display", "none"],
         _env(key, POOL_BASE_URL=f"{base}/v1", POOL_API_KEY=key, INSPECT_LOG_DIR=str(logs)), work / "inspect.log",
         cwd=work)
@@ -215,7 +227,7 @@ async def vllm_bench(base: str, key: str, work: Path) -> ClientRun:
         [str(python), "-c", bench, "--backend", "openai", "--base-url", base,
          "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name",
          "random", "--random-input-len", "32", "--random-output-len", "8", "--num-prompts", "16", "--seed", "7",
-         "--max-concurrency", "4", "--save-result", "--save-detailed", "--result-dir", str(out),
+         "--max-concurrency", str(CONCURRENCY), "--save-result", "--save-detailed", "--result-dir", str(out),
          "--result-filename", "result.json", "--disable-tqdm"],
         _env(key, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1"), work / "vllm_bench.log")
     path = out / "result.json"
@@ -226,6 +238,146 @@ async def vllm_bench(base: str, key: str, work: Path) -> ClientRun:
     ok = result.get("completed") == 16 and len(texts) == 16
     return ClientRun(ok, {str(i): t for i, t in enumerate(texts)}, wall,
                      "" if ok else f"completed {result.get('completed')} of 16")
+
+
+def _tool(venv: str, program: str) -> Path:
+    return TOOLS_HOME / venv / "bin" / program
+
+
+async def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
+    await asyncio.to_thread(path.write_text, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+LMMS_FAILED_PREFIX = "[LMMS_EVAL_REQUEST_FAILED"  # what lmms-eval records as the answer of a request that failed
+
+
+async def lmms_eval(base: str, key: str, work: Path) -> ClientRun:
+    program = _tool("lmms", "lmms-eval")
+    if not program.exists():
+        return ClientRun(False, {}, 0.0, "lmms-eval is not installed (scripts/install_tools.sh)")
+    data = work / "lmms_data.jsonl"
+    await _write_jsonl(data, [{"question": q, "answer": "0"} for q in QUESTIONS])
+    tasks = work / "lmms_tasks"
+    await asyncio.to_thread(tasks.mkdir, parents=True, exist_ok=True)
+    task = {"task": "fedpool_clients_check", "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
+            "output_type": "generate_until", "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
+            "metric_list": [{"metric": "exact_match"}],
+            "generation_kwargs": {"max_new_tokens": 8, "temperature": 0, "do_sample": False}}
+    await asyncio.to_thread((tasks / "task.yaml").write_text, json.dumps(task))
+    out = work / "lmms_out"
+    # num_concurrent bounds its requests in flight; --batch_size does not (with --batch_size 2 it kept 32).
+    code, wall = await _run(
+        [str(program), "eval", "--model", "openai", "--model_args",
+         f"model_version={MODEL},num_concurrent={CONCURRENCY}", "--tasks", "fedpool_clients_check",
+         "--include_path", str(tasks), "--output_path", str(out), "--log_samples"],
+        _env(key, OPENAI_API_BASE=f"{base}/v1"), work / "lmms_eval.log")
+    samples = sorted(out.rglob("*_samples_fedpool_clients_check.jsonl"))
+    if code != 0 or not samples:  # it exits 0 on an error before any request (a broken filelock): no samples then
+        return ClientRun(False, {}, wall, f"exit {code}, no samples: {await _tail(work / 'lmms_eval.log')}")
+    rows = [json.loads(line) for line in (await asyncio.to_thread(samples[-1].read_text)).splitlines()]
+    answers = {str(r["doc_id"]): r["resps"] for r in rows}
+    failed = [k for k, a in answers.items() if str(a).startswith(LMMS_FAILED_PREFIX)]
+    ok = len(answers) == len(QUESTIONS) and not failed
+    return ClientRun(ok, answers, wall, "" if ok else f"{len(answers)} samples, {len(failed)} failed requests")
+
+
+OPENCOMPASS_CONFIG = """
+from opencompass.datasets import CustomDataset
+from opencompass.models import OpenAISDK
+from opencompass.openicl.icl_evaluator import EMEvaluator
+from opencompass.openicl.icl_inferencer import GenInferencer
+from opencompass.openicl.icl_prompt_template import PromptTemplate
+from opencompass.openicl.icl_retriever import ZeroRetriever
+
+datasets = [dict(
+    abbr="fedpool_clients_check", type=CustomDataset, path={data!r},
+    reader_cfg=dict(input_columns=["question"], output_column="answer"),
+    infer_cfg=dict(
+        prompt_template=dict(type=PromptTemplate, template=dict(round=[dict(role="HUMAN", prompt="{{question}}")])),
+        retriever=dict(type=ZeroRetriever), inferencer=dict(type=GenInferencer, max_out_len=8)),
+    eval_cfg=dict(evaluator=dict(type=EMEvaluator)),
+)]
+models = [dict(
+    abbr="pool", type=OpenAISDK, path={model!r}, key={key!r}, openai_api_base={base!r},
+    tokenizer_path={tokenizer!r}, query_per_second=100, max_workers={concurrency}, batch_size={concurrency},
+    temperature=0.0, max_out_len=8, max_seq_len=2048,
+)]
+"""
+
+
+async def opencompass(base: str, key: str, work: Path) -> ClientRun:
+    program = _tool("opencompass", "opencompass")
+    if not program.exists():
+        return ClientRun(False, {}, 0.0, "OpenCompass is not installed (scripts/install_tools.sh)")
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        return ClientRun(False, {}, 0.0, f"no tokenizer in {TOKENIZER_DIR} (scripts/install_tools.sh)")
+    data = work / "opencompass_data.jsonl"
+    await _write_jsonl(data, [{"question": q, "answer": ["0"]} for q in QUESTIONS])
+    config = work / "eval_pool.py"
+    await asyncio.to_thread(config.write_text, OPENCOMPASS_CONFIG.format(
+        data=str(data), model=MODEL, key=key, base=f"{base}/v1", tokenizer=str(TOKENIZER_DIR),
+        concurrency=CONCURRENCY))
+    out = work / "opencompass_out"
+    code, wall = await _run([str(program), str(config), "-w", str(out)], _env(key, TRANSFORMERS_OFFLINE="1"),
+                            work / "opencompass.log", cwd=work)
+    # It exits 0 whatever its tasks did: a run whose inference failed leaves no predictions and a summary of "-".
+    predictions = sorted(out.glob("*/predictions/pool/fedpool_clients_check.json"))
+    summaries = sorted(out.glob("*/summary/summary_*.csv"))
+    if code != 0 or not predictions:
+        return ClientRun(False, {}, wall, f"exit {code}, no predictions: {await _tail(work / 'opencompass.log')}")
+    records = json.loads(await asyncio.to_thread(predictions[-1].read_text))
+    answers = {k: v["prediction"] for k, v in records.items()}
+    scored = bool(summaries) and any(
+        line.startswith("fedpool_clients_check,") and not line.rstrip().endswith(",-")
+        for line in (await asyncio.to_thread(summaries[-1].read_text)).splitlines())
+    ok = len(answers) == len(QUESTIONS) and scored
+    return ClientRun(ok, answers, wall, "" if ok else f"{len(answers)} predictions, summary scored: {scored}")
+
+
+EVALSCOPE_EXTRACT = """
+import base64, json, pickle, sqlite3, sys
+# The answers evalscope perf stored (its own database, written by this run): question -> joined answer text.
+rows = sqlite3.connect(sys.argv[1]).execute("select request, response_messages, success from result")
+out = {}
+for request, responses, success in rows:
+    question = json.loads(request)["messages"][-1]["content"]
+    chunks = pickle.loads(base64.b64decode(responses)) if success else []
+    out[question] = "".join((c["choices"][0].get("delta") or c["choices"][0].get("message") or {}).get("content") or ""
+                            for c in chunks if c.get("choices")) if success else None
+print(json.dumps(out))
+"""
+
+
+async def evalscope_perf(base: str, key: str, work: Path) -> ClientRun:
+    program = _tool("evalscope", "evalscope")
+    if not program.exists():
+        return ClientRun(False, {}, 0.0, "evalscope is not installed (scripts/install_tools.sh)")
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        return ClientRun(False, {}, 0.0, f"no tokenizer in {TOKENIZER_DIR} (scripts/install_tools.sh)")
+    data = work / "openqa.jsonl"
+    await _write_jsonl(data, [{"question": q} for q in QUESTIONS])
+    out = work / "evalscope_out"
+    # Streaming, as by default: the emulator's streams carry no usage chunk, so evalscope counts tokens with the
+    # local tokenizer (real engines send usage when asked, stream_options.include_usage, and need none).
+    code, wall = await _run(
+        [str(program), "perf", "--url", f"{base}/v1/chat/completions", "--api", "openai", "--model", MODEL,
+         "--api-key", key, "--dataset", "openqa", "--dataset-path", str(data), "--number", str(len(QUESTIONS)),
+         "--parallel", str(CONCURRENCY), "--max-tokens", "8", "--temperature", "0", "--tokenizer-path",
+         str(TOKENIZER_DIR), "--outputs-dir", str(out), "--no-timestamp"], _env(key), work / "evalscope.log",
+        cwd=work)
+    databases = sorted(out.rglob("benchmark_data.db"))
+    if code != 0 or not databases:
+        return ClientRun(False, {}, wall, f"exit {code}: {await _tail(work / 'evalscope.log')}")
+    done = await asyncio.to_thread(subprocess.run, [str(_tool("evalscope", "python")), "-c", EVALSCOPE_EXTRACT,
+                                                    str(databases[-1])], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return ClientRun(False, {}, wall, f"reading its database: {done.stderr.strip()[-200:]}")
+    answers = json.loads(done.stdout)
+    failed = [q for q, a in answers.items() if a is None]
+    ok = len(answers) == len(QUESTIONS) and not failed
+    return ClientRun(ok, answers, wall, "" if ok else f"{len(answers)} answers, {len(failed)} failed requests")
 
 
 @dataclass(frozen=True)
@@ -244,6 +396,12 @@ CLIENTS = (
            inspect_ai),
     Client("vLLM bench serve", "vllm (CPU build venv)",
            "`vllm bench serve --backend openai`, 16 random prompts (seed 7), max concurrency 4", vllm_bench),
+    Client("lmms-eval", "lmms_eval", "`lmms-eval eval --model openai`, a text task from a local JSONL, 12 docs, "
+           "num_concurrent=4", lmms_eval),
+    Client("OpenCompass", "opencompass", "`opencompass CONFIG`: `OpenAISDK` (local tokenizer_path, its own key), "
+           "a local JSONL, 12 questions, batch_size=max_workers=4", opencompass),
+    Client("evalscope perf", "evalscope", "`evalscope perf --api openai --dataset openqa --dataset-path FILE`, "
+           "streaming, 12 questions, parallel 4", evalscope_perf),
 )
 
 
@@ -257,11 +415,11 @@ class Pool:
 @contextlib.asynccontextmanager
 async def local_pool(work: Path) -> AsyncIterator[Pool]:
     import ray
+
     from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
     from fedpool.federation import PoolConnection
     from fedpool.federation.gateway import Gateway, serving
     from fedpool.registry import RegistryClient
-
 
     init_loopback_ray()
     registry = await RegistryClient.start(work / "registry", probe_interval_s=1.0)
@@ -310,7 +468,10 @@ def body(results: list[ClientResult]) -> str:
         "Pool: two emulated servers (profile `tiny`, deterministic answers) registered in a local registry, one "
         "fedpool gateway in front of them (default policy, client order `shortest_first`). Each client runs "
         "unchanged twice: against one server directly, then against the gateway, with its own API key each "
-        "time; the answers it recorded are compared key by key.\n\n"
+        "time; the answers it recorded are compared key by key. Each client keeps at most "
+        f"{CONCURRENCY} requests in flight. The tools run offline from venvs of their own "
+        "(`scripts/install_tools.sh`, with the fixes `docs/researchers.md` states); a run is judged by what it wrote "
+        "(lmms-eval and OpenCompass exit 0 from runs that failed), not by its exit code.\n\n"
         + markdown_table(["client", "version", "what it ran", "direct ok", "gateway ok", "answers the same",
                           "wall s (direct / gateway)"], rows)
     )
