@@ -8,43 +8,66 @@ OpenAI's shape on every route: `{"error": {"message", "type", "param", "code"}}`
 Who is a client (for fair share and the serving order): with an API key file, the key's client name; else a
 bearer token the caller presents (each lm-eval process with its own OPENAI_API_KEY is its own client; the
 token itself is never kept, only a short digest); else the `X-Fedpool-Client` header; else the caller's
-address. Without keys the gateway binds to loopback only (the CLI refuses otherwise).
+address. Without keys the gateway binds to loopback only (the CLI refuses otherwise). Those last three are
+the caller's to choose, so the ids told apart at once are capped (`ClientIds`) and forgotten when idle.
+
+Per request the gateway does what it must and no more: the engine's answer goes back as the engine's bytes
+(only a `model` field that differs is rewritten); what it reads of the snapshot is computed once per snapshot
+(`PoolFacts`); no timer runs per request or at a high rate (overload is the dispatcher's own measure of its
+loop's lag, `Overload`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
-import json
+import itertools
 import logging
 import re
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import FailureKind, NoServerError, RequestFailed
+from fedpool.federation.gatewaystate import (
+    CLIENT_TTL_S,
+    MAX_CLIENT_IDS,
+    SHARED_CLIENT,
+    AppTask,
+    ClientIds,
+    Forgetting,
+    GatewayMetrics,
+    Overload,
+    PoolFacts,
+)
 from fedpool.federation.httpauth import bearer, matches
 from fedpool.federation.streams import StreamRelay
-from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.federation.transport import dumps, loads
+from fedpool.federation.types import Completion, Endpoint, InferenceRequest
 from fedpool.registry import PoolSnapshot
+
+__all__ = ["RUNNER_OPTIONS", "SHARED_CLIENT", "ApiKey", "AppTask", "Gateway", "parse_api_keys", "serving"]
+_Metrics = GatewayMetrics  # (its old name, which tests/test_cluster_files.py reads)
 
 log = logging.getLogger("fedpool.gateway")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MIN_SECRET_CHARS = 16
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait while the model's servers are all unroutable
 CLIENT_HEADER = "X-Fedpool-Client"
 CLIENT_NAME = re.compile(r"[^A-Za-z0-9._:@-]")
-LAG_PROBE_S = 0.01  # how often the loop-lag guard looks
-LAG_LIMIT_S = 0.1  # event-loop lag (smoothed) above which new requests are refused at once
-LAG_SMOOTHING = 0.1  # weight of one probe in the smoothed lag: one GC pause or slow callback does not trip it
+GC_GEN0_THRESHOLD = 20_000  # young-generation collections every ~20k net allocations, not 700 (CPython's default)
+# How the gateway's app is served (`serving`; the CLI passes the same): a request whose caller has gone is
+# cancelled at once, so it gives its engine slot back instead of holding it until the engine answers.
+RUNNER_OPTIONS: Mapping[str, Any] = {"access_log": None, "handler_cancellation": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,90 +105,18 @@ def parse_api_keys(text: str) -> list[ApiKey]:
     return keys
 
 
-class AppTask:
-    """One background coroutine (`_run`) for an aiohttp app's life: `start` and `stop` fit on_startup and
-    on_cleanup; stop cancels it and waits for it."""
-
-    task_name = "app-task"
-    _task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        raise NotImplementedError
-
-    async def start(self, _app: web.Application | None = None) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name=self.task_name)
-
-    async def stop(self, _app: web.Application | None = None) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-
 @contextlib.asynccontextmanager
-async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-    """Serve `app` on host:port (0: a free port the OS picks) for the block; yields its base URL."""
-    runner = web.AppRunner(app, access_log=None)
+async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool | None = None,
+                  backlog: int = 128) -> AsyncIterator[str]:
+    """Serve `app` on host:port (0: a free port the OS picks) for the block, with RUNNER_OPTIONS; yields its
+    base URL."""
+    runner = web.AppRunner(app, **RUNNER_OPTIONS)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=backlog).start()
         yield f"http://{host}:{port or runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
-
-
-class LoopLagGuard(AppTask):
-    """Overload seen where it happens: the gateway's own event loop falling behind. A probe sleeps
-    `probe_s` and measures how late it woke; a smoothed lag above `limit_s` means requests are arriving faster
-    than this process can handle them, and new ones are refused at once (503, Retry-After) until the lag is
-    back under half the limit. Without it a CPU-bound gateway queued every request, its latency grew without
-    bound, clients timed out and retried, and goodput collapsed to well under its sustained rate (the
-    in-flight cap cannot see this: with fast engines few requests are in flight, they are just late)."""
-
-    def __init__(self, probe_s: float = LAG_PROBE_S, limit_s: float = LAG_LIMIT_S):
-        self.probe_s = probe_s
-        self.limit_s = limit_s
-        self.lag_s = 0.0
-        self.overloaded = False
-
-    task_name = "gateway-loop-lag"
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            expected = loop.time() + self.probe_s
-            await asyncio.sleep(self.probe_s)
-            lag = max(0.0, loop.time() - expected)
-            self.lag_s += LAG_SMOOTHING * (lag - self.lag_s)
-            if self.overloaded:
-                self.overloaded = self.lag_s > self.limit_s / 2
-            else:
-                self.overloaded = self.lag_s > self.limit_s
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("fedpool_gateway_requests", "Requests answered by the gateway (streams: how they "
-                                "ended: 200, broken, client_closed).", ("endpoint", "status"), registry=self.registry)
-        self.latency = Histogram("fedpool_gateway_request_seconds", "Gateway request latency.", ("endpoint",),
-                                 buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self.migrations = Counter("fedpool_gateway_stream_migrations", "Streams continued on another replica "
-                                  "after their server died mid-stream.", registry=self.registry)
-        self.shed = Counter("fedpool_gateway_shed", "Requests refused at once because the gateway was full "
-                            "(429) or its event loop overloaded (503).", registry=self.registry)
-        self.retries = Gauge("fedpool_gateway_dispatcher_retries", "Retries made by the dispatcher so far.",
-                             registry=self.registry)
-        self.resets = Gauge("fedpool_gateway_keepalive_resets", "Stale keep-alive connections retried at once "
-                            "(not the servers' fault).", registry=self.registry)
-        self.hedges = Gauge("fedpool_gateway_dispatcher_hedges", "Straggler hedges launched so far.",
-                            registry=self.registry)
-        self.inflight = Gauge("fedpool_gateway_server_inflight", "Requests in flight per server.", ("server_id",),
-                              registry=self.registry)
-        self.window = Gauge("fedpool_gateway_server_window", "Admission window per server.", ("server_id",),
-                            registry=self.registry)
 
 
 class Gateway:
@@ -179,6 +130,9 @@ class Gateway:
         api_keys: list[ApiKey] | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_inflight: int | None = None,
+        max_client_ids: int = MAX_CLIENT_IDS,
+        client_ttl_s: float = CLIENT_TTL_S,
+        tune_gc: bool = True,
         clock: Callable[[], float] = time.time,
     ):
         self._dispatcher = dispatcher
@@ -192,15 +146,24 @@ class Gateway:
         self._inflight = 0
         self._clock = clock
         self._started = int(clock())
-        self._metrics = _Metrics()
-        self.lag = LoopLagGuard()
+        self._metrics = GatewayMetrics()
+        self.overload = Overload(dispatcher)
+        # With keys, the ids are the key file's names (bounded by it); without, the caller's choice: capped.
+        self.client_ids = ClientIds(None if self._keys else max_client_ids, client_ttl_s)
+        self._forgetting = Forgetting(self.client_ids, dispatcher, max(0.05, client_ttl_s / 10))
+        self._tune_gc = tune_gc
+        self._facts_of: PoolSnapshot | None = None
+        self._facts = PoolFacts.of(None)
+        self._request_ids = itertools.count()
+        self._id_prefix = f"gw-{secrets.token_hex(4)}-"
         for key in self._keys:
             dispatcher.set_client_weight(key.client, key.weight)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body, middlewares=[self._openai_errors])
-        app.on_startup.append(self.lag.start)
-        app.on_cleanup.append(self.lag.stop)
+        app.on_startup.append(self._settle_gc)
+        app.on_startup.append(self._forgetting.start)
+        app.on_cleanup.append(self._forgetting.stop)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/v1/models", self._models)
@@ -208,6 +171,18 @@ class Gateway:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         return app
+
+    async def _settle_gc(self, _app: web.Application) -> None:
+        """The periodic ~100-300 ms stall under load was CPython's full collection walking every object the
+        process holds (~110k after imports; ~140k with Ray), about every 10 s at 2k req/s. What is alive at
+        startup lives for the process: frozen, full collections walk only what came later; and young
+        collections run every ~20k allocations instead of 700 (no request leaves cyclic garbage)."""
+        if not self._tune_gc:
+            return
+        gc.collect()
+        gc.freeze()
+        young, middle, old = gc.get_threshold()
+        gc.set_threshold(max(young, GC_GEN0_THRESHOLD), middle, old)
 
     @web.middleware
     async def _openai_errors(self, request: web.Request,
@@ -236,33 +211,30 @@ class Gateway:
         self._metrics.retries.set(stats.retries)
         self._metrics.resets.set(sum(s.failures.get(FailureKind.RESET.value, 0) for s in stats.servers))
         self._metrics.hedges.set(stats.hedges)
-        for server in stats.servers:
-            self._metrics.inflight.labels(server.server_id).set(server.inflight)
-            self._metrics.window.labels(server.server_id).set(server.window)
+        self._metrics.servers({s.server_id: (s.inflight, s.window) for s in stats.servers})
+        self._metrics.clients.set(len(self.client_ids))
         return web.Response(body=generate_latest(self._metrics.registry), content_type="text/plain", charset="utf-8")
 
-    def _served(self) -> dict[str, int]:
-        """Every model a registered server serves (routable or not) -> its earliest registration time."""
+    def facts(self) -> PoolFacts:
+        """The current snapshot's facts (recomputed only when the snapshot is another object)."""
         snapshot = self._snapshot()
-        out: dict[str, int] = {}
-        for entry in snapshot.entries if snapshot else ():
-            at = int(entry.record.registered_at)
-            out[entry.record.model] = min(out.get(entry.record.model, at), at)
-        return out
+        if snapshot is not self._facts_of:
+            self._facts, self._facts_of = PoolFacts.of(snapshot), snapshot
+        return self._facts
 
     async def _models(self, request: web.Request) -> web.Response:
         client = self._client(request)
         if isinstance(client, web.Response):
             return client
         return web.json_response({"object": "list", "data": [
-            _model_object(model, created) for model, created in sorted(self._served().items())]})
+            _model_object(model, created) for model, created in sorted(self.facts().served.items())]})
 
     async def _model(self, request: web.Request) -> web.Response:
         client = self._client(request)
         if isinstance(client, web.Response):
             return client
         model = request.match_info["model_id"]
-        served = self._served()
+        served = self.facts().served
         if model not in served:
             return self._unknown_model(model, served)
         return web.json_response(_model_object(model, served[model]))
@@ -277,42 +249,45 @@ class Gateway:
         started = time.perf_counter()
         status = "500"
         try:
-            response, status = await self._serve_inner(request, endpoint)
+            response, status = await self._answer(request, endpoint)
             return response
+        except asyncio.CancelledError:
+            status = "client_closed"  # the caller went away (handler cancellation): its slot is already back
+            raise
         finally:
-            self._metrics.requests.labels(endpoint.value, status).inc()
-            self._metrics.latency.labels(endpoint.value).observe(time.perf_counter() - started)
+            self._metrics.observe(endpoint.value, status, time.perf_counter() - started)
 
-    async def _serve_inner(self, request: web.Request, endpoint: Endpoint) -> tuple[web.StreamResponse, str]:
-        if self.lag.overloaded:  # before reading the body: refusing must cost as little as possible
+    async def _answer(self, request: web.Request, endpoint: Endpoint) -> tuple[web.StreamResponse, str]:
+        if self.overload.check():  # before reading the body: refusing must cost as little as possible
             self._metrics.shed.inc()
-            return _error(503, f"the gateway is overloaded (its event loop is {self.lag.lag_s * 1000:.0f} ms "
+            return _error(503, f"the gateway is overloaded (its event loop is {self.overload.lag_s() * 1000:.0f} ms "
                           "behind); retry shortly", "service_unavailable", code="gateway_overloaded",
                           headers={"Retry-After": "1"}), "503"
         client = self._client(request)
         if isinstance(client, web.Response):
             return client, str(client.status)
         try:
-            body = await request.json(loads=json.loads)
+            body = loads(await request.read())
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"request body larger than {self._max_body} bytes", "invalid_request_error"), "413"
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
             return _error(400, "request body is not valid JSON", "invalid_request_error"), "400"
         problem = _check_body(body, endpoint)
         if problem is not None:
             return problem, "400"
         model = body["model"]
-        served = self._served()
-        if model not in served:
-            return self._unknown_model(model, served), "404"
-        if self._full():
+        facts = self.facts()
+        if model not in facts.served:
+            return self._unknown_model(model, facts.served), "404"
+        limit = self._max_inflight if self._max_inflight is not None else max(256, 2 * facts.capacity)
+        if self._inflight >= limit:
             self._metrics.shed.inc()
             return _error(429, "the gateway is at capacity; retry shortly", "rate_limit_error",
                           code="gateway_overloaded", headers={"Retry-After": "1"}), "429"
         try:
             req = InferenceRequest.from_body(
-                body, request_id=f"gw-{uuid.uuid4().hex[:16]}", model=model, endpoint=endpoint, client_id=client,
-                revision=request.headers.get("X-Model-Revision") or None,
+                body, request_id=f"{self._id_prefix}{next(self._request_ids)}", model=model, endpoint=endpoint,
+                client_id=client, revision=request.headers.get("X-Model-Revision") or None,
             )
         except ValueError as exc:
             return _error(400, str(exc), "invalid_request_error"), "400"
@@ -333,10 +308,9 @@ class Gateway:
             return self._failed(exc)
         finally:
             self._inflight -= 1
-        payload = dict(result.completion.body or {})
-        payload["model"] = model
-        return web.json_response(payload, headers={"X-Fedpool-Server": result.server_id,
-                                                   "X-Fedpool-Attempts": str(len(result.attempts))}), "200"
+        return web.Response(body=_answer_bytes(result.completion, model, endpoint), headers={
+            "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
+            "X-Fedpool-Attempts": str(len(result.attempts))}), "200"
 
     def _failed(self, exc: RequestFailed) -> tuple[web.Response, str]:
         """An upstream refusal keeps the engine's own status and message (its culprit field), attributed to the
@@ -359,13 +333,6 @@ class Gateway:
                       f"{', '.join(sorted(served)) or 'none'})", "invalid_request_error", param="model",
                       code="model_not_found")
 
-    def _full(self) -> bool:
-        limit = self._max_inflight
-        if limit is None:
-            snapshot = self._snapshot()
-            limit = max(256, 2 * sum(e.capacity for e in snapshot.entries)) if snapshot else 256
-        return self._inflight >= limit
-
     # ---- who is asking --------------------------------------------------------------------------
     def knows(self, presented: bytes | None) -> bool:
         """Whether `presented` is one of the API keys (False when the gateway has none)."""
@@ -379,11 +346,11 @@ class Gateway:
         presented = bearer(request)
         if not self._keys:
             if presented:  # each tool with its own token is its own client; the token is not kept
-                return "token-" + hashlib.sha256(presented).hexdigest()[:10]
-            named = request.headers.get(CLIENT_HEADER)
-            if named:
-                return CLIENT_NAME.sub("_", named)[:64]
-            return f"peer-{request.remote or 'unknown'}"
+                name = "token-" + hashlib.sha256(presented).hexdigest()[:10]
+            else:
+                named = request.headers.get(CLIENT_HEADER)
+                name = CLIENT_NAME.sub("_", named)[:64] if named else f"peer-{request.remote or 'unknown'}"
+            return self.client_ids.admit(name, time.monotonic())
         if presented is None:
             return _error(401, "missing bearer token (Authorization: Bearer KEY)", "authentication_error",
                           code="missing_api_key")
@@ -393,7 +360,31 @@ class Gateway:
                 match = key
         if match is None:
             return _error(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        self.client_ids.admit(match.client, time.monotonic())
         return match.client
+
+
+def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint) -> bytes:
+    """The engine's body as it sent it, but for a `model` field other than the name the client asked for (an
+    engine that reports its weights' path, say): only then is the body decoded and encoded again."""
+    raw = completion.raw
+    if raw is not None and completion.model == model:
+        return raw
+    if raw is not None:
+        body = loads(raw)
+        body["model"] = model
+        return dumps(body)
+    # A transport that keeps no bytes (an in-process one): the answer in OpenAI's shape from its fields.
+    if endpoint is Endpoint.CHAT:
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        if completion.reasoning_content is not None:
+            message["reasoning_content"] = completion.reasoning_content
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": completion.finish_reason}
+    else:
+        choice = {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason}
+    usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens}
+    return dumps({"object": "chat.completion" if endpoint is Endpoint.CHAT else "text_completion", "model": model,
+                  "choices": [choice], "usage": usage})
 
 
 def _check_body(body: object, endpoint: Endpoint) -> web.Response | None:

@@ -21,9 +21,8 @@ the join, and batch composition changes the numerics.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,9 +30,9 @@ import aiohttp
 from aiohttp import web
 
 from fedpool.federation.dispatcher import Dispatcher
-from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed, classify_exception
+from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed, classify_exception
 from fedpool.federation.tail import replicas
-from fedpool.federation.transport import StreamBody
+from fedpool.federation.transport import StreamBody, dumps, loads
 from fedpool.federation.types import Endpoint, InferenceRequest
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry
 
@@ -103,7 +102,12 @@ class StreamRelay:
 
     async def run(self) -> web.StreamResponse:
         """The response (prepared on the first upstream chunk). RequestFailed / NoServerError before it are the
-        caller's to answer as JSON errors."""
+        caller's to answer as JSON errors; after it, the stream ends with an error event.
+
+        Each stream is counted once by the dispatcher: submitted when it starts (a continuation is not a new
+        submission), then completed or failed (`stream_ended`, or the dispatcher's own count when its retries
+        run out); a client that goes away is neither. The slot is the dispatcher's `stream` context's to give
+        back, on every exit from it (cancellation included)."""
         current = self._req
         first = True
         while True:
@@ -122,15 +126,27 @@ class StreamRelay:
             except ClientGone:
                 self.outcome.client_gone = True  # the client's doing, not a failure of the pool
                 return self._out or web.Response(status=499)
+            except (RequestFailed, NoServerError) as exc:
+                if not self.started:
+                    raise
+                # A continuation found no replica to run on in time (the dispatcher counted a RequestFailed).
+                if isinstance(exc, NoServerError):
+                    self._dispatcher.stream_ended(ok=False)
+                return await self._end_with_error(f"its continuation failed: {exc}")
             except _Broke as broke:
                 self._dispatcher.note_stream_failure(broke.server.id, broke.kind)
                 if not broke.reached_client:  # nothing reached the client yet: retried elsewhere, invisibly
-                    current = self._elsewhere(current, broke)
+                    try:
+                        current = self._elsewhere(current, broke)
+                    except RequestFailed:
+                        self._dispatcher.stream_ended(ok=False)
+                        raise
                     continue
                 following = self._continuation(broke.server)
                 if following is None:
                     self._dispatcher.stream_ended(ok=False)
-                    return await self._end_with_error(broke.server)
+                    return await self._end_with_error(f"{broke.server.id} died mid-stream and no replica could "
+                                                      "continue it")
                 current = following
                 self.outcome.migrations += 1
                 log.warning("stream %s: %s died after %d chunks; continuing on another replica",
@@ -148,7 +164,14 @@ class StreamRelay:
         return replace(req, pinned_servers=others)
 
     async def _relay(self, response: StreamBody, server: ServerEntry) -> None:
-        async for event in _sse_data(response.content):
+        content = response.content
+        while True:
+            line = await content.readline()
+            if not line:
+                break
+            if not line.startswith(b"data:"):
+                continue  # comments, other fields, the blank line between events
+            event = line[5:].strip()
             if self._out is None:  # the client's response starts with the first upstream event, not before:
                 # a server that breaks before sending anything is retried elsewhere, unseen by the client
                 headers = {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
@@ -157,32 +180,33 @@ class StreamRelay:
                 headers["X-Fedpool-Server"] = server.id
                 self._out = web.StreamResponse(headers=headers)
                 await self._send(None)
-            if event == "[DONE]":
+            if event == b"[DONE]":
                 await self._send(b"data: [DONE]\n\n")
                 self._progress.done_sent = True
                 return
             try:
-                chunk = json.loads(event)
-            except json.JSONDecodeError:
+                chunk = loads(event)
+            except (ValueError, UnicodeDecodeError):
                 continue  # not ours to judge; the engine's next chunk decides
             if isinstance(chunk, dict) and "error" in chunk:
-                await self._send(f"data: {json.dumps(chunk)}\n\n".encode())  # the engine's own error event
+                await self._send(b"data: " + event + b"\n\n")  # the engine's own error event
                 self.outcome.broken = "engine error event"
                 return
-            rewritten = self._rewrite(chunk)
+            rewritten = self._rewrite(chunk, event)
             if rewritten is not None:
-                await self._send(f"data: {json.dumps(rewritten)}\n\n".encode())
+                await self._send(b"data: " + rewritten + b"\n\n")
         if not self._progress.finished:
             raise aiohttp.ClientPayloadError("the stream ended before a finish_reason")
 
-    def _rewrite(self, chunk: Any) -> dict[str, Any] | None:
+    def _rewrite(self, chunk: Any, event: bytes) -> bytes | None:
         """One engine chunk as the client's stream has it: the first stream's id and the model it asked for,
-        no second `role` delta after a migration; content accumulated for a continuation."""
+        no second `role` delta after a migration; content accumulated for a continuation. The engine's bytes
+        (`event`) when nothing changes, as on every chunk of a stream that has not moved."""
         if not isinstance(chunk, dict):
             return None
         progress = self._progress
         progress.first_id = progress.first_id or chunk.get("id")
-        chunk = {**chunk, "id": progress.first_id, "model": self._model}
+        same = chunk.get("id") == progress.first_id and chunk.get("model") == self._model
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
@@ -193,6 +217,7 @@ class StreamRelay:
                 if "role" in delta:
                     if progress.role_sent:
                         choice["delta"] = {k: v for k, v in delta.items() if k != "role"}
+                        same = False
                     progress.role_sent = True
                 text = delta.get("content")
             else:
@@ -202,7 +227,9 @@ class StreamRelay:
                 progress.chunks += 1
             if choice.get("finish_reason"):
                 progress.finished = True
-        return chunk
+        if same:
+            return event
+        return dumps({**chunk, "id": progress.first_id, "model": self._model})
 
     def _continuation(self, dead: ServerEntry) -> InferenceRequest | None:
         """The request that continues the stream on another replica, or None where that is not possible."""
@@ -244,13 +271,12 @@ class StreamRelay:
             self.outcome.client_gone = True
         return with_eof
 
-    async def _end_with_error(self, dead: ServerEntry) -> web.StreamResponse:
-        self.outcome.broken = f"{dead.id} died mid-stream and no replica could continue it"
-        log.warning("stream %s: %s", self._req.request_id, self.outcome.broken)
-        error = {"error": {"message": self.outcome.broken, "type": "upstream_error", "param": None,
-                           "code": "stream_broken"}}
+    async def _end_with_error(self, why: str) -> web.StreamResponse:
+        self.outcome.broken = why
+        log.warning("stream %s: %s", self._req.request_id, why)
+        error = {"error": {"message": why, "type": "upstream_error", "param": None, "code": "stream_broken"}}
         try:
-            await self._send(f"data: {json.dumps(error)}\n\n".encode())
+            await self._send(b"data: " + dumps(error) + b"\n\n")
             await self._send(b"data: [DONE]\n\n")
             assert self._out is not None
             await self._out.write_eof()
@@ -269,15 +295,3 @@ class StreamRelay:
                 await self._out.write(data)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
             raise ClientGone() from exc
-
-
-async def _sse_data(content: Any) -> AsyncIterator[str]:
-    """The `data:` payloads of a server-sent-event stream (comments and other fields skipped)."""
-    while True:
-        line = await content.readline()
-        if not line:
-            return
-        text = line.decode("utf-8", errors="replace").strip()
-        if text.startswith("data:"):
-            yield text[5:].strip()
-

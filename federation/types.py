@@ -128,12 +128,16 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    """One answer, read from the engine's body. The body itself is kept as the engine sent it (`raw`, with its
+    `model` field beside it), so a proxy passes the bytes through instead of re-encoding them."""
+
     text: str
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
     reasoning_content: str | None = None
-    body: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # the server's JSON, as sent
+    raw: bytes | None = field(default=None, compare=False, repr=False)  # the engine's JSON body, as sent
+    model: str | None = field(default=None, compare=False, repr=False)  # that body's `model` field
 
 
 @dataclass(frozen=True, slots=True)

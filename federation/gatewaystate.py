@@ -1,0 +1,200 @@
+"""What a gateway keeps between requests, each thing bounded: the facts it reads of the current snapshot (computed
+once per snapshot), the client ids it tells apart (capped, forgotten when idle, here and in the dispatcher), whether
+its loop is overloaded (the dispatcher's own measure of its lag, no timer), and its metrics (a server that left the
+pool loses its series)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.registry import PoolSnapshot
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+LAG_LIMIT_S = 0.1  # event-loop lag (the dispatcher's smoothed measure) above which new requests are refused at once
+LAG_STALE_S = 1.0  # a lag measured longer ago than this (no grant pass since) fades ...
+LAG_HALF_LIFE_S = 0.5  # ... by half every this many seconds beyond it, so a gateway refusing everything recovers
+MAX_CLIENT_IDS = 10_000  # client ids told apart at once; past it, new ids share one bucket until old ones expire
+CLIENT_TTL_S = 600.0  # a client id with no request for this long is forgotten (here and in the dispatcher)
+SHARED_CLIENT = "~shared"  # the bucket past the cap: '~' is in no client name (CLIENT_NAME), so nobody claims it
+
+
+class AppTask:
+    """One background coroutine (`_run`) for an aiohttp app's life: `start` and `stop` fit on_startup and
+    on_cleanup; stop cancels it and waits for it."""
+
+    task_name = "app-task"
+    _task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    async def start(self, _app: web.Application | None = None) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=self.task_name)
+
+    async def stop(self, _app: web.Application | None = None) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+class Overload:
+    """Overload seen where it happens: the gateway's own event loop falling behind. The dispatcher measures how
+    late its grant passes run (`loop_lag_s`, smoothed, last sampled at `loop_lag_at`); above `limit_s` requests
+    arrive faster than this process can handle them, and new ones are refused at once (503, Retry-After) until
+    the lag is back under half the limit. A measure older than LAG_STALE_S fades (half-life `half_life_s`): a
+    gateway that refuses everything runs no grant passes, and must still recover. Without this a CPU-bound
+    gateway queued every request, its latency grew without bound, clients timed out and retried, and goodput
+    collapsed (the in-flight cap cannot see it: with fast engines few requests are in flight, they are late)."""
+
+    def __init__(self, dispatcher: Dispatcher, limit_s: float = LAG_LIMIT_S, half_life_s: float = LAG_HALF_LIFE_S):
+        self._dispatcher = dispatcher
+        self.limit_s = limit_s
+        self.half_life_s = half_life_s
+        self.overloaded = False
+
+    def lag_s(self) -> float:
+        """The loop's lag as last measured, decayed by that measurement's age."""
+        dispatcher = self._dispatcher
+        age = asyncio.get_running_loop().time() - dispatcher.loop_lag_at
+        return dispatcher.loop_lag_s * 0.5 ** (max(0.0, age - LAG_STALE_S) / self.half_life_s)
+
+    def check(self) -> bool:
+        """Whether to refuse a request now."""
+        if self._dispatcher.loop_lag_s <= self.limit_s / 2:  # the common case: decaying it cannot matter
+            self.overloaded = False
+            return False
+        self.overloaded = self.lag_s() > (self.limit_s / 2 if self.overloaded else self.limit_s)
+        return self.overloaded
+
+
+@dataclass(frozen=True, slots=True)
+class PoolFacts:
+    """What requests read of a snapshot, computed once per snapshot (a request never walks the servers)."""
+
+    served: Mapping[str, int]  # every model a registered server serves (routable or not) -> earliest registration
+    capacity: int  # every server's capacity, summed
+
+    @classmethod
+    def of(cls, snapshot: PoolSnapshot | None) -> PoolFacts:
+        served: dict[str, int] = {}
+        for entry in snapshot.entries if snapshot is not None else ():
+            at = int(entry.record.registered_at)
+            served[entry.record.model] = min(served.get(entry.record.model, at), at)
+        return cls(served, sum(e.capacity for e in snapshot.entries) if snapshot is not None else 0)
+
+
+class ClientIds:
+    """The client ids a gateway tells apart: each kept until `ttl_s` after its last request, at most `cap` at once
+    (None: no cap); past the cap a new id is served as SHARED_CLIENT until older ones expire. Most-recent last, so
+    expiring looks at the front only (O(1) a request, amortized)."""
+
+    def __init__(self, cap: int | None, ttl_s: float):
+        self.cap = cap
+        self.ttl_s = ttl_s
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self.shared = 0  # requests served as SHARED_CLIENT because the table was full
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, client: str, now: float) -> str:
+        """The id to serve `client` as (itself, or SHARED_CLIENT past the cap), noting the request."""
+        seen = self._seen
+        if client in seen:
+            seen.move_to_end(client)
+        elif self.cap is not None and len(seen) >= self.cap:
+            self.expire(now)
+            if len(seen) >= self.cap:
+                self.shared += 1
+                return SHARED_CLIENT
+        seen[client] = now
+        return client
+
+    def expire(self, now: float) -> int:
+        """Forget ids without a request for `ttl_s`; how many."""
+        seen, horizon, gone = self._seen, now - self.ttl_s, 0
+        while seen:
+            client, at = next(iter(seen.items()))
+            if at > horizon:
+                break
+            del seen[client]
+            gone += 1
+        return gone
+
+
+class Forgetting(AppTask):
+    """Every `period_s`: client ids idle for the TTL are forgotten, here and in the dispatcher (whose own sweep
+    runs only while requests wait)."""
+
+    task_name = "gateway-forget-idle"
+
+    def __init__(self, ids: ClientIds, dispatcher: Dispatcher, period_s: float):
+        self._ids, self._dispatcher, self.period_s = ids, dispatcher, period_s
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            self._ids.expire(time.monotonic())
+            self._dispatcher.forget_idle_clients(self._ids.ttl_s)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("fedpool_gateway_requests", "Requests answered by the gateway (streams: how they "
+                                "ended: 200, broken, client_closed).", ("endpoint", "status"), registry=self.registry)
+        self.latency = Histogram("fedpool_gateway_request_seconds", "Gateway request latency.", ("endpoint",),
+                                 buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.migrations = Counter("fedpool_gateway_stream_migrations", "Streams continued on another replica "
+                                  "after their server died mid-stream.", registry=self.registry)
+        self.shed = Counter("fedpool_gateway_shed", "Requests refused at once because the gateway was full "
+                            "(429) or its event loop overloaded (503).", registry=self.registry)
+        self.retries = Gauge("fedpool_gateway_dispatcher_retries", "Retries made by the dispatcher so far.",
+                             registry=self.registry)
+        self.resets = Gauge("fedpool_gateway_keepalive_resets", "Stale keep-alive connections retried at once "
+                            "(not the servers' fault).", registry=self.registry)
+        self.hedges = Gauge("fedpool_gateway_dispatcher_hedges", "Straggler hedges launched so far.",
+                            registry=self.registry)
+        self.inflight = Gauge("fedpool_gateway_server_inflight", "Requests in flight per server.", ("server_id",),
+                              registry=self.registry)
+        self.window = Gauge("fedpool_gateway_server_window", "Admission window per server.", ("server_id",),
+                            registry=self.registry)
+        self.clients = Gauge("fedpool_gateway_client_ids", "Client ids told apart now (capped).",
+                             registry=self.registry)
+        # Label children by their labels, made once (a labels() lookup costs a lock and a tuple per request).
+        self._counted: dict[tuple[str, str], Any] = {}
+        self._timed: dict[str, Any] = {}
+        self._servers: set[str] = set()
+
+    def observe(self, endpoint: str, status: str, seconds: float) -> None:
+        counted = self._counted.get((endpoint, status))
+        if counted is None:
+            counted = self._counted[(endpoint, status)] = self.requests.labels(endpoint, status)
+        counted.inc()
+        timed = self._timed.get(endpoint)
+        if timed is None:
+            timed = self._timed[endpoint] = self.latency.labels(endpoint)
+        timed.observe(seconds)
+
+    def servers(self, figures: Mapping[str, tuple[int, int]]) -> None:
+        """Per-server gauges: (in flight, window) by server id; a server gone from the pool loses its series."""
+        for server_id, (inflight, window) in figures.items():
+            self.inflight.labels(server_id).set(inflight)
+            self.window.labels(server_id).set(window)
+        for gone in self._servers - figures.keys():
+            self.inflight.remove(gone)
+            self.window.remove(gone)
+        self._servers = set(figures)
