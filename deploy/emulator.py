@@ -13,6 +13,7 @@ import hashlib
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,13 +278,7 @@ class EmulatedServer:
         if roll < self.faults.error_rate:
             self._count("500")
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
-        prompt = _prompt_text(body, chat)
-        words = prompt.split()
-        prompt_tokens = max(1, len(words))
-        if body.get("ignore_eos") is True:  # vLLM's sampling extension: exactly max_tokens, no early stop
-            out_tokens = max_tokens_given
-        else:
-            out_tokens = self._output_length(prompt, min(max_tokens_given, self.profile.default_output_tokens))
+        prompt, words, prompt_tokens, out_tokens = request_shape(body, chat, self.profile, self._seed)
         if self.profile.request_overhead_s > 0:
             await asyncio.sleep(self.profile.request_overhead_s / self._speedup)
         try:
@@ -342,14 +337,6 @@ class EmulatedServer:
         await response.write_eof()
         return response
 
-    def _output_length(self, prompt: str, limit: int) -> int:
-        """Where the model stops: `limit`, or earlier by a prompt-determined fraction (`output_spread`)."""
-        spread = self.profile.output_spread
-        if spread <= 0:
-            return limit
-        u = int.from_bytes(hashlib.sha256(f"len:{self._seed}:{prompt}".encode()).digest()[:4], "big") / 2**32
-        return max(1, round(limit * (1 - spread * u)))
-
     def _answer(self, prompt: str, tokens: int) -> str:
         """Deterministic in (seed, prompt): the same request gets the same answer from any replica."""
         digest = hashlib.sha256(f"{self._seed}:{prompt}".encode()).digest()
@@ -359,7 +346,26 @@ class EmulatedServer:
         self._stats.requests_by_status[status] = self._stats.requests_by_status.get(status, 0) + 1
 
 
-def _prompt_text(body: dict[str, Any], chat: bool) -> str:
+def request_shape(body: Mapping[str, Any], chat: bool, profile: EmulatorProfile,
+                  seed: int) -> tuple[str, list[str], int, int]:
+    """What the emulated engine makes of a request body: (prompt text, its words, prompt tokens, answer tokens).
+    A token is a word; the answer is `max_tokens` long with `ignore_eos` (vLLM's extension), else where the
+    model stops: the profile's answer length, or earlier by a prompt-determined fraction (`output_spread`).
+    Shared by the HTTP emulator and the in-process simulator (benchmarks/simulator.py)."""
+    max_tokens = body.get("max_tokens", profile.default_output_tokens)
+    prompt = _prompt_text(body, chat)
+    words = prompt.split()
+    if body.get("ignore_eos") is True:
+        return prompt, words, max(1, len(words)), max_tokens
+    limit = min(max_tokens, profile.default_output_tokens)
+    spread = profile.output_spread
+    if spread > 0:
+        u = int.from_bytes(hashlib.sha256(f"len:{seed}:{prompt}".encode()).digest()[:4], "big") / 2**32
+        limit = max(1, round(limit * (1 - spread * u)))
+    return prompt, words, max(1, len(words)), limit
+
+
+def _prompt_text(body: Mapping[str, Any], chat: bool) -> str:
     if not chat:
         prompt = body.get("prompt", "")
         return prompt if isinstance(prompt, str) else json.dumps(prompt)
@@ -432,6 +438,12 @@ PROFILES = {
                                   mem_gb=80, util=0.9),
     # SGLang on the same GPU: mem_fraction_static ≈ 0.88 for 80 GB cards; slightly lower per-step overhead.
     "sglang-a100-80gb-7b": _derived("sglang-a100-80gb-7b", hbm_gbs=2039, bw_eff=0.75, tflops=312, mfu=0.5,
+                                    mem_gb=80, util=0.88, protocol="sglang", overhead=0.95),
+    # H100-SXM5-80GB: 3,350 GB/s HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 data sheet); the same achieved
+    # efficiencies as the A100 (no FP8): a derivation, not a measurement.
+    "vllm-h100-80gb-7b": _derived("vllm-h100-80gb-7b", hbm_gbs=3350, bw_eff=0.75, tflops=989, mfu=0.5,
+                                  mem_gb=80, util=0.9),
+    "sglang-h100-80gb-7b": _derived("sglang-h100-80gb-7b", hbm_gbs=3350, bw_eff=0.75, tflops=989, mfu=0.5,
                                     mem_gb=80, util=0.88, protocol="sglang", overhead=0.95),
     # V100-SXM2-32GB: 900 GB/s HBM2, 125 TFLOPS fp16 tensor (NVIDIA V100 data sheet); no FlashAttention-2,
     # so lower achieved efficiency.

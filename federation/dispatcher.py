@@ -44,6 +44,8 @@ CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
 NO_TRIED: set[str] = set()  # shared, never mutated: a request that has failed nowhere yet
 LAG_SMOOTHING = 0.1  # weight of one grant pass's lateness in the smoothed loop lag
+LAG_STALE_S = 1.0  # a smoothed loop lag with no grant pass for longer than this fades ...
+LAG_HALF_LIFE_S = 0.5  # ... by half every this many seconds beyond it
 
 
 class Dispatcher:
@@ -240,7 +242,7 @@ class Dispatcher:
         self._book.note_success(state, completion.completion_tokens or 0, latency, client)
         entry = state.entry
         if self._observes and entry is not None:
-            self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens)
+            self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens, latency)
         self._clients.note_served(client, completion.prompt_tokens, completion.completion_tokens, latency)
         seen = self._hedge_timer.latencies.get(request.model)  # (HedgeTimer.observe, inlined: every answer)
         if seen is None:
@@ -316,7 +318,13 @@ class Dispatcher:
         # How late this pass runs is the loop's lag: a stall for the ledger's clock, overload for the gateway.
         now = asyncio.get_running_loop().time()
         lag = self._stalls.ran(now) if self._stalls is not None else now - self._grant_asked_at
-        self.loop_lag_s += LAG_SMOOTHING * (lag - self.loop_lag_s)
+        # What was smoothed before fades once older than LAG_STALE_S: after a quiet spell (a gateway refusing
+        # everything runs no grant passes) the first pass is not judged by the overload before it (the gateway
+        # refused again at once, for as long as that took to average out).
+        previous, age = self.loop_lag_s, now - self.loop_lag_at
+        if age > LAG_STALE_S:
+            previous *= 0.5 ** ((age - LAG_STALE_S) / LAG_HALF_LIFE_S)
+        self.loop_lag_s = previous + LAG_SMOOTHING * (lag - previous)
         self.loop_lag_at = now
         self._book.sync(self._snapshots())
         routes, self._submitted_routes = self._submitted_routes, set()
@@ -337,7 +345,13 @@ class Dispatcher:
             head = route.head(key, held)
             if head is None:
                 break
-            placed = policy.place(route, head.request, head.tried)
+            try:
+                placed = policy.place(route, head.request, head.tried)
+            except Exception:
+                placed = self._misplaced(route, head, None)
+            else:
+                if placed.__class__ is not Hold and route not in getattr(placed, "routes", ()):
+                    placed = self._misplaced(route, head, placed)
             if placed is Hold.ROUTE_FULL:
                 break
             if placed is Hold.CLIENT_HELD:
@@ -352,6 +366,19 @@ class Dispatcher:
         if route.waiting and self._tick_handle is None:
             self._arm_tick()
         self._decision_s += time.process_time() - began
+
+    def _misplaced(self, route: Route, head: Waiter, placed: object) -> ServerState | Hold:
+        """A policy's bug (it raised: `placed` None; or it answered with a server outside the route) costs that one
+        decision, not the grant pass, which stopped there and never re-armed its timer, leaving every waiter
+        waiting: logged, and a sampled server with room answers instead."""
+        name, request_id = type(self._policy).__name__, head.request.request_id
+        if placed is None:
+            log.exception("policy %s failed placing request %s", name, request_id)
+        else:
+            log.error("policy %s placed request %s on %r, outside its route", name, request_id,
+                      getattr(placed, "id", placed))
+        free = route.free_candidates(1, head.tried, self._rng)
+        return free[0] if free else Hold.ROUTE_FULL
 
     def _arm_tick(self) -> None:
         delay = min(WAIT_POLL_S, self._policy.recheck_s() or WAIT_POLL_S)

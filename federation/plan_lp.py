@@ -12,13 +12,20 @@ MIN_SHARE = 1e-6  # placements below this many requests are dropped from a plan
 
 def solve_plan(clients: Sequence[str], servers: Sequence[str], counts: Mapping[str, float],
                cost: Mapping[tuple[str, str], float], held: Mapping[str, float] | None = None,
-               capacity: Mapping[str, float] | None = None) -> tuple[float, dict[str, dict[str, float]]]:
+               capacity: Mapping[str, float] | None = None, tiebreak: float = 0.0,
+               ) -> tuple[float, dict[str, dict[str, float]]]:
     """min T s.t. Σ_s x[c,s] = counts[c], held[s] + Σ_c x[c,s]·cost[c,s] ≤ capacity[s]·T, x ≥ 0 (HiGHS).
-    `capacity` (default 1): how many servers' worth of work a column stands for."""
+    `capacity` (default 1): how many servers' worth of work a column stands for. `tiebreak` > 0 adds that weight
+    of the work placed (Σ x·cost / capacity) to the objective: among plans of the same T it takes the one that
+    spends the least server time, instead of whichever vertex the solver lands on."""
     nc, ns = len(clients), len(servers)
     nvar = nc * ns + 1
     objective = [0.0] * nvar
     objective[-1] = 1.0
+    if tiebreak > 0:
+        for i, c in enumerate(clients):
+            for j, s in enumerate(servers):
+                objective[i * ns + j] = tiebreak * cost[c, s] / float((capacity or {}).get(s, 1.0))
     a_eq, b_eq = [], []
     for i, c in enumerate(clients):
         row = [0.0] * nvar

@@ -38,6 +38,11 @@ from fedpool.registry import ServerEntry
 log = logging.getLogger("fedpool.planner")
 
 MAX_ROUTE_PLANS = 64  # routes planned at once (a gateway's callers pick models and revisions at will)
+PICK_SAMPLE = 16  # servers with room a pick looks at (all of them only when these have none of the plan's kinds)
+LATENCY_ROUNDS = 3  # re-solves that move a client off kinds where one of its requests outlasts the makespan
+LATENCY_SLACK = 0.1  # a request may run this much past the plan's makespan on a kind before the kind is off
+FORBIDDEN_COST = 1e9  # a cost no LP solution pays
+TIEBREAK = 1e-3  # weight of the server time a plan spends, beside its makespan (plan_lp.solve_plan)
 MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 
@@ -70,6 +75,9 @@ class _RoutePlan:
     servers_ref: Sequence[Any] | None = None
     sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> kind -> placed
     clients: set[str] = field(default_factory=set)  # clients that sent on this route
+
+
+_NO_TRIED: set[str] = set()
 
 
 def _expected_wait(c: Any) -> float:
@@ -108,9 +116,12 @@ class PlannedRouting(Policy, name="planned"):
         self._speed: SpeedCalibration | None = None
         self._fit: CostFit | None = None
         self._shapes: dict[str, _Shape] = {}
-        self._cursor: dict[tuple[str, str], int] = {}  # round-robin position per client, kind
         self._routes: dict[object, _RoutePlan] = {}  # one plan per route (model, revision, pins)
         self._placed: set[str] = set()  # clients that have sent on some route
+        # Interference, by shape: clients whose prompts are long, and those whose answers are (kept current at
+        # each plan and answer, so a pick reads a set, not a shape).
+        self._long_prompts: set[str] = set()
+        self._long_answers: set[str] = set()
         self._plan: Plan | None = None  # the newest plan made (for describe)
         self._first_place_at: float | None = None
         self.plans_made = 0
@@ -135,34 +146,41 @@ class PlannedRouting(Policy, name="planned"):
         now = self._st.clock()
         if self._first_place_at is None:
             self._first_place_at = now
-        if not route.servers:
+        servers = route.servers
+        if not servers:
             return Hold.ROUTE_FULL
-        if self.warming_up():
+        if self._plan is None and self.warming_up():
             return Hold.CLIENT_HELD
         client_id = request.client_id
-        plans = self._route_plan(route)
+        plans = self._routes.get(route.key) or self._route_plan(route)
         if client_id not in plans.clients:
             plans.clients.add(client_id)
             self._placed.add(client_id)
-        plan = self._current_plan(plans, route.servers, client_id, now)
+        plan = plans.plan
+        if plan is None or servers is not plans.servers_ref or now - plan.made_at >= self.period_s \
+                or client_id not in plan.quotas:
+            plan = self._current_plan(plans, servers, client_id, now)
         quotas = plan.kind_quotas.get(client_id)
         if not quotas:
             return Hold.CLIENT_HELD
-        pick = (self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
-                or self._pick(client_id, plans, quotas, route, tried, avoid_tried=False))
+        pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
+        if pick is None and tried:
+            pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=False)
         if pick is None:
             return Hold.CLIENT_HELD  # held for its planned servers (which are full); other clients may go on
         plans.sent.setdefault(client_id, Counter())[plan.kind_of[pick.id]] += 1
+        route.memo.clear()  # the pick may have filled its server
         return pick
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
-                       completion_tokens: int | None) -> None:
+                       completion_tokens: int | None, latency_s: float = 0.0) -> None:
         if prompt_tokens is None or completion_tokens is None:
             return
         shape = self._shapes.setdefault(client_id, _Shape())
         shape.prompt_sum += prompt_tokens
         shape.completion_sum += completion_tokens
         shape.answered += 1
+        self._classify(client_id)
         if self._speed is not None and self._fit is not None:
             self._speed.observe(server, prompt_tokens, completion_tokens)
             self._fit.observe(server, kind_key(server), prompt_tokens, completion_tokens)
@@ -212,46 +230,89 @@ class PlannedRouting(Policy, name="planned"):
     # ---- following the plan -------------------------------------------------------------------------
     def _pick(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], route: RouteView,
               tried: set[str], *, avoid_tried: bool) -> Any:
-        """A usable server of this client's plan, from the kind with the most of its quota left, round-robin
-        within the kind. O(kinds + servers looked at): a kind's scan stops at its first usable server, and a
-        kind found with nothing usable is noted in the grant pass's memo and skipped by later picks."""
+        """A server with room of the kind with the most of this client's quota left (the least loaded of that
+        kind among those looked at), not one whose long answers its long prompts would stall. Looks at the
+        route's index of servers with room — a sample of PICK_SAMPLE of them, all when the sample has none of
+        the client's kinds — so a pick costs O(1) in a full pool, whatever its size."""
+        free = route.free_candidates(None, tried if avoid_tried else _NO_TRIED, self._rng)
+        if not free:
+            return None
+        # The kinds with room in this grant pass, found once per pass: a client planned on none of them is held
+        # at once (a full pool's pass asks every waiting client in turn for its one free slot).
+        # The kinds with room are found once per grant pass, and a client planned on none of them is held at once
+        # (a pass asks every waiting client in turn until the servers with room are taken).
+        memo = route.memo
+        kinds = memo.get("kinds")
+        if kinds is None:
+            plan = plans.plan
+            assert plan is not None
+            kinds = memo["kinds"] = {plan.kind_of.get(s.id) for s in free}
+        if not any(q > MIN_SHARE and k in kinds for k, q in quotas.items()):
+            return None
+        if len(free) <= PICK_SAMPLE:
+            return self._best(client_id, plans, quotas, free, memo)
+        return (self._best(client_id, plans, quotas, self._rng.sample(free, PICK_SAMPLE), memo)
+                or self._best(client_id, plans, quotas, free, memo))
+
+    def _best(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], servers: Sequence[Any],
+              memo: dict[str, Any]) -> Any:
         plan = plans.plan
         assert plan is not None
-        sent = plans.sent.get(client_id, Counter())
-        kinds = sorted((k for k, q in quotas.items() if q > MIN_SHARE),
-                       key=lambda k: (sent.get(k, 0) - quotas[k]) / quotas[k])  # most quota left first
-        long_prompt = self._long_prompt(client_id)
-        memo = route.memo if avoid_tried else None
-        for kind in kinds:
-            if memo is not None and (kind in memo or (long_prompt and f"{kind}\0long" in memo)):
+        sent = plans.sent.get(client_id)
+        long_prompt = client_id in self._long_prompts
+        # Whether long answers decode on a server, found once per server and pass (a client with long answers of
+        # its own asks for itself: its own do not count).
+        busy: dict[str, bool] | None = None
+        if long_prompt and client_id not in self._long_answers:
+            busy = memo.setdefault("busy", {})
+        best, best_key = None, (float("inf"), float("inf"))
+        for server in servers:
+            kind = plan.kind_of.get(server.id)
+            if kind is None:
                 continue
-            members = plan.members[kind]
-            start = self._cursor.get((client_id, kind), 0)
-            for i in range(len(members)):
-                server = members[(start + i) % len(members)]
-                if route.usable(server, tried if avoid_tried else None) and not self._interferes(client_id, server.id):
-                    self._cursor[client_id, kind] = (start + i + 1) % len(members)
-                    return server
-            if memo is not None:
-                # Nothing here for this client in this pass: for a long-prompt client that may be the
-                # interference rule, so only long-prompt clients skip the kind from now on.
-                memo.add(kind if not long_prompt else f"{kind}\0long")
-        return None
+            quota = quotas.get(kind, 0.0)
+            if quota <= MIN_SHARE:
+                continue
+            key = ((sent.get(kind, 0) if sent else 0) / quota, server.inflight / max(1, server.capacity))
+            if key >= best_key:
+                continue
+            if long_prompt:
+                if busy is None:
+                    if self._runs_long_answers(client_id, server.id):
+                        continue
+                else:
+                    stalls = busy.get(server.id)
+                    if stalls is None:
+                        stalls = busy[server.id] = self._runs_long_answers(client_id, server.id)
+                    if stalls:
+                        continue
+            best, best_key = server, key
+        return best
 
-    def _long_prompt(self, client_id: str) -> bool:
-        shape = self.shape(client_id)
-        return self.long_answer_tokens is not None and shape is not None and shape[0] >= self.long_prompt_tokens
-
-    def _interferes(self, client_id: str, server_id: str) -> bool:
-        """Would this client's long prompts stall long answers running on the server?"""
-        if not self._long_prompt(client_id):
-            return False
-        assert self.long_answer_tokens is not None
-        for other, n in self._st.ledger.clients_on(server_id).items():
-            theirs = self.shape(other) if other != client_id and n > 0 else None
-            if theirs is not None and theirs[1] >= self.long_answer_tokens:
+    def _runs_long_answers(self, client_id: str, server_id: str) -> bool:
+        """Whether long answers of another client decode on the server (a long prompt there would stall them)."""
+        for other in self._st.ledger.clients_on(server_id):
+            if other != client_id and other in self._long_answers:
                 return True
         return False
+
+    def _interferes(self, client_id: str, server_id: str) -> bool:
+        """Would this client's long prompts stall long answers running on the server? (From the shapes as they
+        are now; picks read the sets as the last plan or answer left them.)"""
+        for client in (client_id, *self._st.ledger.clients_on(server_id)):
+            self._classify(client)
+        return client_id in self._long_prompts and self._runs_long_answers(client_id, server_id)
+
+    def _classify(self, client_id: str) -> None:
+        """Keep the client's place in the long-prompt and long-answer sets current with its shape."""
+        shape = self.shape(client_id) if self.long_answer_tokens is not None else None
+        for members, long in ((self._long_prompts, shape is not None and shape[0] >= self.long_prompt_tokens),
+                              (self._long_answers, shape is not None and self.long_answer_tokens is not None
+                               and shape[1] >= self.long_answer_tokens)):
+            if long:
+                members.add(client_id)
+            else:
+                members.discard(client_id)
 
     # ---- making the plan ----------------------------------------------------------------------------
     def _route_plan(self, route: RouteView) -> _RoutePlan:
@@ -294,11 +355,11 @@ class PlannedRouting(Policy, name="planned"):
         return out
 
     def _solve(self, route: Sequence[Any], route_clients: set[str], now: float) -> Plan:
-        # What servers already hold is not priced in: a server holding a long queue made every plan degenerate
-        # (it fixed T, and the LP put a client's whole remainder on one other server while the rest idled).
         unsent = self._unsent(route_clients)
         shapes = {c: s for c in unsent if (s := self.shape(c)) is not None}
         clients = sorted(shapes)
+        for client in clients:
+            self._classify(client)
         servers = list(route)
         if not clients or not servers:
             return Plan(now, 0.0, {})  # nothing to plan: every client waits for the next plan
@@ -323,7 +384,32 @@ class PlannedRouting(Policy, name="planned"):
         cost = {(c, col): max(1e-12, kind_cost[col].of(*shapes[c])) for col in columns for c in clients}
         ids = sorted(columns)
         counts = {c: unsent[c] for c in clients}
-        makespan, by_kind = solve_plan(clients, ids, counts, cost, None, weight)
+        # What the kinds hold now counts: a kind busy for seconds with long answers is not free capacity for the
+        # unsent work (without it, short evals' last requests started on V100s full of long answers, 7 s each,
+        # and finished seconds after everything else: 1.53× the ideal against 1.18 in the simulator). The
+        # tie-break keeps the plan from piling the rest on one kind when one kind's held work sets T.
+        held = self._held(columns, shapes, kind_cost)
+        makespan, by_kind = solve_plan(clients, ids, counts, cost, held, weight, tiebreak=TIEBREAK)
+        # The per-request latency bound: one request of a client alone takes its prefill plus its answer's decode
+        # steps at a full batch there. No client's requests go to a kind where one of them would outlast the
+        # plan's makespan (its fastest kind is always allowed): at a run's end, the last requests of a short
+        # eval no longer start on a slow kind where each would hold the run up by seconds.
+        # A request's latency there is priced (its prefill, and its answer's steps at a full batch), not measured:
+        # bounds from measured latencies (where a client had run, or scaled by what answers on a kind took against
+        # their price) moved work onto kinds whose busy engines then stretched it far more (video prompts onto
+        # V100s full of long answers, 20 s each; 2.4× the ideal in the simulator against 1.18 priced).
+        latency = {(c, col): shapes[c][0] * kind_cost[col].prefill_s_per_token
+                   + shapes[c][1] * kind_cost[col].decode_s_per_token * max(1, columns[col][0].capacity)
+                   for col in columns for c in clients}
+        fastest = {c: min(latency[c, col] for col in columns) for c in clients}
+        for _ in range(LATENCY_ROUNDS):
+            late = [(c, col) for c, quotas in by_kind.items() for col in quotas
+                    if latency[c, col] > max(makespan, fastest[c]) * (1 + LATENCY_SLACK)]
+            if not late:
+                break
+            for pair in late:
+                cost[pair] = FORBIDDEN_COST
+            makespan, by_kind = solve_plan(clients, ids, counts, cost, held, weight, tiebreak=TIEBREAK)
         book = self._st.clients
         if book.order != "fair" and 1 < len(clients) and len(clients) ** 2 * len(ids) <= MAX_PHASE_VARIABLES:
             ranked = sorted(clients, key=lambda c: (book.first(c), c))
@@ -339,12 +425,27 @@ class PlannedRouting(Policy, name="planned"):
         return Plan(now, makespan, x, by_kind, columns, kind_of)
 
 
+    def _held(self, columns: Mapping[str, Sequence[Any]], shapes: Mapping[str, tuple[float, float]],
+              kind_cost: Mapping[str, Any]) -> dict[str, float]:
+        """Work each kind holds now (its requests in flight, priced by their clients' shapes): the plan's
+        makespan counts from when each kind will have drained it. O(servers), once per plan."""
+        held: dict[str, float] = {}
+        for col, members in columns.items():
+            total = 0.0
+            for server in members:
+                for client, n in self._st.ledger.clients_on(server.id).items():
+                    shape = shapes.get(client) or self.shape(client)
+                    if shape is not None:
+                        total += n * kind_cost[col].of(*shape)
+            held[col] = total
+        return held
+
     # ---- bounded state --------------------------------------------------------------------------------
     def forget_client(self, client_id: str) -> None:
         self._shapes.pop(client_id, None)
         self._placed.discard(client_id)
-        for key in [k for k in self._cursor if k[0] == client_id]:
-            del self._cursor[key]
+        self._long_prompts.discard(client_id)
+        self._long_answers.discard(client_id)
         for plans in self._routes.values():
             plans.clients.discard(client_id)
             plans.sent.pop(client_id, None)

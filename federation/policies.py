@@ -89,7 +89,7 @@ class RouteView(Protocol):
         """Every routable server of the route (ServerViews with `entry`, the registry's ServerEntry), room or not."""
 
     @property
-    def memo(self) -> set[str]:
+    def memo(self) -> dict[str, Any]:
         """Scratch a policy may fill during one grant pass (cleared between passes)."""
 
     def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> Sequence[Any]:
@@ -133,8 +133,9 @@ class Policy(ABC):
         return self.choose(free, request)
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
-                       completion_tokens: int | None) -> None:
-        """An answer came back (usage as the engine reported it). Default: nothing to learn."""
+                       completion_tokens: int | None, latency_s: float = 0.0) -> None:
+        """An answer came back (usage as the engine reported it, and how long the attempt took). Default: nothing
+        to learn (the dispatcher calls it only for policies that set `observes_answers`)."""
         return None
 
     def recheck_s(self) -> float | None:

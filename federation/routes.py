@@ -52,7 +52,7 @@ class Route:
         self.servers: list[ServerState] = []  # every routable server of the route, room or not
         self.free: list[ServerState] = []  # those with room now (unordered)
         self._pos: dict[ServerState, int] = {}
-        self.memo: set[str] = set()  # a policy's scratch for one grant pass
+        self.memo: dict[str, Any] = {}  # a policy's scratch for one grant pass (the dispatcher clears it)
         # Waiting requests: per client FIFO, clients in a heap of (key..., head seq, client).
         self.queues: dict[str, deque[Waiter]] = {}
         self._heap: list[tuple[float, float, int, str]] = []

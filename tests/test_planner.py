@@ -45,7 +45,7 @@ class View:
     key = ("emu-model", None, None, None)
 
     def __init__(self, servers: list[Server], usable: Callable[[Server], bool] = lambda s: True):
-        self.servers, self.memo, self._usable = servers, set[str](), usable
+        self.servers, self.memo, self._usable = servers, dict[str, object](), usable
 
     def usable(self, server: Server, tried: set[str] | None = None) -> bool:
         return self._usable(server)

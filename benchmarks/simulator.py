@@ -1,0 +1,378 @@
+"""The scheduler in simulated time: the real dispatchers and policies against modelled engines, in one process.
+
+Every server is the emulator's continuous-batching engine (`deploy/batching.BatchEngine` with one of the
+emulator's profiles, its request handling `deploy/emulator.request_shape`), reached through an in-process
+`Transport` (`SimTransport`) instead of HTTP. The event loop runs on a virtual clock (the `looptime`
+package: when nothing is ready, time jumps to the next timer), and every dispatcher gets that clock, so an
+hour of a 10,000-server pool takes what its Python work takes, and the machine's cores do not shape the
+schedule. CPU per decision is measured separately (process time inside the grant step).
+
+What runs is not a re-implementation: `Dispatcher`, the policies, admission windows, learning, the planner and
+(with `leases`) the registry's lease broker are the product's own classes. What is modelled: the engines (the
+emulator's step model), the network (no latency; a killed server refuses at once), and the registry's
+snapshots (handed to the dispatchers directly, like a long poll that answers at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import looptime
+
+from fedpool.deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
+from fedpool.deploy.emulator import EmulatorProfile, request_shape
+from fedpool.federation import (
+    AttemptError,
+    Completion,
+    DispatchConfig,
+    Dispatcher,
+    Endpoint,
+    FailureKind,
+    InferenceRequest,
+    Policy,
+)
+from fedpool.federation.transport import Target, request_body
+from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+
+MODEL = "sim-7b"
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A kind of server in a simulated pool: an emulator profile on an accelerator, and its share of the pool."""
+
+    profile: str  # a name in deploy.emulator.PROFILES
+    accelerator: str
+    engine: Engine
+    share: float
+
+
+@dataclass
+class SimServer:
+    id: str
+    kind: str
+    profile: EmulatorProfile
+    record: ServerRecord
+    engine: BatchEngine
+    alive: bool = True
+    answered: int = 0
+    busy_since: float | None = None
+
+
+class SimTransport:
+    """The dispatcher's `Transport`, in process: a request goes straight to its server's engine model."""
+
+    def __init__(self, servers: Mapping[str, SimServer]):
+        self.servers = servers
+        self.attempts = 0
+
+    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+        self.attempts += 1
+        sim = self.servers.get(server.id)
+        if sim is None or not sim.alive:
+            raise AttemptError(FailureKind.CONNECT, "connection refused (server down)")
+        body = request_body(request)
+        _, words, prompt_tokens, out_tokens = request_shape(body, request.endpoint is Endpoint.CHAT, sim.profile, 0)
+        blocks = prompt_blocks(words) if sim.profile.prefix_cache else ()
+        try:
+            await sim.engine.generate(prompt_tokens, out_tokens, blocks)
+        except PromptTooLong as exc:
+            raise AttemptError(FailureKind.REQUEST_ERROR, "HTTP 400", status=400, upstream_message=str(exc)) from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not sim.alive and task is not None and not task.cancelling():
+                raise AttemptError(FailureKind.CONNECT, "server died mid-request") from None
+            raise
+        if not sim.alive:
+            raise AttemptError(FailureKind.CONNECT, "server died mid-request")
+        sim.answered += 1
+        return Completion(text=" x" * out_tokens, finish_reason="length", prompt_tokens=prompt_tokens,
+                          completion_tokens=out_tokens)
+
+    async def open_stream(self, server: Target, request: InferenceRequest) -> Any:
+        raise NotImplementedError("streams are not simulated")
+
+
+@dataclass
+class World:
+    """A simulated pool: servers (by id), the current snapshot, and what changes it."""
+
+    servers: dict[str, SimServer]
+    snapshot: PoolSnapshot
+    clock: Callable[[], float]
+    listeners: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def entries(self) -> tuple[ServerEntry, ...]:
+        return self.snapshot.entries
+
+    def publish(self) -> None:
+        """A new snapshot (membership or status changed): every dispatcher hears of it at once."""
+        entries = []
+        for sim in self.servers.values():
+            status = ServerStatus.HEALTHY if sim.alive else ServerStatus.DOWN
+            entries.append(ServerEntry(record=sim.record, status=status, capacity=sim.profile.max_running,
+                                       weight=prior_weight(sim.record)))
+        self.snapshot = PoolSnapshot(version=self.snapshot.version + 1, taken_at=self.clock(), entries=tuple(entries))
+        for listener in self.listeners:
+            listener()
+
+    async def kill(self, server_id: str, *, announce_after_s: float = 2.0) -> None:
+        """The server dies: its requests fail at once, the registry marks it down a probe cycle later."""
+        sim = self.servers[server_id]
+        sim.alive = False
+        await sim.engine.close()
+        await asyncio.sleep(announce_after_s)
+        self.publish()
+
+    def revive(self, server_id: str) -> None:
+        sim = self.servers[server_id]
+        sim.alive = True
+        sim.engine = BatchEngine(sim.profile, clock=self.clock)
+        self.publish()
+
+    def add(self, kind_name: str, kind: Kind, profile: EmulatorProfile) -> str:
+        server_id = f"{kind_name}-joined-{self.snapshot.version}"
+        self.servers[server_id] = _make_server(server_id, kind_name, kind, profile, self.clock)
+        self.publish()
+        return server_id
+
+    def remove(self, server_id: str) -> None:
+        """Deregistered (drained away): leaves the snapshot; what it runs finishes."""
+        del self.servers[server_id]
+        self.publish()
+
+    async def close(self) -> None:
+        for sim in self.servers.values():
+            await sim.engine.close()
+
+
+def _make_server(server_id: str, kind_name: str, kind: Kind, profile: EmulatorProfile,
+                 clock: Callable[[], float]) -> SimServer:
+    record = ServerRecord(id=server_id, url=f"http://{server_id}.sim:80", engine=kind.engine, model=MODEL,
+                          revision="r1", accelerator=kind.accelerator, gpu_count=1, capacity=profile.max_running)
+    return SimServer(server_id, kind_name, profile, record, BatchEngine(profile, clock=clock))
+
+
+def build_world(kinds: Mapping[str, Kind], profiles: Mapping[str, EmulatorProfile], servers: int,
+                clock: Callable[[], float]) -> World:
+    counts = kind_counts(kinds, servers)
+    sims: dict[str, SimServer] = {}
+    for name, n in counts.items():
+        for _ in range(n):
+            server_id = f"{name}-{len(sims)}"
+            sims[server_id] = _make_server(server_id, name, kinds[name], profiles[name], clock)
+    world = World(sims, PoolSnapshot(version=0, taken_at=clock(), entries=()), clock)
+    world.publish()
+    return world
+
+
+def kind_counts(kinds: Mapping[str, Kind], servers: int) -> dict[str, int]:
+    """Servers per kind: the shares rounded, the rounding left-over on the largest kind."""
+    counts = {name: max(1, int(servers * k.share)) for name, k in kinds.items()}
+    largest = max(kinds, key=lambda n: kinds[n].share)
+    counts[largest] += servers - sum(counts.values())
+    return counts
+
+
+@dataclass(frozen=True, slots=True)
+class Eval:
+    """One eval: `size` requests of one shape, sent `concurrency` at a time by the client process `process`."""
+
+    name: str
+    prompt_tokens: int
+    answer_tokens: int
+    size: int
+    concurrency: int = 64
+    process: int = 0
+    start_s: float = 0.0
+
+
+@dataclass
+class EvalOutcome:
+    started_s: float = 0.0
+    finished_s: float = 0.0
+    answered: int = 0
+    failed: int = 0
+
+
+_BODY = " ".join(f"w{i % 4096}" for i in range(65536))  # the words every prompt continues with
+_ENDS = [i for i, ch in enumerate(_BODY) if ch == " "] + [len(_BODY)]
+
+
+def prompt_of(eval_: Eval, k: int) -> str:
+    """A prompt of exactly `prompt_tokens` words (the emulator's tokens), different per request from its first
+    word on (so the engines' prefix caches find nothing to share between requests)."""
+    return f"{eval_.name}/{k} " + _BODY[:_ENDS[max(0, eval_.prompt_tokens - 2)]]
+
+
+async def run_eval(dispatcher: Dispatcher, eval_: Eval, clock: Callable[[], float],
+                   outcome: EvalOutcome) -> None:
+    """What an EvalRun does: report the work left, keep `concurrency` requests in flight, say when done."""
+    if eval_.start_s > clock():
+        await asyncio.sleep(eval_.start_s - clock())
+    outcome.started_s = clock()
+    pending = list(range(eval_.size - 1, -1, -1))
+    per_request = float(eval_.prompt_tokens + eval_.answer_tokens)
+    dispatcher.set_client_remaining(eval_.name, per_request * eval_.size, eval_.size)
+    dispatcher.set_client_shape(eval_.name, eval_.prompt_tokens, eval_.answer_tokens)
+    left = [eval_.size]
+
+    async def worker() -> None:
+        while pending:
+            k = pending.pop()
+            if not pending:
+                dispatcher.client_done_sending(eval_.name)
+            request = InferenceRequest.from_body(
+                {"prompt": prompt_of(eval_, k), "max_tokens": eval_.answer_tokens, "temperature": 0,
+                 "ignore_eos": True},
+                request_id=f"{eval_.name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=eval_.name)
+            try:
+                await dispatcher.submit(request)
+                outcome.answered += 1
+            except Exception:
+                outcome.failed += 1
+            left[0] -= 1
+            dispatcher.set_client_remaining(eval_.name, per_request * left[0], left[0])
+
+    await asyncio.gather(*(worker() for _ in range(min(eval_.concurrency, eval_.size))))
+    outcome.finished_s = clock()
+
+
+@dataclass
+class SimResult:
+    makespan_s: float
+    outcomes: dict[str, EvalOutcome]
+    decisions: int
+    decision_cpu_s: float
+    process_cpu_s: float
+    wall_s: float
+    inflight_end: int
+    completed: int
+    failed: int
+    attempts: int
+    busy_s: dict[str, float]  # server kind -> engine busy seconds
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_dispatcher(transport: SimTransport, world: World, policy: Policy, config: DispatchConfig,
+                    clock: Callable[[], float], seed: int) -> Dispatcher:
+    dispatcher = Dispatcher(transport, lambda: world.snapshot, policy, config=config, clock=clock, wall_clock=clock,
+                            rng=random.Random(seed))
+    world.listeners.append(dispatcher.notify_snapshot)
+    return dispatcher
+
+
+def simulate(world_of: Callable[[Callable[[], float]], World], evals: Sequence[Eval],
+             dispatchers_of: Callable[[SimTransport, World, Callable[[], float]], Sequence[Dispatcher]],
+             events: Callable[[World], Coroutine[Any, Any, None]] | None = None,
+             setup: Callable[[World, Sequence[Dispatcher]], contextlib.AbstractAsyncContextManager[Any]] | None = None,
+             ) -> SimResult:
+    """Run the evals to the end in simulated time. `dispatchers_of` makes one dispatcher per client process;
+    `events` (a coroutine on the world) kills, revives, adds and removes servers as the run goes; `setup` wraps
+    the run (e.g. lease clients around each dispatcher)."""
+    loop = looptime.new_event_loop(start=0.0)
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(_simulate(loop.time, world_of, evals, dispatchers_of, events, setup))
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[], float]], World],
+                    evals: Sequence[Eval],
+                    dispatchers_of: Callable[[SimTransport, World, Callable[[], float]], Sequence[Dispatcher]],
+                    events: Callable[[World], Coroutine[Any, Any, None]] | None,
+                    setup: Callable[[World, Sequence[Dispatcher]], contextlib.AbstractAsyncContextManager[Any]] | None,
+                    ) -> SimResult:
+    world = world_of(clock)
+    transport = SimTransport(world.servers)
+    dispatchers = dispatchers_of(transport, world, clock)
+    outcomes = {e.name: EvalOutcome() for e in evals}
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    async with setup(world, dispatchers) if setup is not None else contextlib.nullcontext():
+        event_task = asyncio.create_task(events(world)) if events is not None else None
+        await asyncio.gather(*(run_eval(dispatchers[e.process], e, clock, outcomes[e.name]) for e in evals))
+        if event_task is not None:
+            event_task.cancel()
+            await asyncio.gather(event_task, return_exceptions=True)
+    makespan = clock()
+    stats = [d.stats() for d in dispatchers]
+    busy: dict[str, float] = {}
+    for sim in world.servers.values():
+        busy[sim.kind] = busy.get(sim.kind, 0.0) + sim.engine.counters.busy_s
+    result = SimResult(
+        makespan_s=makespan, outcomes=outcomes, decisions=sum(s.decisions for s in stats),
+        decision_cpu_s=sum(s.decision_s for s in stats), process_cpu_s=time.process_time() - cpu0,
+        wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
+        completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
+        attempts=transport.attempts, busy_s=busy)
+    await world.close()
+    return result
+
+
+
+def least_work_baseline(world_of: Callable[[Callable[[], float]], World], evals: Sequence[Eval],
+                        price: Callable[[SimServer, int, int], float]) -> SimResult:
+    """The best simple baseline: a router that sends every request at once (the engines queue) to the server
+    with the least outstanding work per unit of speed, the request's own work included, where a request's work
+    on a server is `price(server, prompt tokens, answer tokens)` in that server's seconds (no admission windows,
+    no learning, no client order: requests in arrival order)."""
+    loop = looptime.new_event_loop(start=0.0)
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(_least_work(loop.time, world_of, evals, price))
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def _least_work(clock: Callable[[], float], world_of: Callable[[Callable[[], float]], World],
+                      evals: Sequence[Eval], price: Callable[[SimServer, int, int], float]) -> SimResult:
+    world = world_of(clock)
+    transport = SimTransport(world.servers)
+    outstanding = dict.fromkeys(world.servers, 0.0)
+    servers = list(world.servers.values())
+    outcomes = {e.name: EvalOutcome() for e in evals}
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+
+    async def one(eval_: Eval, k: int) -> None:
+        best, best_finish, best_work = servers[0], float("inf"), 0.0
+        for sim in servers:
+            work = price(sim, eval_.prompt_tokens, eval_.answer_tokens)
+            finish = outstanding[sim.id] + work
+            if finish < best_finish:
+                best, best_finish, best_work = sim, finish, work
+        outstanding[best.id] += best_work
+        request = InferenceRequest.from_body(
+            {"prompt": prompt_of(eval_, k), "max_tokens": eval_.answer_tokens, "ignore_eos": True},
+            request_id=f"{eval_.name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=eval_.name)
+        try:
+            await transport.complete(best.record, request)
+            outcomes[eval_.name].answered += 1
+        finally:
+            outstanding[best.id] -= best_work
+
+    async def run(eval_: Eval) -> None:
+        outcomes[eval_.name].started_s = clock()
+        await asyncio.gather(*(one(eval_, k) for k in range(eval_.size)))
+        outcomes[eval_.name].finished_s = clock()
+
+    await asyncio.gather(*(run(e) for e in evals))
+    busy: dict[str, float] = {}
+    for sim in world.servers.values():
+        busy[sim.kind] = busy.get(sim.kind, 0.0) + sim.engine.counters.busy_s
+    result = SimResult(makespan_s=clock(), outcomes=outcomes, decisions=0, decision_cpu_s=0.0,
+                       process_cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - wall0, inflight_end=0,
+                       completed=sum(o.answered for o in outcomes.values()), failed=0, attempts=transport.attempts,
+                       busy_s=busy)
+    await world.close()
+    return result
