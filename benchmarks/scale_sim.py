@@ -1,16 +1,27 @@
-"""Scale by simulation: the dispatcher and a routing policy driving 256 emulated servers for 64 concurrent
-evals, with the emulators running faster than real time so it fits a few minutes on a laptop.
+"""The scheduler at scale, in simulated time: fedpool's dispatcher and policies driving hundreds to thousands of
+modelled engines for tens to a thousand concurrent evals, against the ideal and the best simple baseline.
 
-    python -m fedpool.benchmarks.scale_sim [--servers 256] [--evals 64] [--speedup 2] [--policy capacity_weighted]
+    python -m fedpool.benchmarks.scale_sim [--servers 256] [--evals 64] [--policy capacity_weighted]
+        [--client-order fair] [--planned] [--processes 1] [--churn] [--agreement] [--name scale_sim]
 
-The pool mixes a quarter A100-vLLM, a quarter A100-SGLang and half V100-vLLM servers (the data-sheet
-profiles of `deploy/emulator.py`, max running sequences capped at `--max-running` so the 64 evals keep
-the pool saturated), all real aiohttp servers in one child process. Each eval is a stream of requests
-shaped like one of the Table 7 modalities (text: short prompts, long answers; image: ~1k prompt tokens,
-short answers; caption; video: ~7k prompt tokens), sent through one dispatcher with `--concurrency` in
-flight per eval. Reported: the dispatcher's decision cost per request (CPU time it spends granting
-slots, and its whole process's CPU per request), the makespan against the ideal (the larger of the LP
-bound at saturated cost and the longest single request), and per-eval completion times.
+Mode `virtual` (the default; benchmarks/simulator.py): the real `Dispatcher`, policies, windows, learning and
+planner against the emulator's continuous-batching engine model, through an in-process transport, on a virtual
+clock — the makespan is the schedule's, not this machine's. The decision cost is CPU time (process time) inside
+the dispatcher's grant step per slot granted, with the pool saturated. `--agreement` also runs the same shapes
+at 32 servers × 8 evals both ways — simulated, and on the wall clock against real emulated HTTP servers in
+another process (`mode wall`, the check that the simulator and the emulator agree) — and reports how far
+apart the two makespans are.
+
+The pool mixes the emulator's data-sheet profiles (`deploy/emulator.py`: vLLM and SGLang on A100-80GB,
+vLLM on V100-32GB, and with `--kinds 5` vLLM and SGLang on H100-80GB), max running sequences capped at
+`--max-running` so the evals keep the pool saturated. Each eval is a stream of requests shaped like one of the
+Table 7 modalities (text: short prompts, long answers; image: ~1k prompt tokens, short answers; caption; video:
+~7k prompt tokens), `--concurrency` in flight per eval, reporting its work left as fedpool's evals do.
+
+Baselines beside fedpool: the ideal (the LP bound: every request anywhere at saturated cost; and no request
+faster than alone on the fastest server), and least outstanding work — every request sent at once to the
+server with the least outstanding work per unit of speed, its own included, priced by the data-sheet prior
+(what a router could know), the engines queueing the rest.
 """
 
 from __future__ import annotations
@@ -19,71 +30,161 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
+import multiprocessing.synchronize
 import random
-import resource
 import statistics
 import time
-from dataclasses import asdict, replace
-from multiprocessing.synchronize import Event
-from typing import TypedDict
-
-import psutil
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from fedpool.benchmarks.assignment import Workload, ideal_makespan
 from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.simulator import (
+    MODEL,
+    Eval,
+    Kind,
+    SimResult,
+    SimServer,
+    SimTransport,
+    World,
+    build_world,
+    kind_counts,
+    least_work_baseline,
+    make_dispatcher,
+    simulate,
+)
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
+from fedpool.federation import DispatchConfig, Dispatcher, make_policy
+from fedpool.federation.pricing import server_cost
+from fedpool.registry import Engine, ServerEntry, ServerStatus, prior_weight
 
-MODEL = "sim-7b"
 SHAPES = {  # modality: (prompt tokens, answer tokens), as benchmarks/configs/table7_evals.yaml
     "text": (250, 384),
     "image": (1100, 24),
     "caption": (900, 96),
     "video": (7000, 32),
 }
-GROUPS = (("vllm-a100-80gb-7b", "A100", 0.25), ("sglang-a100-80gb-7b", "A100", 0.25),
-          ("vllm-v100-32gb-7b", "V100", 0.5))
+KINDS_3 = {
+    "vllm-a100-80gb-7b": Kind("vllm-a100-80gb-7b", "A100", Engine.VLLM, 0.25),
+    "sglang-a100-80gb-7b": Kind("sglang-a100-80gb-7b", "A100", Engine.SGLANG, 0.25),
+    "vllm-v100-32gb-7b": Kind("vllm-v100-32gb-7b", "V100", Engine.VLLM, 0.5),
+}
+KINDS_5 = {
+    "vllm-h100-80gb-7b": Kind("vllm-h100-80gb-7b", "H100", Engine.VLLM, 0.1),
+    "sglang-h100-80gb-7b": Kind("sglang-h100-80gb-7b", "H100", Engine.SGLANG, 0.1),
+    "vllm-a100-80gb-7b": Kind("vllm-a100-80gb-7b", "A100", Engine.VLLM, 0.2),
+    "sglang-a100-80gb-7b": Kind("sglang-a100-80gb-7b", "A100", Engine.SGLANG, 0.2),
+    "vllm-v100-32gb-7b": Kind("vllm-v100-32gb-7b", "V100", Engine.VLLM, 0.4),
+}
 
 
-def pool_profiles(max_running: int) -> dict[str, EmulatorProfile]:
-    return {name: replace(PROFILES[name], max_running=max_running, output_spread=0.0) for name, _, _ in GROUPS}
+@dataclass(frozen=True)
+class Spec:
+    """One simulated world and how fedpool runs in it."""
+
+    servers: int
+    evals: int
+    kinds: int = 3
+    max_running: int = 16
+    concurrency: int = 200
+    min_size: int = 60
+    max_size: int = 180
+    processes: int = 1
+    policy: str = "capacity_weighted"
+    client_order: str = "fair"
+    churn: bool = False
+    seed: int = 7
+
+    @property
+    def kind_table(self) -> dict[str, Kind]:
+        return KINDS_5 if self.kinds == 5 else KINDS_3
+
+    def profiles(self) -> dict[str, EmulatorProfile]:
+        return {name: replace(PROFILES[name], max_running=self.max_running, output_spread=0.0)
+                for name in self.kind_table}
+
+    def eval_list(self) -> list[Eval]:
+        rng = random.Random(self.seed)
+        modalities = list(SHAPES)
+        out = []
+        for i in range(self.evals):
+            modality = modalities[i % len(modalities)]
+            prompt, answer = SHAPES[modality]
+            out.append(Eval(f"eval-{i:04d}-{modality}", prompt, answer, rng.randint(self.min_size, self.max_size),
+                            concurrency=self.concurrency, process=i % self.processes))
+        return out
+
+    def config(self) -> DispatchConfig:
+        return DispatchConfig(hedging=False, client_order=self.client_order)
 
 
-def full_step(profile: EmulatorProfile, modality: str) -> float:
-    """One decode step of a full batch of this modality's requests (as `assignment.saturated_cost` prices it)."""
-    prompt, answer = SHAPES[modality]
-    n = profile.max_running
-    if profile.kv_cache_tokens is not None:
-        n = max(1, min(n, int(profile.kv_cache_tokens // (prompt + answer))))
-    return (profile.decode_s_per_token * (1 + profile.batch_slowdown * (n - 1))
-            + profile.attn_s_per_ctx_token * n * (prompt + answer / 2))
+def ideal_s(spec: Spec) -> tuple[float, float, float]:
+    """(ideal, LP bound, longest single request) in engine seconds."""
+    profiles = spec.profiles()
+    work = [Workload(e.name, e.size, float(e.prompt_tokens), float(e.answer_tokens)) for e in spec.eval_list()]
+    lp, _ = ideal_makespan(work, profiles, kind_counts(spec.kind_table, spec.servers))
+    longest = max(min(p.prefill_s_per_token * pt + p.decode_s_per_token * at for p in profiles.values())
+                  for pt, at in SHAPES.values())
+    return max(lp, longest), lp, longest
 
 
-class DriveFigures(TypedDict):
-    """What `drive` measured: wall and CPU seconds, the dispatcher's counters, each eval's completion time."""
+async def churn(world: World) -> None:
+    """Servers fail, rejoin, join and leave while the run goes: every 2 s one of them changes."""
+    rng = random.Random(11)
+    ids = sorted(world.servers)
+    down: list[str] = []
+    kinds = {sim.kind: sim for sim in world.servers.values()}
+    step = 0
+    while True:
+        await asyncio.sleep(2.0)
+        step += 1
+        if step % 4 == 1:
+            victim = rng.choice([i for i in ids if i in world.servers and world.servers[i].alive])
+            down.append(victim)
+            await world.kill(victim)
+        elif step % 4 == 2 and down:
+            world.revive(down.pop(0))
+        elif step % 4 == 3:
+            template = rng.choice(list(kinds.values()))
+            kind = KINDS_5.get(template.kind) or KINDS_3[template.kind]
+            world.add(template.kind, kind, template.profile)
+        else:
+            leaving = rng.choice([i for i in world.servers if world.servers[i].alive])
+            world.remove(leaving)
 
-    wall_s: float
-    finished: dict[str, float]
-    completed: int
-    failed: int
-    decisions: int
-    decision_s: float
-    process_cpu_s: float
-    inflight_end: int
-    on_server_s: float
-    expected_on_server_s: float
+
+def run_virtual(spec: Spec) -> SimResult:
+    kinds, profiles = spec.kind_table, spec.profiles()
+    policy_name = spec.policy
+
+    def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
+        return [make_dispatcher(transport, world, make_policy(policy_name, random.Random(p)), spec.config(), clock,
+                                seed=p) for p in range(spec.processes)]
+
+    return simulate(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), dispatchers,
+                    events=churn if spec.churn else None)
 
 
-def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Queue, stop: Event) -> None:
+def run_baseline(spec: Spec) -> SimResult:
+    def price(sim: SimServer, prompt: int, answer: int) -> float:
+        entry = ServerEntry(sim.record, ServerStatus.HEALTHY, sim.profile.max_running, prior_weight(sim.record))
+        return server_cost(entry).of(prompt, answer)
+
+    kinds, profiles = spec.kind_table, spec.profiles()
+    return least_work_baseline(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), price)
+
+
+# ---- wall clock: the same world against real emulated HTTP servers ---------------------------------------
+def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Queue[list[tuple[str, str]]],
+          stop: multiprocessing.synchronize.Event) -> None:
     from fedpool.deploy.emulator import EmulatedServer
 
     profiles = {k: EmulatorProfile(**v) for k, v in json.loads(profiles_json).items()}
 
     async def main() -> None:
-        servers = []
-        for name, n in counts.items():
-            for i in range(n):
-                servers.append((name, EmulatedServer(model=MODEL, profile=profiles[name], speedup=speedup, seed=i)))
+        servers = [(name, EmulatedServer(model=MODEL, profile=profiles[name], speedup=speedup, seed=i))
+                   for name, n in counts.items() for i in range(n)]
         for _, server in servers:
             await server.start()
         out.put([(name, server.url) for name, server in servers])
@@ -94,181 +195,141 @@ def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Qu
     asyncio.run(main())
 
 
-async def drive(urls: list[tuple[str, str]], evals: list[tuple[str, str, int]], args: argparse.Namespace,
-                ) -> DriveFigures:
-    from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-    from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
-    from fedpool.registry.weights import prior_weight
+def run_wall(spec: Spec, speedup: float) -> float:
+    """The makespan in engine seconds (wall seconds × speedup) against emulated servers in another process."""
+    from fedpool.benchmarks.simulator import EvalOutcome, run_eval
+    from fedpool.federation import new_session
+    from fedpool.registry import PoolSnapshot, ServerRecord
 
-    accel = {name: acc for name, acc, _ in GROUPS}
-    entries = []
-    for i, (name, url) in enumerate(urls):
-        engine = Engine.SGLANG if "sglang" in name else Engine.VLLM
-        record = ServerRecord(id=f"{name}-{i}", url=url, engine=engine, model=MODEL,
-                              accelerator=accel[name], gpu_count=1, capacity=args.max_running)
-        entries.append(ServerEntry(record, ServerStatus.HEALTHY, args.max_running, prior_weight(record)))
-    snap = PoolSnapshot(1, 0.0, tuple(entries))
-    words = [f"w{i}" for i in range(5000)]
-    # Prompts are built before the clock starts (a real eval loads its data on CPU actors, overlapped): the
-    # clock is the dispatcher's and the servers', not a Python loop joining 6,000-word strings.
-    prompts = {name: [" ".join(random.Random(f"{name}/{k}").choices(words, k=SHAPES[modality][0]))
-                      for k in range(size)] for name, modality, size in evals}
-    finished: dict[str, float] = {}
-    profiles = pool_profiles(args.max_running)
-    expected_s = [0.0]
-    in_flight_s = [0.0]  # seconds requests spent on a server (sent until answered, not waiting in the dispatcher)
-    cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-    started = time.perf_counter()
-    async with new_session() as session:
-        policy = make_policy("planned" if args.planned else args.policy, random.Random(0))
-        dispatcher = Dispatcher(session, lambda: snap, policy,
-                                config=DispatchConfig(hedging=False, adaptive_windows=not args.fixed_windows))
-
-        async def one_eval(name: str, modality: str, size: int) -> None:
-            prompt_tokens, answer = SHAPES[modality]
-            queue = list(range(size))
-            left = [size]
-            # What an EvalRun reports: work left (for shortest_first) and requests left (for the planner).
-            dispatcher.set_client_remaining(name, float(size * (prompt_tokens + answer)), size)
-
-            async def worker() -> None:
-                while queue:
-                    k = queue.pop()
-                    prompt = prompts[name][k]
-                    result = await dispatcher.submit(InferenceRequest.from_body(
-                        {"prompt": prompt, "max_tokens": answer, "ignore_eos": True},
-                        request_id=f"{name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=name))
-                    on_server = sum(a.latency_s for a in result.attempts)
-                    in_flight_s[0] += on_server
-                    kind = result.server_id.rsplit("-", 1)[0]
-                    # What the request would take in a full batch of this engine, by the data sheet: its
-                    # prefill and its answer's decode steps at full batch (the ideal's accounting).
-                    profile = profiles[kind]
-                    full_batch_s = prompt_tokens * profile.prefill_s_per_token + answer * full_step(profile, modality)
-                    expected_s[0] += full_batch_s / args.speedup
-                    left[0] -= 1
-                    dispatcher.set_client_remaining(name, float(left[0] * (prompt_tokens + answer)), left[0])
-
-            await asyncio.gather(*(worker() for _ in range(min(args.concurrency, size))))
-            finished[name] = time.perf_counter() - started
-
-        await asyncio.gather(*(one_eval(*ev) for ev in evals))
-        stats = dispatcher.stats()
-    wall = time.perf_counter() - started
-    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (cpu_after.ru_utime + cpu_after.ru_stime) - (cpu_before.ru_utime + cpu_before.ru_stime)
-    return {"wall_s": wall, "finished": finished, "completed": stats.completed, "failed": stats.failed,
-            "decisions": stats.decisions, "decision_s": stats.decision_s, "process_cpu_s": cpu,
-            "inflight_end": stats.inflight_total,
-            "on_server_s": in_flight_s[0], "expected_on_server_s": expected_s[0]}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", type=int, default=256)
-    parser.add_argument("--evals", type=int, default=64)
-    parser.add_argument("--min-size", type=int, default=60)
-    parser.add_argument("--max-size", type=int, default=180)
-    parser.add_argument("--speedup", type=float, default=2.0, help="emulated engine seconds per wall second")
-    parser.add_argument("--max-running", type=int, default=16, help="max running sequences per server")
-    parser.add_argument("--concurrency", type=int, default=200, help="requests in flight per eval")
-    parser.add_argument("--policy", default="capacity_weighted")
-    parser.add_argument("--fixed-windows", action="store_true",
-                        help="admission windows fixed at each server's capacity (no learning)")
-    parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
-    parser.add_argument("--name", default="scale_sim", help="report name: results/NAME.md")
-    args = parser.parse_args()
-    profiles = pool_profiles(args.max_running)
-    counts = {name: max(1, round(args.servers * share)) for name, _, share in GROUPS}
-    rng = random.Random(7)
-    modalities = list(SHAPES)
-    evals = [(f"eval-{i:02d}-{modalities[i % 4]}", modalities[i % 4], rng.randint(args.min_size, args.max_size))
-             for i in range(args.evals)]
+    kinds, profiles = spec.kind_table, spec.profiles()
+    counts = kind_counts(kinds, spec.servers)
     ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
+    out: mp.Queue[list[tuple[str, str]]] = ctx.Queue()
     stop = ctx.Event()
-    farm = ctx.Process(target=_farm, args=(counts, json.dumps({k: asdict(v) for k, v in profiles.items()}),
-                                           args.speedup, out, stop), daemon=True)
+    farm = ctx.Process(target=_farm, args=(counts, json.dumps({k: asdict(v) for k, v in profiles.items()}), speedup,
+                                           out, stop), daemon=True)
     farm.start()
-    urls = out.get(timeout=300)
-    print(f"{len(urls)} emulated servers up; {len(evals)} evals, {sum(s for *_, s in evals)} requests", flush=True)
-    farm_proc = psutil.Process(farm.pid)
-    farm_cpu_before = sum(farm_proc.cpu_times()[:2])
     try:
-        r = asyncio.run(drive(urls, evals, args))
-        farm_cpu = sum(farm_proc.cpu_times()[:2]) - farm_cpu_before
+        urls = out.get(timeout=300)
+
+        async def drive() -> float:
+            entries = []
+            for i, (name, url) in enumerate(urls):
+                record = ServerRecord(id=f"{name}-{i}", url=url, engine=kinds[name].engine, model=MODEL, revision="r1",
+                                      accelerator=kinds[name].accelerator, gpu_count=1, capacity=spec.max_running)
+                entries.append(ServerEntry(record, ServerStatus.HEALTHY, spec.max_running, prior_weight(record)))
+            snapshot = PoolSnapshot(1, time.time(), tuple(entries))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with new_session() as session:
+                dispatchers = [Dispatcher(session, lambda: snapshot, make_policy(spec.policy, random.Random(p)),
+                                          config=spec.config(), rng=random.Random(p)) for p in range(spec.processes)]
+                outcomes = {e.name: EvalOutcome() for e in spec.eval_list()}
+                await asyncio.gather(*(run_eval(dispatchers[e.process], e, loop.time, outcomes[e.name])
+                                       for e in spec.eval_list()))
+            return (loop.time() - started) * speedup
+
+        return asyncio.run(drive())
     finally:
         stop.set()
         farm.join(30)
-    sizes = {name: size for name, _, size in evals}
-    work = [Workload(name, size, float(SHAPES[m][0]), float(SHAPES[m][1])) for name, m, size in evals]
-    lp_engine_s, _ = ideal_makespan(work, profiles, counts)
-    # No request can finish faster than alone on the fastest server: prefill, then its answer's decode steps.
-    longest = max(min(p.prefill_s_per_token * pt + p.decode_s_per_token * at for p in profiles.values())
-                  for pt, at in SHAPES.values())
-    ideal_s = max(lp_engine_s, longest) / args.speedup
-    requests = sum(sizes.values())
-    per_decision_us = r["decision_s"] / max(1, r["decisions"]) * 1e6
-    per_request_cpu_ms = r["process_cpu_s"] / max(1, r["completed"]) * 1e3
-    stretch = r["on_server_s"] / r["expected_on_server_s"]
-    client_cores = r["process_cpu_s"] / r["wall_s"]
-    occupancy = r["on_server_s"] / (len(urls) * args.max_running * r["wall_s"])
-    done_times = sorted(r["finished"].values())
-    by_modality = {m: statistics.median(t for n, t in r["finished"].items() if n.endswith(m)) for m in SHAPES}
-    rows = [
-        ("servers", f"{len(urls)} ({', '.join(f'{n} × {k}' for k, n in counts.items())}), max running "
-         f"{args.max_running} each, emulators at {args.speedup:g}× real time", ""),
-        ("evals / requests", f"{len(evals)} / {requests} ({r['completed']} completed, {r['failed']} failed)", ""),
-        ("dispatcher decision cost", f"{per_decision_us:.0f} µs per granted slot ({r['decisions']} grants)",
-         "CPU time inside the grant step (queue order, policy, accounting)"),
-        ("client process CPU per request", f"{per_request_cpu_ms:.2f} ms",
-         "everything: HTTP, JSON, dispatcher, 64 evals' coroutines"),
-        ("CPU used during the run: client process + emulator farm",
-         f"{client_cores:.2f} + {farm_cpu / r['wall_s']:.2f} of {os.cpu_count()} cores",
-         "the client process is one event loop: it can use one core at most"),
-        ("makespan", f"{r['wall_s']:.1f} s", ""),
-        ("ideal", f"{ideal_s:.1f} s (LP at saturated cost {lp_engine_s / args.speedup:.1f} s; longest single "
-         f"request {longest / args.speedup:.2f} s)", ""),
-        ("makespan ÷ ideal", f"{r['wall_s'] / ideal_s:.2f}", ""),
-        ("request time on a server ÷ its full-batch time", f"{stretch:.2f}",
-         "measured attempt seconds ÷ (prefill + answer × full-batch decode step) by the data sheet; above 1: the "
-         "emulated engines ran slower than their own full-batch figure (prefills of others stalling the batch, "
-         "the farm's event loop)"),
-        ("slot occupancy", f"{occupancy:.0%}", "seconds requests spent on a server ÷ (slots × makespan): how full "
-         "the engines' batches were kept"),
-        ("eval completion: first / median / last", f"{done_times[0]:.1f} / {statistics.median(done_times):.1f} / "
-         f"{done_times[-1]:.1f} s", ""),
-        ("median completion by modality", ", ".join(f"{m} {t:.1f} s" for m, t in by_modality.items()), ""),
-        ("in flight after the run", str(r["inflight_end"]), "must be 0"),
-    ]
-    body = (
-        ("Planned routing (`--planned`)" if args.planned else f"Policy `{args.policy}`")
-        + f", {args.concurrency} requests in flight per eval, one dispatcher in one process; "
-        "the emulated servers in another process on the same 2 cores.\n\n"
-        + markdown_table(("what", "figure", "note"), rows)
-        + "\n\nHow to read it: the ideal is a fluid bound — every server's batch full all the time, work split "
-        f"like a fluid. What ran: the engines' slots were {occupancy:.0%} occupied, and a request spent "
-        f"{stretch:.1f}× its full-batch time on its server. Occupancy alone would put the makespan at "
-        f"{occupancy:.0%} of what it was; the rest is the engines running below their data-sheet rate under this "
-        f"load (others' prefills stalling each batch, and {len(urls)} emulated servers sharing one process's event "
-        f"loop at {args.speedup:g}× real time; `--servers 32 --evals 8` runs the same shapes smaller to compare). "
-        + (f"The client process, one event loop, was busy {client_cores:.0%} of the run: its own CPU — at "
-           f"{per_decision_us:.0f} µs per grant, mostly the grant step — sets the pace. " if client_cores >= 0.8 else
-           f"Neither process was CPU-bound (client {client_cores:.2f}, farm {farm_cpu / r['wall_s']:.2f} cores), "
-           "so the gap is the harness and the schedule, not the machine's cores. ")
-        + "The grant step samples candidates (a few random draws, a full scan only when "
-        "those find too few; the planned policy scans a server kind's members until one has room), but under "
-        "saturation most servers are full, so its cost grows with the pool: see the decision row."
-        + "\n\nThe projection to 10,000 servers (what changes: snapshot deltas, sharded registries, "
-        "per-route candidate sampling) is in `docs/speedup.md`."
-    )
-    for row in rows:
-        print(f"{row[0]:<40} {row[1]}")
-    write_report(args.name, f"Scale by simulation: {len(urls)} servers, {len(evals)} evals", body, {
-        "servers": len(urls), "evals": len(evals), "requests": requests,
-        "decision_us": f"{per_decision_us:.0f}", "cpu_ms_per_request": f"{per_request_cpu_ms:.2f}",
-        "makespan_s": f"{r['wall_s']:.1f}", "vs_ideal": f"{r['wall_s'] / ideal_s:.2f}",
-    })
+
+
+# ---- the report -----------------------------------------------------------------------------------------
+def describe(result: SimResult, ideal: float) -> dict[str, Any]:
+    finished = sorted(o.finished_s for o in result.outcomes.values())
+    return {"makespan_s": result.makespan_s, "vs_ideal": result.makespan_s / ideal,
+            "decision_us": result.decision_cpu_s / result.decisions * 1e6 if result.decisions else 0.0,
+            "first_s": finished[0], "median_s": statistics.median(finished), "completed": result.completed,
+            "failed": result.failed, "inflight_end": result.inflight_end, "wall_s": result.wall_s,
+            "cpu_s": result.process_cpu_s}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedpool.benchmarks.scale_sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", type=int, default=256)
+    parser.add_argument("--evals", type=int, default=64)
+    parser.add_argument("--kinds", type=int, choices=(3, 5), default=3)
+    parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=200, help="requests in flight per eval")
+    parser.add_argument("--processes", type=int, default=1, help="client processes (a dispatcher each)")
+    parser.add_argument("--policy", default="capacity_weighted")
+    parser.add_argument("--client-order", default="fair")
+    parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
+    parser.add_argument("--churn", action="store_true", help="servers fail, rejoin, join and leave as it runs")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the least-outstanding-work baseline")
+    parser.add_argument("--agreement", action="store_true",
+                        help="also compare simulated and wall-clock makespans at 32 servers × 8 evals")
+    parser.add_argument("--speedup", type=float, default=2.0, help="wall mode: engine seconds per wall second")
+    parser.add_argument("--name", default="scale_sim", help="report name: results/NAME.md")
+    args = parser.parse_args(argv)
+    spec = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
+                processes=args.processes, policy="planned" if args.planned else args.policy,
+                client_order=args.client_order, churn=args.churn)
+    ideal, lp, longest = ideal_s(spec)
+    counts = kind_counts(spec.kind_table, spec.servers)
+    requests = sum(e.size for e in spec.eval_list())
+    print(f"{spec.servers} servers ({counts}), {spec.evals} evals, {requests} requests; ideal {ideal:.1f} s",
+          flush=True)
+    fedpool = describe(run_virtual(spec), ideal)
+    print(f"fedpool: {fedpool}", flush=True)
+    baseline = describe(run_baseline(spec), ideal) if not args.no_baseline else None
+    if baseline is not None:
+        print(f"least outstanding work: {baseline}", flush=True)
+    agreement = None
+    if args.agreement:
+        small = replace(spec, servers=32, evals=8, churn=False)
+        simulated = run_virtual(small).makespan_s
+        walled = run_wall(small, args.speedup)
+        agreement = (simulated, walled, abs(simulated - walled) / walled * 100)
+        print(f"agreement at 32 × 8: simulated {simulated:.1f} s, wall-clock {walled:.1f} s", flush=True)
+    write_report(args.name, f"The scheduler at scale, in simulated time: {spec.servers} servers, {spec.evals} evals",
+                 _body(spec, counts, requests, ideal, lp, longest, fedpool, baseline, agreement, args.speedup),
+                 _result(spec, fedpool, agreement, ideal))
+
+
+def _body(spec: Spec, counts: dict[str, int], requests: int, ideal: float, lp: float, longest: float,
+          fedpool: dict[str, Any], baseline: dict[str, Any] | None, agreement: tuple[float, float, float] | None,
+          speedup: float) -> str:
+    how = (f"policy `{spec.policy}`, client order `{spec.client_order}`, {spec.processes} client process"
+           f"{'es' if spec.processes != 1 else ''}, {spec.concurrency} requests in flight per eval, hedging off"
+           + ("; servers fail, rejoin, join and leave every 2 s" if spec.churn else ""))
+    rows = [("fedpool (" + spec.policy + ")", f"{fedpool['makespan_s']:.1f} s", f"{fedpool['vs_ideal']:.3f}",
+             f"{fedpool['first_s']:.1f} / {fedpool['median_s']:.1f}", f"{fedpool['decision_us']:.0f} µs")]
+    if baseline is not None:
+        rows.append(("least outstanding work (engines queue)", f"{baseline['makespan_s']:.1f} s",
+                     f"{baseline['vs_ideal']:.3f}", f"{baseline['first_s']:.1f} / {baseline['median_s']:.1f}", "—"))
+    rows.append(("ideal", f"{ideal:.1f} s", "1.000", "—",
+                 f"LP {lp:.1f} s; longest request alone {longest:.2f} s"))
+    pool = ", ".join(f"{n} × {k}" for k, n in counts.items())
+    text = (f"World: {spec.servers} servers ({pool}), max running {spec.max_running} each; {spec.evals} evals of "
+            f"{spec.min_size}–{spec.max_size} requests ({requests} in all), shaped as the Table 7 modalities. "
+            f"fedpool: {how}. Simulated time (benchmarks/simulator.py); the decision cost is process CPU time "
+            "inside the dispatcher's grant step per slot granted.\n\n"
+            + markdown_table(("schedule", "makespan", "÷ ideal", "eval done: first / median", "decision"), rows)
+            + f"\n\nEvery request answered: {fedpool['completed']} completed, {fedpool['failed']} failed, "
+            f"{fedpool['inflight_end']} in flight at the end. Simulating took {fedpool['wall_s']:.1f} s of wall time "
+            f"and {fedpool['cpu_s']:.1f} s of CPU.")
+    if agreement is not None:
+        simulated, walled, pct = agreement
+        text += (f"\n\nAgreement with the wall clock (the same shapes at 32 servers × 8 evals, emulated HTTP "
+                 f"servers in another process at {speedup:g}× real time): simulated {simulated:.1f} s, wall-clock "
+                 f"{walled:.1f} s (engine seconds): {pct:.1f}% apart.")
+    return text
+
+
+def _result(spec: Spec, fedpool: dict[str, Any], agreement: tuple[float, float, float] | None,
+            ideal: float) -> dict[str, object]:
+    values: dict[str, object] = {"mode": "virtual", "servers": spec.servers, "evals": spec.evals,
+                                 "vs_ideal": f"{fedpool['vs_ideal']:.3f}",
+                                 "decision_us": f"{fedpool['decision_us']:.0f}"}
+    if spec.processes != 1:
+        values["processes"] = spec.processes
+    if agreement is not None:
+        values["agreement_pct"] = f"{agreement[2]:.1f}"
+    values["machine_s"] = f"{fedpool['wall_s']:.0f}"
+    return values
 
 
 if __name__ == "__main__":
