@@ -24,6 +24,7 @@ from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
 from fedpool.deploy.models import GEMMA_ALIAS, ensure_gemma
 from fedpool.deploy.process import free_port
 from fedpool.registry import RegistryClient
+from tests.fakes import FakePool
 
 TEST_TOKEN = "test-registry-token-7f3a9c"
 
@@ -96,6 +97,14 @@ async def emulators() -> AsyncIterator[EmulatorFactory]:
     yield factory
     for server in factory.servers:
         await server.stop()
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[FakePool]:
+    """In-process fake servers (tests/fakes.py) and virtual-time dispatchers over them; closed afterwards."""
+    pool = FakePool()
+    yield pool
+    await pool.close()
 
 
 @dataclass(frozen=True)
