@@ -62,6 +62,9 @@ class ClientBook:
             raise ValueError("client weight must be positive")
         self._weights[client_id] = weight
 
+    def weight(self, client_id: str) -> float:
+        return self._weights.get(client_id, 1.0)
+
     def set_remaining(self, client_id: str, work: float, requests: int | None = None) -> None:
         self._work_left[client_id] = max(0.0, work)
         if requests is not None:

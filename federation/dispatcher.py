@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 
@@ -34,7 +34,7 @@ from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
 from fedpool.federation.tail import Racer, TailRescue
 from fedpool.federation.transport import HttpTransport, Transport
 from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
-from fedpool.registry import PoolSnapshot
+from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 
 log = logging.getLogger("fedpool.dispatcher")
 
@@ -96,6 +96,9 @@ class Dispatcher:
         self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
         self.loop_lag_s = 0.0  # the loop's lateness running the grant passes (smoothed): overload, seen here
+        # Told when this process starts or stops wanting slots (the lease client reports at once, not at its
+        # next renewal).
+        self.on_demand: Callable[[], None] | None = None
         self._seq = itertools.count()
         self._waiting = 0  # requests waiting for a slot, every route
         self._waiting_routes: set[Route] = set()
@@ -153,6 +156,38 @@ class Dispatcher:
         for entry in snapshot.entries if snapshot is not None else ():
             out.setdefault(entry.record.model, set()).add(entry.record.revision)
         return out
+
+    # ---- capacity leases (federation/leases.py renews them; the dispatcher decides within them) ---------
+    def demand(self) -> tuple[ModelDemand, ...]:
+        """What this process wants, per model: each client with requests waiting or in flight, how many slots it
+        could use now, its rank in the client order (smaller first) and its weight. O(waiting + busy servers)."""
+        wanted: dict[str, dict[str, int]] = {}
+        for route in self._waiting_routes:
+            per = wanted.setdefault(route.model, {})
+            for client, queue in route.queues.items():
+                live = sum(1 for w in queue if not w.future.done())
+                if live:
+                    per[client] = per.get(client, 0) + live
+        for state in self._book.states.values():
+            if state.inflight and state.entry is not None:
+                per = wanted.setdefault(state.entry.record.model, {})
+                for client, n in state.by_client.items():
+                    per[client] = per.get(client, 0) + n
+        clients = self._clients
+        return tuple(ModelDemand(model=model, clients=tuple(
+            ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c))
+            for c, n in sorted(per.items()))) for model, per in sorted(wanted.items()) if per)
+
+    def held(self) -> dict[str, int]:
+        """The capacity lease this process works within now, per server."""
+        return self._book.held()
+
+    def apply_lease(self, slots: Mapping[str, int] | None) -> None:
+        """Work within this lease of slots per server from now on (None: no lease, every window is the
+        dispatcher's own); waiting requests look again at once."""
+        self._book.apply_lease(slots)
+        for route in list(self._waiting_routes):
+            self._grant(route)
 
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: routes are rebuilt, waiting requests look again."""
@@ -280,6 +315,8 @@ class Dispatcher:
                         now + self._config.no_server_timeout_s, route)
         route.join(waiter, clients.key(client))
         clients.waiting[client] += 1
+        if not self._waiting and self.on_demand is not None and not self._ledger.total():
+            self.on_demand()  # idle until now
         self._waiting += 1
         self._waiting_routes.add(route)
         # Granted on the loop's next turn, not here: requests that arrive together (evals starting at once,
@@ -336,7 +373,9 @@ class Dispatcher:
         count happen in one step)."""
         if not route.waiting:
             return
-        began = time.process_time()
+        # perf_counter, not process_time: the CPU clock of a process with Ray's threads is a syscall that cost ~10%
+        # of the gateway's time here (py-spy); the pass is synchronous, so its wall time is its CPU time.
+        began = time.perf_counter()
         now = self._clock()
         key, policy, book = self._clients.key, self._policy, self._book
         held: set[str] = set()
@@ -365,7 +404,7 @@ class Dispatcher:
             route.unskip(held, key)
         if route.waiting and self._tick_handle is None:
             self._arm_tick()
-        self._decision_s += time.process_time() - began
+        self._decision_s += time.perf_counter() - began
 
     def _misplaced(self, route: Route, head: Waiter, placed: object) -> ServerState | Hold:
         """A policy's bug (it raised: `placed` None; or it answered with a server outside the route) costs that one
@@ -409,6 +448,8 @@ class Dispatcher:
 
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
+        if not self._waiting and self.on_demand is not None and not self._ledger.total():
+            self.on_demand()  # idle from now: the lease can go back
         if self._racers and self._clients.done_sending:
             self._tail.on_release(state)  # before waiters: it only takes stragglers of clients done sending
         for route in state.routes:

@@ -14,6 +14,7 @@ import aiohttp
 from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import FailureKind
+from fedpool.federation.leases import LeaseClient
 from fedpool.federation.policies import make_policy
 from fedpool.federation.transport import new_session
 from fedpool.registry import PoolSnapshot, RegistryClient, SnapshotWatcher
@@ -28,7 +29,9 @@ class PoolConnection:
     """`async with PoolConnection(registry) as pool: await pool.dispatcher.submit(...)`.
 
     The registry is read through long-polled snapshots, never on the request path. Failures the
-    dispatcher sees are reported to the registry in the background (bounded, best effort).
+    dispatcher sees are reported to the registry in the background (bounded, best effort). With `leases`
+    (the default) the dispatcher works within this process's capacity lease, so several processes on the
+    same servers share their slots instead of each filling them.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class PoolConnection:
         config: DispatchConfig | None = None,
         seed: int = 0,
         poll_timeout_s: float = 5.0,
+        leases: bool = True,
     ):
         self._registry = registry
         self._policy_name = policy
@@ -48,6 +52,8 @@ class PoolConnection:
         self._seed = seed
         self._poll_timeout_s = poll_timeout_s
         self._reports: set[asyncio.Task[None]] = set()
+        self._leasing = leases
+        self._leases: LeaseClient | None = None
         self._watcher: SnapshotWatcher | None = None
         self._dispatcher: Dispatcher | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -76,11 +82,18 @@ class PoolConnection:
             on_failure=self._report,
         )
         await self._watcher.start()
+        if self._leasing:
+            # Every process's dispatcher shares each server's slots with the others through the registry's
+            # capacity leases (federation/leases.py).
+            self._leases = LeaseClient(self._registry, self._dispatcher)
+            await self._leases.start()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._leases is not None:
+            await self._leases.stop()
         if self._watcher is not None:
             await self._watcher.stop()
         # Failure reports still on their way finish first (bounded): the reports of a run's last requests

@@ -46,6 +46,7 @@ class Route:
     def __init__(self, key: RouteKey, model: str, revision: str | None, engines: tuple[str, ...] | None,
                  server_ids: tuple[str, ...] | None):
         self.key = key
+        self.model = model
         self._model, self._revision = model, revision
         self._engines = frozenset(engines) if engines is not None else None
         self._ids = frozenset(server_ids) if server_ids is not None else None

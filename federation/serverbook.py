@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from fedpool.federation.dispatch_types import ServerStats
@@ -105,6 +105,7 @@ class ServerBook:
         self._refreshed_at = float("-inf")
         self._client_latency: dict[str, float] = {}  # client -> its mean answer latency over every server
         self._stale_after_s = STALE_PERIODS * settings.learn_period_s
+        self.lease_slots: Mapping[str, int] | None = None  # this process's capacity lease (None: not leasing)
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
 
     # ---- the pool ---------------------------------------------------------------------------------
@@ -137,7 +138,8 @@ class ServerBook:
         state.present = entry.status.routable
         if state.learning is None or state.capacity != entry.capacity:
             state.capacity = entry.capacity
-            if state.learning is None:
+            if state.learning is None:  # a server new to this dispatcher: within the lease held now
+                state.lease = self.lease_slots.get(state.id, 0) if self.lease_slots is not None else None
                 state.learning = ServerLearning.for_capacity(
                     entry.capacity, adaptive=self._settings.adaptive_windows,
                     max_factor=self._settings.window_factor, period_s=self._settings.learn_period_s)
@@ -242,6 +244,12 @@ class ServerBook:
             state.lease = slots
             self._rewindow(state)
 
+    def apply_lease(self, slots: Mapping[str, int] | None) -> None:
+        """A new lease for the whole pool (servers it does not name get no slots; None: not leasing)."""
+        self.lease_slots = slots
+        for state in self.states.values():
+            self.set_lease(state, None if slots is None else slots.get(state.id, 0))
+
     def _rewindow(self, state: ServerState) -> None:
         window = self.window(state)
         if window != state.window:
@@ -270,6 +278,10 @@ class ServerBook:
         if state.queue_full:
             window = 0
         return window
+
+    def held(self) -> dict[str, int]:
+        """The lease this dispatcher works within now, per server (what it tells the broker it holds)."""
+        return {sid: s.lease for sid, s in self.states.items() if s.lease}
 
     # ---- breakers ------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -4,6 +4,7 @@ from fedpool.registry.actor import NAMESPACE, REGISTRY_NAME, RegistryConfig
 from fedpool.registry.adapters import EngineAdapter, MetricsParseError, adapter_for
 from fedpool.registry.client import RegistryClient, SnapshotWatcher
 from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
+from fedpool.registry.leases import ClientDemand, DemandReport, Lease, LeaseBroker, LeaseServer, ModelDemand
 from fedpool.registry.records import Engine, ServerRecord
 from fedpool.registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
 from fedpool.registry.weights import ACCELERATOR_ROOFLINE, ACCELERATOR_SPEED, accelerator_roofline, prior_weight
@@ -14,10 +15,16 @@ __all__ = [
     "NAMESPACE",
     "REGISTRY_NAME",
     "AuthError",
+    "ClientDemand",
+    "DemandReport",
     "Engine",
     "EngineAdapter",
+    "Lease",
+    "LeaseBroker",
+    "LeaseServer",
     "LoadSample",
     "MetricsParseError",
+    "ModelDemand",
     "PoolSnapshot",
     "ProbeResult",
     "RegistrationError",

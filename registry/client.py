@@ -16,6 +16,7 @@ import ray
 from fedpool.registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
 from fedpool.registry.auth import TOKEN_FILE, ensure_token, read_saved_token, resolve_client_token, token_digest
 from fedpool.registry.errors import AuthError, RegistryError
+from fedpool.registry.leases import DemandReport, Lease
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import PoolSnapshot, ServerEntry
 from fedpool.registry.weights import prior_weight
@@ -182,6 +183,17 @@ class RegistryClient:
 
     async def report_failure(self, server_id: str, kind: str) -> bool:
         return await self._call("report_failure", server_id, kind)
+
+    async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
+        """This holder's capacity lease for what it reports (registry/leases.py); waits up to `wait_s` for its slots
+        to change when they are still `known_version`."""
+        return await self._call("lease", report.model_dump(), known_version, wait_s)
+
+    async def release_lease(self, holder: str) -> None:
+        await self._call("release_lease", holder)
+
+    async def leases(self) -> dict[str, Any]:
+        return await self._call("leases")
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
         """The pool now, or once it is newer than `since_version` (waiting up to `timeout_s`).

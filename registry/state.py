@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpool.registry.errors import RegistrationError, UnknownServerError
+from fedpool.registry.leases import LeaseServer
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import (
     LoadSample,
@@ -226,6 +227,11 @@ class RegistryState:
 
     def records(self) -> list[ServerRecord]:
         return [self._servers[sid].record for sid in self.ids()]
+
+    def lease_servers(self) -> list[LeaseServer]:
+        """Every server as the lease broker shares it: its slots while routable, none otherwise."""
+        return [LeaseServer(sid, s.record.model, s.capacity if s.status.routable else 0)
+                for sid, s in sorted(self._servers.items())]
 
     def get(self, server_id: str) -> ServerEntry:
         return self._entry(self._require(server_id))

@@ -1,0 +1,171 @@
+"""This process's capacity lease: what its dispatcher may keep in flight on each server, shared with every
+other process by the registry's broker (registry/leases.py; docs/architecture.md, "Many processes, one pool").
+
+The lease client reports the dispatcher's demand (per model: clients, what each could use now, their rank in
+the client order and weight) and what it holds, and applies the lease that comes back; the dispatcher decides
+locally within it, so nothing on the request path waits for the registry. Calls are long polls: a report is
+answered at once when this process's slots changed, else after `renew_s` — so a lease that grows (another
+process let slots go) arrives within a round trip, and a steady process renews twice a second. The dispatcher
+pokes the client when it goes from idle to wanting slots and back, so a new eval does not wait for a renewal
+and an idle process holds nothing.
+
+When the registry is away, the lease held is kept until it expires (its TTL from when it arrived), then the
+process falls back to its safe share (each server's capacity divided among the holders last known); reports go
+on, and a lease from the registry — the same or a restarted one — replaces the fallback when it comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.registry import DemandReport, Lease
+
+log = logging.getLogger("fedpool.leases")
+
+RENEW_S = 0.5  # a steady process renews its lease this often (the broker's TTL is a few renewals)
+CALL_TIMEOUT_S = 5.0  # a lease call that takes longer than its wait plus this is given up (the registry is away)
+RETRY_S = 0.5  # after a failed call, the next one waits this long
+MIN_POKE_S = 0.05  # pokes closer than this share one report
+
+
+class LeaseRegistry(Protocol):
+    """What the lease client needs of the registry (RegistryClient; the simulator's in-process broker)."""
+
+    async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease: ...
+
+    async def release_lease(self, holder: str) -> None: ...
+
+
+def holder_id() -> str:
+    """This process, unique in the cluster: host, pid and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class LeaseClient:
+    def __init__(self, registry: LeaseRegistry, dispatcher: Dispatcher, *, holder: str | None = None,
+                 renew_s: float = RENEW_S, clock: Callable[[], float] = time.monotonic):
+        self._registry = registry
+        self._dispatcher = dispatcher
+        self.holder = holder or holder_id()
+        self._renew_s = renew_s
+        self._clock = clock
+        self._version = -1
+        self._broker: str | None = None
+        self._expires_at: float | None = None
+        self._safe: Mapping[str, int] | None = None
+        self._fallback = False
+        self._poked = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self._late: set[asyncio.Future[Lease]] = set()  # long polls superseded by a poked report, still out
+        self.calls = 0
+        self.failures = 0
+
+    async def start(self) -> None:
+        """Hold no slots until the first lease comes (a round trip); if none comes within CALL_TIMEOUT_S, the
+        registry is away and no other holder is known: the windows are the dispatcher's own until one does."""
+        self._dispatcher.on_demand = self.poke
+        self._dispatcher.apply_lease({})
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_later(CALL_TIMEOUT_S, self._never_leased)
+        self._task = loop.create_task(self._run(), name=f"lease-{self.holder}")
+
+    def _never_leased(self) -> None:
+        self._expiry = None
+        if self._version < 0:
+            log.warning("no capacity lease from the registry in %.0f s: working without one", CALL_TIMEOUT_S)
+            self._fallback = True
+            self._dispatcher.apply_lease(None)
+
+    async def stop(self) -> None:
+        """Stop renewing and give the slots back (best effort: the broker forgets a silent holder at its TTL)."""
+        self._dispatcher.on_demand = None
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for call in list(self._late):
+            call.cancel()
+        await asyncio.gather(*self._late, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._registry.release_lease(self.holder), 1.0)
+
+    def poke(self) -> None:
+        """Report now (the dispatcher's demand went from nothing to something, or back)."""
+        self._poked.set()
+
+    def report(self) -> DemandReport:
+        dispatcher = self._dispatcher
+        return DemandReport(holder=self.holder, models=dispatcher.demand(), inflight=dispatcher.inflight(),
+                            held=dispatcher.held(), broker=self._broker)
+
+    async def _run(self) -> None:
+        reported_at = float("-inf")
+        while True:
+            if self._poked.is_set():  # at most one poked report per MIN_POKE_S (a light load toggles per request)
+                await asyncio.sleep(max(0.0, reported_at + MIN_POKE_S - self._clock()))
+            self._poked.clear()
+            reported_at = self._clock()
+            report = self.report()
+            poke = asyncio.ensure_future(self._poked.wait())
+            call = asyncio.ensure_future(asyncio.wait_for(
+                self._registry.lease(report, self._version, self._renew_s), self._renew_s + CALL_TIMEOUT_S))
+            try:
+                done, _ = await asyncio.wait({poke, call}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                for future in (poke, call):
+                    future.cancel()
+                raise
+            poke.cancel()
+            if call not in done:  # poked while the long poll waits: report again now, keep the answer coming
+                self._late.add(call)
+                call.add_done_callback(self._late_answer)
+                continue
+            self.calls += 1
+            try:
+                self._apply(call.result())
+            except Exception as exc:  # the registry is away or restarting: keep the lease until it expires
+                self.failures += 1
+                log.debug("capacity lease not renewed: %s", type(exc).__name__)
+                await asyncio.sleep(RETRY_S)
+
+    def _late_answer(self, call: asyncio.Future[Lease]) -> None:
+        self._late.discard(call)
+        if not call.cancelled() and call.exception() is None:
+            lease = call.result()
+            if lease.version > self._version or lease.broker != self._broker:
+                self._apply(lease)
+
+    def _apply(self, lease: Lease) -> None:
+        if lease.broker != self._broker and self._broker is not None:
+            log.info("the registry's lease broker changed (%s -> %s)", self._broker, lease.broker)
+        self._broker, self._version, self._safe = lease.broker, lease.version, lease.safe
+        self._expires_at = self._clock() + lease.ttl_s
+        self._fallback = False
+        self._dispatcher.apply_lease(lease.slots)
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(lease.ttl_s, self._expired)
+
+    def _expired(self) -> None:
+        """The lease ran out unrenewed: the registry is away. Fall back to the safe share."""
+        self._expiry = None
+        if self._expires_at is not None and self._clock() >= self._expires_at and self._safe is not None:
+            log.warning("capacity lease expired (registry unreachable): falling back to the safe share")
+            self._fallback = True
+            self._dispatcher.apply_lease(self._safe)
+
+    @property
+    def in_fallback(self) -> bool:
+        return self._fallback

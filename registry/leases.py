@@ -1,0 +1,308 @@
+"""Capacity leases: each server's slots shared among the processes (holders) whose dispatchers use it.
+
+Every dispatcher reports about twice a second what it wants, per model: for each of its clients, the slots it
+could use now (requests waiting plus in flight), its weight and its rank in the client order (smaller first:
+work left under `shortest_first`, attained service for a client that reports none); and, per server, what it
+has in flight and the lease it currently holds. The broker answers with a lease: slots per server this holder
+may keep in flight, for `ttl_s` seconds. The dispatcher decides locally within it, so nothing on the request
+path waits for the registry (Doorman's model: capacity leases refreshed in the background).
+
+How slots are shared (one model's servers at a time):
+
+1. Entitlements follow the same client order as inside one process, across every holder: clients of a smaller
+   rank first, each up to what it wants; clients of equal rank share what is left by weight (water-filling).
+   A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the holders that want
+   something, in proportion to what they want (work-conserving: a burst needs no round trip); a holder that
+   wants nothing holds nothing.
+2. Each holder's entitlement is spread over the model's servers in proportion to their capacity (every process
+   sees every server, so per-server learning and policies keep working), rounded to whole slots.
+3. Slots are never granted twice: a holder is granted on a server at most the capacity less what every other
+   holder occupies there — the larger of its new lease, the lease it still holds (it may not have heard of a
+   smaller one yet) and what it has in flight (in-flight work cannot be taken back). So a lease shrinks first
+   and the slots move once its holder says it has let them go; a grant that did not fit is moved to a server
+   with room.
+
+Failure modes (docs/architecture.md, "Many processes, one pool"): a holder that stops reporting loses its lease
+after `ttl_s` (a killed process's slots come back within seconds); a broker that restarts (new incarnation)
+spends one TTL learning — it grants each holder at most what it reports holding, newcomers only what nobody
+holds — so it cannot hand out slots the previous broker had leased; a holder whose lease runs out unrenewed
+(the registry away) falls back to its `safe` share, the capacity divided among the holders last known.
+
+Pure bookkeeping: injected clock, no I/O; the registry actor wraps it.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
+RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
+
+
+class ClientDemand(BaseModel):
+    """One client of a holder, on one model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    client: str = Field(min_length=1, max_length=256)
+    wanted: int = Field(ge=0)  # requests waiting + in flight: the slots it could use now
+    rank: float = 0.0  # the client order's criterion; smaller first
+    weight: float = Field(default=1.0, gt=0)
+
+
+class ModelDemand(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(min_length=1)
+    clients: tuple[ClientDemand, ...] = ()
+
+
+class DemandReport(BaseModel):
+    """What one holder (a dispatcher) sends each renewal. The wire format of `RegistryActor.lease`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    holder: str = Field(min_length=1, max_length=128)
+    models: tuple[ModelDemand, ...] = ()
+    inflight: dict[str, int] = Field(default_factory=dict)  # server id -> attempts in flight there
+    held: dict[str, int] = Field(default_factory=dict)  # server id -> slots of the lease it holds now
+    broker: str | None = None  # the incarnation that granted `held` (None: none yet)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Slots per server the holder may keep in flight until `ttl_s` after it received this."""
+
+    holder: str
+    broker: str  # the broker's incarnation; a new one means the registry restarted
+    version: int  # grows whenever this holder's slots change
+    ttl_s: float
+    slots: Mapping[str, int]
+    safe: Mapping[str, int]  # the share to fall back to when the lease runs out unrenewed
+    holders: int  # holders known to the broker
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseServer:
+    """A server as the broker sees it: what it serves and how many slots it has (0 when not routable)."""
+
+    id: str
+    model: str
+    capacity: int
+
+
+@dataclass
+class _Holder:
+    report: DemandReport
+    seen_at: float
+    slots: dict[str, int] = field(default_factory=dict)
+    version: int = 0
+
+
+class LeaseBroker:
+    def __init__(self, clock: Callable[[], float], *, ttl_s: float = LEASE_TTL_S, incarnation: str | None = None,
+                 restarted: bool = True):
+        """`restarted`: a previous broker may have leased slots that are still in use (the registry came back
+        with saved state): learn for one TTL. A registry started afresh has nothing to learn."""
+        self._clock = clock
+        self.ttl_s = ttl_s
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self._started = clock() if restarted else float("-inf")
+        self._holders: dict[str, _Holder] = {}
+        self._servers: tuple[LeaseServer, ...] = ()
+        self.recomputes = 0
+
+    # ---- what holders and the registry say ---------------------------------------------------------
+    def report(self, report: DemandReport) -> None:
+        """Take a holder's report (shares move at the next `reshare`)."""
+        now = self._clock()
+        holder = self._holders.get(report.holder)
+        if holder is None:
+            holder = self._holders[report.holder] = _Holder(report, now)
+        holder.report, holder.seen_at = report, now
+
+    def set_servers(self, servers: Iterable[LeaseServer]) -> None:
+        """The registry's servers (membership, capacity, status), as of now."""
+        self._servers = tuple(servers)
+
+    def release(self, holder_id: str) -> bool:
+        """A holder said goodbye: its slots are free at the next `reshare`."""
+        return self._holders.pop(holder_id, None) is not None
+
+    def expire(self) -> bool:
+        """Forget holders whose lease ran out unrenewed; True when any was."""
+        now = self._clock()
+        gone = [h for h, holder in self._holders.items() if now - holder.seen_at > self.ttl_s]
+        for holder_id in gone:
+            del self._holders[holder_id]
+        return bool(gone)
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def lease(self, holder_id: str) -> Lease:
+        holder = self._holders.get(holder_id)
+        slots = dict(holder.slots) if holder is not None else {}
+        return Lease(holder_id, self.incarnation, holder.version if holder else 0, self.ttl_s, slots,
+                     self.safe_shares(), len(self._holders))
+
+    def version(self, holder_id: str) -> int:
+        holder = self._holders.get(holder_id)
+        return holder.version if holder is not None else 0
+
+    def holders(self) -> list[str]:
+        return sorted(self._holders)
+
+    def safe_shares(self) -> dict[str, int]:
+        """Each server's capacity divided among the holders that use it (at least one slot each): what a holder
+        falls back to when its lease runs out unrenewed."""
+        users: dict[str, int] = {}
+        for holder in self._holders.values():
+            for demand in holder.report.models:
+                users[demand.model] = users.get(demand.model, 0) + 1
+        return {s.id: max(1, s.capacity // max(1, users.get(s.model, 1))) for s in self._servers if s.capacity > 0}
+
+    def learning(self) -> bool:
+        """For one TTL after (re)starting, leases the previous incarnation granted may still be in use."""
+        return self._clock() - self._started < self.ttl_s
+
+    # ---- sharing ----------------------------------------------------------------------------------------
+    def reshare(self) -> set[str]:
+        """Share every model's slots again from the latest reports; returns the holders whose lease changed.
+        O(servers × holders): the registry calls it at most every few tens of milliseconds, not per report."""
+        self.recomputes += 1
+        by_model: dict[str, list[LeaseServer]] = {}
+        for server in self._servers:
+            if server.capacity > 0:
+                by_model.setdefault(server.model, []).append(server)
+        learning = self.learning()
+        new: dict[str, dict[str, int]] = {h: {} for h in self._holders}
+        for model, servers in by_model.items():
+            wants = self._entitlements(model, sum(s.capacity for s in servers))
+            for holder_id, slots in self._spread(servers, wants, learning).items():
+                new[holder_id].update(slots)
+        changed = set()
+        for holder_id, holder in self._holders.items():
+            slots = {s: n for s, n in new[holder_id].items() if n > 0}
+            if slots != holder.slots:
+                holder.slots = slots
+                holder.version += 1
+                changed.add(holder_id)
+        return changed
+
+    def _entitlements(self, model: str, capacity: int) -> dict[str, float]:
+        """Holder -> slots it is entitled to on the model's servers (fractional), by the client order."""
+        clients: list[tuple[float, str, float, float]] = []  # rank, holder, weight, wanted
+        for holder_id, holder in self._holders.items():
+            for demand in holder.report.models:
+                if demand.model == model:
+                    clients.extend((c.rank, holder_id, c.weight, float(c.wanted)) for c in demand.clients if c.wanted)
+        clients.sort(key=lambda c: c[0])
+        out: dict[str, float] = {}
+        left = float(capacity)
+        i = 0
+        while i < len(clients) and left > 1e-9:
+            j = i + 1  # one class: ranks equal within a relative tolerance
+            while j < len(clients) and clients[j][0] - clients[i][0] <= RANK_TIE * max(1.0, abs(clients[i][0])):
+                j += 1
+            for (_, holder_id, _, _), got in zip(clients[i:j], _water_fill(clients[i:j], left), strict=True):
+                out[holder_id] = out.get(holder_id, 0.0) + got
+                left -= got
+            i = j
+        wanted: dict[str, float] = {}
+        for _, holder_id, _, n in clients:
+            wanted[holder_id] = wanted.get(holder_id, 0.0) + n
+            out.setdefault(holder_id, 0.0)
+        total = sum(wanted.values())
+        if left > 1e-9 and total > 0:  # nobody wants the rest yet: headroom for whoever wants something
+            for holder_id, n in wanted.items():
+                out[holder_id] += left * n / total
+        return out
+
+    def _spread(self, servers: list[LeaseServer], wants: Mapping[str, float],
+                learning: bool) -> dict[str, dict[str, int]]:
+        """Holder -> server -> whole slots: each entitlement in proportion to capacity, never granting a slot
+        another holder may be using (its last lease, the lease it says it holds, or its work in flight)."""
+        total = sum(s.capacity for s in servers)
+        occupied: dict[str, dict[str, int]] = {}
+        for holder_id, holder in self._holders.items():
+            report = holder.report
+            held = report.held if learning or report.broker == self.incarnation else {}
+            occupied[holder_id] = {s.id: max(held.get(s.id, 0), report.inflight.get(s.id, 0),
+                                             holder.slots.get(s.id, 0)) for s in servers}
+        if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
+            wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
+        target = {h: _round_shares(w, servers, total) for h, w in wants.items()}
+        out: dict[str, dict[str, int]] = {h: {} for h in self._holders}
+        for index, server in enumerate(servers):
+            free = server.capacity - sum(occupied[h][server.id] for h in self._holders)
+            growing: list[tuple[int, str]] = []
+            for holder_id in self._holders:
+                want = target.get(holder_id, {}).get(server.id, 0)
+                now = occupied[holder_id][server.id]
+                if want <= now:  # shrinking (or steady) needs no room: the holder lets slots go as it hears
+                    out[holder_id][server.id] = want
+                else:
+                    out[holder_id][server.id] = now
+                    growing.append((want - now, holder_id))
+            growing.sort(key=lambda g: (-g[0], g[1]))
+            for deficit, holder_id in growing:
+                add = min(deficit, max(0, free))
+                out[holder_id][server.id] += add
+                free -= add
+                if add < deficit:  # did not fit: to the servers not shared yet, most room first
+                    _move(target[holder_id], deficit - add, servers[index + 1:])
+        return out
+
+
+def _water_fill(clients: list[tuple[float, str, float, float]], capacity: float) -> list[float]:
+    """Max-min fair by weight: each client gets weight × level, capped at what it wants."""
+    got = [0.0] * len(clients)
+    active = [i for i, c in enumerate(clients) if c[3] > 0]
+    left = capacity
+    while active and left > 1e-9:
+        weight = sum(clients[i][2] for i in active)
+        level = left / weight
+        capped = [i for i in active if clients[i][3] - got[i] <= level * clients[i][2]]
+        if not capped:
+            for i in active:
+                got[i] += level * clients[i][2]
+            return got
+        for i in capped:
+            left -= clients[i][3] - got[i]
+            got[i] = clients[i][3]
+        active = [i for i in active if i not in capped]
+    return got
+
+
+def _round_shares(want: float, servers: list[LeaseServer], total: int) -> dict[str, int]:
+    """`want` slots spread over servers in proportion to capacity, rounded by largest remainder (≤ capacity)."""
+    if want <= 0 or total <= 0:
+        return {}
+    whole = min(math.floor(want + 1e-9), total)
+    exact = {s.id: min(float(s.capacity), want * s.capacity / total) for s in servers}
+    out = {sid: math.floor(x) for sid, x in exact.items()}
+    spare = whole - sum(out.values())
+    caps = {s.id: s.capacity for s in servers}
+    for sid in sorted(exact, key=lambda k: (out[k] - exact[k], k)):
+        if spare <= 0:
+            break
+        if out[sid] < caps[sid]:
+            out[sid] += 1
+            spare -= 1
+    return {sid: n for sid, n in out.items() if n > 0}
+
+
+def _move(target: dict[str, int], short: int, later: list[LeaseServer]) -> None:
+    """Slots that did not fit on one server go to servers still to be shared, where the target leaves room."""
+    for server in sorted(later, key=lambda s: target.get(s.id, 0) - s.capacity):
+        room = server.capacity - target.get(server.id, 0)
+        if room > 0:
+            add = min(room, short)
+            target[server.id] = target.get(server.id, 0) + add
+            short -= add
+            if short == 0:
+                return
