@@ -64,6 +64,11 @@ class PoolConnection:
         return self._dispatcher
 
     @property
+    def lease_holder(self) -> str | None:
+        """This process's name at the registry's lease broker (None when it does not lease)."""
+        return self._leases.holder if self._leases is not None else None
+
+    @property
     def snapshot(self) -> PoolSnapshot | None:
         return self._watcher.latest if self._watcher else None
 

@@ -181,7 +181,7 @@ class LeaseBroker:
         learning = self.learning()
         new: dict[str, dict[str, int]] = {h: {} for h in self._holders}
         for model, servers in by_model.items():
-            wants = self._entitlements(model, sum(s.capacity for s in servers))
+            wants = _whole(self._entitlements(model, sum(s.capacity for s in servers)))
             for holder_id, slots in self._spread(servers, wants, learning).items():
                 new[holder_id].update(slots)
         changed = set()
@@ -256,6 +256,15 @@ class LeaseBroker:
                 if add < deficit:  # did not fit: to the servers not shared yet, most room first
                     _move(target[holder_id], deficit - add, servers[index + 1:])
         return out
+
+
+def _whole(wants: Mapping[str, float]) -> dict[str, float]:
+    """Entitlements in whole slots, the fractions given by largest remainder (nothing lost to rounding)."""
+    out = {h: float(math.floor(w + 1e-9)) for h, w in wants.items()}
+    spare = int(round(sum(wants.values()) - sum(out.values())))
+    for holder in sorted(wants, key=lambda h: (out[h] - wants[h], h))[:max(0, spare)]:
+        out[holder] += 1.0
+    return out
 
 
 def _water_fill(clients: list[tuple[float, str, float, float]], capacity: float) -> list[float]:

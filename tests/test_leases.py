@@ -1,0 +1,124 @@
+"""The capacity lease broker (registry/leases.py), on an explicit clock: how slots are shared among processes."""
+
+from __future__ import annotations
+
+from fedpool.registry import ClientDemand, DemandReport, LeaseBroker, LeaseServer, ModelDemand
+
+
+class Broker:
+    """A broker over two 4-slot servers of model m (and one of model x), driven by reports on an explicit clock."""
+
+    def __init__(self, *, restarted: bool = False, ttl_s: float = 3.0):
+        self.now = 100.0
+        self.broker = LeaseBroker(lambda: self.now, ttl_s=ttl_s, restarted=restarted)
+        self.broker.set_servers([LeaseServer("s0", "m", 4), LeaseServer("s1", "m", 4), LeaseServer("x0", "x", 2)])
+
+    def report(self, holder: str, clients: dict[str, tuple[int, float]] | None = None, *,
+               inflight: dict[str, int] | None = None, held: dict[str, int] | None = None, model: str = "m",
+               weights: dict[str, float] | None = None) -> dict[str, int]:
+        """Report `clients` (name -> (wanted, rank)); `held` defaults to the lease it has (it adopted it)."""
+        demand = ModelDemand(model=model, clients=tuple(
+            ClientDemand(client=c, wanted=w, rank=r, weight=(weights or {}).get(c, 1.0))
+            for c, (w, r) in (clients or {}).items()))
+        self.broker.report(DemandReport(
+            holder=holder, models=(demand,) if clients else (), inflight=inflight or {},
+            held=held if held is not None else dict(self.broker.lease(holder).slots), broker=self.broker.incarnation))
+        self.broker.reshare()
+        return dict(self.broker.lease(holder).slots)
+
+    def slots(self, holder: str) -> dict[str, int]:
+        return dict(self.broker.lease(holder).slots)
+
+
+def total(slots: dict[str, int]) -> int:
+    return sum(slots.values())
+
+
+def test_one_holder_gets_what_it_wants_spread_over_the_servers_and_an_idle_one_holds_nothing() -> None:
+    b = Broker()
+    assert b.report("a", {"eval": (20, 0.0)}) == {"s0": 4, "s1": 4}  # all of model m, none of x
+    # Wanting 2 it keeps the rest as headroom (nobody else wants it: a burst needs no round trip).
+    assert b.report("a", {"eval": (2, 0.0)}, inflight={"s0": 1, "s1": 1}) == {"s0": 4, "s1": 4}
+    assert b.report("a", {}) == {}  # nothing waiting or in flight: nothing held
+    assert b.report("idle", {}) == {}
+
+
+def test_shortest_first_across_processes_gives_the_least_work_left_every_slot_it_can_use() -> None:
+    b = Broker()
+    b.report("long", {"big": (40, 900.0)})
+    assert total(b.slots("long")) == 8
+    # A short eval starts in another process. The long one must let slots go first (its requests in flight
+    # cannot be taken back): the newcomer gets nothing yet, the long one's lease shrinks.
+    assert b.report("short", {"small": (10, 50.0)}) == {}
+    assert b.slots("long") == {}
+    # The long process hears of it and still has 8 in flight: held for it until they finish.
+    b.report("long", {"big": (40, 900.0)}, inflight={"s0": 4, "s1": 4}, held={})
+    assert b.report("short", {"small": (10, 50.0)}) == {}
+    b.report("long", {"big": (37, 900.0)}, inflight={"s0": 2, "s1": 3}, held={})
+    assert b.report("short", {"small": (10, 50.0)}) == {"s0": 2, "s1": 1}
+    b.report("long", {"big": (32, 900.0)}, inflight={}, held={})
+    assert b.report("short", {"small": (10, 50.0)}) == {"s0": 4, "s1": 4}
+    # Once the short eval is down to what it has in flight, the rest goes back to the long one — once the short
+    # one has adopted its smaller lease (it hears of it on its next report).
+    shrunk = b.report("short", {"small": (3, 50.0)}, inflight={"s0": 2, "s1": 1})
+    assert total(shrunk) == 3 and total(b.report("long", {"big": (32, 900.0)})) == 0
+    b.report("short", {"small": (3, 50.0)}, inflight={"s0": 2, "s1": 1})
+    assert total(b.report("long", {"big": (32, 900.0)})) == 5
+
+
+def test_equal_ranks_share_by_weight_and_never_more_than_the_capacity() -> None:
+    b = Broker()
+    b.report("a", {"ea": (40, 0.0)}, weights={"ea": 3.0})
+    b.report("b", {"eb": (40, 0.0)})
+    for _ in range(3):  # each adopts what it was given in turn; shares settle at 3:1
+        a = b.report("a", {"ea": (40, 0.0)}, weights={"ea": 3.0})
+        bb = b.report("b", {"eb": (40, 0.0)})
+    assert (total(a), total(bb)) == (6, 2)
+    for server in ("s0", "s1"):
+        assert a.get(server, 0) + bb.get(server, 0) <= 4
+
+
+def test_capacity_nobody_wants_goes_to_whoever_wants_something() -> None:
+    b = Broker()
+    b.report("a", {"ea": (2, 0.0)})
+    b.report("b", {"eb": (1, 0.0)})
+    a, bb = b.report("a", {"ea": (2, 0.0)}), b.report("b", {"eb": (1, 0.0)})
+    assert total(a) + total(bb) == 8 and total(a) >= 2 and total(bb) >= 1  # headroom for bursts, no slot idle
+
+
+def test_a_holder_that_stops_reporting_loses_its_slots_after_the_ttl() -> None:
+    b = Broker(ttl_s=3.0)
+    b.report("dead", {"e": (40, 0.0)})
+    assert total(b.slots("dead")) == 8
+    assert b.report("alive", {"f": (40, 0.0)}) == {}
+    b.now += 2.0
+    assert not b.broker.expire()  # within its TTL: still its
+    b.report("alive", {"f": (40, 0.0)})
+    b.now += 1.5
+    assert b.broker.expire() and b.broker.holders() == ["alive"]
+    b.broker.reshare()
+    assert b.report("alive", {"f": (40, 0.0)}) == {"s0": 4, "s1": 4}
+
+
+def test_a_restarted_broker_learns_for_one_ttl_and_grants_nobody_more_than_it_holds() -> None:
+    b = Broker(restarted=True, ttl_s=3.0)
+    # A holder of the previous incarnation reports the 6 slots it holds; a newcomer wants everything.
+    b.broker.report(DemandReport(holder="old", models=(ModelDemand(model="m", clients=(
+        ClientDemand(client="e", wanted=40),)),), held={"s0": 3, "s1": 3}, broker="previous"))
+    b.broker.reshare()
+    assert b.slots("old") == {"s0": 3, "s1": 3}  # echoed, not grown
+    assert b.report("new", {"f": (40, 0.0)}) == {}  # unknown leases may be in use: nothing for newcomers yet
+    b.now += 3.1
+    b.broker.reshare()
+    assert total(b.report("new", {"f": (40, 0.0)})) > 0
+
+
+def test_safe_shares_divide_each_server_among_its_holders() -> None:
+    b = Broker()
+    b.report("a", {"e": (40, 0.0)})
+    b.report("b", {"f": (40, 0.0)})
+    b.report("c", {"g": (1, 0.0)}, model="x")
+    safe = b.broker.safe_shares()
+    assert safe == {"s0": 2, "s1": 2, "x0": 2}
+    b.broker.set_servers([LeaseServer("s0", "m", 4), LeaseServer("s1", "m", 0)])  # s1 went down
+    assert b.broker.safe_shares() == {"s0": 2}
