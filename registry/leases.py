@@ -261,7 +261,7 @@ class LeaseBroker:
 def _whole(wants: Mapping[str, float]) -> dict[str, float]:
     """Entitlements in whole slots, the fractions given by largest remainder (nothing lost to rounding)."""
     out = {h: float(math.floor(w + 1e-9)) for h, w in wants.items()}
-    spare = int(round(sum(wants.values()) - sum(out.values())))
+    spare = round(sum(wants.values()) - sum(out.values()))
     for holder in sorted(wants, key=lambda h: (out[h] - wants[h], h))[:max(0, spare)]:
         out[holder] += 1.0
     return out

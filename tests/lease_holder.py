@@ -20,7 +20,7 @@ from fedpool.registry import RegistryClient
 
 async def hold(args: argparse.Namespace) -> None:
     registry = await RegistryClient.connect(state_dir=Path(args.state_dir))
-    out = Path(args.out).open("a", encoding="utf-8")
+    out = await asyncio.to_thread(Path(args.out).open, "a", encoding="utf-8")
 
     def write(**fields: object) -> None:
         out.write(json.dumps({"t": time.time(), **fields}) + "\n")

@@ -79,7 +79,7 @@ async def finish(proc: asyncio.subprocess.Process) -> None:
 
 async def test_a_killed_process_s_slots_are_granted_to_another_within_5_s(
         pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
-    registry, state = pool
+    _registry, state = pool
     a_out, b_out = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a = await holder(state, a_out, "a", 400, concurrency=16)
     await until(lambda: held(a_out) == SLOTS, 60, "the first process holding every slot")
@@ -115,7 +115,7 @@ async def test_two_processes_with_unequal_work_finish_in_shortest_first_order(
         pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
     """As inside one process: the client with the least work left anywhere is served first. The long eval
     starts first and holds every slot; the short one starts in another process and takes them over."""
-    registry, state = pool
+    _registry, state = pool
     long_out, short_out = tmp_path / "long.jsonl", tmp_path / "short.jsonl"
     long = await holder(state, long_out, "long", 96, concurrency=32, order="shortest_first")
     await until(lambda: held(long_out) == SLOTS, 60, "the long eval holding every slot")
