@@ -4,7 +4,15 @@ from fedpool.registry.actor import NAMESPACE, REGISTRY_NAME, RegistryConfig
 from fedpool.registry.adapters import EngineAdapter, MetricsParseError, adapter_for
 from fedpool.registry.client import RegistryClient, SnapshotWatcher
 from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
-from fedpool.registry.leases import ClientDemand, DemandReport, Lease, LeaseBroker, LeaseServer, ModelDemand
+from fedpool.registry.leases import (
+    ClientDemand,
+    DemandReport,
+    Lease,
+    LeaseBroker,
+    LeaseServer,
+    LeaseService,
+    ModelDemand,
+)
 from fedpool.registry.records import Engine, ServerRecord
 from fedpool.registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
 from fedpool.registry.weights import ACCELERATOR_ROOFLINE, ACCELERATOR_SPEED, accelerator_roofline, prior_weight
@@ -22,6 +30,7 @@ __all__ = [
     "Lease",
     "LeaseBroker",
     "LeaseServer",
+    "LeaseService",
     "LoadSample",
     "MetricsParseError",
     "ModelDemand",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import os
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedpool.registry.auth import check_token
 from fedpool.registry.checks import verify_server
 from fedpool.registry.errors import AuthError
-from fedpool.registry.leases import LEASE_TTL_S, DemandReport, Lease, LeaseBroker
+from fedpool.registry.leases import LEASE_TTL_S, DemandReport, Lease, LeaseBroker, LeaseService
 from fedpool.registry.persistence import StateStore
 from fedpool.registry.prober import ProbePlan, ProberActor
 from fedpool.registry.records import ServerRecord
@@ -37,8 +36,6 @@ PROBER_NAME = "fedpool-prober"
 PROBE_APPLY_SLICE = 100
 LAG_PROBE_S = 0.05
 NAMESPACE = "fedpool"
-RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
-MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
 
 
 class RegistryConfig(BaseModel):
@@ -105,13 +102,9 @@ class RegistryActor:
         self._rows_cache: tuple[int, float, bytes] | None = None
         self._records_cache: tuple[int, bytes] | None = None
         # Capacity leases (registry/leases.py): a new broker per incarnation (it learns for one TTL after a restart).
-        self._broker = LeaseBroker(time.monotonic, ttl_s=self._config.capacity_lease_ttl_s,
-                                   incarnation=self._incarnation, restarted=saved is not None)
+        self._leases = LeaseService(LeaseBroker(time.monotonic, ttl_s=self._config.capacity_lease_ttl_s,
+                                                incarnation=self._incarnation, restarted=saved is not None))
         self._lease_servers_version = -1
-        self._lease_changed: dict[str, asyncio.Event] = {}
-        self._reshared_at = 0.0
-        self._reshare_soon: asyncio.Task[None] | None = None
-        self.lease_calls = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def _ensure_started(self) -> None:
@@ -293,58 +286,18 @@ class RegistryActor:
         once when the holder's slots differ from `known_version`, else waits up to `wait_s` for them to change."""
         await self._ensure_started()
         parsed = DemandReport.model_validate(report)
-        self.lease_calls += 1
-        self._sync_lease_servers()
-        self._broker.report(parsed)
-        await self._reshare()
-        holder = parsed.holder
-        if self._broker.version(holder) == known_version and wait_s > 0:
-            event = self._lease_changed.setdefault(holder, asyncio.Event())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(wait_s, MAX_LEASE_WAIT_S))
-        return self._broker.lease(holder)
+        if self._lease_servers_version != self._state.version:
+            self._leases.set_servers(self._state.lease_servers())
+            self._lease_servers_version = self._state.version
+        return await self._leases.lease(parsed, known_version, wait_s)
 
     async def release_lease(self, holder: str) -> None:
         """A holder is going away: its slots are free for the others at once."""
-        if self._broker.release(holder):
-            self._lease_changed.pop(holder, None)
-            await self._reshare()
+        await self._leases.release(holder)
 
     async def leases(self) -> dict[str, Any]:
-        """The broker's view: holders, their slots, and how often it re-shared (for `pool status` and tests)."""
-        return {"incarnation": self._broker.incarnation, "holders": {
-            h: dict(self._broker.lease(h).slots) for h in self._broker.holders()},
-            "calls": self.lease_calls, "reshares": self._broker.recomputes}
-
-    def _sync_lease_servers(self) -> None:
-        if self._lease_servers_version != self._state.version:
-            self._broker.set_servers(self._state.lease_servers())
-            self._lease_servers_version = self._state.version
-
-    async def _reshare(self) -> None:
-        """Share again now, or (when the last share was under RESHARE_S ago) once that has passed; wakes the
-        holders whose slots changed."""
-        wait = self._reshared_at + RESHARE_S - time.monotonic()
-        if wait > 0:
-            if self._reshare_soon is None or self._reshare_soon.done():
-                self._reshare_soon = asyncio.get_running_loop().create_task(self._reshare_after(wait))
-            await asyncio.shield(self._reshare_soon)
-            return
-        self._reshare_now()
-
-    async def _reshare_after(self, wait: float) -> None:
-        await asyncio.sleep(wait)
-        self._reshare_now()
-
-    def _reshare_now(self) -> None:
-        self._reshared_at = time.monotonic()
-        if self._broker.expire():
-            for gone in [h for h in self._lease_changed if h not in self._broker.holders()]:
-                del self._lease_changed[gone]
-        for holder in self._broker.reshare():
-            event = self._lease_changed.pop(holder, None)
-            if event is not None:
-                event.set()
+        """The broker's view: holders, their slots, and how often it was called and re-shared."""
+        return self._leases.stats()
 
     # ---- reads (open) -------------------------------------------------------------------------
     async def snapshot_wire(

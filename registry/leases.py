@@ -33,6 +33,8 @@ Pure bookkeeping: injected clock, no I/O; the registry actor wraps it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +43,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
+RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
+MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 
 
@@ -256,6 +260,71 @@ class LeaseBroker:
                 if add < deficit:  # did not fit: to the servers not shared yet, most room first
                     _move(target[holder_id], deficit - add, servers[index + 1:])
         return out
+
+
+class LeaseService:
+    """The broker behind an async front (the registry actor's, and the simulator's in-process registry): every
+    report is taken at once, slots are re-shared at most every `reshare_s`, and a call whose holder's slots did
+    not change waits (a long poll) until they do or `wait_s` passes."""
+
+    def __init__(self, broker: LeaseBroker, *, reshare_s: float = RESHARE_S):
+        self.broker = broker
+        self._reshare_s = reshare_s
+        self._changed: dict[str, asyncio.Event] = {}
+        self._reshared_at = float("-inf")
+        self._soon: asyncio.Task[None] | None = None
+        self.calls = 0
+
+    def set_servers(self, servers: Iterable[LeaseServer]) -> None:
+        self.broker.set_servers(servers)
+
+    async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
+        self.calls += 1
+        self.broker.report(report)
+        await self._reshare()
+        holder = report.holder
+        if self.broker.version(holder) == known_version and wait_s > 0:
+            event = self._changed.setdefault(holder, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), min(wait_s, MAX_LEASE_WAIT_S))
+        return self.broker.lease(holder)
+
+    async def release(self, holder: str) -> None:
+        if self.broker.release(holder):
+            self._changed.pop(holder, None)
+            await self._reshare()
+
+    def stats(self) -> dict[str, object]:
+        broker = self.broker
+        holders = {h: dict(broker.lease(h).slots) for h in broker.holders()}
+        return {"incarnation": broker.incarnation, "holders": holders, "calls": self.calls,
+                "reshares": broker.recomputes}
+
+    async def _reshare(self) -> None:
+        """Share again now, or (when the last share was under `reshare_s` ago) once that has passed."""
+        loop = asyncio.get_running_loop()
+        wait = self._reshared_at + self._reshare_s - loop.time()
+        if wait > 0:
+            if self._soon is None or self._soon.done():
+                self._soon = loop.create_task(self._reshare_after(wait))
+            await asyncio.shield(self._soon)
+            return
+        self._reshare_now(loop.time())
+
+    async def _reshare_after(self, wait: float) -> None:
+        await asyncio.sleep(wait)
+        self._reshare_now(asyncio.get_running_loop().time())
+
+    def _reshare_now(self, now: float) -> None:
+        self._reshared_at = now
+        if self.broker.expire():
+            holders = set(self.broker.holders())
+            for gone in [h for h in self._changed if h not in holders]:
+                del self._changed[gone]
+        for holder in self.broker.reshare():
+            event = self._changed.pop(holder, None)
+            if event is not None:
+                event.set()
 
 
 def _whole(wants: Mapping[str, float]) -> dict[str, float]:
