@@ -50,6 +50,7 @@ from fedpool.benchmarks.simulator import (
     World,
     build_world,
     kind_counts,
+    leasing,
     least_work_baseline,
     make_dispatcher,
     simulate,
@@ -94,6 +95,7 @@ class Spec:
     policy: str = "capacity_weighted"
     client_order: str = "fair"
     churn: bool = False
+    leases: bool = False
     seed: int = 7
 
     @property
@@ -163,7 +165,7 @@ def run_virtual(spec: Spec) -> SimResult:
                                 seed=p) for p in range(spec.processes)]
 
     return simulate(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), dispatchers,
-                    events=churn if spec.churn else None)
+                    events=churn if spec.churn else None, setup=leasing if spec.leases else None)
 
 
 def run_baseline(spec: Spec) -> SimResult:
@@ -254,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=200, help="requests in flight per eval")
     parser.add_argument("--processes", type=int, default=1, help="client processes (a dispatcher each)")
+    parser.add_argument("--no-leases", action="store_true",
+                        help="several processes without capacity leases (each believes it owns every window)")
     parser.add_argument("--policy", default="capacity_weighted")
     parser.add_argument("--client-order", default="fair")
     parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
@@ -266,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     spec = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
                 processes=args.processes, policy="planned" if args.planned else args.policy,
-                client_order=args.client_order, churn=args.churn)
+                client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases)
     ideal, lp, longest = ideal_s(spec)
     counts = kind_counts(spec.kind_table, spec.servers)
     requests = sum(e.size for e in spec.eval_list())
@@ -293,7 +297,10 @@ def _body(spec: Spec, counts: dict[str, int], requests: int, ideal: float, lp: f
           fedpool: dict[str, Any], baseline: dict[str, Any] | None, agreement: tuple[float, float, float] | None,
           speedup: float) -> str:
     how = (f"policy `{spec.policy}`, client order `{spec.client_order}`, {spec.processes} client process"
-           f"{'es' if spec.processes != 1 else ''}, {spec.concurrency} requests in flight per eval, hedging off"
+           f"{'es' if spec.processes != 1 else ''}"
+           + (" sharing each server's slots by capacity leases" if spec.leases else
+              " each filling every window (no leases)" if spec.processes > 1 else "")
+           + f", {spec.concurrency} requests in flight per eval, hedging off"
            + ("; servers fail, rejoin, join and leave every 2 s" if spec.churn else ""))
     rows = [("fedpool (" + spec.policy + ")", f"{fedpool['makespan_s']:.1f} s", f"{fedpool['vs_ideal']:.3f}",
              f"{fedpool['first_s']:.1f} / {fedpool['median_s']:.1f}", f"{fedpool['decision_us']:.0f} µs")]

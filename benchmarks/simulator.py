@@ -37,8 +37,21 @@ from fedpool.federation import (
     InferenceRequest,
     Policy,
 )
+from fedpool.federation.leases import LeaseClient
 from fedpool.federation.transport import Target, request_body
-from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
+from fedpool.registry import (
+    DemandReport,
+    Engine,
+    Lease,
+    LeaseBroker,
+    LeaseServer,
+    LeaseService,
+    PoolSnapshot,
+    ServerEntry,
+    ServerRecord,
+    ServerStatus,
+    prior_weight,
+)
 
 MODEL = "sim-7b"
 
@@ -376,3 +389,43 @@ async def _least_work(clock: Callable[[], float], world_of: Callable[[Callable[[
                        busy_s=busy)
     await world.close()
     return result
+
+
+class SimRegistry:
+    """The registry's capacity leases in process (the same LeaseService the registry actor runs), for the
+    simulated dispatchers' LeaseClients; `rpc_s` models a call's round trip."""
+
+    def __init__(self, world: World, clock: Callable[[], float], *, rpc_s: float = 0.001, ttl_s: float = 3.0):
+        self.service = LeaseService(LeaseBroker(clock, ttl_s=ttl_s, restarted=False))
+        self._world = world
+        self._rpc_s = rpc_s
+        self._servers()
+        world.listeners.append(self._servers)
+
+    def _servers(self) -> None:
+        self.service.set_servers(LeaseServer(sim.id, MODEL, sim.profile.max_running if sim.alive else 0)
+                                 for sim in self._world.servers.values())
+
+    async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
+        await asyncio.sleep(self._rpc_s / 2)
+        lease = await self.service.lease(report, known_version, wait_s)
+        await asyncio.sleep(self._rpc_s / 2)
+        return lease
+
+    async def release_lease(self, holder: str) -> None:
+        await self.service.release(holder)
+
+
+@contextlib.asynccontextmanager
+async def leasing(world: World, dispatchers: Sequence[Dispatcher]) -> Any:
+    """Every dispatcher leases its slots from one in-process registry, as separate processes would."""
+    registry = SimRegistry(world, asyncio.get_running_loop().time)
+    clients = [LeaseClient(registry, d, holder=f"process-{i}", clock=asyncio.get_running_loop().time)
+               for i, d in enumerate(dispatchers)]
+    for client in clients:
+        await client.start()
+    try:
+        yield registry
+    finally:
+        for client in clients:
+            await client.stop()
