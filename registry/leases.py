@@ -14,13 +14,13 @@ How slots are shared (one model's servers at a time):
    A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the holders that want
    something, in proportion to what they want (work-conserving: a burst needs no round trip); a holder that
    wants nothing holds nothing.
-2. Each holder's entitlement is spread over the model's servers in proportion to their capacity (every process
-   sees every server, so per-server learning and policies keep working), rounded to whole slots.
-3. Slots are never granted twice: a holder is granted on a server at most the capacity less what every other
-   holder occupies there — the larger of its new lease, the lease it still holds (it may not have heard of a
-   smaller one yet) and what it has in flight (in-flight work cannot be taken back). So a lease shrinks first
-   and the slots move once its holder says it has let them go; a grant that did not fit is moved to a server
-   with room.
+2. Entitlements are rounded to whole slots (largest remainder) and placed on servers: each holder keeps the
+   slots it uses now (sticky: no churn of servers between holders), and the rest is dealt a slot at a time,
+   the holder owed most first, onto the server with the most room — holders spread over the servers.
+3. Slots are never granted twice: a slot another holder may be using — the larger of its new lease, the lease
+   it still holds (it may not have heard of a smaller one yet) and what it has in flight (in-flight work cannot
+   be taken back) — is not room. So a lease shrinks first and the slots move once its holder says it has let
+   them go.
 
 Failure modes (docs/architecture.md, "Many processes, one pool"): a holder that stops reporting loses its lease
 after `ttl_s` (a killed process's slots come back within seconds); a broker that restarts (new incarnation)
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -228,37 +229,54 @@ class LeaseBroker:
 
     def _spread(self, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool) -> dict[str, dict[str, int]]:
-        """Holder -> server -> whole slots: each entitlement in proportion to capacity, never granting a slot
-        another holder may be using (its last lease, the lease it says it holds, or its work in flight)."""
-        total = sum(s.capacity for s in servers)
+        """Holder -> server -> whole slots. Each holder first keeps the slots it uses (in flight, leased) up to its
+        entitlement — leases are sticky, no churn of servers between holders — then the rest is dealt one slot at
+        a time, the holder with the most still owed first, onto the server with the most room: holders spread
+        over the servers, each server's slots never granted twice. A slot another holder may be using — its last
+        lease, the lease it says it holds, or its work in flight — is not room: a lease shrinks first and the
+        slots move once its holder has let them go. O(holders' servers + slots dealt × log servers)."""
+        capacity = {s.id: s.capacity for s in servers}
         occupied: dict[str, dict[str, int]] = {}
+        used = dict.fromkeys(capacity, 0)
         for holder_id, holder in self._holders.items():
             report = holder.report
             held = report.held if learning or report.broker == self.incarnation else {}
-            occupied[holder_id] = {s.id: max(held.get(s.id, 0), report.inflight.get(s.id, 0),
-                                             holder.slots.get(s.id, 0)) for s in servers}
+            mine: dict[str, int] = {}
+            for source in (held, report.inflight, holder.slots):
+                for sid, n in source.items():
+                    if sid in capacity and n > mine.get(sid, 0):
+                        mine[sid] = n
+            occupied[holder_id] = mine
+            for sid, n in mine.items():
+                used[sid] += n
         if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
-        target = {h: _round_shares(w, servers, total) for h, w in wants.items()}
         out: dict[str, dict[str, int]] = {h: {} for h in self._holders}
-        for index, server in enumerate(servers):
-            free = server.capacity - sum(occupied[h][server.id] for h in self._holders)
-            growing: list[tuple[int, str]] = []
-            for holder_id in self._holders:
-                want = target.get(holder_id, {}).get(server.id, 0)
-                now = occupied[holder_id][server.id]
-                if want <= now:  # shrinking (or steady) needs no room: the holder lets slots go as it hears
-                    out[holder_id][server.id] = want
-                else:
-                    out[holder_id][server.id] = now
-                    growing.append((want - now, holder_id))
-            growing.sort(key=lambda g: (-g[0], g[1]))
-            for deficit, holder_id in growing:
-                add = min(deficit, max(0, free))
-                out[holder_id][server.id] += add
-                free -= add
-                if add < deficit:  # did not fit: to the servers not shared yet, most room first
-                    _move(target[holder_id], deficit - add, servers[index + 1:])
+        owed: list[tuple[int, str]] = []
+        for holder_id, want in wants.items():
+            left = int(want)
+            grant = out[holder_id]
+            # Where its requests are in flight first (those slots are taken either way), then the rest it holds.
+            inflight = self._holders[holder_id].report.inflight
+            for source in (inflight, occupied[holder_id]):
+                for sid, n in sorted(source.items(), key=lambda kv: (-kv[1], kv[0])):
+                    keep = min(n - grant.get(sid, 0), left) if sid in capacity else 0
+                    if keep > 0:
+                        grant[sid] = grant.get(sid, 0) + keep
+                        left -= keep
+            if left > 0:
+                owed.append((-left, holder_id))
+        rooms = [(used[sid] - cap, sid) for sid, cap in capacity.items() if cap > used[sid]]
+        heapq.heapify(rooms)
+        heapq.heapify(owed)
+        while owed and rooms:
+            minus_left, holder_id = heapq.heappop(owed)
+            minus_room, sid = heapq.heappop(rooms)
+            out[holder_id][sid] = out[holder_id].get(sid, 0) + 1
+            if minus_room + 1 < 0:
+                heapq.heappush(rooms, (minus_room + 1, sid))
+            if minus_left + 1 < 0:
+                heapq.heappush(owed, (minus_left + 1, holder_id))
         return out
 
 
@@ -354,33 +372,3 @@ def _water_fill(clients: list[tuple[float, str, float, float]], capacity: float)
             got[i] = clients[i][3]
         active = [i for i in active if i not in capped]
     return got
-
-
-def _round_shares(want: float, servers: list[LeaseServer], total: int) -> dict[str, int]:
-    """`want` slots spread over servers in proportion to capacity, rounded by largest remainder (≤ capacity)."""
-    if want <= 0 or total <= 0:
-        return {}
-    whole = min(math.floor(want + 1e-9), total)
-    exact = {s.id: min(float(s.capacity), want * s.capacity / total) for s in servers}
-    out = {sid: math.floor(x) for sid, x in exact.items()}
-    spare = whole - sum(out.values())
-    caps = {s.id: s.capacity for s in servers}
-    for sid in sorted(exact, key=lambda k: (out[k] - exact[k], k)):
-        if spare <= 0:
-            break
-        if out[sid] < caps[sid]:
-            out[sid] += 1
-            spare -= 1
-    return {sid: n for sid, n in out.items() if n > 0}
-
-
-def _move(target: dict[str, int], short: int, later: list[LeaseServer]) -> None:
-    """Slots that did not fit on one server go to servers still to be shared, where the target leaves room."""
-    for server in sorted(later, key=lambda s: target.get(s.id, 0) - s.capacity):
-        room = server.capacity - target.get(server.id, 0)
-        if room > 0:
-            add = min(room, short)
-            target[server.id] = target.get(server.id, 0) + add
-            short -= add
-            if short == 0:
-                return
