@@ -1,33 +1,43 @@
-"""Gateway capacity, side by side with what users put in front of their engines today: the direct path,
-fedpool's gateway (1, 2 and 4 processes on one port), HAProxy round-robin and LiteLLM's proxy, over the same
-zero-latency emulated backends, driven by the same open-loop load generator.
+"""Gateway capacity: what one request through fedpool's gateway costs, beside a bare aiohttp pass-through proxy
+(Python's floor for the same job) and HAProxy, over zero-latency nginx backends, driven by wrk, in one run.
 
-    python -m fedpool.benchmarks.gateway_capacity
+    python -m fedpool.benchmarks.gateway_capacity [--repeats 3] [--seconds 8]
 
-Backends: two emulated servers (profile `instant`: no engine time, so what a proxy adds is all there is),
-started by `fedpool up --engine emulated` with its gateway. Load: one generator process, open loop (requests
-sent on schedule whatever the answers do, one every 1/rate s), non-streaming completions of 4 tokens (and a
-streaming sweep), at most 512 connections, a 5 s timeout. Per rate: 1 s warm-up, 4 s measured. "Added" latency
-is the proxy's p50/p99 minus the direct path's at the same rate, measured in the same run. The sustained rate
-of a path is the highest swept rate with every request answered 200, at least 95% of the offered rate achieved
-and its p99 no more than 10 ms above the direct path's (the direct path: p99 under 10 ms). Overload: the
-same path at 1.5x and 2x its sustained rate; goodput is the 200s per second, and the excess should be refused
-at once (429/503 with Retry-After) with file descriptors bounded.
+Backends: Debian's nginx, two ports (one worker) answering a fixed OpenAI completion body, /health, /v1/models
+and a vLLM-style /metrics, registered in a real registry (local Ray) as two vLLM servers. Load: Debian's wrk,
+one thread, 16 connections, POST /v1/completions with a small body. Paths (each its own process):
 
-HAProxy is Debian's `haproxy` (`apt-get install haproxy`; what NVIDIA's NeMo Evaluator puts in front of its
-instances), LiteLLM's proxy is `litellm[proxy]` in its own venv (`scripts/install_tools.sh`); a path whose
-tool is missing is reported as such. Writes benchmarks/results/gateway_capacity.md, ending with
-`result: fedpool_rps=X direct_rps=X haproxy_rps=X litellm_rps=X overload_goodput_ratio=X
-fedpool_p99_added_ms_1k=X haproxy_p50_added_ms=X fedpool_p50_added_ms=X`.
+- direct: wrk against one nginx port;
+- bare, bare+uvloop: `aiohttp` pass-through proxy (read the body, POST it round-robin to a backend on one shared
+  session, answer its bytes), on asyncio's loop and on uvloop's;
+- fedpool: `fedpool gateway` (the CLI, as an operator runs it) over the registry;
+- fedpool+uvloop: the same composition (registry client, PoolConnection, Gateway) started by this module on
+  uvloop (the CLI's loop is the CLI's choice);
+- haproxy: Debian's HAProxy, one thread, round-robin over both backends.
+
+Per repeat, each path runs saturated (closed loop: 16 requests always outstanding) for `--seconds`: its rate, its
+process CPU time per request (user + system of the proxy's process, over the run) and latency; then each path runs
+paced at half of fedpool's own saturated rate of that repeat (wrk's `delay()`: exponential think time per
+connection, so the rate is the same whatever a path's latency; a closed loop with think time still hides part of
+a stall's queue, which wrk2 would show: not in Debian) and its p99 is compared with the direct path's (p99 added).
+Paths run in turn within a repeat, so a busy moment of the shared machine falls on one path, not on all of them
+in one repeat; the load average before and after each repeat is printed. With `--profile`, py-spy samples the
+fedpool gateway during one extra saturated run and the report lists where its time goes.
+
+Writes benchmarks/results/gateway_capacity.md, ending with
+`result: fedpool_rps=X bare_rps=X haproxy_rps=X fedpool_cpu_us=X bare_cpu_us=X p99_added_ms_half=X` (medians over
+the repeats; bare: the better of its two loops, the strongest baseline).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
+import itertools
 import json
-import multiprocessing as mp
+import logging
 import os
 import secrets
 import shutil
@@ -37,267 +47,197 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 
 MODEL = "emu-model"
-# This run's key, fresh each run and never written to a report; in the environment so that the load-generator
-# processes (which import this module again) present the same one.
-LOADGEN_KEY = os.environ.setdefault("FEDPOOL_BENCH_LOADGEN_KEY", "sk-" + secrets.token_hex(32))
-RATES = (250, 500, 1000, 1500, 2000, 2500, 3000)
-LITELLM_RATES = (25, 50, 100, 200, 400)
-WARMUP_S = 1.0
-MEASURE_S = 4.0
-TIMEOUT_S = 5.0
-CONNECTIONS = 512
-ADDED_P99_LIMIT_MS = 10.0
-TOOLS_HOME = Path.home() / ".cache" / "fedpool" / "tools"
+CONNECTIONS = 16
+REQUEST_BODY = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0})
+ANSWER = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 1700000000, "model": MODEL,
+                     "choices": [{"index": 0, "text": " one two three four", "logprobs": None,
+                                  "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}, separators=(",", ":"))
+PATHS = ("direct", "bare", "bare+uvloop", "fedpool", "fedpool+uvloop", "fedpool-noleases", "haproxy")
 
 
-# ---- the load generator (its own process) -----------------------------------------------------------------
-@dataclass
-class Sample:
-    rate: float
-    stream: bool
-    offered: int = 0
-    achieved_rps: float = 0.0
-    ok: int = 0
-    refused: int = 0  # 429 / 503: shed at once
-    failed: int = 0  # other statuses, timeouts, connection errors
-    p50_ms: float = 0.0
-    p99_ms: float = 0.0
-    refused_p99_ms: float = 0.0
-    goodput_rps: float = 0.0
-    cpu_ms_per_request: float = 0.0
-    max_fds: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
-
-
-async def _generate(urls: Sequence[str], rate: float, stream: bool) -> dict[str, Any]:
+# ---- the proxies this module starts itself (each in its own process) ----------------------------------------
+def serve_bare(port: int, backends: Sequence[str], loop: str) -> None:
+    """A bare aiohttp pass-through proxy: what any Python proxy of this shape costs at the least."""
     import aiohttp
+    from aiohttp import web
 
-    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 4, "temperature": 0, "stream": stream}
-    connector = aiohttp.TCPConnector(limit=CONNECTIONS, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
-    results: list[tuple[float, int, float]] = []  # (scheduled time, status, latency)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async def main() -> None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        rotation = itertools.cycle(backends)
+        headers = {"Content-Type": "application/json"}
 
-        async def one(i: int, at: float) -> None:
-            url = urls[i % len(urls)] + "/v1/completions"
-            start = time.perf_counter()
-            status = 0
-            try:
-                async with session.post(url, json=body, headers={"Authorization": f"Bearer {LOADGEN_KEY}"}) as r:
-                    await r.read()
-                    status = r.status
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                status = 0
-            results.append((at, status, time.perf_counter() - start))
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            async with session.post(next(rotation) + request.path, data=body, headers=headers) as upstream:
+                answer = await upstream.read()
+                return web.Response(body=answer, status=upstream.status, content_type=upstream.content_type)
 
-        loop = asyncio.get_running_loop()
-        total = int(rate * (WARMUP_S + MEASURE_S))
-        began = loop.time()
-        tasks = []
-        lateness = 0.0
-        for i in range(total):
-            at = began + i / rate
-            delay = at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            else:
-                lateness = max(lateness, -delay)
-            tasks.append(asyncio.create_task(one(i, at - began)))
-        sent_for = loop.time() - began
-        await asyncio.gather(*tasks)
-    return {"results": results, "sent_for": sent_for, "lateness": lateness, "total": total}
+        app = web.Application()
+        app.router.add_post("/v1/completions", forward)
+        app.router.add_post("/v1/chat/completions", forward)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+        await _until_terminated()
+        await runner.cleanup()
+        await session.close()
+
+    _run(main(), loop)
 
 
-def _loadgen_main(urls: list[str], rate: float, stream: bool, out: str) -> None:
-    data = asyncio.run(_generate(urls, rate, stream))
-    Path(out).write_text(json.dumps(data))
+def serve_fedpool(port: int, address: str, state_dir: str, loop: str, leases: bool) -> None:
+    """What `fedpool gateway` composes (registry client, pool connection, gateway), on the given loop, with or
+    without capacity leases."""
+
+    async def main() -> None:
+        import ray
+
+        from fedpool.federation import DispatchConfig, PoolConnection
+        from fedpool.federation.gateway import Gateway, serving
+        from fedpool.registry import RegistryClient
+
+        ray.init(address=address, namespace="fedpool", log_to_driver=False, logging_level=logging.ERROR)
+        client = await RegistryClient.connect(state_dir=Path(state_dir))
+        config = DispatchConfig(no_server_timeout_s=10.0, client_order="shortest_first")  # the CLI's
+        async with PoolConnection(client, policy="capacity_weighted", config=config, leases=leases) as pool, \
+                serving(Gateway(pool.dispatcher, lambda: pool.snapshot).app(), "127.0.0.1", port, backlog=1024):
+            await _until_terminated()
+
+    _run(main(), loop)
 
 
-def drive(urls: Sequence[str], rate: float, stream: bool, watch: Sequence[psutil.Process]) -> Sample:
-    """One measured point: the generator in its own process; the target processes' CPU and fds watched."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-        out = tmp.name
-    ctx = mp.get_context("spawn")
-    cpu_before = sum(_cpu(p) for p in watch)
-    proc = ctx.Process(target=_loadgen_main, args=(list(urls), rate, stream, out))
-    proc.start()
-    max_fds = 0
-    while proc.is_alive():
-        max_fds = max(max_fds, sum(_fds(p) for p in watch))
-        proc.join(0.2)
-    cpu_after = sum(_cpu(p) for p in watch)
-    data = json.loads(Path(out).read_text())
-    os.unlink(out)
-    measured = [(at, status, lat) for at, status, lat in data["results"] if at >= WARMUP_S]
-    ok = [lat for _, status, lat in measured if status == 200]
-    refused = [lat for _, status, lat in measured if status in (429, 503)]
-    statuses: dict[str, int] = {}
-    for _, status, _ in measured:
-        statuses[str(status)] = statuses.get(str(status), 0) + 1
-    offered = len(measured)
-    sample = Sample(rate=rate, stream=stream, offered=offered,
-                    achieved_rps=data["total"] / max(data["sent_for"], 1e-9), ok=len(ok), refused=len(refused),
-                    failed=offered - len(ok) - len(refused), max_fds=max_fds, statuses=statuses)
-    if ok:
-        ordered = sorted(ok)
-        sample.p50_ms = statistics.median(ordered) * 1000
-        sample.p99_ms = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000
-    if refused:
-        ordered = sorted(refused)
-        sample.refused_p99_ms = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000
-    sample.goodput_rps = len(ok) / MEASURE_S
-    sample.cpu_ms_per_request = (cpu_after - cpu_before) * 1000 / max(1, data["total"])
-    return sample
+def _run(coro: object, loop: str) -> None:
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    else:
+        asyncio.run(coro)  # type: ignore[arg-type]
 
 
-def _cpu(p: psutil.Process) -> float:
-    try:
-        t = p.cpu_times()
-        return t.user + t.system + sum(c.cpu_times().user + c.cpu_times().system
-                                       for c in p.children(recursive=True) if c.name().startswith("python"))
-    except psutil.Error:
-        return 0.0
+async def _until_terminated() -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
 
 
-def _fds(p: psutil.Process) -> int:
-    try:
-        return p.num_fds()
-    except psutil.Error:
-        return 0
-
-
-# ---- the paths ---------------------------------------------------------------------------------------------
-@dataclass
-class Path_:
-    name: str
-    urls: list[str]
-    processes: list[psutil.Process]
-    note: str = ""
-
-
-def _fedpool(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fedpool.cli", *args], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **(env or {})})
+# ---- the parts this benchmark stands up -------------------------------------------------------------------------
+def nginx_config(work: Path, ports: Sequence[int]) -> str:
+    listens = "".join(f"    listen 127.0.0.1:{p};\n" for p in ports)
+    metrics = 'vllm:num_requests_running{engine="0"} 0\\nvllm:num_requests_waiting{engine="0"} 0\\n'
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "nginx"}]})
+    return (
+        "worker_processes 1;\ndaemon off;\n"
+        f"pid {work}/nginx.pid;\nerror_log {work}/nginx-error.log warn;\n"
+        "events { worker_connections 4096; }\n"
+        "http {\n  access_log off;\n  keepalive_requests 100000000;\n  keepalive_timeout 300s;\n"
+        + "".join(f"  {kind}_temp_path {work}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi",
+                                                                           "scgi"))
+        + "  server {\n" + listens + "    default_type application/json;\n"
+        "    location = /health { return 200 '{\"status\":\"ok\"}'; }\n"
+        f"    location = /v1/models {{ return 200 '{models}'; }}\n"
+        f"    location = /metrics {{ default_type text/plain; return 200 '{metrics}'; }}\n"
+        f"    location = /v1/completions {{ return 200 '{ANSWER}'; }}\n"
+        "  }\n}\n"
+    )
 
 
 @contextlib.contextmanager
-def fedpool_up(work: Path, port: int) -> Iterator[dict[str, Any]]:
-    state = work / "up"
-    done = _fedpool("up", "--engine", "emulated", "--profile", "instant", "--servers", "2", "--slots", "4096",
-                    "--port", str(port), "--state-dir", str(state), "--detach")
-    if done.returncode != 0:
-        raise RuntimeError(f"fedpool up failed:\n{done.stdout}\n{done.stderr}")
-    ready = json.loads((state / "up.json").read_text())
+def nginx(work: Path, ports: Sequence[int]) -> Iterator[list[psutil.Process]]:
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    config = work / "nginx.conf"
+    config.write_text(nginx_config(work, ports))
+    proc = subprocess.Popen([binary, "-c", str(config), "-p", str(work)], stdout=subprocess.DEVNULL,
+                            stderr=(work / "nginx.out").open("wb"))
     try:
-        listed = _fedpool("server", "list", "--json", "--address", ready["ray_address"], "--state-dir",
-                          str(state / "registry"), "--quiet")
-        servers = json.loads(listed.stdout)
-        rows = servers["servers"] if isinstance(servers, dict) else servers
-        ready["backends"] = sorted(r["url"] for r in rows)
-        yield ready
+        for port in ports:
+            _wait_http(f"http://127.0.0.1:{port}/health", 20)
+        yield psutil.Process(proc.pid).children() or [psutil.Process(proc.pid)]  # the worker does the work
     finally:
-        _fedpool("down", "--state-dir", str(state))
+        proc.send_signal(signal.SIGQUIT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
 
 
 @contextlib.contextmanager
-def gateway_processes(ready: dict[str, Any], port: int, count: int, work: Path) -> Iterator[list[psutil.Process]]:
-    procs = []
-    logs = []
-    for i in range(count):
-        log = (work / f"gateway-{count}-{i}.log").open("wb")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "fedpool.cli", "gateway", "--address", ready["ray_address"], "--state-dir",
-             str(Path(ready["state_dir"]) / "registry"), "--port", str(port), "--reuse-port", "--quiet"],
-            stdout=log, stderr=subprocess.STDOUT))
+def registry(work: Path, backends: Sequence[str]) -> Iterator[tuple[str, Path]]:
+    """Local Ray and a registry actor with the backends registered; yields (Ray address, state dir)."""
+    import ray
+
+    from fedpool.registry import Engine, RegistryClient, ServerRecord
+
+    state = work / "registry"
+    ray.init(num_cpus=1, namespace="fedpool", include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+
+    async def start() -> RegistryClient:
+        client = await RegistryClient.start(state, token=secrets.token_hex(16))
+        for i, url in enumerate(backends):
+            await client.register(ServerRecord(id=f"nginx-{i}", url=url, engine=Engine.VLLM, model=MODEL,
+                                               accelerator="cpu", capacity=4096))
+        return client
+
+    client = asyncio.run(start())
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", 60)
-        time.sleep(2.0 * count)  # every process bound and holding a snapshot
-        yield [psutil.Process(p.pid) for p in procs]
+        yield ray.get_runtime_context().gcs_address, state
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(20)
-            if p.poll() is None:
-                p.kill()
-        for log in logs:
-            log.close()
+        with contextlib.suppress(Exception):
+            asyncio.run(client.terminate())
+        ray.shutdown()
 
 
 @contextlib.contextmanager
-def haproxy(backends: Sequence[str], port: int, work: Path) -> Iterator[psutil.Process | None]:
-    binary = shutil.which("haproxy")
+def process(argv: Sequence[str], log: Path, ready_url: str) -> Iterator[psutil.Process]:
+    proc = subprocess.Popen(list(argv), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        _wait_http(ready_url, 120, proc)
+        time.sleep(2.0)  # a snapshot in hand, imports settled
+        yield psutil.Process(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def haproxy(work: Path, port: int, backends: Sequence[str]) -> Iterator[psutil.Process | None]:
+    binary = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
     if binary is None:
         yield None
         return
     servers = "\n".join(f"    server b{i} {u.removeprefix('http://')}" for i, u in enumerate(backends))
-    cfg = work / "haproxy.cfg"
-    # maxconn 5000 (more than any rate here keeps open): HAProxy reserves two descriptors per connection and
-    # refuses to start (it printed nothing) when that exceeds the hard open-files limit, 20,000 on this machine.
-    cfg.write_text(
+    config = work / "haproxy.cfg"
+    config.write_text(
         "global\n    maxconn 5000\n    nbthread 1\n"
         "defaults\n    mode http\n    timeout connect 5s\n    timeout client 30s\n    timeout server 30s\n"
         "    option http-keep-alive\n"
         f"frontend fe\n    bind 127.0.0.1:{port}\n    default_backend be\n"
         f"backend be\n    balance roundrobin\n{servers}\n")
-    proc = subprocess.Popen([binary, "-f", str(cfg), "-db"], stdout=(work / "haproxy.log").open("wb"),
-                            stderr=subprocess.STDOUT)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/v1/models", 20)
-        yield psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with process([binary, "-f", str(config), "-db"], work / "haproxy.log", f"http://127.0.0.1:{port}/health") as p:
+        yield p
 
 
-@contextlib.contextmanager
-def litellm(backends: Sequence[str], port: int, work: Path) -> Iterator[psutil.Process | None]:
-    binary = TOOLS_HOME / "litellm" / "bin" / "litellm"
-    if not binary.exists():
-        yield None
-        return
-    deployments = "\n".join(
-        f"  - model_name: {MODEL}\n    litellm_params:\n      model: openai/{MODEL}\n      api_base: {u}/v1\n"
-        f"      api_key: sk-unused" for u in backends)
-    cfg = work / "litellm.yaml"
-    cfg.write_text(f"model_list:\n{deployments}\nrouter_settings:\n  routing_strategy: simple-shuffle\n"
-                   "litellm_settings:\n  drop_params: true\n  telemetry: false\n")
-    # LiteLLM 1.108 refuses to start without a strong master key; the load generator presents it on every path
-    # (the others ignore it, or take it as the client's name).
-    env = {**os.environ, "LITELLM_LOG": "ERROR", "DISABLE_SCHEMA_UPDATE": "true", "LITELLM_TELEMETRY": "False",
-           "LITELLM_MASTER_KEY": LOADGEN_KEY}
-    proc = subprocess.Popen([str(binary), "--config", str(cfg), "--port", str(port), "--host", "127.0.0.1",
-                             "--num_workers", "1"], stdout=(work / "litellm.log").open("wb"),
-                            stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_http(f"http://127.0.0.1:{port}/health/liveliness", 120)
-        yield psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _wait_http(url: str, deadline_s: float) -> None:
-    import urllib.error
-    import urllib.request
-
+def _wait_http(url: str, deadline_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(map(str, proc.args))} exited with {proc.returncode}")  # type: ignore[arg-type]
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
@@ -308,207 +248,302 @@ def _wait_http(url: str, deadline_s: float) -> None:
     raise RuntimeError(f"{url} did not answer within {deadline_s:.0f} s")
 
 
-# ---- the benchmark ---------------------------------------------------------------------------------------
+# ---- load and measurement -----------------------------------------------------------------------------------
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+local think_ms = {think_ms}
+function init(args) math.randomseed(os.time()) end
+function delay()
+  if think_ms <= 0 then return 0 end
+  return math.floor(-math.log(1 - math.random()) * think_ms + 0.5)
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %d %d %d %d %d %d %d %d\\n", summary.requests, summary.duration,
+    e.connect + e.read + e.write + e.timeout, e.status, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.max))
+end
+"""
+
+
 @dataclass
-class PathResult:
-    name: str
-    sweep: list[Sample]
-    stream_sweep: list[Sample] = field(default_factory=list)
-    overload: list[Sample] = field(default_factory=list)
-    sustained: float = 0.0
-    missing: str = ""
+class Run:
+    path: str
+    paced: bool
+    requests: int = 0
+    rps: float = 0.0
+    errors: int = 0
+    non_2xx: int = 0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    p99_ms: float = 0.0
+    max_ms: float = 0.0
+    cpu_us: float = 0.0  # process CPU time per request of the path's own process(es)
 
 
-def sustained_rate(sweep: Sequence[Sample], direct: dict[float, Sample] | None) -> float:
-    best = 0.0
-    for s in sweep:
-        base = direct.get(s.rate) if direct is not None else None
-        added = s.p99_ms - (base.p99_ms if base else 0.0)
-        good = (s.ok == s.offered and s.achieved_rps >= 0.95 * s.rate
-                and (added <= ADDED_P99_LIMIT_MS if direct is not None else s.p99_ms <= ADDED_P99_LIMIT_MS))
-        if good:
-            best = max(best, s.rate)
-        else:
-            break
-    return best
+def wrk(url: str, seconds: float, watch: Sequence[psutil.Process], work: Path, path: str,
+        think_ms: float = 0.0) -> Run:
+    script = work / f"wrk-{think_ms:g}.lua"
+    script.write_text(WRK_SCRIPT.replace("{body}", REQUEST_BODY).replace("{think_ms}", f"{think_ms:.3f}"))
+    before = sum(_cpu(p) for p in watch)
+    done = subprocess.run(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{seconds:g}s", "--timeout", "5s", "-s", str(script),
+                           url + "/v1/completions"], capture_output=True, text=True, timeout=seconds + 60)
+    after = sum(_cpu(p) for p in watch)
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk gave no result for {path}:\n{done.stdout}\n{done.stderr}")
+    requests, duration_us, errors, non_2xx, p50, p90, p99, worst = map(int, line.split()[1:])
+    return Run(path, think_ms > 0, requests, requests / (duration_us / 1e6), errors, non_2xx, p50 / 1000,
+               p90 / 1000, p99 / 1000, worst / 1000, (after - before) * 1e6 / max(1, requests))
 
 
-def _why_not_sustained(result: PathResult, direct: dict[float, Sample]) -> str:
-    """For a path that sustained no swept rate: what its lowest rate missed (the criterion's terms)."""
-    if result.sustained or not result.sweep:
-        return ""
-    first = result.sweep[0]
-    base = direct.get(first.rate, direct[min(direct)]) if direct else None
-    misses = []
-    if first.ok != first.offered:
-        misses.append(f"{first.ok}/{first.offered} answered 200")
-    if first.achieved_rps < 0.95 * first.rate:
-        misses.append(f"sent {first.achieved_rps:.0f}/s")
-    added = first.p99_ms - (base.p99_ms if base else 0.0)
-    if added > ADDED_P99_LIMIT_MS:
-        misses.append(f"p99 {added:+.1f} ms over direct (limit +{ADDED_P99_LIMIT_MS:.0f})")
-    return (f"at its lowest rate, {first.rate:.0f}/s: " + ", ".join(misses)
-            + f"; {first.cpu_ms_per_request:.1f} ms CPU a request")
+def _cpu(p: psutil.Process) -> float:
+    try:
+        t = p.cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return 0.0
 
 
-def sweep(urls: Sequence[str], rates: Sequence[float], watch: Sequence[psutil.Process], label: str,
-          stream: bool = False, stop_after_failures: bool = True) -> list[Sample]:
-    out = []
-    for rate in rates:
-        s = drive(urls, rate, stream, watch)
-        out.append(s)
-        print(f"[capacity] {label:<14} {'stream' if stream else 'plain '} {rate:6.0f}/s: ok {s.ok}/{s.offered} "
-              f"refused {s.refused} failed {s.failed} p50 {s.p50_ms:6.2f} ms p99 {s.p99_ms:7.2f} ms "
-              f"sent {s.achieved_rps:6.0f}/s fds {s.max_fds}", flush=True)
-        if stop_after_failures and (s.failed + s.refused > 0.05 * max(1, s.offered) or s.p99_ms > 1000):
-            break
-    return out
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
-def run(args: argparse.Namespace, work: Path) -> dict[str, PathResult]:
+def profile_fedpool(url: str, proc: psutil.Process, seconds: float, work: Path) -> list[tuple[str, float, float]]:
+    """py-spy's samples of the gateway under saturated load: (frame, self %, inclusive %), the top ones."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        return []
+    out = work / "profile.txt"
+    load = subprocess.Popen(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{seconds + 2:g}s", "-s", str(work / "wrk-0.lua"),
+                             url + "/v1/completions"], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(1)
+        subprocess.run([spy, "record", "-p", str(proc.pid), "-d", f"{seconds:g}", "-r", "200", "-f", "raw", "-o",
+                        str(out), "--nonblocking"], capture_output=True, timeout=seconds + 60)
+    finally:
+        load.wait(seconds + 60)
+    if not out.exists():
+        return []
+    own: collections.Counter[str] = collections.Counter()
+    within: collections.Counter[str] = collections.Counter()
+    total = 0
+    for row in out.read_text().splitlines():
+        stack, _, count = row.rpartition(" ")
+        frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split("/")[-1] for f in stack.split(";") if f]
+        total += int(count)
+        if frames:
+            own[frames[-1]] += int(count)
+            for frame in set(frames):
+                within[frame] += int(count)
+    return [(frame, 100 * n / total, 100 * within[frame] / total) for frame, n in own.most_common(25)]
+
+
+# ---- the benchmark -------------------------------------------------------------------------------------------
+@dataclass
+class Measured:
+    runs: list[Run] = field(default_factory=list)
+    loads: list[tuple[str, str]] = field(default_factory=list)  # (before, after) each repeat
+    profile: list[tuple[str, float, float]] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+def run(args: argparse.Namespace, work: Path) -> Measured:
     from fedpool.deploy.process import free_port
 
-    results: dict[str, PathResult] = {}
-    with fedpool_up(work, free_port()) as ready:
-        backends = ready["backends"]
-        up_proc = psutil.Process(ready["pid"])
-        backend_procs = [c for c in up_proc.children(recursive=True) if "fedpool.deploy.emulator" in " ".join(
-            _cmdline(c))]
-        direct = PathResult("direct", sweep(backends, args.rates, backend_procs, "direct"))
-        direct.stream_sweep = sweep(backends, args.stream_rates, backend_procs, "direct", stream=True)
-        direct.sustained = sustained_rate(direct.sweep, None)
-        results["direct"] = direct
-        by_rate = {s.rate: s for s in direct.sweep}
-        for count in args.processes:
+    measured = Measured()
+    backend_ports = [free_port(), free_port()]
+    backends = [f"http://127.0.0.1:{p}" for p in backend_ports]
+    me = [sys.executable, "-m", "fedpool.benchmarks.gateway_capacity"]
+    with contextlib.ExitStack() as stack:
+        workers = stack.enter_context(nginx(work, backend_ports))
+        address, state = stack.enter_context(registry(work, backends))
+        urls: dict[str, str] = {"direct": backends[0]}
+        watch: dict[str, list[psutil.Process]] = {"direct": workers}
+        for name in args.paths:
+            if name == "direct":
+                continue
             port = free_port()
-            name = "fedpool" if count == 1 else f"fedpool x{count}"
-            with gateway_processes(ready, port, count, work) as procs:
-                url = [f"http://127.0.0.1:{port}"]
-                result = PathResult(name, sweep(url, args.rates, procs, name))
-                result.sustained = sustained_rate(result.sweep, by_rate)
-                if count == 1:
-                    result.stream_sweep = sweep(url, args.stream_rates, procs, name, stream=True)
-                    if result.sustained:
-                        result.overload = sweep(url, [1.5 * result.sustained, 2.0 * result.sustained], procs,
-                                                name + " over", stop_after_failures=False)
-                results[name] = result
-        port = free_port()
-        with haproxy(backends, port, work) as proc:
-            if proc is None:
-                results["haproxy"] = PathResult("haproxy", [], missing="haproxy is not installed")
+            url = f"http://127.0.0.1:{port}"
+            ready = url + "/health"
+            if name.startswith("bare"):
+                loop = "uvloop" if name.endswith("uvloop") else "asyncio"
+                proc = stack.enter_context(process([*me, "bare", "--port", str(port), "--backends", *backends,
+                                                    "--loop", loop], work / f"{name}.log", url + "/nothing"))
+            elif name == "fedpool":
+                proc = stack.enter_context(process(
+                    [sys.executable, "-m", "fedpool.cli", "gateway", "--address", address, "--state-dir", str(state),
+                     "--port", str(port), "--quiet"], work / "fedpool.log", ready))
+            elif name in ("fedpool+uvloop", "fedpool-noleases"):
+                options = ["--loop", "uvloop"] if name == "fedpool+uvloop" else ["--loop", "asyncio", "--no-leases"]
+                proc = stack.enter_context(process(
+                    [*me, "fedpool", "--port", str(port), "--address", address, "--state-dir", str(state),
+                     *options], work / f"{name}.log", ready))
+            elif name == "haproxy":
+                found = stack.enter_context(haproxy(work, port, backends))
+                if found is None:
+                    measured.missing[name] = "haproxy is not installed (apt-get install haproxy)"
+                    continue
+                proc = found
             else:
-                result = PathResult("haproxy", sweep([f"http://127.0.0.1:{port}"], args.rates, [proc], "haproxy"))
-                result.sustained = sustained_rate(result.sweep, by_rate)
-                result.stream_sweep = sweep([f"http://127.0.0.1:{port}"], args.stream_rates, [proc], "haproxy",
-                                            stream=True)
-                results["haproxy"] = result
-        port = free_port()
-        with litellm(backends, port, work) as proc:
-            if proc is None:
-                results["litellm"] = PathResult("litellm", [], missing="litellm[proxy] is not installed")
-            else:
-                result = PathResult("litellm", sweep([f"http://127.0.0.1:{port}"], LITELLM_RATES, [proc], "litellm"))
-                result.sustained = sustained_rate(result.sweep, None if not by_rate else {
-                    r: by_rate.get(r, by_rate[min(by_rate)]) for r in LITELLM_RATES})
-                results["litellm"] = result
-    return results
+                raise ValueError(f"unknown path {name}")
+            urls[name], watch[name] = url, [proc]
+        paths = [p for p in args.paths if p in urls]
+        for repeat in range(args.repeats):
+            before = load_average()
+            saturated = {}
+            for name in paths:
+                saturated[name] = wrk(urls[name], args.seconds, watch[name], work, name)
+                measured.runs.append(saturated[name])
+                _say(repeat, saturated[name])
+            half = saturated["fedpool"].rps / 2 if "fedpool" in saturated else 500.0
+            think_ms = CONNECTIONS / half * 1000
+            for name in paths:
+                paced = wrk(urls[name], args.seconds, watch[name], work, name, think_ms=think_ms)
+                measured.runs.append(paced)
+                _say(repeat, paced)
+            measured.loads.append((before, load_average()))
+            print(f"[capacity] repeat {repeat + 1}: load average {before} -> {measured.loads[-1][1]}", flush=True)
+        if args.profile and "fedpool" in urls:
+            measured.profile = profile_fedpool(urls["fedpool"], watch["fedpool"][0], args.seconds, work)
+    return measured
 
 
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:
-        return []
+def _say(repeat: int, r: Run) -> None:
+    print(f"[capacity] {repeat + 1} {r.path:<15} {'paced' if r.paced else 'saturated':<9} {r.rps:8.0f} req/s "
+          f"cpu {r.cpu_us:6.1f} us/req p50 {r.p50_ms:6.2f} p99 {r.p99_ms:7.2f} max {r.max_ms:7.1f} ms "
+          f"errors {r.errors} non-2xx {r.non_2xx}", flush=True)
 
 
-def _at(sweep_: Sequence[Sample], rate: float) -> Sample | None:
-    return next((s for s in sweep_ if s.rate == rate), None)
+def _spread(values: Sequence[float], fmt: str = "{:.0f}") -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
-def body(results: dict[str, PathResult], args: argparse.Namespace) -> str:
-    direct = {s.rate: s for s in results["direct"].sweep}
+def _median(runs: Sequence[Run], path: str, paced: bool, attr: str) -> float:
+    values = [getattr(r, attr) for r in runs if r.path == path and r.paced == paced]
+    return statistics.median(values) if values else float("nan")
+
+
+def added_p99(runs: Sequence[Run], path: str) -> list[float]:
+    """Per repeat: the path's paced p99 minus the direct path's in the same repeat."""
+    mine = [r.p99_ms for r in runs if r.path == path and r.paced]
+    direct = [r.p99_ms for r in runs if r.path == "direct" and r.paced]
+    return [a - b for a, b in zip(mine, direct, strict=False)]
+
+
+def body(measured: Measured, args: argparse.Namespace) -> str:
+    runs = measured.runs
+    paths = list(dict.fromkeys(r.path for r in runs))
+    fed_rps = _median(runs, "fedpool", False, "rps")
     lines = [
-        f"Backends: 2 emulated servers (profile `instant`) behind `fedpool up --engine emulated`. Load: one open-loop "
-        f"generator process, up to {CONNECTIONS} connections, {TIMEOUT_S:.0f} s timeout, {WARMUP_S:.0f} s warm-up + "
-        f"{MEASURE_S:.0f} s measured per rate; everything on this machine's 2 cores (generator, proxy, backends).",
+        f"Backends: nginx (1 worker, two ports) answering a fixed completion body, registered as two vLLM servers "
+        f"in a real registry (local Ray). Load: wrk, 1 thread, {CONNECTIONS} connections, {args.seconds:g} s a run, "
+        f"{args.repeats} repeats; paths in turn within each repeat. Everything on this machine's {os.cpu_count()} "
+        "cores: wrk, nginx, the proxy under test, Ray, and whatever else the machine runs (load averages below).",
         "",
-        "## Sustained rates",
+        "## Saturated (closed loop, 16 outstanding)",
         "",
-        markdown_table(["path", "sustained req/s", "vs direct", "note"],
-                       [[r.name, f"{r.sustained:.0f}" if not r.missing else "-",
-                         f"{r.sustained / results['direct'].sustained:.2f}" if r.sustained and results[
-                             "direct"].sustained else "-", r.missing or _why_not_sustained(r, direct)]
-                        for r in results.values()]),
+        "Median over the repeats (min–max). CPU: the path's own process, user + system, per request answered.",
         "",
-        "## Every point (non-streaming)",
+        markdown_table(
+            ["path", "req/s", "CPU µs/request", "p50 ms", "p99 ms", "max ms", "errors", "non-2xx"],
+            [[p, _spread([r.rps for r in runs if r.path == p and not r.paced]),
+              _spread([r.cpu_us for r in runs if r.path == p and not r.paced], "{:.1f}"),
+              _spread([r.p50_ms for r in runs if r.path == p and not r.paced], "{:.2f}"),
+              _spread([r.p99_ms for r in runs if r.path == p and not r.paced], "{:.2f}"),
+              _spread([r.max_ms for r in runs if r.path == p and not r.paced], "{:.1f}"),
+              sum(r.errors for r in runs if r.path == p), sum(r.non_2xx for r in runs if r.path == p)]
+             for p in paths]),
+        "",
+        f"## Paced at half of fedpool's saturated rate (~{fed_rps / 2:.0f} req/s)",
+        "",
+        "p99 added: the path's p99 minus the direct path's in the same repeat.",
+        "",
+        markdown_table(
+            ["path", "req/s", "CPU µs/request", "p50 ms", "p99 ms", "p99 added ms", "max ms"],
+            [[p, _spread([r.rps for r in runs if r.path == p and r.paced]),
+              _spread([r.cpu_us for r in runs if r.path == p and r.paced], "{:.1f}"),
+              _spread([r.p50_ms for r in runs if r.path == p and r.paced], "{:.2f}"),
+              _spread([r.p99_ms for r in runs if r.path == p and r.paced], "{:.2f}"),
+              "-" if p == "direct" else _spread(added_p99(runs, p), "{:+.2f}"),
+              _spread([r.max_ms for r in runs if r.path == p and r.paced], "{:.1f}")] for p in paths]),
+        "",
+        "## Machine load (1, 5, 15 min load averages, before → after each repeat)",
+        "",
+        *[f"- repeat {i + 1}: {a} → {b}" for i, (a, b) in enumerate(measured.loads)],
         "",
     ]
-    rows = []
-    for r in results.values():
-        for s in r.sweep:
-            base = direct.get(s.rate)
-            rows.append([r.name, f"{s.rate:.0f}", f"{s.achieved_rps:.0f}", f"{s.ok}/{s.offered}", s.refused, s.failed,
-                         f"{s.p50_ms:.2f}", f"{s.p99_ms:.2f}",
-                         f"{s.p50_ms - base.p50_ms:+.2f}" if base and r.name != "direct" else "-",
-                         f"{s.p99_ms - base.p99_ms:+.2f}" if base and r.name != "direct" else "-",
-                         f"{s.cpu_ms_per_request:.2f}", s.max_fds])
-    lines += [markdown_table(["path", "offered/s", "sent/s", "200", "refused", "failed", "p50 ms", "p99 ms",
-                              "added p50", "added p99", "CPU ms/req (path)", "max fds"], rows), ""]
-    rows = []
-    for r in results.values():
-        for s in r.stream_sweep:
-            rows.append([r.name, f"{s.rate:.0f}", f"{s.ok}/{s.offered}", s.refused, s.failed, f"{s.p50_ms:.2f}",
-                         f"{s.p99_ms:.2f}"])
-    if rows:
-        lines += ["## Streaming", "", markdown_table(["path", "offered/s", "200", "refused", "failed", "p50 ms",
-                                                       "p99 ms"], rows), ""]
-    fed = results.get("fedpool")
-    if fed is not None and fed.overload:
-        rows = [[f"{s.rate:.0f} ({s.rate / fed.sustained:.1f}x)", f"{s.goodput_rps:.0f}",
-                 f"{s.goodput_rps / fed.sustained:.2f}", s.refused, f"{s.refused_p99_ms:.1f}", s.failed,
-                 f"{s.p99_ms:.1f}", s.max_fds, json.dumps(s.statuses)] for s in fed.overload]
-        lines += ["## Overload (fedpool, one process)", "",
-                  markdown_table(["offered/s", "goodput/s", "÷ sustained", "refused at once", "refusal p99 ms",
-                                  "failed", "p99 of 200s ms", "max fds", "statuses"], rows), ""]
+    for name, why in measured.missing.items():
+        lines += [f"- {name}: not measured ({why})"]
+    if measured.profile:
+        lines += ["## Where fedpool's gateway spends its time (py-spy, saturated)", "",
+                  "Sampled frames (self %: the frame itself; inclusive %: it or what it called). A socket write "
+                  "is the send syscall; the bare proxy makes the same two per request.", "",
+                  markdown_table(["frame", "self %", "inclusive %"],
+                                 [[f"`{frame}`", f"{own:.1f}", f"{within:.1f}"] for frame, own, within in
+                                  measured.profile]), ""]
     return "\n".join(lines)
 
 
-def headline(results: dict[str, PathResult]) -> dict[str, object]:
-    direct = {s.rate: s for s in results["direct"].sweep}
-    fed = results.get("fedpool")
-    hap = results.get("haproxy")
-
-    def added(r: PathResult | None, rate: float, key: str) -> str:
-        s = _at(r.sweep, rate) if r is not None else None
-        base = direct.get(rate)
-        return f"{getattr(s, key) - getattr(base, key):.2f}" if s is not None and base is not None else "nan"
-
-    overload = min((s.goodput_rps / fed.sustained for s in fed.overload), default=0.0) if fed and fed.sustained else 0.0
+def headline(measured: Measured) -> dict[str, object]:
+    runs = measured.runs
+    bare = max(("bare", "bare+uvloop"), key=lambda p: _median(runs, p, False, "rps")
+               if any(r.path == p for r in runs) else -1.0)
+    bare_cpu = min(_median(runs, p, False, "cpu_us") for p in ("bare", "bare+uvloop") if any(r.path == p for r in runs))
+    added = added_p99(runs, "fedpool")
     return {
-        "fedpool_rps": f"{fed.sustained:.0f}" if fed else "0",
-        "direct_rps": f"{results['direct'].sustained:.0f}",
-        "haproxy_rps": f"{hap.sustained:.0f}" if hap and not hap.missing else "nan",
-        "litellm_rps": f"{results['litellm'].sustained:.0f}" if not results["litellm"].missing else "nan",
-        "overload_goodput_ratio": f"{overload:.2f}",
-        "fedpool_p99_added_ms_1k": added(fed, 1000, "p99_ms"),
-        "haproxy_p50_added_ms": added(hap, 1000, "p50_ms"),
-        "fedpool_p50_added_ms": added(fed, 1000, "p50_ms"),
+        "fedpool_rps": f"{_median(runs, 'fedpool', False, 'rps'):.0f}",
+        "bare_rps": f"{_median(runs, bare, False, 'rps'):.0f}",
+        "haproxy_rps": f"{_median(runs, 'haproxy', False, 'rps'):.0f}",
+        "fedpool_cpu_us": f"{_median(runs, 'fedpool', False, 'cpu_us'):.1f}",
+        "bare_cpu_us": f"{bare_cpu:.1f}",
+        "p99_added_ms_half": f"{statistics.median(added):.2f}" if added else "nan",
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gateway_capacity", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
-    parser.add_argument("--stream-rates", type=float, nargs="+", default=[500, 1000])
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
+    parser = argparse.ArgumentParser(prog="gateway_capacity", description=(__doc__ or "").split("\n\n")[0])
+    sub = parser.add_subparsers(dest="role")
+    bare = sub.add_parser("bare", help="(internal) run the bare pass-through proxy")
+    bare.add_argument("--port", type=int, required=True)
+    bare.add_argument("--backends", nargs="+", required=True)
+    bare.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    fed = sub.add_parser("fedpool", help="(internal) run fedpool's gateway on a chosen loop")
+    fed.add_argument("--port", type=int, required=True)
+    fed.add_argument("--address", required=True)
+    fed.add_argument("--state-dir", required=True)
+    fed.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
+    fed.add_argument("--no-leases", dest="leases", action="store_false")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--profile", action="store_true", help="py-spy the fedpool gateway in one more run")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path)
     args = parser.parse_args(argv)
+    if args.role == "bare":
+        serve_bare(args.port, args.backends, args.loop)
+        return 0
+    if args.role == "fedpool":
+        serve_fedpool(args.port, args.address, args.state_dir, args.loop, args.leases)
+        return 0
+    if shutil.which("wrk") is None or (shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists()):
+        print("needs Debian's wrk and nginx: apt-get install wrk nginx haproxy", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="fedpool-capacity-") as tmp:
-        results = run(args, args.work_dir or Path(tmp))
-    result = headline(results)
-    path = write_report("gateway_capacity", "Gateway capacity: fedpool, HAProxy, LiteLLM and the direct path",
-                        body(results, args), result, results_dir=args.results_dir)
+        work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        measured = run(args, work)
+    result = headline(measured)
+    path = write_report("gateway_capacity", "Gateway capacity: fedpool beside a bare aiohttp proxy, HAProxy and "
+                        "the direct path", body(measured, args), result, results_dir=args.results_dir)
     print(f"report: {path}")
     print("result: " + " ".join(f"{k}={v}" for k, v in result.items()))
     return 0

@@ -255,7 +255,7 @@ class Gateway:
             status = "client_closed"  # the caller went away (handler cancellation): its slot is already back
             raise
         finally:
-            self._metrics.observe(endpoint.value, status, time.perf_counter() - started)
+            self._metrics.observe(endpoint, status, time.perf_counter() - started)  # (a StrEnum: its own value)
 
     async def _answer(self, request: web.Request, endpoint: Endpoint) -> tuple[web.StreamResponse, str]:
         if self.overload.check():  # before reading the body: refusing must cost as little as possible

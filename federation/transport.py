@@ -129,7 +129,7 @@ class HttpTransport:
         except TypeError:  # what orjson refuses (integers past 64 bits, keys that are not strings)
             data = json.dumps(body).encode()
         try:
-            async with self.session.post(server.url + request.endpoint.value, data=data, headers=JSON_HEADERS,
+            async with self.session.post(server.url + request.endpoint, data=data, headers=JSON_HEADERS,
                                          timeout=self._timeout) as resp:
                 if resp.status != 200:
                     raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))

@@ -38,23 +38,36 @@ class SamplingParams:
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> SamplingParams:
         """From a body's generation fields. Values of the wrong type raise ValueError naming the field."""
-        def number(name: str, kind: type) -> Any:
-            value = fields.get(name)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
-                raise ValueError(f"field {name!r} must be {'an integer' if kind is int else 'a number'}")
-            return kind(value)
+        return cls._read(fields, _TYPED)
 
-        stop = fields.get("stop")
+    @classmethod
+    def _read(cls, fields: Mapping[str, Any], not_extra: frozenset[str]) -> SamplingParams:
+        get = fields.get
+        stop = get("stop")
         if isinstance(stop, str):
             stop = (stop,)
         elif isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop):
             stop = tuple(stop)
         elif stop is not None:
             raise ValueError("field 'stop' must be a string or a list of strings")
-        return cls(number("max_tokens", int), number("temperature", float), number("top_p", float),
-                   number("seed", int), stop, {k: v for k, v in fields.items() if k not in TYPED_FIELDS})
+        return cls(_number(get("max_tokens"), "max_tokens", int), _number(get("temperature"), "temperature", float),
+                   _number(get("top_p"), "top_p", float), _number(get("seed"), "seed", int), stop,
+                   {k: v for k, v in fields.items() if k not in not_extra})
+
+
+def _number(value: Any, name: str, kind: type) -> Any:
+    if value is None or type(value) is kind:
+        return value
+    try:
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+            raise ValueError
+    except (ValueError, OverflowError):  # (int() of an infinity overflows)
+        raise ValueError(f"field {name!r} must be {'an integer' if kind is int else 'a number'}") from None
+    return kind(value)
+
+
+_TYPED = frozenset(TYPED_FIELDS)
+_NOT_PARAMS = frozenset(("prompt", "messages", "model", "stream", *TYPED_FIELDS))  # of a whole body
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +89,11 @@ class InferenceRequest:
     @classmethod
     def from_body(cls, body: Mapping[str, Any], **fields: Any) -> InferenceRequest:
         """Split an OpenAI body (without `model` and `stream`) into prompt or messages and parameters."""
-        rest = {k: v for k, v in body.items() if k not in ("prompt", "messages", "model", "stream")}
         prompt = body.get("prompt")
         messages = body.get("messages")
         return cls(prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
                    messages=tuple(messages) if isinstance(messages, list | tuple) else messages,
-                   params=SamplingParams.from_fields(rest), **fields)
+                   params=SamplingParams._read(body, _NOT_PARAMS), **fields)
 
     @property
     def hedgeable(self) -> bool:
