@@ -17,6 +17,7 @@ from fedpool.federation.policies import DispatchState, Hold
 from fedpool.federation.pricing import server_cost
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import EmulatorFactory
+from tests.fakes import FakePool
 
 
 def entry(sid: str, accelerator: str, url: str = "http://127.0.0.1:9", capacity: int = 256,
@@ -257,3 +258,39 @@ def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
     # A later request's characters do not overwrite what the client announced.
     p.clients.note_request("text", prompt_of("text", 40, 512), p.now)
     assert p.policy.shape("text") == (250, 384)
+
+
+@pytest.mark.looptime
+async def test_two_models_under_planned_routing_make_at_most_one_plan_per_route_per_period(
+        fakes: FakePool) -> None:
+    """Two models behind one dispatcher (a gateway's): each route keeps its own plan, made again at most once a
+    re-plan period (one plan for one route, reset whenever the other model's request came, re-solved its LP 592
+    times in 200 decisions)."""
+    a_servers = [fakes.start("model-a", max_running=4, decode_s=0.01) for _ in range(2)]
+    b_servers = [fakes.start("model-b", max_running=4, decode_s=0.01) for _ in range(2)]
+    entries = tuple(entry(f"{m}{i}", "A100", s.url, capacity=4, model=s.model)
+                    for m, group in (("a", a_servers), ("b", b_servers)) for i, s in enumerate(group))
+    snap = PoolSnapshot(version=1, taken_at=0.0, entries=entries)
+    period = 0.5
+    policy = make_policy("planned", period_s=period, warmup_periods=0.0)
+    assert isinstance(policy, PlannedRouting)
+    dispatcher = fakes.dispatcher(lambda: snap, policy)
+    for client, model in (("ca", "model-a"), ("cb", "model-b")):
+        dispatcher.set_client_remaining(client, 1.0, 100)
+        dispatcher.set_client_shape(client, 20, 8)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    def req(client: str, model: str, i: int) -> InferenceRequest:
+        return InferenceRequest.from_body({"prompt": f"{client} {i}", "max_tokens": 8}, request_id=f"{client}-{i}",
+                                          model=model, endpoint=Endpoint.COMPLETIONS, client_id=client)
+
+    # The two clients interleave their requests, as two tools behind one gateway would.
+    results = await asyncio.gather(*(dispatcher.submit(req(c, m, i)) for i in range(100)
+                                     for c, m in (("ca", "model-a"), ("cb", "model-b"))))
+    elapsed = loop.time() - started  # virtual seconds
+    assert len(results) == 200 and dispatcher.stats().decisions == 200
+    # A plan per route at the start, then at most one per route per period (and per newcomer client).
+    assert policy.plans_made <= 2 * (elapsed / period + 1) + 2, (policy.plans_made, elapsed)
+    served = {r.request_id.split("-")[0]: r.server_id[0] for r in results}
+    assert served == {"ca": "a", "cb": "b"}  # each model's requests on its own servers
