@@ -275,7 +275,7 @@ async def test_two_models_under_planned_routing_make_at_most_one_plan_per_route_
     policy = make_policy("planned", period_s=period, warmup_periods=0.0)
     assert isinstance(policy, PlannedRouting)
     dispatcher = fakes.dispatcher(lambda: snap, policy)
-    for client, model in (("ca", "model-a"), ("cb", "model-b")):
+    for client in ("ca", "cb"):
         dispatcher.set_client_remaining(client, 1.0, 100)
         dispatcher.set_client_shape(client, 20, 8)
     loop = asyncio.get_running_loop()
