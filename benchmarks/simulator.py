@@ -46,6 +46,7 @@ from fedpool.registry import (
     LeaseBroker,
     LeaseServer,
     LeaseService,
+    LoadSample,
     PoolSnapshot,
     ServerEntry,
     ServerRecord,
@@ -54,6 +55,7 @@ from fedpool.registry import (
 )
 
 MODEL = "sim-7b"
+PROBE_S = 2.0  # the registry's default probe interval: each engine's load is scraped this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,7 @@ class SimServer:
     engine: BatchEngine
     alive: bool = True
     answered: int = 0
-    busy_since: float | None = None
+    load: LoadSample | None = None  # the latest scrape
 
 
 class SimTransport:
@@ -125,13 +127,19 @@ class World:
     def entries(self) -> tuple[ServerEntry, ...]:
         return self.snapshot.entries
 
-    def publish(self) -> None:
-        """A new snapshot (membership or status changed): every dispatcher hears of it at once."""
+    def publish(self, *, scrape: bool = False) -> None:
+        """A new snapshot (membership or status changed, or a probe cycle's scrape of every engine's load: what
+        the registry's prober reads from each engine's metrics): every dispatcher hears of it at once."""
         entries = []
+        now = self.clock()
         for sim in self.servers.values():
             status = ServerStatus.HEALTHY if sim.alive else ServerStatus.DOWN
+            load = sim.load
+            if scrape and sim.alive:
+                load = sim.load = LoadSample(running=float(sim.engine.running), waiting=float(sim.engine.waiting),
+                                             observed_at=now, kv_cache_usage=sim.engine.kv_usage)
             entries.append(ServerEntry(record=sim.record, status=status, capacity=sim.profile.max_running,
-                                       weight=prior_weight(sim.record)))
+                                       weight=prior_weight(sim.record), load=load))
         self.snapshot = PoolSnapshot(version=self.snapshot.version + 1, taken_at=self.clock(), entries=tuple(entries))
         for listener in self.listeners:
             listener()
@@ -166,6 +174,12 @@ class World:
             await sim.engine.close()
 
 
+async def _probe(world: World, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        world.publish(scrape=True)
+
+
 def _make_server(server_id: str, kind_name: str, kind: Kind, profile: EmulatorProfile,
                  clock: Callable[[], float]) -> SimServer:
     record = ServerRecord(id=server_id, url=f"http://{server_id}.sim:80", engine=kind.engine, model=MODEL,
@@ -181,6 +195,15 @@ def build_world(kinds: Mapping[str, Kind], profiles: Mapping[str, EmulatorProfil
         for _ in range(n):
             server_id = f"{name}-{len(sims)}"
             sims[server_id] = _make_server(server_id, name, kinds[name], profiles[name], clock)
+    world = World(sims, PoolSnapshot(version=0, taken_at=clock(), entries=()), clock)
+    world.publish()
+    return world
+
+
+def world_of_servers(servers: Sequence[tuple[str, Kind, EmulatorProfile]], clock: Callable[[], float]) -> World:
+    """A world of named servers (id, kind, profile), as a benchmark's pool file lists them."""
+    sims = {server_id: _make_server(server_id, kind.profile, kind, profile, clock)
+            for server_id, kind, profile in servers}
     world = World(sims, PoolSnapshot(version=0, taken_at=clock(), entries=()), clock)
     world.publish()
     return world
@@ -205,6 +228,7 @@ class Eval:
     concurrency: int = 64
     process: int = 0
     start_s: float = 0.0
+    exact_answers: bool = True  # answers exactly answer_tokens long (ignore_eos); else the engine's own stop
 
 
 @dataclass
@@ -244,7 +268,7 @@ async def run_eval(dispatcher: Dispatcher, eval_: Eval, clock: Callable[[], floa
                 dispatcher.client_done_sending(eval_.name)
             request = InferenceRequest.from_body(
                 {"prompt": prompt_of(eval_, k), "max_tokens": eval_.answer_tokens, "temperature": 0,
-                 "ignore_eos": True},
+                 "ignore_eos": eval_.exact_answers},
                 request_id=f"{eval_.name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=eval_.name)
             try:
                 await dispatcher.submit(request)
@@ -286,14 +310,16 @@ def simulate(world_of: Callable[[Callable[[], float]], World], evals: Sequence[E
              dispatchers_of: Callable[[SimTransport, World, Callable[[], float]], Sequence[Dispatcher]],
              events: Callable[[World], Coroutine[Any, Any, None]] | None = None,
              setup: Callable[[World, Sequence[Dispatcher]], contextlib.AbstractAsyncContextManager[Any]] | None = None,
-             ) -> SimResult:
+             probe_s: float | None = PROBE_S) -> SimResult:
     """Run the evals to the end in simulated time. `dispatchers_of` makes one dispatcher per client process;
     `events` (a coroutine on the world) kills, revives, adds and removes servers as the run goes; `setup` wraps
-    the run (e.g. lease clients around each dispatcher)."""
+    the run (e.g. lease clients around each dispatcher); every `probe_s` the engines' load is scraped into a new
+    snapshot, as the registry's prober does (None: never)."""
     loop = looptime.new_event_loop(start=0.0)
     asyncio.set_event_loop(loop)
     try:
-        return loop.run_until_complete(_simulate(loop.time, world_of, evals, dispatchers_of, events, setup))
+        return loop.run_until_complete(_simulate(loop.time, world_of, evals, dispatchers_of, events, setup,
+                                                 probe_s))
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         asyncio.set_event_loop(None)
@@ -305,18 +331,20 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
                     dispatchers_of: Callable[[SimTransport, World, Callable[[], float]], Sequence[Dispatcher]],
                     events: Callable[[World], Coroutine[Any, Any, None]] | None,
                     setup: Callable[[World, Sequence[Dispatcher]], contextlib.AbstractAsyncContextManager[Any]] | None,
-                    ) -> SimResult:
+                    probe_s: float | None = None) -> SimResult:
     world = world_of(clock)
     transport = SimTransport(world.servers)
     dispatchers = dispatchers_of(transport, world, clock)
     outcomes = {e.name: EvalOutcome() for e in evals}
     cpu0, wall0 = time.process_time(), time.perf_counter()
     async with setup(world, dispatchers) if setup is not None else contextlib.nullcontext():
-        event_task = asyncio.create_task(events(world)) if events is not None else None
+        background = [asyncio.create_task(events(world))] if events is not None else []
+        if probe_s is not None:
+            background.append(asyncio.create_task(_probe(world, probe_s)))
         await asyncio.gather(*(run_eval(dispatchers[e.process], e, clock, outcomes[e.name]) for e in evals))
-        if event_task is not None:
-            event_task.cancel()
-            await asyncio.gather(event_task, return_exceptions=True)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
     makespan = clock()
     stats = [d.stats() for d in dispatchers]
     busy: dict[str, float] = {}

@@ -22,8 +22,10 @@ Shapes are learned per client from the answers' usage, with the client's announc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +65,7 @@ class Plan:
     kind_quotas: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # client -> kind -> requests
     members: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # kind -> its servers
     kind_of: Mapping[str, str] = field(default_factory=dict)  # server id -> kind
+    cost: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (client, kind) -> one request's price
 
 
 @dataclass
@@ -75,6 +78,7 @@ class _RoutePlan:
     servers_ref: Sequence[Any] | None = None
     sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> kind -> placed
     clients: set[str] = field(default_factory=set)  # clients that sent on this route
+    replanning: bool = False  # a re-plan is scheduled (off the grant path)
 
 
 _NO_TRIED: set[str] = set()
@@ -125,6 +129,7 @@ class PlannedRouting(Policy, name="planned"):
         self._plan: Plan | None = None  # the newest plan made (for describe)
         self._first_place_at: float | None = None
         self.plans_made = 0
+        self.solve_s = 0.0  # CPU seconds spent making plans off the grant path
 
     def attach(self, state: DispatchState) -> None:
         self._state = state
@@ -157,9 +162,12 @@ class PlannedRouting(Policy, name="planned"):
             plans.clients.add(client_id)
             self._placed.add(client_id)
         plan = plans.plan
-        if plan is None or servers is not plans.servers_ref or now - plan.made_at >= self.period_s \
-                or client_id not in plan.quotas:
-            plan = self._current_plan(plans, servers, client_id, now)
+        if plan is None or servers is not plans.servers_ref:
+            plan = self._current_plan(plans, servers, client_id, now)  # nothing to follow yet: now
+        elif now - plan.made_at >= self.period_s or (client_id not in plan.quotas and not plans.replanning):
+            # Made again off the grant path (the LP runs in a callback of its own, at most once a period per
+            # route); until then the plan in hand is followed, and a client it does not cover waits for it.
+            self._replan_soon(plans, servers, client_id)
         quotas = plan.kind_quotas.get(client_id)
         if not quotas:
             return Hold.CLIENT_HELD
@@ -273,7 +281,7 @@ class PlannedRouting(Policy, name="planned"):
             quota = quotas.get(kind, 0.0)
             if quota <= MIN_SHARE:
                 continue
-            key = ((sent.get(kind, 0) if sent else 0) / quota, server.inflight / max(1, server.capacity))
+            key = ((sent.get(kind, 0) if sent else 0) / quota, self._work(server.id, kind, plan, memo))
             if key >= best_key:
                 continue
             if long_prompt:
@@ -288,6 +296,19 @@ class PlannedRouting(Policy, name="planned"):
                         continue
             best, best_key = server, key
         return best
+
+    def _work(self, server_id: str, kind: str, plan: Plan, memo: dict[str, Any]) -> float:
+        """The priced work in flight on the server (its clients' requests at their prices on its kind), once per
+        server and pass: within a kind, the server with the least goes first (counting requests put a kind's
+        video prompts on one replica and its short answers on the other; it then ran 36 s past its twin)."""
+        works = memo.setdefault("work", {})
+        work = works.get(server_id)
+        if work is None:
+            work = 0.0
+            for client, n in self._st.ledger.clients_on(server_id).items():
+                work += n * plan.cost.get((client, kind), 0.0)
+            works[server_id] = work
+        return work
 
     def _runs_long_answers(self, client_id: str, server_id: str) -> bool:
         """Whether long answers of another client decode on the server (a long prompt there would stall them)."""
@@ -323,6 +344,24 @@ class PlannedRouting(Policy, name="planned"):
                 del self._routes[oldest]
             plans = self._routes[route.key] = _RoutePlan()
         return plans
+
+    def _replan_soon(self, plans: _RoutePlan, servers: Sequence[Any], client_id: str) -> None:
+        if plans.replanning:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a test driving the policy by hand): at once
+            self._current_plan(plans, servers, client_id, self._st.clock())
+            return
+        plans.replanning = True
+
+        def replan() -> None:
+            plans.replanning = False
+            began = time.process_time()
+            self._current_plan(plans, plans.servers_ref or servers, client_id, self._st.clock())
+            self.solve_s += time.process_time() - began
+
+        loop.call_soon(replan)
 
     def _current_plan(self, plans: _RoutePlan, servers: Sequence[Any], client_id: str, now: float) -> Plan:
         """The route's plan, made again when a period has passed, its servers changed or a client it does not
@@ -382,6 +421,7 @@ class PlannedRouting(Policy, name="planned"):
         weight = {col: float(len(members)) for col, members in columns.items()}
         kind_cost = self._fit.costs(entries)
         cost = {(c, col): max(1e-12, kind_cost[col].of(*shapes[c])) for col in columns for c in clients}
+        price = dict(cost)  # (the latency bound below forbids pairs by raising their cost)
         ids = sorted(columns)
         counts = {c: unsent[c] for c in clients}
         # What the kinds hold now counts: a kind busy for seconds with long answers is not free capacity for the
@@ -422,7 +462,7 @@ class PlannedRouting(Policy, name="planned"):
                 for member in columns[col]:  # a kind's share split by each member's speed
                     x.setdefault(c, {})[member.id] = n * within[member.id] / weight[col]
         kind_of = {m.id: col for col, members in columns.items() for m in members}
-        return Plan(now, makespan, x, by_kind, columns, kind_of)
+        return Plan(now, makespan, x, by_kind, columns, kind_of, price)
 
 
     def _held(self, columns: Mapping[str, Sequence[Any]], shapes: Mapping[str, tuple[float, float]],
