@@ -43,6 +43,7 @@ from fedpool.benchmarks.assignment import Workload, ideal_makespan
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.benchmarks.simulator import (
     MODEL,
+    PROBE_S,
     Eval,
     Kind,
     SimResult,
@@ -174,7 +175,9 @@ def suite_world(pool_path: Path, evals_path: Path) -> tuple[list[tuple[str, Kind
     return servers, out
 
 
-def run_virtual(spec: Spec) -> SimResult:
+def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:
+    """`scrapes`: the registry's probe cycle publishes each engine's load every 2 s (off: a static snapshot, as
+    the wall-clock arm runs)."""
     kinds, profiles = spec.kind_table, spec.profiles()
     policy_name = spec.policy
 
@@ -183,7 +186,8 @@ def run_virtual(spec: Spec) -> SimResult:
                                 seed=p) for p in range(spec.processes)]
 
     return simulate(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), dispatchers,
-                    events=churn if spec.churn else None, setup=leasing if spec.leases else None)
+                    events=churn if spec.churn else None, setup=leasing if spec.leases else None,
+                    probe_s=PROBE_S if scrapes else None)
 
 
 def run_baseline(spec: Spec) -> SimResult:
@@ -302,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     agreement = None
     if args.agreement:
         small = replace(spec, servers=32, evals=8, churn=False)
-        simulated = run_virtual(small).makespan_s
+        simulated = run_virtual(small, scrapes=False).makespan_s  # as the wall-clock arm: no prober
         walled = run_wall(small, args.speedup)
         agreement = (simulated, walled, abs(simulated - walled) / walled * 100)
         print(f"agreement at 32 × 8: simulated {simulated:.1f} s, wall-clock {walled:.1f} s", flush=True)
