@@ -68,16 +68,26 @@ class ReuseTrackingConnector(aiohttp.TCPConnector):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        self._used: weakref.WeakSet[Any] = weakref.WeakSet()  # connections that carried a request already
+        # Connections that carried a request already, as weak references without callbacks (CPython shares one
+        # such reference per object, and a set of them is all C; a WeakSet costs Python calls per lookup). The
+        # references of closed connections are pruned as the set doubles.
+        self._used: set[weakref.ref[Any]] = set()
+        self._prune_at = 1024
 
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:  # noqa: ASYNC109 (its signature)
         connection = await super().connect(req, traces, timeout)
         protocol = connection.protocol
         if protocol is not None:
-            attempt = _ATTEMPT.get()
-            if attempt is not None:
-                attempt.reused = protocol in self._used
-            self._used.add(protocol)
+            used = weakref.ref(protocol)
+            if used in self._used:
+                attempt = _ATTEMPT.get()
+                if attempt is not None:
+                    attempt.reused = True
+            else:
+                self._used.add(used)
+                if len(self._used) > self._prune_at:
+                    self._used = {ref for ref in self._used if ref() is not None}
+                    self._prune_at = max(1024, 2 * len(self._used))
         return connection
 
 
@@ -295,18 +305,14 @@ def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
     if not isinstance(text, str):
         raise AttemptError(FailureKind.BAD_RESPONSE, "choice has no text")
     usage = body.get("usage")
-    if not isinstance(usage, dict):
-        usage = {}
-    return Completion(
-        text=text,
-        finish_reason=choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None,
-        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
-        completion_tokens=_int_or_none(usage.get("completion_tokens")),
-        reasoning_content=reasoning if isinstance(reasoning, str) else None,
-        raw=raw,
-        model=body.get("model") if isinstance(body.get("model"), str) else None,
-    )
-
-
-def _int_or_none(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    prompt_tokens = completion_tokens = None
+    if type(usage) is dict:
+        prompt_tokens, completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if type(prompt_tokens) is not int:  # (bool is not int here: JSON's true is no count)
+            prompt_tokens = None
+        if type(completion_tokens) is not int:
+            completion_tokens = None
+    finish = choice.get("finish_reason")
+    model = body.get("model")
+    return Completion(text, finish if type(finish) is str else None, prompt_tokens, completion_tokens,
+                      reasoning if type(reasoning) is str else None, raw, model if type(model) is str else None)
