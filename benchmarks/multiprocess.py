@@ -1,0 +1,856 @@
+"""Many processes, one pool (issue 23, "The benchmark"): the same evals as N `fedpool eval run` processes against
+one process, and two lm-eval processes each behind its own gateway replica against both behind one gateway, on a
+real local pool.
+
+    python -m fedpool.benchmarks.multiprocess --repeats 3
+
+The pool is what `fedpool up` starts (deploy/localpool.py's `local_servers`): local Ray on loopback, the registry
+(probing every 2 s) and N llama.cpp servers serving the bundled Gemma 3 270M. Every other process joins it as a
+user's would (`--address`, `--state-dir`): each has its own dispatcher, leasing its slots from the registry's broker.
+
+1. **eval run**: four evals, two long-answer ones (40 prompts x 48 tokens, no stop) and the bundled `arith` and
+   `capitals`, as one `fedpool eval run` with four `--spec` (**one**) and as four `fedpool eval run` processes
+   started together (**multi**), same flags otherwise; the order of the two arms alternates between repeats.
+   Times are taken from launch (the moment the processes are started) with the wall clock the records carry
+   (`provenance.completed_at`): an eval is done at its last record; its own time is its summary's `wall_time_s`
+   and its start-up (launch to its first request) the difference.
+2. **replicas**: two lm-eval processes (`local-completions`, realtool_speedup's invocation, `num_concurrent` = the
+   pool's slots, one API key each) each behind its own `fedpool gateway` process (**two-replicas**) against both
+   behind one (**one-gateway**); fresh gateways in every arm. realtool_speedup's start gate holds every request
+   until both processes have sent one (lm-eval's start-up is outside the clock) and reads which server answered
+   each request (the gateway's `X-Fedpool-Server`).
+3. **lease traffic**: the registry's count of lease calls (`RegistryClient.leases()["calls"]`) before and after
+   each arm, over the arm's wall time; the broker's holders and the slots it granted per server, sampled every
+   0.5 s.
+
+The engines' queue beyond their slots is each llama-server's own `llamacpp:requests_deferred`, sampled every 100 ms;
+the machine's load (`os.getloadavg()`) is recorded at the start and end of every arm.
+
+Writes benchmarks/results/multiprocess.md, ending with
+`result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X max_engine_queue=N replicas_busier_share=X
+lease_calls_per_s=X` (ratios: medians over repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from fedpool.benchmarks.realtool_speedup import (
+    StartGate,
+    Workload,
+    _child_env,
+    _lm_eval_answers,
+    _lm_eval_argv,
+    _run_process,
+    arith,
+    stories,
+)
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+from fedpool.registry import RegistryClient
+
+log = logging.getLogger("fedpool.multiprocess")
+
+PROBE_INTERVAL_S = 2.0  # the registry's probe period, as `fedpool up` starts it
+ENGINE_SAMPLE_S = 0.1  # the engines' /metrics, read this often
+LEASE_SAMPLE_S = 0.5  # the broker's holders and grants, read this often
+LOST_COPY_WINDOW_S = 15.0  # a deferred request is set beside the straggler copies cancelled this long before it
+STARVED_S = 5.0  # a replica without slots this long while its client sends is reported
+SETTLE_S = 4.0  # between arms: every holder of the last arm has released or expired (the broker's TTL is 3 s)
+PROCESS_TIMEOUT_S = 900.0
+ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", "llamacpp:tokens_predicted_total")
+EVAL_ARMS = ("one", "multi")
+TOOL_ARMS = ("one-gateway", "two-replicas")
+TARGETS = {"processes": 4, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
+           "replicas_busier_share": 0.55}
+
+
+# ---- the pool ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pool:
+    model: str
+    server_urls: dict[str, str]
+    slots: int
+    ray_address: str
+    state_dir: Path
+    registry: RegistryClient
+
+
+@contextlib.asynccontextmanager
+async def local_pool(work: Path, servers: int, slots: int, threads: int) -> AsyncIterator[Pool]:
+    """`fedpool up`'s pool without its gateway: loopback Ray, the registry, the servers (deploy/localpool.py)."""
+    import ray
+
+    from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
+
+    joined = ray.is_initialized()  # a caller's Ray (a test session's): used, and left running
+    if not joined:
+        # A fresh cluster of our own: without an address Ray joins the one `ray start` last started on this
+        # machine (/tmp/ray/ray_current_cluster), and refuses `num_cpus` there.
+        saved = os.environ.get("RAY_ADDRESS")
+        os.environ["RAY_ADDRESS"] = "local"
+        try:
+            init_loopback_ray()
+        finally:
+            if saved is None:
+                os.environ.pop("RAY_ADDRESS", None)
+            else:
+                os.environ["RAY_ADDRESS"] = saved
+    spec = LocalPoolSpec(count=servers, slots=slots, threads=threads)
+    registry = await RegistryClient.start(work / "registry", probe_interval_s=PROBE_INTERVAL_S)
+    try:
+        async with local_servers(registry, spec, work / "logs") as launchers:
+            yield Pool(spec.served_model(), {lr.record.id: lr.record.url for lr in launchers}, slots,
+                       ray.get_runtime_context().gcs_address, work / "registry", registry)
+    finally:
+        await registry.terminate()
+        if not joined:
+            ray.shutdown()
+
+
+def _env() -> dict[str, str]:
+    """A child's environment: no FEDPOOL_ settings, and no RAY_ADDRESS (it would win over --address)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("FEDPOOL_") and k != "RAY_ADDRESS"}
+
+
+def _fedpool_argv(pool: Pool, command: str, sub: str | None, *args: str) -> list[str]:
+    """`fedpool COMMAND [SUB]` joined to the pool as benchmarks/reliability.py's `_fedpool` does."""
+    return [sys.executable, "-m", "fedpool.cli", command, *([sub] if sub else []), "--address", pool.ray_address,
+            "--state-dir", str(pool.state_dir), *args]
+
+
+# ---- what the engines and the broker said during one arm ---------------------------------------------------------
+@dataclass
+class ArmWatch:
+    """The engines' own metrics (every ENGINE_SAMPLE_S) and the broker (every LEASE_SAMPLE_S) over one arm."""
+
+    load_start: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_end: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    started: float = 0.0
+    ended: float = 0.0
+    max_deferred: dict[str, int] = field(default_factory=dict)
+    deferred_samples: dict[str, int] = field(default_factory=dict)  # samples with any request deferred
+    samples: int = 0
+    busy_s: dict[str, float] = field(default_factory=dict)  # time with a request processing
+    predicted: dict[str, float] = field(default_factory=dict)  # tokens generated during the arm
+    predicted_at_start: dict[str, float] = field(default_factory=dict)
+    lease_calls: int = 0
+    holders_seen: set[str] = field(default_factory=set)
+    max_holders: int = 0
+    max_granted: dict[str, int] = field(default_factory=dict)  # server -> most slots leased at once, all holders
+    # (seconds into the arm, what was sampled): the raw series, written beside the arm's logs
+    engine_series: list[tuple[float, dict[str, dict[str, float]]]] = field(default_factory=list)
+    lease_series: list[tuple[float, dict[str, dict[str, int]]]] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def lease_calls_per_s(self) -> float:
+        return self.lease_calls / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def deepest(self) -> int:
+        return max(self.max_deferred.values(), default=0)
+
+    def load(self) -> str:
+        return f"{self.load_start[0]:.1f} → {self.load_end[0]:.1f}"
+
+
+async def _engine_sample(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+        text = await resp.text()
+    return {s.name: float(s.value) for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in ENGINE_METRICS}
+
+
+async def _sample_engines(urls: dict[str, str], watch: ArmWatch, stop: asyncio.Event) -> None:
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            values = await asyncio.gather(*(_engine_sample(session, u) for u in urls.values()), return_exceptions=True)
+            watch.samples += 1
+            watch.engine_series.append((time.monotonic() - watch.started, {
+                sid: value for sid, value in zip(urls, values, strict=True) if isinstance(value, dict)}))
+            for sid, value in zip(urls, values, strict=True):
+                if not isinstance(value, dict):
+                    continue
+                deferred = int(value.get("llamacpp:requests_deferred", 0))
+                watch.max_deferred[sid] = max(watch.max_deferred.get(sid, 0), deferred)
+                watch.deferred_samples[sid] = watch.deferred_samples.get(sid, 0) + (deferred > 0)
+                if value.get("llamacpp:requests_processing", 0) > 0:
+                    watch.busy_s[sid] = watch.busy_s.get(sid, 0.0) + ENGINE_SAMPLE_S
+                predicted = value.get("llamacpp:tokens_predicted_total", 0.0)
+                watch.predicted_at_start.setdefault(sid, predicted)
+                watch.predicted[sid] = predicted - watch.predicted_at_start[sid]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ENGINE_SAMPLE_S)
+
+
+async def _sample_leases(registry: RegistryClient, watch: ArmWatch, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        with contextlib.suppress(Exception):  # a slow registry costs a sample, not the arm
+            holders: dict[str, dict[str, int]] = (await registry.leases())["holders"]
+            watch.lease_series.append((time.monotonic() - watch.started, holders))
+            watch.holders_seen.update(h for h, slots in holders.items() if slots)
+            watch.max_holders = max(watch.max_holders, sum(1 for slots in holders.values() if slots))
+            granted: Counter[str] = Counter()
+            for slots in holders.values():
+                granted.update(slots)
+            for sid, n in granted.items():
+                watch.max_granted[sid] = max(watch.max_granted.get(sid, 0), n)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), LEASE_SAMPLE_S)
+
+
+@contextlib.asynccontextmanager
+async def watching(pool: Pool) -> AsyncIterator[ArmWatch]:
+    watch = ArmWatch(load_start=os.getloadavg())
+    calls_before = (await pool.registry.leases())["calls"]
+    stop = asyncio.Event()
+    watch.started = time.monotonic()
+    samplers = [asyncio.create_task(_sample_engines(pool.server_urls, watch, stop)),
+                asyncio.create_task(_sample_leases(pool.registry, watch, stop))]
+    try:
+        yield watch
+    finally:
+        watch.ended = time.monotonic()
+        stop.set()
+        await asyncio.gather(*samplers, return_exceptions=True)
+        watch.lease_calls = (await pool.registry.leases())["calls"] - calls_before
+        watch.load_end = os.getloadavg()
+
+
+async def settle(pool: Pool) -> None:
+    """Between arms: the last arm's holders gone from the broker, no engine busy (at most 30 s)."""
+    await asyncio.sleep(SETTLE_S)
+    deadline = time.monotonic() + 30.0
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            holders = (await pool.registry.leases())["holders"]
+            busy = await asyncio.gather(*(_engine_sample(session, u) for u in pool.server_urls.values()))
+            if not any(holders.values()) and not any(b.get("llamacpp:requests_processing", 0) for b in busy):
+                return
+            await asyncio.sleep(0.5)
+    log.warning("the pool did not settle between arms")
+
+
+# ---- arm 1: the same evals in one process and in N -----------------------------------------------------------
+@dataclass(frozen=True)
+class EvalTiming:
+    started_s: float  # launch -> the eval started (its process's start-up)
+    own_s: float  # the eval's own wall time (its summary)
+    done_s: float  # launch -> its last record
+    records: int
+    failed: int
+    by_server: dict[str, int]
+    # straggler copies that lost their race: (the server it ran on, seconds from launch to its cancellation, which
+    # is when the winning copy answered)
+    lost_copies: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class EvalArm:
+    arm: str
+    evals: dict[str, EvalTiming]
+    process_s: list[float]
+    watch: ArmWatch
+
+    pids: dict[str, int] = field(default_factory=dict)  # process (its log's name) -> pid
+
+    @property
+    def makespan_s(self) -> float:
+        return max(t.done_s for t in self.evals.values())
+
+    @property
+    def inference_s(self) -> float:
+        """From the first eval's start to the last record: the makespan without the earliest start-up."""
+        return self.makespan_s - min(t.started_s for t in self.evals.values())
+
+
+def write_specs(work: Path, long_prompts: int, long_tokens: int) -> list[Path]:
+    """Two long-answer specs (written here) and the bundled arith and capitals."""
+    from fedpool.pipeline.bundled import bundled_spec_paths
+
+    work.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for name in ("long_a", "long_b"):
+        workload = stories(name, long_prompts, long_tokens)
+        data = work / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in workload.rows), encoding="utf-8")
+        spec = work / f"{name}.yaml"
+        spec.write_text(workload.fedpool_spec(data), encoding="utf-8")  # JSON: YAML's subset
+        specs.append(spec)
+    bundled = {p.stem: p for p in bundled_spec_paths()}
+    return [*specs, bundled["arith"], bundled["capitals"]]
+
+
+async def _process(argv: list[str], log_path: Path, pids: dict[str, int], ok: Sequence[int] = (0,)) -> float:
+    """Run a process to its end (its pid in `pids` under its log's name); its wall time. An exit code outside `ok`
+    raises with the log's tail."""
+    started = time.monotonic()
+    with log_path.open("wb") as logf:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=logf, stderr=asyncio.subprocess.STDOUT, env=_env())
+        pids[log_path.stem] = proc.pid
+        try:
+            code = await asyncio.wait_for(proc.wait(), PROCESS_TIMEOUT_S)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    if code not in ok:
+        tail = (await asyncio.to_thread(log_path.read_text, encoding="utf-8", errors="replace"))[-2500:]
+        raise RuntimeError(f"{' '.join(argv[2:5])} exited {code} (log {log_path}):\n{tail}")
+    return time.monotonic() - started
+
+
+def _eval_timing(bench_dir: Path, launch: float) -> EvalTiming:
+    rows = [json.loads(line) for line in (bench_dir / "records.jsonl").read_text(encoding="utf-8").splitlines()]
+    summary = json.loads((bench_dir / "summary.json").read_text(encoding="utf-8"))
+    done = max(r["provenance"]["completed_at"] for r in rows) - launch
+    own = float(summary["wall_time_s"])
+    servers = Counter(r["provenance"]["server_id"] for r in rows if r["provenance"].get("server_id"))
+    failed = sum(1 for r in rows if r["provenance"].get("error"))
+    lost = [(a["server_id"], r["provenance"]["completed_at"] - launch) for r in rows
+            for a in r["provenance"]["attempt_log"] if a.get("lost_race")]
+    return EvalTiming(done - own, own, done, len(rows), failed, dict(servers), lost)
+
+
+async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, limit: int | None) -> EvalArm:
+    """`one`: every spec in one `fedpool eval run`; `multi`: one process per spec, all started at once."""
+    groups = [list(specs)] if arm == "one" else [[s] for s in specs]
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
+    outs = [work / f"process-{i}" for i in range(len(groups))]
+    extra = ["--limit", str(limit)] if limit else []
+    argvs = [_fedpool_argv(pool, "eval", "run", "--quiet", "--model", pool.model, "--out", str(out), *extra,
+                           *(a for s in group for a in ("--spec", str(s)))) for group, out in zip(groups, outs,
+                                                                                                   strict=True)]
+    pids: dict[str, int] = {}
+    async with watching(pool) as watch:
+        launch = time.time()
+        walls = await asyncio.gather(*(_process(argv, work / f"process-{i}.log", pids, ok=(0, 4))
+                                       for i, argv in enumerate(argvs)))
+    evals = {}
+    for out in outs:
+        for bench_dir in sorted(p.parent for p in out.glob("*/summary.json")):
+            evals[bench_dir.name] = _eval_timing(bench_dir, launch)
+    run = EvalArm(arm, evals, list(walls), watch, pids)
+    await asyncio.to_thread(_dump, work / "arm.json", run)
+    return run
+
+
+def _dump(path: Path, run: Any) -> None:
+    """The arm's raw figures and series beside its logs (for a closer look than the report's)."""
+    import dataclasses
+
+    path.write_text(json.dumps(dataclasses.asdict(run), default=sorted), encoding="utf-8")
+
+
+# ---- arm 2: two lm-eval processes behind one gateway or two replicas -------------------------------------------
+class ServerCountingGate(StartGate):
+    """realtool_speedup's start gate, also counting which server answered each request of each process (the
+    gateway's X-Fedpool-Server header)."""
+
+    def __init__(self, session: aiohttp.ClientSession):
+        super().__init__(session)
+        self.answered: dict[str, Counter[str]] = {}
+
+    def arm(self, targets: dict[str, str]) -> None:
+        super().arm(targets)
+        self.answered = {key: Counter() for key in targets}
+
+    async def _forward(self, request: Any) -> Any:
+        from aiohttp import web
+
+        key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        target = self._targets.get(key)
+        if target is None:
+            return web.json_response({"error": {"message": "unknown key at the start gate"}}, status=401)
+        body = await request.read()
+        if request.method == "POST":
+            self._seen.add(key)
+            if self._seen >= set(self._targets) and not self._open.is_set():
+                self.released_at = time.monotonic()
+                self._open.set()
+            await self._open.wait()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        async with self._session.request(request.method, target + request.path_qs, data=body,
+                                         headers=headers) as resp:
+            payload = await resp.read()
+            server = resp.headers.get("X-Fedpool-Server")
+            out = web.Response(body=payload, status=resp.status, content_type=resp.content_type or "application/json")
+        if request.method == "POST":
+            self.last_answer[key] = time.monotonic()
+            if server and resp.status == 200:
+                self.answered[key][server] += 1
+        return out
+
+
+async def _wait_gateway(url: str, model: str, proc: asyncio.subprocess.Process, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"the gateway at {url} exited {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200 and model in await resp.text():
+                        return
+            await asyncio.sleep(0.3)
+    raise RuntimeError(f"the gateway at {url} did not serve {model} within {timeout_s:g} s")
+
+
+@contextlib.asynccontextmanager
+async def gateways(pool: Pool, count: int, work: Path, pids: dict[str, int]) -> AsyncIterator[list[str]]:
+    """`count` fresh `fedpool gateway` processes on the pool (defaults: capacity_weighted, shortest_first), their
+    pids in `pids`."""
+    from fedpool.deploy.process import free_port
+
+    procs: list[asyncio.subprocess.Process] = []
+    urls = []
+    await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
+    try:
+        for i in range(count):
+            port = free_port()
+            with (work / f"gateway-{i}.log").open("wb") as logf:
+                procs.append(await asyncio.create_subprocess_exec(
+                    *_fedpool_argv(pool, "gateway", None, "--quiet", "--port", str(port)), stdout=logf,
+                    stderr=asyncio.subprocess.STDOUT, env=_env()))
+            pids[f"gateway-{i}"] = procs[-1].pid
+            urls.append(f"http://127.0.0.1:{port}")
+        await asyncio.gather(*(_wait_gateway(u, pool.model, p) for u, p in zip(urls, procs, strict=True)))
+        yield urls
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+@dataclass
+class ToolArm:
+    arm: str
+    eval_s: dict[str, float]  # eval -> start line to its last answer
+    process_s: dict[str, float]  # eval -> its lm-eval process's wall time, start-up included
+    answered: dict[str, dict[str, int]]  # eval -> server -> requests answered (X-Fedpool-Server)
+    answers: dict[str, int]  # eval -> documents answered (lm-eval's samples file)
+    watch: ArmWatch
+    pids: dict[str, int] = field(default_factory=dict)  # gateway -> pid
+    released_s: float = 0.0  # the start line, in seconds into the arm (the watch's clock)
+
+    def holdings(self) -> list[tuple[float, dict[str, int]]]:
+        """While both processes were sending (start line to the first one's last answer): each lease sample's
+        slots per gateway (holder ids are host:pid:nonce)."""
+        gateway_of = {str(pid): name for name, pid in self.pids.items()}
+        end = self.released_s + min(self.eval_s.values(), default=0.0)
+        out = []
+        for t, holders in self.watch.lease_series:
+            if self.released_s <= t <= end:
+                slots = {name: 0 for name in self.pids}
+                for holder, held in holders.items():
+                    name = gateway_of.get(holder.split(":")[1]) if holder.count(":") >= 2 else None
+                    if name is not None:
+                        slots[name] = sum(held.values())
+                out.append((t, slots))
+        return out
+
+    def longest_without_slots_s(self) -> dict[str, float]:
+        """Per gateway, the longest run of lease samples in which it held no slot while both processes sent."""
+        out: dict[str, float] = {name: 0.0 for name in self.pids} if len(self.pids) > 1 else {}
+        for name in out:
+            run_started: float | None = None
+            for t, slots in self.holdings():
+                if slots[name] == 0:
+                    run_started = t if run_started is None else run_started
+                    out[name] = max(out.get(name, 0.0), t - run_started + LEASE_SAMPLE_S)
+                else:
+                    run_started = None
+        return out
+
+    @property
+    def by_server(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for counts in self.answered.values():
+            total.update(counts)
+        return total
+
+    @property
+    def busier_share(self) -> float:
+        total = self.by_server
+        return max(total.values()) / sum(total.values()) if total else 0.0
+
+
+async def run_tool_arm(arm: str, tag: str, pool: Pool, workloads: Sequence[Workload], task_dir: Path, work: Path,
+                       gate: ServerCountingGate) -> ToolArm:
+    replicas = 2 if arm == "two-replicas" else 1
+    keys = {w.name: f"sk-multiprocess-{tag}-{w.name}-0123456789" for w in workloads}
+    outs = {w.name: work / w.name for w in workloads}
+    concurrent = pool.slots * len(pool.server_urls)
+    pids: dict[str, int] = {}
+    async with gateways(pool, replicas, work, pids) as urls:
+        gate.arm({keys[w.name]: urls[i % replicas] for i, w in enumerate(workloads)})
+        async with watching(pool) as watch:
+            walls = await asyncio.gather(*(
+                _run_process(_lm_eval_argv(pool.model, gate.url, w.name, task_dir, outs[w.name], concurrent),
+                             _child_env(keys[w.name]), work / f"lm-eval-{w.name}.log") for w in workloads))
+    durations = gate.durations()
+    run = ToolArm(arm, {w.name: durations.get(keys[w.name], 0.0) for w in workloads},
+                  dict(zip(outs, walls, strict=True)), {w.name: dict(gate.answered[keys[w.name]]) for w in workloads},
+                  {w.name: len(_lm_eval_answers(outs[w.name], w.name)) for w in workloads}, watch, pids,
+                  (gate.released_at or watch.started) - watch.started)
+    await asyncio.to_thread(_dump, work / "arm.json", run)
+    return run
+
+
+def tool_workloads(task_dir: Path, arith_n: int, long_prompts: int, long_tokens: int) -> list[Workload]:
+    workloads = [arith(arith_n), stories("long", long_prompts, long_tokens)]
+    task_dir.mkdir(parents=True, exist_ok=True)
+    for w in workloads:
+        data = task_dir / f"{w.name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in w.rows), encoding="utf-8")
+        (task_dir / f"{w.name}.yaml").write_text(w.lm_eval_yaml(data), encoding="utf-8")
+    return workloads
+
+
+# ---- the benchmark ----------------------------------------------------------------------------------------------
+@dataclass
+class Results:
+    evals: list[dict[str, EvalArm]] = field(default_factory=list)
+    tools: list[dict[str, ToolArm]] = field(default_factory=list)
+
+
+def _orders(arms: Sequence[str], repeats: int) -> list[list[str]]:
+    return [list(arms) if r % 2 == 0 else list(reversed(arms)) for r in range(repeats)]
+
+
+async def run_all(args: argparse.Namespace, work: Path) -> tuple[Results, Pool]:
+    results = Results()
+    async with local_pool(work, args.servers, args.slots, args.threads) as pool:
+        if "evals" in args.parts:
+            specs = write_specs(work / "specs", args.long_prompts, args.long_tokens)
+            for r, order in enumerate(_orders(EVAL_ARMS, args.repeats)):
+                runs: dict[str, EvalArm] = {}
+                for arm in order:
+                    await settle(pool)
+                    runs[arm] = run = await run_eval_arm(arm, pool, specs, work / f"evals-{r + 1}" / arm, args.limit)
+                    print(f"[multiprocess] evals {r + 1}/{args.repeats} {arm}: makespan {run.makespan_s:.1f} s ("
+                          + ", ".join(f"{n} {t.done_s:.1f}" for n, t in run.evals.items())
+                          + f"), deepest queue {run.watch.deepest}, lease calls {run.watch.lease_calls_per_s:.1f}/s,"
+                          f" load {run.watch.load()}", flush=True)
+                results.evals.append(runs)
+        if "tools" in args.parts:
+            task_dir = work / "tasks"
+            workloads = tool_workloads(task_dir, args.tool_arith, args.long_prompts, args.long_tokens)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                             connector=aiohttp.TCPConnector(limit=0)) as session:
+                gate = ServerCountingGate(session)
+                await gate.start()
+                try:
+                    for r, order in enumerate(_orders(TOOL_ARMS, args.repeats)):
+                        tool_runs: dict[str, ToolArm] = {}
+                        for arm in order:
+                            await settle(pool)
+                            tool_runs[arm] = t = await run_tool_arm(arm, f"r{r + 1}-{arm}", pool, workloads, task_dir,
+                                                                    work / f"tools-{r + 1}" / arm, gate)
+                            print(f"[multiprocess] lm-eval {r + 1}/{args.repeats} {arm}: "
+                                  + ", ".join(f"{n} {s:.1f} s" for n, s in t.eval_s.items())
+                                  + f"; requests per server {dict(t.by_server)} (busier {t.busier_share:.2f}),"
+                                  f" deepest queue {t.watch.deepest}, load {t.watch.load()}", flush=True)
+                        results.tools.append(tool_runs)
+                finally:
+                    await gate.stop()
+    return results, pool
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+def _spread(values: Sequence[float], unit: str = "×", digits: int = 2) -> str:
+    if not values:
+        return "n/a"
+    return (f"{statistics.median(values):.{digits}f}{unit} "
+            f"({min(values):.{digits}f}–{max(values):.{digits}f})")
+
+
+def eval_ratios(results: Results) -> dict[str, list[float]]:
+    """Per eval: its time from launch in N processes ÷ in one, each repeat."""
+    out: dict[str, list[float]] = {}
+    for run in results.evals:
+        for name, multi in run["multi"].evals.items():
+            one = run["one"].evals.get(name)
+            if one is not None and one.done_s > 0:
+                out.setdefault(name, []).append(multi.done_s / one.done_s)
+    return out
+
+
+def own_ratios(results: Results) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for run in results.evals:
+        for name, multi in run["multi"].evals.items():
+            one = run["one"].evals.get(name)
+            if one is not None and one.own_s > 0:
+                out.setdefault(name, []).append(multi.own_s / one.own_s)
+    return out
+
+
+def makespan_ratios(results: Results) -> list[float]:
+    return [r["multi"].makespan_s / r["one"].makespan_s for r in results.evals]
+
+
+def headline(results: Results) -> dict[str, object]:
+    ratios = eval_ratios(results)
+    worst = max((statistics.median(v) for v in ratios.values()), default=None)
+    multi_watches = [r["multi"].watch for r in results.evals] + [r["two-replicas"].watch for r in results.tools]
+    shares = [r["two-replicas"].busier_share for r in results.tools]
+    calls = [r["multi"].watch.lease_calls_per_s for r in results.evals]
+    return {
+        "processes": max((len(r["multi"].process_s) for r in results.evals), default=0),
+        "repeats": min(len(results.evals), len(results.tools)) if results.tools else len(results.evals),
+        "makespan_vs_one": f"{statistics.median(makespan_ratios(results)):.2f}" if results.evals else "n/a",
+        "latest_eval_vs_one": f"{worst:.2f}" if worst is not None else "n/a",
+        "max_engine_queue": max((w.deepest for w in multi_watches), default=0),
+        "replicas_busier_share": f"{statistics.median(shares):.2f}" if shares else "n/a",
+        "lease_calls_per_s": f"{statistics.median(calls):.1f}" if calls else "n/a",
+    }
+
+
+def _evals_section(results: Results, pool: Pool) -> list[str]:
+    servers = list(pool.server_urls)
+    rows = []
+    for r, run in enumerate(results.evals):
+        for arm in EVAL_ARMS:
+            a = run[arm]
+            rows.append([
+                r + 1, arm, len(a.process_s), f"{a.makespan_s:.1f}", f"{a.inference_s:.1f}",
+                ", ".join(f"{s:.1f}" for s in a.process_s),
+                "; ".join(f"{n} {t.started_s:.1f} + {t.own_s:.1f} = {t.done_s:.1f}" for n, t in a.evals.items()),
+                sum(t.failed for t in a.evals.values()),
+                "; ".join(f"{sid} {a.watch.max_deferred.get(sid, 0)} ({a.watch.deferred_samples.get(sid, 0)}"
+                          f"/{a.watch.samples})" for sid in servers),
+                "; ".join(f"{sid} {sum(t.by_server.get(sid, 0) for t in a.evals.values())}" for sid in servers),
+                f"{a.watch.lease_calls_per_s:.1f}", a.watch.max_holders,
+                "; ".join(f"{sid} {a.watch.max_granted.get(sid, 0)}" for sid in servers), a.watch.load(),
+            ])
+    lines = ["## 1. Four evals: one `fedpool eval run` vs one process each", "", markdown_table(
+        ["repeat", "arm", "processes", "makespan from launch (s)", "first eval's start to last record (s)",
+         "process walls (s)",
+         "per eval: start-up + own = done from launch (s)", "failed records",
+         "deepest engine queue (samples with any deferred / samples)", "records per server", "lease calls/s",
+         "most holders at once", "most slots leased at once per server", "load 1-min (start → end)"], rows), ""]
+    ratios, owns = eval_ratios(results), own_ratios(results)
+    per_eval = []
+    for name in ratios:
+        one = [r["one"].evals[name] for r in results.evals]
+        multi = [r["multi"].evals[name] for r in results.evals]
+        per_eval.append([
+            name, _spread([t.done_s for t in one], " s", 1), _spread([t.done_s for t in multi], " s", 1),
+            _spread(ratios[name]), _spread([t.started_s for t in one], " s", 1),
+            _spread([t.started_s for t in multi], " s", 1), _spread(owns.get(name, []))])
+    lines += [markdown_table(
+        ["eval", "done from launch, one (s)", "done from launch, multi (s)", "multi ÷ one", "start-up, one (s)",
+         "start-up, multi (s)", "own time multi ÷ one"], per_eval), "",
+        f"Makespan from launch, multi ÷ one: {_spread(makespan_ratios(results))} over {len(results.evals)} repeats "
+        "(median (lowest–highest)); from the first eval's start to the last record, multi ÷ one: "
+        f"{_spread([r['multi'].inference_s / r['one'].inference_s for r in results.evals])}. "
+        "`latest_eval_vs_one` is the worst eval's median of its multi ÷ one.", "",
+        "Lease calls per second over each arm (median (lowest–highest)): one process "
+        f"{_spread([r['one'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}, four processes "
+        f"{_spread([r['multi'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}; each holder renews "
+        "about twice a second (federation/leases.py RENEW_S) from its start to its exit, and a process's share "
+        "changing answers its long poll at once.", ""]
+    return lines
+
+
+def _tools_section(results: Results, pool: Pool) -> list[str]:
+    servers = list(pool.server_urls)
+    rows = []
+    for r, run in enumerate(results.tools):
+        for arm in TOOL_ARMS:
+            t = run[arm]
+            rows.append([
+                r + 1, arm, "; ".join(f"{n} {s:.1f}" for n, s in t.eval_s.items()),
+                "; ".join(f"{n} {s:.1f}" for n, s in t.process_s.items()),
+                "; ".join(f"{n} " + "/".join(str(t.answered[n].get(sid, 0)) for sid in servers) for n in t.answered),
+                "/".join(str(t.by_server.get(sid, 0)) for sid in servers), f"{t.busier_share:.2f}",
+                "/".join(f"{t.watch.predicted.get(sid, 0):.0f}" for sid in servers),
+                "; ".join(f"{sid} {t.watch.max_deferred.get(sid, 0)}" for sid in servers),
+                f"{t.watch.lease_calls_per_s:.1f}", t.watch.max_holders,
+                "; ".join(f"{g} {s:.1f}" for g, s in t.longest_without_slots_s().items()) or "-", t.watch.load()])
+    lines = ["## 2. Two lm-eval processes: each behind its own gateway replica vs both behind one", "",
+             "In two-replicas, `arith` is behind gateway-0 and `long` behind gateway-1.", "",
+             markdown_table(["repeat", "arm", "start line to last answer (s)", "process wall incl. start-up (s)",
+                             "requests per server, each eval (" + "/".join(servers) + ")", "all requests per server",
+                             "busier server's share", "tokens generated per server", "deepest engine queue",
+                             "lease calls/s", "most holders at once",
+                             "longest a gateway held no slot while both sent (s)", "load 1-min (start → end)"], rows),
+             ""]
+    if results.tools:
+        names = list(results.tools[0]["one-gateway"].eval_s)
+        summary = []
+        for arm in TOOL_ARMS:
+            summary.append([arm, _spread([r[arm].busier_share for r in results.tools], "", 2)] + [
+                _spread([r[arm].eval_s[n] for r in results.tools], " s", 1) for n in names])
+        summary.append(["two-replicas ÷ one-gateway", "-"] + [
+            _spread([r["two-replicas"].eval_s[n] / r["one-gateway"].eval_s[n] for r in results.tools]) for n in names])
+        lines += [markdown_table(["arm", "busier server's share", *(f"{n}: start line to last answer" for n in names)],
+                                 summary), ""]
+    return lines
+
+
+def _findings(results: Results, line: dict[str, object]) -> list[str]:
+    """Each target against its number; where one is missed, the numbers that say why."""
+    out = ["## Targets", ""]
+    for key, target in TARGETS.items():
+        value = line.get(key)
+        try:
+            number = float(str(value))
+        except ValueError:
+            out.append(f"- {key} = {value}: not measured")
+            continue
+        met = number >= target if key in ("processes", "repeats") else number <= target
+        out.append(f"- {key} = {value} (target {'≥' if key in ('processes', 'repeats') else '≤'} {target}): "
+                   + ("met" if met else "**not met**"))
+    if results.evals:
+        ratios = eval_ratios(results)
+        name = max(ratios, key=lambda n: statistics.median(ratios[n]))
+        one = statistics.median(r["one"].evals[name].done_s for r in results.evals)
+        multi = statistics.median(r["multi"].evals[name].done_s for r in results.evals)
+        start_one = statistics.median(r["one"].evals[name].started_s for r in results.evals)
+        start_multi = statistics.median(r["multi"].evals[name].started_s for r in results.evals)
+        own_one = statistics.median(r["one"].evals[name].own_s for r in results.evals)
+        own_multi = statistics.median(r["multi"].evals[name].own_s for r in results.evals)
+        out += ["", f"- The latest eval against its one-process time is `{name}`: done {multi:.1f} s from launch in "
+                f"its own process against {one:.1f} s in one (medians). Of that, start-up (launch to its first "
+                f"request) was {start_multi:.1f} s against {start_one:.1f} s, and its own run {own_multi:.1f} s "
+                f"against {own_one:.1f} s (own time ÷ one: {_spread(own_ratios(results)[name])})."]
+    queued = [(f"evals repeat {r + 1} {arm}", run[arm].watch,
+               [c for t in run[arm].evals.values() for c in t.lost_copies])
+              for r, run in enumerate(results.evals) for arm in EVAL_ARMS]
+    queued += [(f"lm-eval repeat {r + 1} {arm}", run[arm].watch, []) for r, run in enumerate(results.tools)
+               for arm in TOOL_ARMS]
+    out += ["", "- Engine queues: " + ("; ".join(_queued(*q) for q in queued if q[1].deepest)
+                                     or "no server ever deferred a request in any arm") + "."]
+    if any(q[1].deepest and q[2] for q in queued):
+        out.append("- A straggler copy that loses its race is cancelled and its slot given back at once "
+                   "(federation/tail.py), but this llama-server runs a non-streamed request whose client closed its "
+                   "connection to its end (measured separately on this build: a 200-token request closed after 1 s "
+                   "held its only slot 13.9 s more, its replacement deferred all that time): for the rest of the "
+                   "loser's answer the engine holds one request more than fedpool counts.")
+    for r, run in enumerate(results.tools):
+        replicas, single = run["two-replicas"], run["one-gateway"]
+        later = [n for n in replicas.eval_s if replicas.eval_s[n] > single.eval_s[n]]
+        out.append(f"- lm-eval repeat {r + 1}: behind two replicas " + ", ".join(
+            f"{n} {replicas.eval_s[n]:.1f} s (one gateway {single.eval_s[n]:.1f} s)" for n in replicas.eval_s)
+            + "; while both sent, the longest a replica held no slot: "
+            + ", ".join(f"{g} {s:.1f} s" for g, s in replicas.longest_without_slots_s().items())
+            + (f"; later behind two replicas: {', '.join(later)}." if later else "."))
+    if any(max(run["two-replicas"].longest_without_slots_s().values(), default=0.0) > STARVED_S
+           for run in results.tools):
+        out.append(f"- A replica that held no slot for more than {STARVED_S:g} s while its client was sending: the "
+                   "broker ranked the other replica's client first throughout. Under `shortest_first` a gateway "
+                   "client's rank is its attained service, which each process puts on its own scale (its own "
+                   "answers' work per slot-second, federation/clientbook.py `served`), so ranks from two replicas "
+                   "are not in one unit.")
+    return out
+
+
+def _queued(label: str, watch: ArmWatch, lost: Sequence[tuple[str, float]] = ()) -> str:
+    """Where and when an arm's engines deferred requests (and the straggler copies cancelled on that server before:
+    llama-server runs a request whose client has gone to its end, in a slot fedpool has given back)."""
+    parts = []
+    for sid, depth in watch.max_deferred.items():
+        times = [t for t, sample in watch.engine_series if sample.get(sid, {}).get("llamacpp:requests_deferred", 0)]
+        if depth and times:
+            before = [t for server, t in lost if server == sid and min(times) - LOST_COPY_WINDOW_S <= t <= min(times)]
+            parts.append(f"{sid} {depth} deep, in {len(times)} samples between {min(times):.1f} and {max(times):.1f} s "
+                         f"into the arm ({watch.wall_s:.1f} s long; straggler copies cancelled on it in the "
+                         f"{LOST_COPY_WINDOW_S:g} s before: {len(before)})")
+    return f"{label}: " + ", ".join(parts)
+
+
+def body(results: Results, pool: Pool, args: argparse.Namespace) -> str:
+    line = headline(results)
+    lines = [
+        f"Pool: {len(pool.server_urls)} llama.cpp servers (Gemma 3 270M Q4_K_M, {pool.slots} slots, {args.threads} "
+        f"thread(s) each) started as `fedpool up` starts them (deploy/localpool.py), local Ray on loopback, the "
+        f"registry probing every {PROBE_INTERVAL_S:g} s. Every eval run, gateway and lm-eval is its own process "
+        f"joining the pool (`--address`, `--state-dir`). {len(results.evals)} alternating repeats of part 1, "
+        f"{len(results.tools)} of part 2; ratios are medians with the (lowest–highest) over repeats.",
+        "",
+        f"Evals: `long_a`, `long_b` ({args.long_prompts} prompts x {args.long_tokens} tokens each, no stop), the "
+        f"bundled `arith` and `capitals`" + (f", each limited to {args.limit} samples" if args.limit else "")
+        + f". lm-eval: `arith` ({args.tool_arith} samples) and `long` ({args.long_prompts} x {args.long_tokens}), "
+        f"`num_concurrent` {pool.slots * len(pool.server_urls)} (the pool's slots), one API key each.",
+        "",
+        "Engine queue: each server's `llamacpp:requests_deferred` (requests it accepted beyond its slots), every "
+        f"{ENGINE_SAMPLE_S * 1000:.0f} ms. Lease calls: the registry's `lease` calls over the arm's wall time "
+        "(`RegistryClient.leases()[\"calls\"]`); holders and slots leased: the broker's view every "
+        f"{LEASE_SAMPLE_S:g} s. Load: `os.getloadavg()` 1-minute, at the start and end of each arm, on "
+        f"{os.cpu_count()} cores shared with other work.",
+        "",
+    ]
+    if results.evals:
+        lines += _evals_section(results, pool)
+    if results.tools:
+        lines += _tools_section(results, pool)
+    lines += _findings(results, line)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="multiprocess", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", choices=("evals", "tools"), default=["evals", "tools"])
+    parser.add_argument("--servers", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--long-prompts", type=int, default=40)
+    parser.add_argument("--long-tokens", type=int, default=48)
+    parser.add_argument("--limit", type=int, help="only the first N samples of each eval in part 1 (development)")
+    parser.add_argument("--tool-arith", type=int, default=60, help="arith samples of the lm-eval part")
+    parser.add_argument("--name", default="multiprocess")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--work-dir", type=Path)
+    return parser.parse_args(argv)
+
+
+def execute(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]:
+    with tempfile.TemporaryDirectory(prefix="fedpool-multiprocess-") as tmp:
+        work = args.work_dir or Path(tmp)
+        results, pool = asyncio.run(run_all(args, work))
+    line = headline(results)
+    path = write_report(args.name, "Many processes, one pool: N eval processes and gateway replicas sharing the "
+                        "servers' slots", body(results, pool, args), line, results_dir=args.results_dir)
+    return results, path, line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _, path, line = execute(args)
+    print(f"report: {path}")
+    print("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
