@@ -21,8 +21,8 @@ paced at half of fedpool's own saturated rate of that repeat (wrk's `delay()`: e
 connection, so the rate is the same whatever a path's latency; a closed loop with think time still hides part of
 a stall's queue, which wrk2 would show: not in Debian) and its p99 is compared with the direct path's (p99 added).
 Paths run in turn within a repeat, so a busy moment of the shared machine falls on one path, not on all of them
-in one repeat; the load average before and after each repeat is printed. With `--profile`, py-spy samples the
-fedpool gateway during one extra saturated run and the report lists where its time goes.
+in one repeat; the load average before and after each repeat is printed. With `--profile`, fedpool's composition and
+the bare proxy run once more under cProfile and the report splits their CPU per request by component.
 
 Writes benchmarks/results/gateway_capacity.md, ending with
 `result: fedpool_rps=X bare_rps=X haproxy_rps=X fedpool_cpu_us=X bare_cpu_us=X p99_added_ms_half=X` (medians over
@@ -68,7 +68,7 @@ PATHS = ("direct", "bare", "bare+uvloop", "fedpool", "fedpool+uvloop", "fedpool-
 
 
 # ---- the proxies this module starts itself (each in its own process) ----------------------------------------
-def serve_bare(port: int, backends: Sequence[str], loop: str) -> None:
+def serve_bare(port: int, backends: Sequence[str], loop: str, cprofile: Path | None = None) -> None:
     """A bare aiohttp pass-through proxy: what any Python proxy of this shape costs at the least."""
     import aiohttp
     from aiohttp import web
@@ -94,10 +94,11 @@ def serve_bare(port: int, backends: Sequence[str], loop: str) -> None:
         await runner.cleanup()
         await session.close()
 
-    _run(main(), loop)
+    _run(main(), loop, cprofile)
 
 
-def serve_fedpool(port: int, address: str, state_dir: str, loop: str, leases: bool) -> None:
+def serve_fedpool(port: int, address: str, state_dir: str, loop: str, leases: bool,
+                  cprofile: Path | None = None) -> None:
     """What `fedpool gateway` composes (registry client, pool connection, gateway), on the given loop, with or
     without capacity leases."""
 
@@ -115,10 +116,22 @@ def serve_fedpool(port: int, address: str, state_dir: str, loop: str, leases: bo
                 serving(Gateway(pool.dispatcher, lambda: pool.snapshot).app(), "127.0.0.1", port, backlog=1024):
             await _until_terminated()
 
-    _run(main(), loop)
+    _run(main(), loop, cprofile)
 
 
-def _run(coro: object, loop: str) -> None:
+def _run(coro: object, loop: str, cprofile: Path | None = None) -> None:
+    """Run on the chosen loop; with `cprofile`, profile from SIGUSR1 to SIGUSR2 (then write the stats there)."""
+    if cprofile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+
+        def stop(*_: object) -> None:
+            profiler.disable()
+            profiler.dump_stats(cprofile)
+
+        signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+        signal.signal(signal.SIGUSR2, stop)
     if loop == "uvloop":
         import uvloop
 
@@ -312,34 +325,50 @@ def load_average() -> str:
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
 
 
-def profile_fedpool(url: str, proc: psutil.Process, seconds: float, work: Path) -> list[tuple[str, float, float]]:
-    """py-spy's samples of the gateway under saturated load: (frame, self %, inclusive %), the top ones."""
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    if not Path(spy).exists():
-        return []
-    out = work / "profile.txt"
-    load = subprocess.Popen(["wrk", "-t1", f"-c{CONNECTIONS}", f"-d{seconds + 2:g}s", "-s", str(work / "wrk-0.lua"),
-                             url + "/v1/completions"], stdout=subprocess.DEVNULL)
-    try:
-        time.sleep(1)
-        subprocess.run([spy, "record", "-p", str(proc.pid), "-d", f"{seconds:g}", "-r", "200", "-f", "raw", "-o",
-                        str(out), "--nonblocking"], capture_output=True, timeout=seconds + 60)
-    finally:
-        load.wait(seconds + 60)
-    if not out.exists():
-        return []
-    own: collections.Counter[str] = collections.Counter()
-    within: collections.Counter[str] = collections.Counter()
-    total = 0
-    for row in out.read_text().splitlines():
-        stack, _, count = row.rpartition(" ")
-        frames = [f.split(" (")[0] + " (" + f.split(" (")[-1].split("/")[-1] for f in stack.split(";") if f]
-        total += int(count)
-        if frames:
-            own[frames[-1]] += int(count)
-            for frame in set(frames):
-                within[frame] += int(count)
-    return [(frame, 100 * n / total, 100 * within[frame] / total) for frame, n in own.most_common(25)]
+COMPONENTS = (  # (name, what a profiled function's file path contains), first match wins
+    ("gateway (gateway.py, gatewaystate.py, streams.py, httpauth.py)", ("federation/gateway", "federation/streams",
+                                                                         "federation/httpauth")),
+    ("transport and request types (transport.py, types.py)", ("federation/transport", "federation/types")),
+    ("dispatcher and its books (dispatcher, routes, serverbook, ledger, policies, ...)", ("federation/",)),
+    ("prometheus_client", ("prometheus_client",)),
+    ("aiohttp (server and client)", ("aiohttp", "multidict", "yarl")),
+    ("asyncio (loop, handles, futures)", ("asyncio", "selectors.py")),
+)
+
+
+def profile_paths(urls: dict[str, str], pids: dict[str, int], seconds: float, work: Path) -> list[list[str]]:
+    """Each profiled path (its launcher started with --cprofile) under saturated wrk: profiled µs and Python calls
+    per request by component. cProfile inflates call-heavy code about twofold: the split is the finding."""
+    import pstats
+
+    shares: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, url in urls.items():
+        out = work / f"{name}.prof"
+        os.kill(pids[name], signal.SIGUSR1)
+        run = wrk(url, seconds, [], work, name)
+        os.kill(pids[name], signal.SIGUSR2)
+        for _ in range(50):
+            if out.exists():
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        per: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+        for (path, _, function), (_, calls, own, _, _) in pstats.Stats(str(out)).stats.items():  # type: ignore[attr-defined]
+            if path == "~":
+                part = "C functions: socket sends" if "send" in function and "socket" in function else \
+                    "C functions: the rest"
+            else:
+                part = next((n for n, keys in COMPONENTS if any(k in path for k in keys)), "other Python")
+            per[part][0] += own * 1e6 / max(1, run.requests)
+            per[part][1] += calls / max(1, run.requests)
+        shares[name] = {k: (v[0], v[1]) for k, v in per.items()}
+    parts = sorted({p for s in shares.values() for p in s}, key=lambda p: -max(s.get(p, (0, 0))[0]
+                                                                                for s in shares.values()))
+    rows = [[part, *(f"{shares[n].get(part, (0.0, 0.0))[0]:.1f} µs, {shares[n].get(part, (0.0, 0.0))[1]:.0f} calls"
+                     for n in urls)] for part in parts]
+    rows.append(["total", *(f"{sum(v[0] for v in shares[n].values()):.1f} µs, "
+                            f"{sum(v[1] for v in shares[n].values()):.0f} calls" for n in urls)])
+    return rows
 
 
 # ---- the benchmark -------------------------------------------------------------------------------------------
@@ -347,7 +376,8 @@ def profile_fedpool(url: str, proc: psutil.Process, seconds: float, work: Path) 
 class Measured:
     runs: list[Run] = field(default_factory=list)
     loads: list[tuple[str, str]] = field(default_factory=list)  # (before, after) each repeat
-    profile: list[tuple[str, float, float]] = field(default_factory=list)
+    profile: list[list[str]] = field(default_factory=list)
+    profiled: tuple[str, ...] = ()
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -407,8 +437,20 @@ def run(args: argparse.Namespace, work: Path) -> Measured:
                 _say(repeat, paced)
             measured.loads.append((before, load_average()))
             print(f"[capacity] repeat {repeat + 1}: load average {before} -> {measured.loads[-1][1]}", flush=True)
-        if args.profile and "fedpool" in urls:
-            measured.profile = profile_fedpool(urls["fedpool"], watch["fedpool"][0], args.seconds, work)
+        if args.profile:
+            profiled = {}
+            for name, role, extra in (("fedpool", "fedpool", ["--address", address, "--state-dir", str(state),
+                                                              "--loop", "asyncio"]),
+                                      ("bare", "bare", ["--backends", *backends, "--loop", "asyncio"])):
+                port = free_port()
+                ready = f"http://127.0.0.1:{port}" + ("/health" if role == "fedpool" else "/nothing")
+                proc = stack.enter_context(process([*me, role, "--port", str(port), "--cprofile",
+                                                    str(work / f"{name}.prof"), *extra], work / f"{name}-prof.log",
+                                                   ready))
+                profiled[name] = (f"http://127.0.0.1:{port}", proc.pid)
+            measured.profiled = tuple(profiled)
+            measured.profile = profile_paths({n: u for n, (u, _) in profiled.items()},
+                                             {n: pid for n, (_, pid) in profiled.items()}, args.seconds, work)
     return measured
 
 
@@ -483,20 +525,21 @@ def body(measured: Measured, args: argparse.Namespace) -> str:
     for name, why in measured.missing.items():
         lines += [f"- {name}: not measured ({why})"]
     if measured.profile:
-        lines += ["## Where fedpool's gateway spends its time (py-spy, saturated)", "",
-                  "Sampled frames (self %: the frame itself; inclusive %: it or what it called). A socket write "
-                  "is the send syscall; the bare proxy makes the same two per request.", "",
-                  markdown_table(["frame", "self %", "inclusive %"],
-                                 [[f"`{frame}`", f"{own:.1f}", f"{within:.1f}"] for frame, own, within in
-                                  measured.profile]), ""]
+        lines += ["## Where the CPU goes: fedpool beside the bare proxy (cProfile, saturated)", "",
+                  "Both on asyncio's loop, each profiled (cProfile) through one more saturated run: profiled µs of "
+                  "the functions' own time and Python calls, per request, by component. cProfile inflates "
+                  "call-heavy code about twofold, so the split, not the sum, is the finding; fedpool here is the "
+                  "same composition as the CLI's (registry client, capacity leases, gateway), started by this "
+                  "module.", "",
+                  markdown_table(["component", *measured.profiled], measured.profile), ""]
     return "\n".join(lines)
 
 
 def headline(measured: Measured) -> dict[str, object]:
     runs = measured.runs
-    bare = max(("bare", "bare+uvloop"), key=lambda p: _median(runs, p, False, "rps")
-               if any(r.path == p for r in runs) else -1.0)
-    bare_cpu = min(_median(runs, p, False, "cpu_us") for p in ("bare", "bare+uvloop") if any(r.path == p for r in runs))
+    bares = [p for p in ("bare", "bare+uvloop") if any(r.path == p for r in runs)]
+    bare = max(bares, key=lambda p: _median(runs, p, False, "rps"), default="bare")  # the strongest baseline
+    bare_cpu = min((_median(runs, p, False, "cpu_us") for p in bares), default=float("nan"))
     added = added_p99(runs, "fedpool")
     return {
         "fedpool_rps": f"{_median(runs, 'fedpool', False, 'rps'):.0f}",
@@ -515,24 +558,26 @@ def main(argv: list[str] | None = None) -> int:
     bare.add_argument("--port", type=int, required=True)
     bare.add_argument("--backends", nargs="+", required=True)
     bare.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
+    bare.add_argument("--cprofile", type=Path)
     fed = sub.add_parser("fedpool", help="(internal) run fedpool's gateway on a chosen loop")
     fed.add_argument("--port", type=int, required=True)
     fed.add_argument("--address", required=True)
     fed.add_argument("--state-dir", required=True)
     fed.add_argument("--loop", choices=("asyncio", "uvloop"), default="uvloop")
     fed.add_argument("--no-leases", dest="leases", action="store_false")
+    fed.add_argument("--cprofile", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
-    parser.add_argument("--profile", action="store_true", help="py-spy the fedpool gateway in one more run")
+    parser.add_argument("--profile", action="store_true", help="cProfile fedpool and the bare proxy (one more run)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path)
     args = parser.parse_args(argv)
     if args.role == "bare":
-        serve_bare(args.port, args.backends, args.loop)
+        serve_bare(args.port, args.backends, args.loop, args.cprofile)
         return 0
     if args.role == "fedpool":
-        serve_fedpool(args.port, args.address, args.state_dir, args.loop, args.leases)
+        serve_fedpool(args.port, args.address, args.state_dir, args.loop, args.leases, args.cprofile)
         return 0
     if shutil.which("wrk") is None or (shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists()):
         print("needs Debian's wrk and nginx: apt-get install wrk nginx haproxy", file=sys.stderr)
