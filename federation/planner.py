@@ -40,7 +40,7 @@ from fedpool.registry import ServerEntry
 log = logging.getLogger("fedpool.planner")
 
 MAX_ROUTE_PLANS = 64  # routes planned at once (a gateway's callers pick models and revisions at will)
-PICK_SAMPLE = 16  # servers with room a pick looks at (all of them only when these have none of the plan's kinds)
+PICK_SAMPLE = 16  # servers with room of one kind a pick compares
 LATENCY_ROUNDS = 3  # re-solves that move a client off kinds where one of its requests outlasts the makespan
 LATENCY_SLACK = 0.1  # a request may run this much past the plan's makespan on a kind before the kind is off
 FORBIDDEN_COST = 1e9  # a cost no LP solution pays
@@ -82,6 +82,11 @@ class _RoutePlan:
 
 
 _NO_TRIED: set[str] = set()
+
+
+def _kind_of_state(server: Any) -> str:
+    """The plan's column for a server with room (a route's ServerState): `kind_key` of its registry entry."""
+    return kind_key(server.entry)
 
 
 def _expected_wait(c: Any) -> float:
@@ -162,7 +167,15 @@ class PlannedRouting(Policy, name="planned"):
             plans.clients.add(client_id)
             self._placed.add(client_id)
         plan = plans.plan
-        if plan is None or servers is not plans.servers_ref:
+        if servers is not plans.servers_ref and plan is not None:
+            # A new snapshot rebuilt the route's list: the same servers keep the plan (new scrapes every probe
+            # cycle must not re-solve it on the grant path); other servers need one now.
+            key = tuple(sorted(s.id for s in servers))
+            if key == plans.servers_key:
+                plans.servers_ref = servers
+            else:
+                plans.plan = plan = None
+        if plan is None:
             plan = self._current_plan(plans, servers, client_id, now)  # nothing to follow yet: now
         elif now - plan.made_at >= self.period_s or (client_id not in plan.quotas and not plans.replanning):
             # Made again off the grant path (the LP runs in a callback of its own, at most once a period per
@@ -238,29 +251,21 @@ class PlannedRouting(Policy, name="planned"):
     # ---- following the plan -------------------------------------------------------------------------
     def _pick(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], route: RouteView,
               tried: set[str], *, avoid_tried: bool) -> Any:
-        """A server with room of the kind with the most of this client's quota left (the least loaded of that
-        kind among those looked at), not one whose long answers its long prompts would stall. Looks at the
-        route's index of servers with room — a sample of PICK_SAMPLE of them, all when the sample has none of
-        the client's kinds — so a pick costs O(1) in a full pool, whatever its size."""
-        free = route.free_candidates(None, tried if avoid_tried else _NO_TRIED, self._rng)
-        if not free:
-            return None
-        # The kinds with room in this grant pass, found once per pass: a client planned on none of them is held
-        # at once (a full pool's pass asks every waiting client in turn for its one free slot).
-        # The kinds with room are found once per grant pass, and a client planned on none of them is held at once
-        # (a pass asks every waiting client in turn until the servers with room are taken).
-        memo = route.memo
-        kinds = memo.get("kinds")
-        if kinds is None:
-            plan = plans.plan
-            assert plan is not None
-            kinds = memo["kinds"] = {plan.kind_of.get(s.id) for s in free}
-        if not any(q > MIN_SHARE and k in kinds for k, q in quotas.items()):
-            return None
-        if len(free) <= PICK_SAMPLE:
-            return self._best(client_id, plans, quotas, free, memo)
-        return (self._best(client_id, plans, quotas, self._rng.sample(free, PICK_SAMPLE), memo)
-                or self._best(client_id, plans, quotas, free, memo))
+        """A server with room of the kind with the most of this client's quota left (the one with the least priced
+        work among a sample of that kind's servers with room), not one whose long answers its long prompts would
+        stall. The route keeps its servers with room by kind (`group_by`), so a pick costs O(kinds + sample),
+        whatever the pool's size, and a client whose kinds are all full is held at once."""
+        route.group_by(_kind_of_state)
+        with_room = [k for k, q in quotas.items() if q > MIN_SHARE and route.free_in(k)]
+        if not with_room:
+            return None  # every kind of its plan is full: held (the common answer in a full pool, so cheap)
+        pool: list[Any] = []
+        for kind in with_room:
+            free = route.free_in(kind)
+            if avoid_tried and tried:
+                free = [s for s in free if s.id not in tried]
+            pool.extend(free if len(free) <= PICK_SAMPLE else self._rng.sample(free, PICK_SAMPLE))
+        return self._best(client_id, plans, quotas, pool, route.memo)
 
     def _best(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], servers: Sequence[Any],
               memo: dict[str, Any]) -> Any:
@@ -435,9 +440,9 @@ class PlannedRouting(Policy, name="planned"):
         # plan's makespan (its fastest kind is always allowed): at a run's end, the last requests of a short
         # eval no longer start on a slow kind where each would hold the run up by seconds.
         # A request's latency there is priced (its prefill, and its answer's steps at a full batch), not measured:
-        # bounds from measured latencies (where a client had run, or scaled by what answers on a kind took against
-        # their price) moved work onto kinds whose busy engines then stretched it far more (video prompts onto
-        # V100s full of long answers, 20 s each; 2.4× the ideal in the simulator against 1.18 priced).
+        # bounds from measured latencies (where a client had run, or the price scaled by what answers on a kind
+        # took against theirs) moved work onto kinds whose busy engines then stretched it far more: 2.4× the ideal
+        # over six simulated worlds, against 1.21 priced.
         latency = {(c, col): shapes[c][0] * kind_cost[col].prefill_s_per_token
                    + shapes[c][1] * kind_cost[col].decode_s_per_token * max(1, columns[col][0].capacity)
                    for col in columns for c in clients}

@@ -99,6 +99,12 @@ class RouteView(Protocol):
     def usable(self, server: Any, tried: set[str] | None = None) -> bool:
         """Whether the request may be sent to `server` now (room, breaker, not one it failed on)."""
 
+    def group_by(self, group_of: Callable[[Any], str]) -> None:
+        """Also keep the servers with room by `group_of` (the same function every time: it is done once)."""
+
+    def free_in(self, group: str) -> Sequence[Any]:
+        """The servers with room in that group (after `group_by`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchState:

@@ -54,6 +54,10 @@ class Route:
         self.free: list[ServerState] = []  # those with room now (unordered)
         self._pos: dict[ServerState, int] = {}
         self.memo: dict[str, Any] = {}  # a policy's scratch for one grant pass (the dispatcher clears it)
+        # Servers with room by a group a policy names (the planner: its server kinds), kept like `free`.
+        self._group_of: Callable[[ServerState], str] | None = None
+        self._groups: dict[str, list[ServerState]] = {}
+        self._gpos: dict[ServerState, int] = {}
         # Waiting requests: per client FIFO, clients in a heap of (key..., head seq, client).
         self.queues: dict[str, deque[Waiter]] = {}
         self._heap: list[tuple[float, float, int, str]] = []
@@ -71,6 +75,7 @@ class Route:
     def set_servers(self, servers: list[ServerState]) -> None:
         self.servers = servers
         self.free, self._pos = [], {}
+        self._groups, self._gpos = {}, {}
 
     def set_free(self, state: ServerState, free: bool) -> None:
         """Keep the index current: O(1)."""
@@ -79,6 +84,10 @@ class Route:
             if state not in pos:
                 pos[state] = len(self.free)
                 self.free.append(state)
+                if self._group_of is not None:
+                    group = self._groups.setdefault(self._group_of(state), [])
+                    self._gpos[state] = len(group)
+                    group.append(state)
             return
         index = pos.pop(state, None)
         if index is not None:
@@ -86,6 +95,28 @@ class Route:
             if last is not state:
                 self.free[index] = last
                 pos[last] = index
+            if self._group_of is not None:
+                group = self._groups[self._group_of(state)]
+                index = self._gpos.pop(state)
+                last = group.pop()
+                if last is not state:
+                    group[index] = last
+                    self._gpos[last] = index
+
+    def group_by(self, group_of: Callable[[ServerState], str]) -> None:
+        """Keep the servers with room also by `group_of` (once per route: a policy that wants it asks)."""
+        if self._group_of is group_of:
+            return
+        self._group_of = group_of
+        self._groups, self._gpos = {}, {}
+        for state in self.free:
+            group = self._groups.setdefault(group_of(state), [])
+            self._gpos[state] = len(group)
+            group.append(state)
+
+    def free_in(self, group: str) -> list[ServerState]:
+        """The servers with room in that group (a live list: do not keep it)."""
+        return self._groups.get(group, _NONE)
 
     def remove(self, state: ServerState) -> None:
         self.set_free(state, False)
@@ -191,6 +222,9 @@ class Route:
         self._heap = [(k[0], k[1], self.queues[c][0].seq, c) for c, k in self._pushed.items()
                       if self.queues.get(c)]
         heapq.heapify(self._heap)
+
+
+_NONE: list[Any] = []
 
 
 def _sample_untried(free: list[ServerState], limit: int, tried: set[str], rng: random.Random) -> list[ServerState]:

@@ -54,6 +54,12 @@ class View:
     def free_candidates(self, limit: int | None, tried: set[str], rng: object) -> list[Server]:
         return [s for s in self.servers if self._usable(s)]
 
+    def group_by(self, group_of: Callable[[Server], str]) -> None:
+        self._group_of = group_of
+
+    def free_in(self, group: str) -> list[Server]:
+        return [s for s in self.free_candidates(None, set(), None) if self._group_of(s) == group]
+
 
 def prompt_of(client: str, chars: int, max_tokens: int | None) -> InferenceRequest:
     body: dict[str, object] = {"prompt": "x" * chars}
