@@ -284,39 +284,63 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--client-order", default="fair")
     parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
     parser.add_argument("--churn", action="store_true", help="servers fail, rejoin, join and leave as it runs")
+    parser.add_argument("--seeds", default="1,2,3", help="worlds to run (eval sizes drawn from each seed)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the least-outstanding-work baseline")
     parser.add_argument("--agreement", action="store_true",
                         help="also compare simulated and wall-clock makespans at 32 servers × 8 evals")
     parser.add_argument("--speedup", type=float, default=2.0, help="wall mode: engine seconds per wall second")
     parser.add_argument("--name", default="scale_sim", help="report name: results/NAME.md")
     args = parser.parse_args(argv)
-    spec = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
+    seeds = [int(x) for x in args.seeds.split(",")]
+    base = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
                 processes=args.processes, policy="planned" if args.planned else args.policy,
                 client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases)
-    ideal, lp, longest = ideal_s(spec)
-    counts = kind_counts(spec.kind_table, spec.servers)
-    requests = sum(e.size for e in spec.eval_list())
-    print(f"{spec.servers} servers ({counts}), {spec.evals} evals, {requests} requests; ideal {ideal:.1f} s",
-          flush=True)
-    fedpool = describe(run_virtual(spec), ideal)
-    print(f"fedpool: {fedpool}", flush=True)
-    baseline = describe(run_baseline(spec), ideal) if not args.no_baseline else None
-    if baseline is not None:
-        print(f"least outstanding work: {baseline}", flush=True)
+    counts = kind_counts(base.kind_table, base.servers)
+    worlds = []
+    for seed in seeds:
+        spec = replace(base, seed=seed)
+        ideal, lp, longest = ideal_s(spec)
+        requests = sum(e.size for e in spec.eval_list())
+        print(f"world {seed}: {spec.servers} servers ({counts}), {spec.evals} evals, {requests} requests; ideal "
+              f"{ideal:.1f} s", flush=True)
+        fedpool = describe(run_virtual(spec), ideal)
+        print(f"  fedpool: {fedpool}", flush=True)
+        baseline = describe(run_baseline(spec), ideal) if not args.no_baseline else None
+        if baseline is not None:
+            print(f"  least outstanding work: {baseline}", flush=True)
+        worlds.append(WorldOutcome(seed, requests, ideal, lp, longest, fedpool, baseline))
     agreement = None
     if args.agreement:
-        small = replace(spec, servers=32, evals=8, churn=False)
+        small = replace(base, servers=32, evals=8, churn=False, seed=seeds[0])
         simulated = run_virtual(small, scrapes=False).makespan_s  # as the wall-clock arm: no prober
         walled = run_wall(small, args.speedup)
         agreement = (simulated, walled, abs(simulated - walled) / walled * 100)
         print(f"agreement at 32 × 8: simulated {simulated:.1f} s, wall-clock {walled:.1f} s", flush=True)
-    write_report(args.name, f"The scheduler at scale, in simulated time: {spec.servers} servers, {spec.evals} evals",
-                 _body(spec, counts, requests, ideal, lp, longest, fedpool, baseline, agreement, args.speedup),
-                 _result(spec, fedpool, agreement, ideal))
+    write_report(args.name, f"The scheduler at scale, in simulated time: {base.servers} servers, {base.evals} evals",
+                 _body(base, counts, worlds, agreement, args.speedup), _result(base, worlds, agreement))
 
 
-def _body(spec: Spec, counts: dict[str, int], requests: int, ideal: float, lp: float, longest: float,
-          fedpool: dict[str, Any], baseline: dict[str, Any] | None, agreement: tuple[float, float, float] | None,
+@dataclass(frozen=True)
+class WorldOutcome:
+    """One simulated world's outcome."""
+
+    seed: int
+    requests: int
+    ideal: float
+    lp: float
+    longest: float
+    fedpool: dict[str, Any]
+    baseline: dict[str, Any] | None
+
+
+def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreement: tuple[float, float, float] | None,
           speedup: float) -> str:
     how = (f"policy `{spec.policy}`, client order `{spec.client_order}`, {spec.processes} client process"
            f"{'es' if spec.processes != 1 else ''}"
@@ -324,40 +348,50 @@ def _body(spec: Spec, counts: dict[str, int], requests: int, ideal: float, lp: f
               " each filling every window (no leases)" if spec.processes > 1 else "")
            + f", {spec.concurrency} requests in flight per eval, hedging off"
            + ("; servers fail, rejoin, join and leave every 2 s" if spec.churn else ""))
-    rows = [("fedpool (" + spec.policy + ")", f"{fedpool['makespan_s']:.1f} s", f"{fedpool['vs_ideal']:.3f}",
-             f"{fedpool['first_s']:.1f} / {fedpool['median_s']:.1f}", f"{fedpool['decision_us']:.0f} µs")]
-    if baseline is not None:
-        rows.append(("least outstanding work (engines queue)", f"{baseline['makespan_s']:.1f} s",
-                     f"{baseline['vs_ideal']:.3f}", f"{baseline['first_s']:.1f} / {baseline['median_s']:.1f}", "—"))
-    rows.append(("ideal", f"{ideal:.1f} s", "1.000", "—",
-                 f"LP {lp:.1f} s; longest request alone {longest:.2f} s"))
+    rows = []
+    for w in worlds:
+        f, b = w.fedpool, w.baseline
+        rows.append((w.seed, w.requests, f"{w.ideal:.1f} s (LP {w.lp:.1f}, longest {w.longest:.2f})",
+                     f"{f['makespan_s']:.1f} s ({f['vs_ideal']:.3f})",
+                     f"{b['makespan_s']:.1f} s ({b['vs_ideal']:.3f})" if b is not None else "—",
+                     f"{f['first_s']:.1f} / {f['median_s']:.1f}", f"{f['decision_us']:.0f} µs",
+                     f"{f['completed']} / {f['failed']} / {f['inflight_end']}", f"{f['wall_s']:.0f} s"))
     pool = ", ".join(f"{n} × {k}" for k, n in counts.items())
+    vs = [w.fedpool["vs_ideal"] for w in worlds]
     text = (f"World: {spec.servers} servers ({pool}), max running {spec.max_running} each; {spec.evals} evals of "
-            f"{spec.min_size}–{spec.max_size} requests ({requests} in all), shaped as the Table 7 modalities. "
-            f"fedpool: {how}. Simulated time (benchmarks/simulator.py); the decision cost is process CPU time "
-            "inside the dispatcher's grant step per slot granted.\n\n"
-            + markdown_table(("schedule", "makespan", "÷ ideal", "eval done: first / median", "decision"), rows)
-            + f"\n\nEvery request answered: {fedpool['completed']} completed, {fedpool['failed']} failed, "
-            f"{fedpool['inflight_end']} in flight at the end. Simulating took {fedpool['wall_s']:.1f} s of wall time "
-            f"and {fedpool['cpu_s']:.1f} s of CPU.")
+            f"{spec.min_size}–{spec.max_size} requests each (sizes drawn from each world's seed), shaped as the "
+            f"Table 7 modalities. fedpool: {how}. Simulated time (benchmarks/simulator.py: the real dispatcher and "
+            "policies against the emulator's engine model, the registry's probe cycle scraping every engine every "
+            "2 s); the decision cost is process CPU time inside the dispatcher's grant step per slot granted. "
+            "Baselines: the ideal (the LP bound at saturated cost; no request faster than alone on the fastest "
+            "server) and least outstanding work (every request sent at once to the server with the least "
+            "outstanding priced work per unit of speed, its own included; the engines queue the rest).\n\n"
+            + markdown_table(("world", "requests", "ideal", "fedpool (÷ ideal)", "least outstanding work (÷ ideal)",
+                              "eval done: first / median", "decision", "completed / failed / in flight at end",
+                              "machine time"), rows)
+            + f"\n\nfedpool ÷ ideal over the worlds: {_spread(vs)} (mean, then the lowest and highest world)"
+            + (f"; least outstanding work: {_spread([w.baseline['vs_ideal'] for w in worlds if w.baseline])}"
+               if all(w.baseline for w in worlds) else "")
+            + f". Decision cost: {_spread([w.fedpool['decision_us'] for w in worlds], '{:.0f}')} µs per grant.")
     if agreement is not None:
         simulated, walled, pct = agreement
-        text += (f"\n\nAgreement with the wall clock (the same shapes at 32 servers × 8 evals, emulated HTTP "
-                 f"servers in another process at {speedup:g}× real time): simulated {simulated:.1f} s, wall-clock "
-                 f"{walled:.1f} s (engine seconds): {pct:.1f}% apart.")
+        text += (f"\n\nAgreement with the wall clock (world {worlds[0].seed}'s shapes at 32 servers × 8 evals, "
+                 f"emulated HTTP servers in another process at {speedup:g}× real time, both without the probe "
+                 f"cycle): simulated {simulated:.1f} s, wall-clock {walled:.1f} s (engine seconds): {pct:.1f}% apart.")
     return text
 
 
-def _result(spec: Spec, fedpool: dict[str, Any], agreement: tuple[float, float, float] | None,
-            ideal: float) -> dict[str, object]:
+def _result(spec: Spec, worlds: list[WorldOutcome], agreement: tuple[float, float, float] | None) -> dict[str, object]:
+    vs = [w.fedpool["vs_ideal"] for w in worlds]
+    decisions = [w.fedpool["decision_us"] for w in worlds]
     values: dict[str, object] = {"mode": "virtual", "servers": spec.servers, "evals": spec.evals,
-                                 "vs_ideal": f"{fedpool['vs_ideal']:.3f}",
-                                 "decision_us": f"{fedpool['decision_us']:.0f}"}
+                                 "vs_ideal": f"{sum(vs) / len(vs):.3f}", "vs_ideal_max": f"{max(vs):.3f}",
+                                 "decision_us": f"{sum(decisions) / len(decisions):.0f}", "worlds": len(worlds)}
     if spec.processes != 1:
         values["processes"] = spec.processes
     if agreement is not None:
         values["agreement_pct"] = f"{agreement[2]:.1f}"
-    values["machine_s"] = f"{fedpool['wall_s']:.0f}"
+    values["machine_s"] = f"{sum(w.fedpool['wall_s'] for w in worlds):.0f}"
     return values
 
 
