@@ -4,7 +4,6 @@ command line, settles each option's value (config.py), calls the rooms, prints t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from fedpool import cli_eval as evals
 from fedpool import cli_jobs as jobs
 from fedpool import cli_servers as servers
 from fedpool import options as opt
+from fedpool import up
 from fedpool.cli_support import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -29,8 +29,10 @@ from fedpool.cli_support import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
+    pool_page,
     ray_token_auth_if_available,
     registry_client,
+    stop_on_signals,
 )
 from fedpool.config import ConfigError, Layers, apply_defaults, find_config_file, load_settings, read_config_file, show
 from fedpool.options import EnvOnly, Flag, OneOf, Options, Positional, flag_names, key_of, marker
@@ -62,48 +64,12 @@ class Chosen:
 
 # ---- commands -----------------------------------------------------------------------------------
 def cmd_demo(args: opt.DemoOptions) -> int:
-    from fedpool.demo import DemoOptions as Demo
     from fedpool.demo import report_json, run_demo
-    from fedpool.deploy.localpool import LocalServerSpec
-    from fedpool.pipeline.bundled import bundled_spec_paths
 
-    options = Demo(
-        out_root=args.out,
-        servers=LocalServerSpec(count=args.servers, slots=args.slots, threads=args.threads,
-                                model_path=args.model_path),
-        spec_paths=tuple(args.spec) if args.spec else tuple(bundled_spec_paths()),
-        policy=args.policy, concurrency=args.concurrency, limit=args.limit, verifier=args.verifier,
-    )
-    report = run_demo(options, out=sys.stderr if args.json_output else sys.stdout)
+    report = run_demo(args, out=sys.stderr if args.json_output else sys.stdout)
     if args.json_output:
         print(report_json(report))
     return EXIT_OK
-
-
-def cmd_up(args: opt.UpOptions) -> int:
-    from fedpool.deploy.localpool import LocalPoolSpec
-    from fedpool.up import PoolAlreadyUp, detach, run_up
-    from fedpool.up import UpOptions as Up
-
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        raise CliError("`fedpool up` serves loopback only (its gateway has no keys); for a shared pool use "
-                       "`fedpool gateway --api-key-file`", EXIT_USAGE)
-    options = Up(
-        servers=LocalPoolSpec(engine=args.engine, count=args.servers, slots=args.slots, threads=args.threads,
-                              model_path=args.model_path, profile=args.profile, model=args.model),
-        state_dir=args.state_dir, host=args.host, port=args.port, policy=args.policy, address=args.address)
-    try:
-        return detach(sys.argv[1:], options) if args.detach else run_up(options)
-    except PoolAlreadyUp as exc:
-        raise CliError(str(exc), EXIT_BUSY) from None
-    except RuntimeError as exc:
-        raise CliError(str(exc), EXIT_FAILED) from None
-
-
-def cmd_down(args: opt.DownOptions) -> int:
-    from fedpool.up import down
-
-    return down(args.state_dir)
 
 
 def cmd_bench_speedup(bench_args: Sequence[str]) -> int:
@@ -139,60 +105,30 @@ def cmd_gateway(args: opt.GatewayOptions) -> int:
 
 async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_dir: Path | None,
                          jobs_token: str | None) -> None:
-    import signal
-
-    from aiohttp import web
-
     from fedpool.clients.jobs import JobRunner, JobStore
+    from fedpool.clients.poolapp import raise_open_files_limit, serving_pool
     from fedpool.federation import DispatchConfig, PoolConnection
-    from fedpool.federation.gateway import Gateway
-    from fedpool.pipeline.errors import OwnershipError
     from fedpool.pipeline.ownership import private_dir
-    from fedpool.server import build_app
 
-    _raise_open_files_limit()
+    raise_open_files_limit()
     # A model whose servers are all unroutable is answered 503 (with Retry-After) after 10 s, not a minute.
     config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
     async with PoolConnection(client, policy=args.policy, config=config) as pool:
-        gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=keys, max_inflight=args.max_inflight)
         job_runner = None
         if jobs_dir is not None:
             roots = [r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")]
             job_runner = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
-                             verifier_factory=lambda: evals.verifier_pool(args), roots=roots)
-            try:
-                await job_runner.start()
-            except OwnershipError as exc:
-                raise CliError(str(exc), EXIT_BUSY) from None
-        app = build_app(gateway, pool.dispatcher, lambda: pool.snapshot, runner=job_runner, jobs_token=jobs_token)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None, backlog=1024).start()
-        base = f"http://{args.host}:{args.port}"
-        print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
-              f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)
-        if jobs_dir is not None:
-            print(f"jobs API on {base}/jobs (token in {jobs_dir / 'jobs.token'}, jobs in {jobs_dir})", flush=True)
-        print("Ctrl-C to stop", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        if job_runner is not None:
-            await job_runner.stop()
-        await runner.cleanup()
-
-
-def _raise_open_files_limit() -> None:
-    """A gateway holds two sockets per request in flight (caller and engine): the soft limit on open files
-    (often 1,024) is raised to the hard one, as servers do; the in-flight cap keeps the count below it."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+                                   verifier_factory=lambda: evals.verifier_pool(args), roots=roots)
+        async with serving_pool(pool, pool_page(), args.host, args.port, api_keys=keys, max_inflight=args.max_inflight,
+                                runner=job_runner, jobs_token=jobs_token, reuse_port=args.reuse_port or None,
+                                backlog=1024) as base:
+            stop = stop_on_signals()
+            print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
+                  f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)
+            if jobs_dir is not None:
+                print(f"jobs API on {base}/jobs (token in {jobs_dir / 'jobs.token'}, jobs in {jobs_dir})", flush=True)
+            print("Ctrl-C to stop", flush=True)
+            await stop.wait()
 
 
 LEAVES = (
@@ -200,13 +136,13 @@ LEAVES = (
          "servers, 3 concurrent evals", "Start local Ray and a registry, launch real llama.cpp servers serving "
          "Gemma 3 270M, register them, run the bundled benchmarks concurrently through the pool, print scores, "
          "wall time, requests per server and where the artifacts are."),
-    Leaf("up", opt.UpOptions, cmd_up, "bring up a local pool and keep it up: Ray, the registry, N servers, the "
+    Leaf("up", opt.UpOptions, up.cmd_up, "bring up a local pool and keep it up: Ray, the registry, N servers, the "
          "gateway and pool page", "Starts local Ray on loopback (or joins --address), the registry, N local servers "
          "(llama.cpp with the bundled Gemma 3 270M by default, --engine vllm for vLLM's CPU build, --engine emulated "
          "--profile P), and the OpenAI-compatible gateway with the pool page; prints the base URL and paste-ready "
          "commands for lm-eval, inspect_ai, the openai SDK and vLLM's benchmark. Ctrl-C or SIGTERM stops everything "
          "it started."),
-    Leaf("down", opt.DownOptions, cmd_down, "stop the pool `fedpool up --detach` started"),
+    Leaf("down", opt.DownOptions, up.cmd_down, "stop the pool `fedpool up --detach` started"),
     Leaf("registry start", opt.RegistryStartOptions, servers.cmd_registry_start, "create the registry actor (detached, "
          "namespace fedpool)"),
     Leaf("registry status", opt.RayJsonOptions, servers.cmd_registry_status, "show whether the registry runs and how"),
@@ -398,7 +334,7 @@ def _run(leaf: Leaf, settings: Options) -> int:
     """The command, its failures as one line on stderr and an exit code (docs/reference.md)."""
     from fedpool.deploy import EngineStartError, LlamaServerNotInstalled
     from fedpool.pipeline import PipelineError
-    from fedpool.pipeline.errors import ArtifactWriteError
+    from fedpool.pipeline.errors import ArtifactWriteError, OwnershipError
     from fedpool.registry import RegistryError
 
     try:
@@ -408,6 +344,8 @@ def _run(leaf: Leaf, settings: Options) -> int:
         return exc.code
     except (PipelineError, RegistryError) as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
+        if isinstance(exc, OwnershipError):
+            return EXIT_BUSY  # a run or jobs directory another process holds (named in the message)
         return EXIT_USAGE if isinstance(exc, PipelineError) and not isinstance(exc, ArtifactWriteError) else EXIT_FAILED
     except (IsADirectoryError, NotADirectoryError, FileNotFoundError, PermissionError, UnicodeDecodeError) as exc:
         print(f"fedpool: error: {_file_problem(exc)}", file=sys.stderr)  # a path given is not what it must be

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from fedpool.cli_support import (
-    EXIT_BUSY,
     EXIT_INCOMPLETE,
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -65,14 +64,12 @@ def cmd_eval_resume(args: EvalResumeOptions) -> int:
 
 @contextlib.contextmanager
 def _owned(out: Path, purpose: str) -> Iterator[None]:
-    """The run directory, owned by this process for the run's life (a second resume is refused, named)."""
-    from fedpool.pipeline.errors import OwnershipError
+    """The run directory, owned by this process for the run's life (a second resume is refused, named: an
+    OwnershipError, exit code 5)."""
     from fedpool.pipeline.ownership import DirectoryLock
 
     try:
         lock = DirectoryLock(out, purpose).acquire()
-    except OwnershipError as exc:
-        raise CliError(str(exc), EXIT_BUSY) from None
     except (NotADirectoryError, FileExistsError):
         raise CliError(f"{out}: not a directory", EXIT_USAGE) from None
     try:
@@ -285,10 +282,10 @@ async def _eval_through_pool(
     client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: PoolEvalOptions, retry_failed: bool
 ) -> list[Any]:
     from fedpool.clients import EvalTarget, run_evals
+    from fedpool.clients.progress import ProgressView
     from fedpool.federation import DispatchConfig, PoolConnection
     from fedpool.pipeline.media import MediaPool
     from fedpool.pipeline.stages import StagePool
-    from fedpool.progress import ProgressView
 
     verifier = verifier_pool(args) if any(s.verifier for s in specs) else None
     # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.

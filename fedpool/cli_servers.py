@@ -18,6 +18,7 @@ from fedpool.cli_support import (
     connect_ray,
     emit,
     registry_client,
+    stop_on_signals,
     validation_message,
 )
 from fedpool.options import (
@@ -33,7 +34,7 @@ from fedpool.options import (
 def cmd_registry_start(args: RegistryStartOptions) -> int:
     from fedpool.registry import RegistryClient
 
-    connect_ray(args.address)
+    connect_ray(args)
     token = args.token_file.read_text(encoding="utf-8").strip() if args.token_file else None
 
     async def start() -> dict[str, Any]:
@@ -125,8 +126,6 @@ def cmd_serve(args: ServeOptions) -> int:
 
 async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: dict[str, str],
                         args: ServeOptions) -> int:
-    import signal
-
     from fedpool.deploy import EngineProcess, LeaseSettings, ServerLauncher
 
     log_path = args.log_dir.expanduser() / f"{record.id}.log"
@@ -134,10 +133,7 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: d
     launcher = ServerLauncher(process, record, client, lease=LeaseSettings(args.lease, args.lease / 3),
                               start_deadline_s=args.start_deadline)
     print(f"starting {args.engine} as {record.id} at {record.url}; engine log: {log_path}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     took = await launcher.start()
     print(f"{record.id} healthy after {took:.1f}s and registered ({record.engine.value}, {record.model}, "
           f"{record.accelerator}); Ctrl-C to stop and deregister", flush=True)

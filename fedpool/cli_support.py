@@ -3,11 +3,13 @@ printing --json or a table."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -41,53 +43,38 @@ def ray_token_auth_if_available() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def connect_ray(address: str, quiet: bool = False) -> None:
-    """Join the Ray cluster, and say on stderr which one and how it was found (unless `quiet`): with two
-    clusters on a host, `auto` finds the one started last."""
-    import ray
+def connect_ray(args: RayOptions) -> None:
+    """Join the Ray cluster of --address, and say on stderr which one and how it was found (unless --quiet)."""
+    from fedpool.deploy.raycluster import join_ray
 
-    from fedpool.deploy.localpool import is_loopback_address, loopback_ray_mode
-
-    if ray.is_initialized():
-        return
-    if address != "auto" and not _tcp_reachable(address):
-        raise CliError(
-            f"cannot reach a Ray cluster at {address!r}; start one with `ray start --head` "
-            "or pass --address HOST:PORT of a running head node", EXIT_UNAVAILABLE,
-        )
-    how = ("--address" if address != "auto" else
-           "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "the cluster started last on this machine")
-    if is_loopback_address(address):  # a loopback-only cluster (`fedpool up`): join it on loopback
-        loopback_ray_mode()
-    try:
-        ray.init(address=address, namespace="fedpool", logging_level=logging.WARNING, log_to_driver=False)
-    except ConnectionError as exc:
-        raise CliError(
-            f"cannot reach a Ray cluster at {address!r} ({exc}); start one with `ray start --head`", EXIT_UNAVAILABLE
-        ) from None
-    if not quiet:
-        print(f"fedpool: Ray cluster {ray.get_runtime_context().gcs_address} (found by {how})", file=sys.stderr)
-
-
-def _tcp_reachable(address: str, timeout_s: float = 2.0) -> bool:
-    import socket
-
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
+    joined = join_ray(args.address)
+    if joined and not args.quiet:
+        print(f"fedpool: {joined}", file=sys.stderr)
 
 
 def registry_client(args: RayOptions) -> Any:
     from fedpool.registry import RegistryClient, RegistryError
 
-    connect_ray(args.address)
+    connect_ray(args)
     try:
         return RegistryClient.connect_blocking(token_file=args.token_path, state_dir=args.state_dir.expanduser())
     except RegistryError as exc:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from None
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGINT or SIGTERM sets (Ctrl-C, `kill`, `fedpool down`), for a command that serves until told to
+    stop: set up before it starts anything, so a signal while it starts stops it cleanly once it has."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def pool_page() -> str:
+    """The pool page's HTML (fedpool/static/pool.html; its data is clients.poolapp's /pool.json)."""
+    return resources.files("fedpool").joinpath("static/pool.html").read_text(encoding="utf-8")
 
 
 def emit(args: Options, data: dict[str, Any], human: Callable[[dict[str, Any]], str]) -> None:

@@ -8,7 +8,7 @@ import logging
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -16,28 +16,17 @@ from typing import Any, TextIO
 import ray
 
 from fedpool.clients import EvalSummary, EvalTarget, run_evals
+from fedpool.clients.progress import ProgressView
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.options import DemoOptions
 from fedpool.pipeline import BenchmarkSpec, load_specs, package_versions
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.bundled import bundled_spec_paths
-from fedpool.progress import ProgressView
 from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.demo")
 PROGRESS_EVERY_S = 5.0
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    out_root: Path = Path("runs")
-    servers: LocalServerSpec = field(default_factory=LocalServerSpec)
-    spec_paths: tuple[Path, ...] = field(default_factory=lambda: tuple(bundled_spec_paths()))
-    policy: str = "least_inflight"
-    concurrency: int = 16
-    limit: int | None = None
-    run_id: str | None = None
-    verifier: bool = False  # judge every prediction with the CPU verifier (Gemma 270M GGUF, one actor)
 
 
 @dataclass(frozen=True)
@@ -59,9 +48,9 @@ class DemoReport:
 
 
 def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> DemoReport:
-    specs = load_specs(options.spec_paths, options.limit)  # bad specs fail before anything starts
-    run_id = options.run_id or datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-demo"
-    run_dir = (options.out_root / run_id).resolve()
+    specs = load_specs(options.spec or bundled_spec_paths(), options.limit)  # bad specs fail before anything starts
+    run_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-demo"
+    run_dir = (options.out / run_id).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     print("[fedpool] starting local Ray (namespace fedpool)", file=out, flush=True)
     init_local_ray()
@@ -82,17 +71,18 @@ async def _run(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, 
 async def _run_pool(
     options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO, registry: RegistryClient
 ) -> DemoReport:
-    n = options.servers.count
-    print(f"[fedpool] registry actor up; starting {n} llama.cpp servers "
-          f"({options.servers.slots} slots, {options.servers.threads} thread(s) each)", file=out, flush=True)
-    async with local_llama_servers(registry, options.servers, run_dir / "logs") as launchers:
+    servers = LocalServerSpec(count=options.servers, slots=options.slots, threads=options.threads,
+                              model_path=options.model_path)
+    print(f"[fedpool] registry actor up; starting {servers.count} llama.cpp servers "
+          f"({servers.slots} slots, {servers.threads} thread(s) each)", file=out, flush=True)
+    async with local_llama_servers(registry, servers, run_dir / "logs") as launchers:
         for launcher in launchers:
             print(f"[fedpool]   {launcher.record.id}: {launcher.record.url}  log {launcher.process.log_path}",
                   file=out, flush=True)
         model = launchers[0].record.model
         async with PoolConnection(registry, policy=options.policy, config=DispatchConfig()) as pool:
             snapshot = await pool.refresh()
-            servers = tuple(
+            pool_servers = tuple(
                 {"id": e.id, "url": e.url, "engine": e.engine.value, "accelerator": e.record.accelerator,
                  "model": e.record.model, "revision": e.record.revision, "capacity": e.capacity}
                 for e in snapshot.entries
@@ -100,7 +90,7 @@ async def _run_pool(
             run_info = {
                 "run_id": run_dir.name,
                 "policy": options.policy,
-                "pool": list(servers),
+                "pool": list(pool_servers),
                 "concurrent_evals": [s.name for s in specs],
             }
             write_json_atomic(run_dir / "run.json", {
@@ -116,7 +106,7 @@ async def _run_pool(
 
                 specs = [s.model_copy(update={"verifier": True}) for s in specs]
                 # The judge runs beside the local llama.cpp servers, on the same cores.
-                verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.servers.model_path)),
+                verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.model_path)),
                                                        shares_engine_cores=True))
                 print("[fedpool] verifier: 1 Ray CPU actor judging every prediction as it completes", file=out)
             progress = ProgressView(pool.dispatcher, mode="plain", out=out, every_s=PROGRESS_EVERY_S)
@@ -135,7 +125,7 @@ async def _run_pool(
     for summary in summaries:
         for server_id, count in summary.summary["by_server"].items():
             answered.setdefault(server_id, {})[summary.benchmark] = count
-    report = DemoReport(run_dir, wall, tuple(summaries), answered, servers)
+    report = DemoReport(run_dir, wall, tuple(summaries), answered, pool_servers)
     write_json_atomic(run_dir / "report.json", report.as_json())
     _print_report(report, out)
     return report

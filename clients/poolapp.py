@@ -1,25 +1,26 @@
-"""The pool's HTTP face: the OpenAI-compatible gateway (`/v1`), the live pool page (`/`, with its data at
-`/pool.json`) and, when a jobs directory is given, the jobs API (`/jobs`), in one aiohttp application
-over one pool connection, so jobs and gateway clients share every engine."""
+"""The pool's HTTP service: the OpenAI-compatible gateway (`/v1`), the live pool page (`/`, with its data at
+`/pool.json`) and, with a job runner, the jobs API (`/jobs`), in one aiohttp application over one pool
+connection, so jobs and gateway clients share every engine. It composes federation's gateway with the jobs
+service that lives here; `fedpool gateway`, `fedpool jobs serve` and `fedpool up` serve it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import resource
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
 from fedpool.clients.jobs import JobRunner, JobsApi
-from fedpool.federation import Dispatcher
-from fedpool.federation.gateway import AppTask, Gateway
+from fedpool.federation import PoolConnection
+from fedpool.federation.gateway import ApiKey, AppTask, Gateway, serving
 from fedpool.federation.httpauth import bearer, matches
-from fedpool.registry import PoolSnapshot
 
 HISTORY_PERIOD_S = 2.0
 HISTORY_POINTS = 180  # six minutes at one point every two seconds
@@ -40,18 +41,16 @@ class PoolHistory(AppTask):
     (requests and tokens, as rates between points) and what the engines reported running and waiting,
     sampled every `period_s` from data the gateway already has. Bounded: `points` per server."""
 
-    def __init__(self, dispatcher: Dispatcher, snapshot: Callable[[], PoolSnapshot | None], *,
-                 period_s: float = HISTORY_PERIOD_S, points: int = HISTORY_POINTS,
+    def __init__(self, pool: PoolConnection, *, period_s: float = HISTORY_PERIOD_S, points: int = HISTORY_POINTS,
                  clock: Callable[[], float] = time.time):
-        self._dispatcher = dispatcher
-        self._snapshot = snapshot
+        self._pool = pool
         self.period_s = period_s
         self._points: deque[_Point] = deque(maxlen=points + 1)
         self._clock = clock
 
     def sample(self) -> None:
-        stats = {s.server_id: s for s in self._dispatcher.stats().servers}
-        snap = self._snapshot()
+        stats = {s.server_id: s for s in self._pool.dispatcher.stats().servers}
+        snap = self._pool.snapshot
         loads = {e.id: e.load for e in snap.entries} if snap else {}
         ids = sorted(set(stats) | set(loads))
         self._points.append(_Point(
@@ -89,12 +88,12 @@ class PoolHistory(AppTask):
             await asyncio.sleep(self.period_s)
 
 
-def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: JobRunner | None,
-               jobs: list[Any] | None = None, *, details: bool = False,
-               history: PoolHistory | None = None) -> dict[str, Any]:
+def pool_state(pool: PoolConnection, runner: JobRunner | None, jobs: list[Any] | None = None, *,
+               details: bool = False, history: PoolHistory | None = None) -> dict[str, Any]:
     """What the pool page shows: servers as the registry and this dispatcher see them, running evals
     with their progress, recent failures. No tokens. Error texts (they can name hosts and dataset paths) only
     with `details`, for a caller that presented a valid API key or the jobs token; otherwise counts only."""
+    snapshot, dispatcher = pool.snapshot, pool.dispatcher
     stats = {s.server_id: s for s in dispatcher.stats().servers}
     servers = []
     failures = []
@@ -136,12 +135,12 @@ def pool_state(snapshot: PoolSnapshot | None, dispatcher: Dispatcher, runner: Jo
             "history": history.series() if history is not None else None}
 
 
-def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], PoolSnapshot | None], *,
-              runner: JobRunner | None = None, jobs_token: str | None = None) -> web.Application:
-    """The gateway's routes, the pool page and its data, and (with a jobs runner) the jobs API."""
+def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobRunner | None = None,
+              jobs_token: str | None = None) -> web.Application:
+    """The gateway's routes, the pool page (`page`, its HTML) and its data, and (with a jobs runner) the jobs
+    API."""
     app = gateway.app()
-    page = resources.files("fedpool").joinpath("static/pool.html").read_text(encoding="utf-8")
-    history = PoolHistory(dispatcher, snapshot)
+    history = PoolHistory(pool)
     app.on_startup.append(history.start)
     app.on_cleanup.append(history.stop)
 
@@ -152,7 +151,7 @@ def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], P
         jobs = await asyncio.to_thread(runner.store.list) if runner is not None else None
         presented = bearer(request)
         details = gateway.knows(presented) or (jobs_token is not None and matches(presented, jobs_token.encode()))
-        return web.json_response(pool_state(snapshot(), dispatcher, runner, jobs, details=details, history=history),
+        return web.json_response(pool_state(pool, runner, jobs, details=details, history=history),
                                  headers={"Cache-Control": "no-store"})
 
     app.router.add_get("/", index)
@@ -161,3 +160,32 @@ def build_app(gateway: Gateway, dispatcher: Dispatcher, snapshot: Callable[[], P
         assert jobs_token is not None
         JobsApi(runner, jobs_token).add_routes(app)
     return app
+
+
+@contextlib.asynccontextmanager
+async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *, api_keys: list[ApiKey] | None = None,
+                       max_inflight: int | None = None, runner: JobRunner | None = None,
+                       jobs_token: str | None = None, reuse_port: bool | None = None,
+                       backlog: int = 128) -> AsyncIterator[str]:
+    """The gateway over `pool`, the pool page and (with `runner`) the jobs API, served on host:port for the
+    block; yields the base URL. The job runner starts first, so a jobs directory another server owns is refused
+    (OwnershipError) before anything listens, and it stops before the listener closes."""
+    gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=api_keys, max_inflight=max_inflight)
+    if runner is not None:
+        await runner.start()
+    app = build_app(gateway, pool, page, runner=runner, jobs_token=jobs_token)
+    async with serving(app, host, port, reuse_port=reuse_port, backlog=backlog) as base:
+        try:
+            yield base
+        finally:
+            if runner is not None:
+                await runner.stop()
+
+
+def raise_open_files_limit() -> None:
+    """A gateway holds two sockets per request in flight (caller and engine): the soft limit on open files
+    (often 1,024) is raised to the hard one, as servers do; the in-flight cap keeps the count below it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))

@@ -1,6 +1,8 @@
 """Progress of running evals that people can read: a live rich table on a terminal (per eval: done /
 total, rate, ETA, failed, retried; per server: answered, in flight, window, errors), plain lines every few
-seconds when the output is a log, nothing with `quiet`."""
+seconds when the output is a log, nothing with `quiet`. The eval clients' own view of their progress (what
+`run_evals` reports as EvalProgress, beside the dispatcher's per-server stats), used by `fedpool eval` and
+`fedpool demo`."""
 
 from __future__ import annotations
 
