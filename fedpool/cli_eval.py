@@ -11,28 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fedpool.cli_support import (
-    EXIT_INCOMPLETE,
-    EXIT_OK,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
-    CliError,
-    registry_client,
-)
-from fedpool.options import (
-    EvalReplayOptions,
-    EvalRescoreOptions,
-    EvalResumeOptions,
-    EvalRunOptions,
-    PoolEvalOptions,
-    VerifierOptions,
-)
+from fedpool import options as opt
+from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, emit, registry_client
 
 EVAL_FILE = "eval.json"
 REPLAYED_SPECS = "replayed-specs"
 
 
-def cmd_eval_run(args: EvalRunOptions) -> int:
+def cmd_eval_run(args: opt.EvalRunOptions) -> int:
     from fedpool.pipeline.artifact import write_json_atomic
 
     out = args.out.resolve()
@@ -52,7 +38,7 @@ def cmd_eval_run(args: EvalRunOptions) -> int:
         return _run_eval(args, out, plan, specs, client)
 
 
-def cmd_eval_resume(args: EvalResumeOptions) -> int:
+def cmd_eval_resume(args: opt.EvalResumeOptions) -> int:
     out = args.run_dir.resolve()
     with _owned(out, "fedpool eval resume"):
         plan = _read_plan(out)
@@ -109,7 +95,6 @@ def check_specs(plan: dict[str, Any], given: list[Path] | None = None) -> list[A
     """The run's specs, checked: each file once, names unique and not the run directory's own files, every
     dataset readable (its errors name file and line)."""
     from fedpool.pipeline import load_samples, load_specs
-    from fedpool.pipeline.errors import PipelineError
     from fedpool.pipeline.ownership import LOCK_FILE
 
     paths = [Path(p) for p in plan["specs"]]
@@ -132,10 +117,7 @@ def check_specs(plan: dict[str, Any], given: list[Path] | None = None) -> list[A
             raise CliError(f"{path}: benchmark name {spec.name!r} is a file of the run directory itself; rename it",
                            EXIT_USAGE)
     for spec in specs:
-        try:
-            load_samples(spec)
-        except PipelineError as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
+        load_samples(spec)  # a DataError names file and line (exit code 2)
     return specs
 
 
@@ -158,17 +140,13 @@ async def require_servers(client: Any, model: str, revision: str | None, wait_s:
         await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
 
 
-def cmd_eval_replay(args: EvalReplayOptions) -> int:
+def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
     from fedpool.pipeline.artifact import write_json_atomic
-    from fedpool.pipeline.errors import ArtifactError
     from fedpool.pipeline.reproduce import replay_specs
 
     source = args.artifact.resolve()
-    try:
-        saved = replay_specs(source)
-        before = _read_plan(source) if (source / EVAL_FILE).exists() else {}
-    except ArtifactError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
+    saved = replay_specs(source)  # an ArtifactError names what is wrong with it (exit code 2)
+    before = _read_plan(source) if (source / EVAL_FILE).exists() else {}
     models = {(b.config.get("model"), b.config.get("revision")) for b in saved}
     if len(models) != 1:
         raise CliError(f"{source}: its benchmarks were run against different models {sorted(map(str, models))}",
@@ -196,20 +174,17 @@ def cmd_eval_replay(args: EvalReplayOptions) -> int:
         return _run_eval(args, out, plan, [b.spec for b in saved], client)
 
 
-def cmd_eval_rescore(args: EvalRescoreOptions) -> int:
+def cmd_eval_rescore(args: opt.EvalRescoreOptions) -> int:
     from fedpool.pipeline import load_spec
-    from fedpool.pipeline.errors import ArtifactError, SpecError
     from fedpool.pipeline.reproduce import benchmark_dirs, load_saved, rescoring_spec
 
-    try:
-        saved = [load_saved(d, check_data=False) for d in benchmark_dirs(args.artifact)]
-        new_specs = {s.name: s for s in (load_spec(p) for p in args.spec)}
-        unknown = sorted(set(new_specs) - {b.spec.name for b in saved})
-        if unknown:
-            raise CliError(f"--spec for {', '.join(unknown)}: not a benchmark of {args.artifact}", EXIT_USAGE)
-        use = [rescoring_spec(b.spec, new_specs.get(b.spec.name)) for b in saved]
-    except (ArtifactError, SpecError) as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
+    # An ArtifactError or a SpecError names its culprit (exit code 2).
+    saved = [load_saved(d, check_data=False) for d in benchmark_dirs(args.artifact)]
+    new_specs = {s.name: s for s in (load_spec(p) for p in args.spec)}
+    unknown = sorted(set(new_specs) - {b.spec.name for b in saved})
+    if unknown:
+        raise CliError(f"--spec for {', '.join(unknown)}: not a benchmark of {args.artifact}", EXIT_USAGE)
+    use = [rescoring_spec(b.spec, new_specs.get(b.spec.name)) for b in saved]
     out = args.out.resolve()
     if any((out / spec.name).exists() for spec in use):
         raise CliError(f"{out} already holds a rescore of these benchmarks; use another --out", EXIT_USAGE)
@@ -219,17 +194,13 @@ def cmd_eval_rescore(args: EvalRescoreOptions) -> int:
 
         init_local_ray()
     summaries = asyncio.run(_rescore_all(saved, use, out, args, needs_judge))
-    if args.json_output:
-        print(json.dumps({"out": str(out), "benchmarks": summaries}, indent=2, default=str))
-    else:
-        for summary in summaries:
-            scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in summary["scores"])
-            print(f"{summary['benchmark']}: {summary['records']} records rescored ({summary['failed']} failed); "
-                  f"{scores}; {out / summary['benchmark']}")
+    emit(args, {"out": str(out), "benchmarks": summaries}, lambda _: "\n".join(
+        f"{s['benchmark']}: {s['records']} records rescored ({s['failed']} failed); {scores(s)}; "
+        f"{out / s['benchmark']}" for s in summaries))
     return EXIT_OK
 
 
-async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: EvalRescoreOptions,
+async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: opt.EvalRescoreOptions,
                        needs_judge: bool) -> list[dict[str, Any]]:
     from fedpool.pipeline.reproduce import rescore_benchmark
 
@@ -245,7 +216,7 @@ async def _rescore_all(saved: list[Any], use: list[Any], out: Path, args: EvalRe
             verifier.shutdown()
 
 
-def verifier_pool(args: VerifierOptions) -> Any:
+def verifier_pool(args: opt.VerifierOptions) -> Any:
     from fedpool.deploy.models import ensure_gemma
     from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 
@@ -257,20 +228,21 @@ def verifier_pool(args: VerifierOptions) -> Any:
         raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
 
 
-def _run_eval(args: PoolEvalOptions, out: Path, plan: dict[str, Any], specs: list[Any], client: Any, *,
+def scores(summary: dict[str, Any]) -> str:
+    """A benchmark's scores on one line: `exact_match 61.7, f1 70.2`."""
+    return ", ".join(f"{x['metric']} {x['value']:.1f}" for x in summary["scores"])
+
+
+def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: dict[str, Any], specs: list[Any], client: Any, *,
               retry_failed: bool = False) -> int:
     """Runs the evals; exit code 0 when every record has a prediction, EXIT_INCOMPLETE when some failed (their
     errors are in the records; `fedpool eval resume` runs them again)."""
     summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args, retry_failed))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
-    if args.json_output:
-        print(json.dumps({"run_dir": str(out), "benchmarks": rows}, indent=2, default=str))
-    else:
-        for s in summaries:
-            scores = ", ".join(f"{x['metric']} {x['value']:.1f}" for x in s.summary["scores"])
-            print(f"{s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
-                  f"{s.summary['failed']} failed); {scores}; {s.artifact_dir}")
+    emit(args, {"run_dir": str(out), "benchmarks": rows}, lambda _: "\n".join(
+        f"{s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
+        f"{s.summary['failed']} failed); {scores(s.summary)}; {s.artifact_dir}" for s in summaries))
     failed = sum(s.summary["failed"] for s in summaries)
     if failed:
         print(f"fedpool: {failed} record(s) failed; `fedpool eval resume {out}` runs them again", file=sys.stderr)
@@ -279,7 +251,7 @@ def _run_eval(args: PoolEvalOptions, out: Path, plan: dict[str, Any], specs: lis
 
 
 async def _eval_through_pool(
-    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: PoolEvalOptions, retry_failed: bool
+    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: opt.PoolEvalOptions, retry_failed: bool
 ) -> list[Any]:
     from fedpool.clients import EvalTarget, run_evals
     from fedpool.clients.progress import ProgressView

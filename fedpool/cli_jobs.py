@@ -40,14 +40,10 @@ def _jobs_call(fn: Callable[[], Any], url: str) -> Any:
 
 def cmd_jobs_submit(args: JobsSubmitOptions) -> int:
     from fedpool.pipeline import load_spec
-    from fedpool.pipeline.errors import SpecError
 
     specs = []
     for path in args.spec:
-        try:
-            spec = load_spec(path)
-        except SpecError as exc:
-            raise CliError(str(exc), EXIT_USAGE) from None
+        spec = load_spec(path)  # a SpecError names file and field (exit code 2)
         raw = spec.model_dump(mode="json")
         raw["data"]["path"] = str(spec.data_path().resolve())  # the server has no spec file to resolve against
         specs.append(raw)
@@ -62,10 +58,8 @@ def cmd_jobs_submit(args: JobsSubmitOptions) -> int:
 
 def cmd_jobs_list(args: JobsClientOptions) -> int:
     jobs = _jobs_call(_jobs_client(args).list, args.url)
-    if args.json_output:
-        print(json.dumps({"jobs": jobs}, indent=2))
-    else:
-        print("\n".join(_job_line(j) for j in jobs) if jobs else "(no jobs; submit one with `fedpool jobs submit`)")
+    emit(args, {"jobs": jobs}, lambda _: "\n".join(map(_job_line, jobs)) or "(no jobs; submit one with `fedpool jobs "
+         "submit`)")
     return EXIT_OK
 
 

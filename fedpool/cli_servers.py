@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedpool import options as opt
 from fedpool.cli_support import (
     EXIT_FAILED,
     EXIT_OK,
@@ -21,17 +21,9 @@ from fedpool.cli_support import (
     stop_on_signals,
     validation_message,
 )
-from fedpool.options import (
-    RayJsonOptions,
-    RegistryStartOptions,
-    ServeOptions,
-    ServerAddOptions,
-    ServerListOptions,
-    ServerOptions,
-)
 
 
-def cmd_registry_start(args: RegistryStartOptions) -> int:
+def cmd_registry_start(args: opt.RegistryStartOptions) -> int:
     from fedpool.registry import RegistryClient
 
     connect_ray(args)
@@ -50,7 +42,7 @@ def cmd_registry_start(args: RegistryStartOptions) -> int:
     return EXIT_OK
 
 
-def cmd_registry_status(args: RayJsonOptions) -> int:
+def cmd_registry_status(args: opt.RayJsonOptions) -> int:
     client = registry_client(args)
     info = asyncio.run(client.ping())
     emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
@@ -58,7 +50,7 @@ def cmd_registry_status(args: RayJsonOptions) -> int:
     return EXIT_OK
 
 
-def cmd_pool_status(args: RayJsonOptions) -> int:
+def cmd_pool_status(args: opt.RayJsonOptions) -> int:
     from collections import Counter
 
     client = registry_client(args)
@@ -89,7 +81,7 @@ def cmd_pool_status(args: RayJsonOptions) -> int:
     return EXIT_OK
 
 
-def cmd_serve(args: ServeOptions) -> int:
+def cmd_serve(args: opt.ServeOptions) -> int:
     import socket
 
     from pydantic import ValidationError
@@ -125,7 +117,7 @@ def cmd_serve(args: ServeOptions) -> int:
 
 
 async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: dict[str, str],
-                        args: ServeOptions) -> int:
+                        args: opt.ServeOptions) -> int:
     from fedpool.deploy import EngineProcess, LeaseSettings, ServerLauncher
 
     log_path = args.log_dir.expanduser() / f"{record.id}.log"
@@ -184,7 +176,7 @@ def parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
     return labels
 
 
-def cmd_server_add(args: ServerAddOptions) -> int:
+def cmd_server_add(args: opt.ServerAddOptions) -> int:
     from pydantic import ValidationError
 
     from fedpool.registry import ServerRecord
@@ -203,34 +195,31 @@ def cmd_server_add(args: ServerAddOptions) -> int:
     return EXIT_OK
 
 
-def cmd_server_list(args: ServerListOptions) -> int:
+def cmd_server_list(args: opt.ServerListOptions) -> int:
     client = registry_client(args)
     snapshot = asyncio.run(client.snapshot())
     if args.model:
         snapshot = snapshot.filter(model=args.model)
     rows = [entry_json(e) for e in snapshot.entries]
-    if args.json_output:
-        print(json.dumps({"version": snapshot.version, "servers": rows}, indent=2))
-        return EXIT_OK
-    print(format_server_table(rows))
+    emit(args, {"version": snapshot.version, "servers": rows}, lambda _: format_server_table(rows))
     return EXIT_OK
 
 
-def cmd_server_show(args: ServerOptions) -> int:
+def cmd_server_show(args: opt.ServerOptions) -> int:
     client = registry_client(args)
     entry = asyncio.run(client.get(args.server_id))
     emit(args, entry_json(entry), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
     return EXIT_OK
 
 
-def cmd_server_drain(args: ServerOptions) -> int:
+def cmd_server_drain(args: opt.ServerOptions) -> int:
     client = registry_client(args)
     entry = asyncio.run(client.drain(args.server_id))
     emit(args, entry_json(entry), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
     return EXIT_OK
 
 
-def cmd_server_remove(args: ServerOptions) -> int:
+def cmd_server_remove(args: opt.ServerOptions) -> int:
     client = registry_client(args)
     record = asyncio.run(client.deregister(args.server_id))
     emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
@@ -238,24 +227,15 @@ def cmd_server_remove(args: ServerOptions) -> int:
 
 
 def entry_json(entry: Any) -> dict[str, Any]:
-    load = entry.load
+    load, record = entry.load, entry.record
     return {
-        "id": entry.id,
-        "url": entry.url,
-        "engine": entry.engine.value,
-        "model": entry.record.model,
-        "revision": entry.record.revision,
-        "accelerator": entry.record.accelerator,
-        "gpu_count": entry.record.gpu_count,
-        "capacity": entry.capacity,
-        "status": entry.status.value,
-        "running": load.running if load else None,
-        "waiting": load.waiting if load else None,
-        "kv_cache_usage": load.kv_cache_usage if load else None,
-        "tokens_per_s": load.tokens_per_s if load else None,
+        "id": entry.id, "url": entry.url, "engine": entry.engine.value, "model": record.model,
+        "revision": record.revision, "accelerator": record.accelerator, "gpu_count": record.gpu_count,
+        "capacity": entry.capacity, "status": entry.status.value,
+        "running": load.running if load else None, "waiting": load.waiting if load else None,
+        "kv_cache_usage": load.kv_cache_usage if load else None, "tokens_per_s": load.tokens_per_s if load else None,
         "probe_latency_ms": entry.probe_latency_s * 1000 if entry.probe_latency_s is not None else None,
-        "last_error": entry.last_error,
-        "labels": dict(entry.record.labels),
+        "last_error": entry.last_error, "labels": dict(record.labels),
     }
 
 

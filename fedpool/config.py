@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import yaml
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, InitSettingsSource
 
 from fedpool.options import EnvOnly, Options, flag_names, key_of, marker, option_fields
 from fedpool.pipeline.artifact import SECRET_NAME
@@ -78,32 +78,6 @@ def file_options(model: type[BaseSettings]) -> set[str]:
     return {key for key, field in option_fields(model).items() if marker(field, EnvOnly) is None}
 
 
-class CommandTable(PydanticBaseSettingsSource):
-    """The config file's values for one command: its top-level keys, then the table of each enclosing command
-    (`eval`, then `eval run`), the more specific winning. (pydantic-settings' TOML and YAML sources read a
-    whole file as one model's values; fedpool's file holds every command's.)"""
-
-    def __init__(self, settings_cls: type[BaseSettings], applied: Applied, command: str):
-        super().__init__(settings_cls)
-        self.values: dict[str, Any] = {}
-        self.where: dict[str, str] = {}  # key -> how the file spells it, for messages ("eval run.concurrency")
-        settable = file_options(settings_cls)
-        words = command.split()
-        for table in (" ".join(words[:depth]) for depth in range(len(words) + 1)):  # "", "eval", "eval run"
-            layer = applied.config.get(table) if table else applied.config
-            for raw_key, value in (layer.items() if isinstance(layer, dict) else ()):
-                key = raw_key.replace("-", "_")
-                if key in settable and not isinstance(value, dict):
-                    self.values[key] = value
-                    self.where[key] = f"{applied.file}: {table + '.' if table else ''}{raw_key}"
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return self.values.get(key_of(field_name, field)), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(self.values)
-
-
 @dataclass(frozen=True)
 class Applied:
     """The config file and the environment, checked against every command: what each command's settings are
@@ -116,11 +90,13 @@ class Applied:
 
 @dataclass(frozen=True)
 class Layers:
-    """One command's values by where they come from, the most important first."""
+    """One command's values by where they come from, the most important first: each becomes one of
+    pydantic-settings' sources, which merges them over the defaults."""
 
     flags: dict[str, Any]
     env: dict[str, str]
-    table: CommandTable
+    table: dict[str, Any]  # the config file's values for this command
+    where: dict[str, str]  # key -> how the file spells it, for messages ("eval run.concurrency")
     file: Path | None
 
     @classmethod
@@ -129,31 +105,47 @@ class Layers:
         # os.environ itself: main() passes the environment in, and the variable behind each value is known.
         env = {key: applied.environ[env_name(key)] for key in option_fields(model)
                if env_name(key) in applied.environ}
-        return cls(flags, env, CommandTable(model, applied, command), applied.file)
+        # The file's top-level keys, then the table of each enclosing command (`eval`, then `eval run`), the more
+        # specific winning. (pydantic-settings' TOML and YAML sources read a whole file as one model's values;
+        # fedpool's file holds every command's.)
+        table: dict[str, Any] = {}
+        where: dict[str, str] = {}
+        settable = file_options(model)
+        words = command.split()
+        for name in (" ".join(words[:depth]) for depth in range(len(words) + 1)):  # "", "eval", "eval run"
+            layer = applied.config.get(name) if name else applied.config
+            for raw_key, value in (layer.items() if isinstance(layer, dict) else ()):
+                key = raw_key.replace("-", "_")
+                if key in settable and not isinstance(value, dict):
+                    table[key] = value
+                    where[key] = f"{applied.file}: {name + '.' if name else ''}{raw_key}"
+        return cls(flags, env, table, where, applied.file)
 
-    def sources(self, model: type[Options]) -> tuple[PydanticBaseSettingsSource, ...]:
-        return InitSettingsSource(model, self.flags), InitSettingsSource(model, self.env), self.table
+    def settings(self, model: type[Options]) -> Options:
+        """flags > environment > config file > defaults, each value checked. (`_build_sources` is BaseSettings'
+        own argument for sources made beforehand; mypy sees only the fields' __init__.)"""
+        sources = tuple(InitSettingsSource(model, layer) for layer in (self.flags, self.env, self.table))
+        return model(_build_sources=(sources, self.flags))  # type: ignore[call-arg]
 
     def origin(self, key: str) -> str:
         if key in self.flags:
             return "flag"
         if key in self.env:
             return f"env {env_name(key)}"
-        return f"config file {self.file}" if key in self.table.values else "default"
+        return f"config file {self.file}" if key in self.table else "default"
 
     def culprit(self, key: str, field: FieldInfo) -> str:
         if key in self.flags:
             return flag_names(key, field)[-1]
-        return f"environment {env_name(key)}" if key in self.env else self.table.where[key]
+        return f"environment {env_name(key)}" if key in self.env else self.where[key]
 
 
 def load_settings(model: type[Options], command: str, flags: dict[str, Any],
                   applied: Applied) -> tuple[Options, Layers]:
-    """`command`'s settings: flags > environment > config file > defaults, each value checked. (`_build_sources`
-    is BaseSettings' own argument for sources made beforehand; mypy sees only the fields' __init__.)"""
+    """`command`'s settings: flags > environment > config file > defaults, each value checked."""
     layers = Layers.of(model, command, flags, applied)
     try:
-        return model(_build_sources=(layers.sources(model), flags)), layers  # type: ignore[call-arg]
+        return layers.settings(model), layers
     except ValidationError as exc:
         raise ConfigError("; ".join(_problems(model, layers, exc, with_missing=True))) from None
 
@@ -197,7 +189,7 @@ def apply_defaults(commands: Commands, config: Mapping[str, Any], config_path: P
     for name, model in commands.options.items():
         layers = Layers.of(model, name, {}, applied)
         try:
-            model(_build_sources=(layers.sources(model), {}))  # type: ignore[call-arg]
+            layers.settings(model)
         except ValidationError as exc:  # options that must be given are not missing: the flags may give them
             problems = _problems(model, layers, exc, with_missing=False)
             if problems:
