@@ -13,7 +13,8 @@ user's would (`--address`, `--state-dir`): each has its own dispatcher, leasing 
    started together (**multi**), same flags otherwise; the order of the two arms alternates between repeats.
    Times are taken from launch (the moment the processes are started) with the wall clock the records carry
    (`provenance.completed_at`): an eval is done at its last record; its own time is its summary's `wall_time_s`
-   and its start-up (launch to its first request) the difference.
+   and its start-up (launch to the eval's start: the process's imports, joining Ray, its CPU actor, its lease
+   client) the difference.
 2. **replicas**: two lm-eval processes (`local-completions`, realtool_speedup's invocation, `num_concurrent` = the
    pool's slots, one API key each) each behind its own `fedpool gateway` process (**two-replicas**) against both
    behind one (**one-gateway**); fresh gateways in every arm. realtool_speedup's start gate holds every request
@@ -62,7 +63,7 @@ from fedpool.benchmarks.realtool_speedup import (
     arith,
     stories,
 )
-from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+from fedpool.benchmarks.report import RESULTS_DIR, code_version, markdown_table, write_report
 from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.multiprocess")
@@ -70,6 +71,9 @@ log = logging.getLogger("fedpool.multiprocess")
 PROBE_INTERVAL_S = 2.0  # the registry's probe period, as `fedpool up` starts it
 ENGINE_SAMPLE_S = 0.1  # the engines' /metrics, read this often
 LEASE_SAMPLE_S = 0.5  # the broker's holders and grants, read this often
+# What a process logs when its capacity lease lapses (federation/leases.py): renewed too late, or never granted.
+LEASE_LAPSES = ("capacity lease expired", "no capacity lease from the registry")
+RUN_FILE = "run.json"  # the run's arguments and start, in its work dir (what --from-work-dir re-renders)
 LOST_COPY_WINDOW_S = 15.0  # a deferred request is set beside the straggler copies cancelled this long before it
 STARVED_S = 5.0  # a replica without slots this long while its client sends is reported
 SETTLE_S = 4.0  # between arms: every holder of the last arm has released or expired (the broker's TTL is 3 s)
@@ -151,6 +155,7 @@ class ArmWatch:
     predicted: dict[str, float] = field(default_factory=dict)  # tokens generated during the arm
     predicted_at_start: dict[str, float] = field(default_factory=dict)
     lease_calls: int = 0
+    lease_lapses: int = 0  # warnings of a lapsed lease in the arm's processes' logs
     holders_seen: set[str] = field(default_factory=set)
     max_holders: int = 0
     max_granted: dict[str, int] = field(default_factory=dict)  # server -> most slots leased at once, all holders
@@ -278,6 +283,18 @@ class EvalArm:
     def makespan_s(self) -> float:
         return max(t.done_s for t in self.evals.values())
 
+    def first_slot_s(self) -> dict[str, float]:
+        """Eval -> seconds from launch until its process first held a leased slot (the watch starts at launch)."""
+        names = list(self.evals)
+        process_of = {name: f"process-{i if len(self.pids) == len(names) else 0}" for i, name in enumerate(names)}
+        first: dict[str, float] = {}
+        for t, holders in self.watch.lease_series:
+            for holder, slots in holders.items():
+                if sum(slots.values()) > 0:
+                    first.setdefault(holder.split(":")[1] if holder.count(":") >= 2 else holder, t)
+        return {name: first[str(self.pids[process_of[name]])] for name in names
+                if str(self.pids.get(process_of[name])) in first}
+
     @property
     def inference_s(self) -> float:
         """From the first eval's start to the last record: the makespan without the earliest start-up."""
@@ -350,9 +367,16 @@ async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, 
     for out in outs:
         for bench_dir in sorted(p.parent for p in out.glob("*/summary.json")):
             evals[bench_dir.name] = _eval_timing(bench_dir, launch)
+    watch.lease_lapses = await asyncio.to_thread(_lease_lapses, work)
     run = EvalArm(arm, evals, list(walls), watch, pids)
     await asyncio.to_thread(_dump, work / "arm.json", run)
     return run
+
+
+def _lease_lapses(arm_dir: Path) -> int:
+    """Lapsed capacity leases the arm's fedpool processes logged (eval runs and gateways log their warnings)."""
+    return sum(sum(1 for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+                   if any(marker in line for marker in LEASE_LAPSES)) for log_path in arm_dir.glob("*.log"))
 
 
 def _dump(path: Path, run: Any) -> None:
@@ -515,6 +539,7 @@ async def run_tool_arm(arm: str, tag: str, pool: Pool, workloads: Sequence[Workl
                 _run_process(_lm_eval_argv(pool.model, gate.url, w.name, task_dir, outs[w.name], concurrent),
                              _child_env(keys[w.name]), work / f"lm-eval-{w.name}.log") for w in workloads))
     durations = gate.durations()
+    watch.lease_lapses = await asyncio.to_thread(_lease_lapses, work)
     run = ToolArm(arm, {w.name: durations.get(keys[w.name], 0.0) for w in workloads},
                   dict(zip(outs, walls, strict=True)), {w.name: dict(gate.answered[keys[w.name]]) for w in workloads},
                   {w.name: len(_lm_eval_answers(outs[w.name], w.name)) for w in workloads}, watch, pids,
@@ -633,8 +658,7 @@ def headline(results: Results) -> dict[str, object]:
     }
 
 
-def _evals_section(results: Results, pool: Pool) -> list[str]:
-    servers = list(pool.server_urls)
+def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
     rows = []
     for r, run in enumerate(results.evals):
         for arm in EVAL_ARMS:
@@ -647,7 +671,7 @@ def _evals_section(results: Results, pool: Pool) -> list[str]:
                 "; ".join(f"{sid} {a.watch.max_deferred.get(sid, 0)} ({a.watch.deferred_samples.get(sid, 0)}"
                           f"/{a.watch.samples})" for sid in servers),
                 "; ".join(f"{sid} {sum(t.by_server.get(sid, 0) for t in a.evals.values())}" for sid in servers),
-                f"{a.watch.lease_calls_per_s:.1f}", a.watch.max_holders,
+                f"{a.watch.lease_calls_per_s:.1f}", a.watch.lease_lapses, a.watch.max_holders,
                 "; ".join(f"{sid} {a.watch.max_granted.get(sid, 0)}" for sid in servers), a.watch.load(),
             ])
     lines = ["## 1. Four evals: one `fedpool eval run` vs one process each", "", markdown_table(
@@ -655,7 +679,8 @@ def _evals_section(results: Results, pool: Pool) -> list[str]:
          "process walls (s)",
          "per eval: start-up + own = done from launch (s)", "failed records",
          "deepest engine queue (samples with any deferred / samples)", "records per server", "lease calls/s",
-         "most holders at once", "most slots leased at once per server", "load 1-min (start → end)"], rows), ""]
+         "leases lapsed", "most holders at once", "most slots leased at once per server",
+         "load 1-min (start → end)"], rows), ""]
     ratios, owns = eval_ratios(results), own_ratios(results)
     per_eval = []
     for name in ratios:
@@ -680,8 +705,7 @@ def _evals_section(results: Results, pool: Pool) -> list[str]:
     return lines
 
 
-def _tools_section(results: Results, pool: Pool) -> list[str]:
-    servers = list(pool.server_urls)
+def _tools_section(results: Results, servers: Sequence[str]) -> list[str]:
     rows = []
     for r, run in enumerate(results.tools):
         for arm in TOOL_ARMS:
@@ -693,14 +717,14 @@ def _tools_section(results: Results, pool: Pool) -> list[str]:
                 "/".join(str(t.by_server.get(sid, 0)) for sid in servers), f"{t.busier_share:.2f}",
                 "/".join(f"{t.watch.predicted.get(sid, 0):.0f}" for sid in servers),
                 "; ".join(f"{sid} {t.watch.max_deferred.get(sid, 0)}" for sid in servers),
-                f"{t.watch.lease_calls_per_s:.1f}", t.watch.max_holders,
+                f"{t.watch.lease_calls_per_s:.1f}", t.watch.lease_lapses, t.watch.max_holders,
                 "; ".join(f"{g} {s:.1f}" for g, s in t.longest_without_slots_s().items()) or "-", t.watch.load()])
     lines = ["## 2. Two lm-eval processes: each behind its own gateway replica vs both behind one", "",
              "In two-replicas, `arith` is behind gateway-0 and `long` behind gateway-1.", "",
              markdown_table(["repeat", "arm", "start line to last answer (s)", "process wall incl. start-up (s)",
                              "requests per server, each eval (" + "/".join(servers) + ")", "all requests per server",
                              "busier server's share", "tokens generated per server", "deepest engine queue",
-                             "lease calls/s", "most holders at once",
+                             "lease calls/s", "leases lapsed", "most holders at once",
                              "longest a gateway held no slot while both sent (s)", "load 1-min (start → end)"], rows),
              ""]
     if results.tools:
@@ -739,22 +763,43 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
         own_one = statistics.median(r["one"].evals[name].own_s for r in results.evals)
         own_multi = statistics.median(r["multi"].evals[name].own_s for r in results.evals)
         out += ["", f"- The latest eval against its one-process time is `{name}`: done {multi:.1f} s from launch in "
-                f"its own process against {one:.1f} s in one (medians). Of that, start-up (launch to its first "
-                f"request) was {start_multi:.1f} s against {start_one:.1f} s, and its own run {own_multi:.1f} s "
-                f"against {own_one:.1f} s (own time ÷ one: {_spread(own_ratios(results)[name])})."]
+                f"its own process against {one:.1f} s in one (medians). Of that, start-up (launch to the eval's "
+                f"start) was {start_multi:.1f} s against {start_one:.1f} s, and its own run {own_multi:.1f} s "
+                f"against {own_one:.1f} s (own time ÷ one: {_spread(own_ratios(results)[name])}). Its process held a "
+                "first slot " + _spread([r["multi"].first_slot_s().get(name, float("nan"))
+                                         - r["multi"].evals[name].started_s for r in results.evals], " s", 1)
+                + " after the eval started (in one process: "
+                + _spread([r["one"].first_slot_s().get(name, float("nan")) - r["one"].evals[name].started_s
+                           for r in results.evals], " s", 1)
+                + "): a process that starts later finds the slots held by the requests in flight of one that "
+                "started earlier, and none is taken back. Load (1-minute) at the start of the multi arms: "
+                + ", ".join(f"{r['multi'].watch.load_start[0]:.1f}" for r in results.evals)
+                + f" on {os.cpu_count()} cores; each process imports fedpool and Ray, joins the cluster and starts a "
+                "Ray CPU actor for its summaries before its eval starts."]
     queued = [(f"evals repeat {r + 1} {arm}", run[arm].watch,
                [c for t in run[arm].evals.values() for c in t.lost_copies])
               for r, run in enumerate(results.evals) for arm in EVAL_ARMS]
     queued += [(f"lm-eval repeat {r + 1} {arm}", run[arm].watch, []) for r, run in enumerate(results.tools)
                for arm in TOOL_ARMS]
-    out += ["", "- Engine queues: " + ("; ".join(_queued(*q) for q in queued if q[1].deepest)
-                                     or "no server ever deferred a request in any arm") + "."]
+    deferred = [f"  - {_queued(*q)}." for q in queued if q[1].deepest]
+    out += ["", "- Engine queues: " + ("" if deferred else "no server ever deferred a request in any arm."),
+            *deferred]
     if any(q[1].deepest and q[2] for q in queued):
         out.append("- A straggler copy that loses its race is cancelled and its slot given back at once "
                    "(federation/tail.py), but this llama-server runs a non-streamed request whose client closed its "
                    "connection to its end (measured separately on this build: a 200-token request closed after 1 s "
                    "held its only slot 13.9 s more, its replacement deferred all that time): for the rest of the "
                    "loser's answer the engine holds one request more than fedpool counts.")
+    if any(q[1].deepest and q[1].lease_lapses for q in queued):
+        lapses = [q[1].lease_lapses for q in queued]
+        out.append(f"- Leases lapsed {sum(lapses)} times over the {len(lapses)} arms (most in one arm: {max(lapses)}): "
+                   "a renewal answered later than the lease's TTL (3 s; the registry actor and these processes "
+                   "short of CPU) ends the lease, and the process falls back to its safe share, each server's "
+                   "capacity ÷ the holders last known, on every server whatever lease it held, while the other "
+                   "holders still hold theirs: a process that held all of one server and none of the other sends "
+                   "its safe share to the other, which another holder fully holds (federation/leases.py "
+                   "`_expired`). The broker likewise drops a holder whose reports arrive later than the TTL, and can "
+                   "grant its slots to another while its requests still run.")
     for r, run in enumerate(results.tools):
         replicas, single = run["two-replicas"], run["one-gateway"]
         later = [n for n in replicas.eval_s if replicas.eval_s[n] > single.eval_s[n]]
@@ -784,13 +829,14 @@ def _queued(label: str, watch: ArmWatch, lost: Sequence[tuple[str, float]] = ())
             parts.append(f"{sid} {depth} deep, in {len(times)} samples between {min(times):.1f} and {max(times):.1f} s "
                          f"into the arm ({watch.wall_s:.1f} s long; straggler copies cancelled on it in the "
                          f"{LOST_COPY_WINDOW_S:g} s before: {len(before)})")
-    return f"{label}: " + ", ".join(parts)
+    return f"{label}: " + "; ".join(parts) + f"; leases lapsed in the arm: {watch.lease_lapses}"
 
 
-def body(results: Results, pool: Pool, args: argparse.Namespace) -> str:
+def body(results: Results, servers: Sequence[str], args: argparse.Namespace, rendered_from: str = "") -> str:
     line = headline(results)
     lines = [
-        f"Pool: {len(pool.server_urls)} llama.cpp servers (Gemma 3 270M Q4_K_M, {pool.slots} slots, {args.threads} "
+        *([rendered_from, ""] if rendered_from else []),
+        f"Pool: {len(servers)} llama.cpp servers (Gemma 3 270M Q4_K_M, {args.slots} slots, {args.threads} "
         f"thread(s) each) started as `fedpool up` starts them (deploy/localpool.py), local Ray on loopback, the "
         f"registry probing every {PROBE_INTERVAL_S:g} s. Every eval run, gateway and lm-eval is its own process "
         f"joining the pool (`--address`, `--state-dir`). {len(results.evals)} alternating repeats of part 1, "
@@ -799,7 +845,7 @@ def body(results: Results, pool: Pool, args: argparse.Namespace) -> str:
         f"Evals: `long_a`, `long_b` ({args.long_prompts} prompts x {args.long_tokens} tokens each, no stop), the "
         f"bundled `arith` and `capitals`" + (f", each limited to {args.limit} samples" if args.limit else "")
         + f". lm-eval: `arith` ({args.tool_arith} samples) and `long` ({args.long_prompts} x {args.long_tokens}), "
-        f"`num_concurrent` {pool.slots * len(pool.server_urls)} (the pool's slots), one API key each.",
+        f"`num_concurrent` {args.slots * len(servers)} (the pool's slots), one API key each.",
         "",
         "Engine queue: each server's `llamacpp:requests_deferred` (requests it accepted beyond its slots), every "
         f"{ENGINE_SAMPLE_S * 1000:.0f} ms. Lease calls: the registry's `lease` calls over the arm's wall time "
@@ -809,9 +855,9 @@ def body(results: Results, pool: Pool, args: argparse.Namespace) -> str:
         "",
     ]
     if results.evals:
-        lines += _evals_section(results, pool)
+        lines += _evals_section(results, servers)
     if results.tools:
-        lines += _tools_section(results, pool)
+        lines += _tools_section(results, servers)
     lines += _findings(results, line)
     return "\n".join(lines)
 
@@ -829,18 +875,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tool-arith", type=int, default=60, help="arith samples of the lm-eval part")
     parser.add_argument("--name", default="multiprocess")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--work-dir", type=Path)
+    parser.add_argument("--work-dir", type=Path, help="keep every arm's logs, artifacts and arm.json here")
+    parser.add_argument("--from-work-dir", type=Path, help="run nothing: write the report again from the arm.json "
+                        "files and logs a run kept in this --work-dir")
     return parser.parse_args(argv)
 
 
+TITLE = "Many processes, one pool: N eval processes and gateway replicas sharing the servers' slots"
+RUN_SETTINGS = ("repeats", "servers", "slots", "threads", "long_prompts", "long_tokens", "limit", "tool_arith")
+
+
 def execute(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]:
+    if args.from_work_dir:
+        return rerender(args)
     with tempfile.TemporaryDirectory(prefix="fedpool-multiprocess-") as tmp:
         work = args.work_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / RUN_FILE).write_text(json.dumps({
+            "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "code": code_version(),
+            "settings": {k: getattr(args, k) for k in RUN_SETTINGS}}), encoding="utf-8")
         results, pool = asyncio.run(run_all(args, work))
     line = headline(results)
-    path = write_report(args.name, "Many processes, one pool: N eval processes and gateway replicas sharing the "
-                        "servers' slots", body(results, pool, args), line, results_dir=args.results_dir)
+    path = write_report(args.name, TITLE, body(results, list(pool.server_urls), args), line,
+                        results_dir=args.results_dir)
     return results, path, line
+
+
+def rerender(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]:
+    """The report again from what a run kept in its work dir (a report's text changed, not the numbers)."""
+    work = args.from_work_dir
+    run = json.loads((work / RUN_FILE).read_text(encoding="utf-8"))
+    for key, value in run["settings"].items():
+        setattr(args, key, value)
+    results = load_results(work)
+    servers = sorted({sid for runs in results.evals for a in runs.values() for sid in a.watch.max_deferred}
+                     | {sid for runs in results.tools for t in runs.values() for sid in t.watch.max_deferred})
+    note = (f"Figures of the run started {run['started']} (`python -m fedpool.benchmarks.multiprocess "
+            f"{' '.join(run['argv'])}`, code {run.get('code', 'unknown')}), written again from what it kept in "
+            f"{work}.")
+    line = headline(results)
+    path = write_report(args.name, TITLE, body(results, servers, args, note), line, results_dir=args.results_dir)
+    return results, path, line
+
+
+def _load_watch(raw: dict[str, Any], arm_dir: Path) -> ArmWatch:
+    raw = {**raw, "load_start": tuple(raw["load_start"]), "load_end": tuple(raw["load_end"]),
+           "holders_seen": set(raw["holders_seen"]),
+           "engine_series": [(t, sample) for t, sample in raw["engine_series"]],
+           "lease_series": [(t, holders) for t, holders in raw["lease_series"]]}
+    watch = ArmWatch(**raw)
+    watch.lease_lapses = _lease_lapses(arm_dir)  # from the logs: a run kept them
+    return watch
+
+
+def load_results(work: Path) -> Results:
+    results = Results()
+    r = 1
+    while (work / f"evals-{r}").is_dir():
+        runs: dict[str, EvalArm] = {}
+        for arm in EVAL_ARMS:
+            raw = json.loads((work / f"evals-{r}" / arm / "arm.json").read_text(encoding="utf-8"))
+            evals = {n: EvalTiming(**{**t, "lost_copies": [tuple(c) for c in t["lost_copies"]]})
+                     for n, t in raw["evals"].items()}
+            runs[arm] = EvalArm(arm, evals, raw["process_s"], _load_watch(raw["watch"], work / f"evals-{r}" / arm),
+                                raw["pids"])
+        results.evals.append(runs)
+        r += 1
+    r = 1
+    while (work / f"tools-{r}").is_dir():
+        tools: dict[str, ToolArm] = {}
+        for arm in TOOL_ARMS:
+            raw = json.loads((work / f"tools-{r}" / arm / "arm.json").read_text(encoding="utf-8"))
+            tools[arm] = ToolArm(**{**raw, "watch": _load_watch(raw["watch"], work / f"tools-{r}" / arm)})
+        results.tools.append(tools)
+        r += 1
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

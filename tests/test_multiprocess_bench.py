@@ -48,6 +48,12 @@ def test_multiprocess_benchmark_small(tmp_path: Path) -> None:
         assert set(tool.by_server) <= set(multiprocess_servers(tmp_path)), tool.by_server
         assert all(s > 0 for s in tool.eval_s.values()), (arm, tool.eval_s)
     assert len(tools["two-replicas"].pids) == 2 and len(tools["one-gateway"].pids) == 1
+    # the report written again from what the run kept: the same figures
+    again = multiprocess.parse_args(["--from-work-dir", str(tmp_path / "work"), "--results-dir",
+                                     str(tmp_path / "again")])
+    _, path_again, line_again = multiprocess.execute(again)
+    assert line_again == line
+    assert path_again.read_text().split("## 1.")[1] == path.read_text().split("## 1.")[1]
 
 
 def multiprocess_servers(tmp_path: Path) -> list[str]:
