@@ -11,8 +11,10 @@ one thread, 16 connections, POST /v1/completions with a small body. Paths (each 
 - bare, bare+uvloop: `aiohttp` pass-through proxy (read the body, POST it round-robin to a backend on one shared
   session, answer its bytes), on asyncio's loop and on uvloop's;
 - fedpool: `fedpool gateway` (the CLI, as an operator runs it) over the registry;
-- fedpool+uvloop: the same composition (registry client, PoolConnection, Gateway) started by this module on
-  uvloop (the CLI's loop is the CLI's choice);
+- fedpool+asyncio, fedpool+uvloop: the same composition (registry client, PoolConnection, Gateway) started by
+  this module, on asyncio's loop and on uvloop's (the CLI's loop is the CLI's choice);
+- fedpool-noleases: that composition on asyncio's loop without capacity leases (`PoolConnection(leases=False)`),
+  to show what the leases cost a gateway;
 - haproxy: Debian's HAProxy, one thread, round-robin over both backends.
 
 Per repeat, each path runs saturated (closed loop: 16 requests always outstanding) for `--seconds`: its rate, its
@@ -64,7 +66,8 @@ ANSWER = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 170
                      "choices": [{"index": 0, "text": " one two three four", "logprobs": None,
                                   "finish_reason": "length"}],
                      "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}, separators=(",", ":"))
-PATHS = ("direct", "bare", "bare+uvloop", "fedpool", "fedpool+uvloop", "fedpool-noleases", "haproxy")
+PATHS = ("direct", "bare", "bare+uvloop", "fedpool", "fedpool+asyncio", "fedpool+uvloop", "fedpool-noleases",
+         "haproxy")
 
 
 # ---- the proxies this module starts itself (each in its own process) ----------------------------------------
@@ -407,8 +410,9 @@ def run(args: argparse.Namespace, work: Path) -> Measured:
                 proc = stack.enter_context(process(
                     [sys.executable, "-m", "fedpool.cli", "gateway", "--address", address, "--state-dir", str(state),
                      "--port", str(port), "--quiet"], work / "fedpool.log", ready))
-            elif name in ("fedpool+uvloop", "fedpool-noleases"):
-                options = ["--loop", "uvloop"] if name == "fedpool+uvloop" else ["--loop", "asyncio", "--no-leases"]
+            elif name in ("fedpool+asyncio", "fedpool+uvloop", "fedpool-noleases"):
+                options = {"fedpool+asyncio": ["--loop", "asyncio"], "fedpool+uvloop": ["--loop", "uvloop"],
+                           "fedpool-noleases": ["--loop", "asyncio", "--no-leases"]}[name]
                 proc = stack.enter_context(process(
                     [*me, "fedpool", "--port", str(port), "--address", address, "--state-dir", str(state),
                      *options], work / f"{name}.log", ready))
