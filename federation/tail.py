@@ -9,7 +9,9 @@ the other copy is cancelled (its slot given back before the request returns).
 A copy only ever runs on a *replica* of the first server: the same engine, model and revision, with the
 revision explicitly set (`unspecified` matches nothing), and only for requests whose answer a copy cannot
 change (`hedgeable`: greedy decoding, no bit-reproducibility asked), so the winner of a timing race cannot
-change what is recorded beyond the batch numerics of one engine build.
+change what is recorded beyond the batch numerics of one engine build. And only on an engine that aborts a
+request whose client hangs up (vLLM, SGLang): llama.cpp runs a non-streamed request to its end, so there the
+losing copy would hold its slot and only add load.
 
 Cost where it does not apply: the dispatcher notes a hedgeable request in flight in a dict (its task → a
 `Racer`) and awaits it inline — no task, timer or future of its own, and no call into this module. A copy
@@ -31,7 +33,7 @@ from fedpool.federation.policies import Policy
 from fedpool.federation.routes import Route
 from fedpool.federation.serverbook import ServerBook, ServerState
 from fedpool.federation.types import Completion, InferenceRequest
-from fedpool.registry import ServerEntry
+from fedpool.registry import Engine, ServerEntry, adapter_for
 
 HEDGE_RECHECK_S = 0.1  # how often, at a tail, stragglers look for a server to be copied onto
 UNSPECIFIED_REVISION = "unspecified"
@@ -48,6 +50,16 @@ def replicas(a: ServerEntry, b: ServerEntry) -> bool:
     """Whether a copy on `b` may stand in for an attempt on `a`: same engine, model and explicit revision."""
     return (a.record.engine == b.record.engine and a.record.model == b.record.model
             and a.record.revision == b.record.revision and a.record.revision != UNSPECIFIED_REVISION)
+
+
+# Engines that abort a non-streamed request whose client hung up: a losing copy frees its slot there.
+CANCELLING_ENGINES = frozenset(e.value for e in Engine if adapter_for(e).cancels_on_disconnect)
+
+
+def may_race(a: ServerEntry, b: ServerEntry) -> bool:
+    """Whether a copy on `b` may race an attempt on `a`: replicas, on an engine where the loser is cancelled
+    by hanging up (llama.cpp runs a non-streamed request to its end: the copy would only add load)."""
+    return a.record.engine in CANCELLING_ENGINES and replicas(a, b)
 
 
 @dataclass(eq=False, slots=True)
@@ -119,7 +131,7 @@ class TailRescue:
         if primary is None:
             return
         free = [s for s in racer.route.free if s is not racer.server and s.entry is not None
-                and replicas(primary, s.entry)]
+                and may_race(primary, s.entry)]
         if not free:
             return
         if self._policy.candidate_limit is not None and len(free) > self._policy.candidate_limit:
@@ -137,7 +149,7 @@ class TailRescue:
 
         def eligible(r: Racer) -> bool:
             return (r.request.client_id in done and r.racing and r.copy_server is None and r.server.entry is not None
-                    and replicas(r.server.entry, entry) and thief in r.route.servers)
+                    and may_race(r.server.entry, entry) and thief in r.route.servers)
 
         for victim in self._stealable(thief, eligible):
             self._start_copy(victim, thief)

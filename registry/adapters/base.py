@@ -79,6 +79,9 @@ class EngineAdapter(ABC):
     metrics_path: ClassVar[str | None] = "/metrics"
     default_capacity: ClassVar[int] = 16
     wanted_metrics: ClassVar[frozenset[str] | None] = None  # families to keep before parsing; None = all
+    # A non-streamed request whose client hangs up is aborted (its slot freed) rather than run to the end. Copies
+    # of a request (hedging, stealing) race only on engines that do: the losing copy is cancelled by hanging up.
+    cancels_on_disconnect: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, engine: Engine | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

@@ -17,6 +17,9 @@ KV_USAGE = "llamacpp:kv_cache_usage_ratio"  # exported by older builds only
 class LlamaCppAdapter(EngineAdapter, engine=Engine.LLAMACPP):
     health_path = "/health"
     default_capacity = 1  # llama-server's default is one slot unless -np is given
+    # A non-streamed request runs to the end after its client hangs up (httplib blocks on the result: no
+    # disconnect event; llama.cpp #9273): a losing copy would hold its slot. Only streams notice.
+    cancels_on_disconnect = False
     wanted_metrics = frozenset({PROCESSING, DEFERRED, TOKENS_PREDICTED, KV_USAGE})
 
     def load_from_samples(self, samples: MetricSamples, observed_at: float) -> LoadSample:

@@ -19,6 +19,8 @@ LOAD_PATHS = ("/v1/loads", "/get_load")
 class SglangAdapter(EngineAdapter, engine=Engine.SGLANG):
     health_path = "/health"
     default_capacity = 256
+    # SGLang's tokenizer manager checks `is_disconnected()` while a non-streamed request waits, and aborts it.
+    cancels_on_disconnect = True
     wanted_metrics = frozenset({RUNNING, WAITING, TOKEN_USAGE, GEN_THROUGHPUT})
 
     def load_from_samples(self, samples: MetricSamples, observed_at: float) -> LoadSample:

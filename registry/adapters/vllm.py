@@ -17,6 +17,8 @@ CACHE_CONFIG = "vllm:cache_config_info"
 class VllmAdapter(EngineAdapter, engine=Engine.VLLM):
     health_path = "/health"
     default_capacity = 256  # vLLM's default max_num_seqs on GPUs
+    # vLLM's OpenAI server wraps its completion handlers in `with_cancellation`: a disconnect aborts the request.
+    cancels_on_disconnect = True
     wanted_metrics = frozenset({RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD, GENERATION_TOKENS})
 
     def load_from_samples(self, samples: MetricSamples, observed_at: float) -> LoadSample:
