@@ -72,7 +72,7 @@ PROBE_INTERVAL_S = 2.0  # the registry's probe period, as `fedpool up` starts it
 ENGINE_SAMPLE_S = 0.1  # the engines' /metrics, read this often
 LEASE_SAMPLE_S = 0.5  # the broker's holders and grants, read this often
 # What a process logs when its capacity lease lapses (federation/leases.py): renewed too late, or never granted.
-LEASE_LAPSES = ("capacity lease expired", "no capacity lease from the registry")
+LEASE_LAPSES = ("capacity lease not renewed in time", "no capacity lease from the registry")
 RUN_FILE = "run.json"  # the run's arguments and start, in its work dir (what --from-work-dir re-renders)
 LOST_COPY_WINDOW_S = 15.0  # a deferred request is set beside the straggler copies cancelled this long before it
 STARVED_S = 5.0  # a replica without slots this long while its client sends is reported

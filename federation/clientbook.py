@@ -94,6 +94,16 @@ class ClientBook:
         self._all_work += (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
         self._all_s += slot_s
 
+    def served_s(self, client_id: str) -> float | None:
+        """Slot-seconds of a client ranked by its service (shortest_first, no work left reported); else None."""
+        if self.order != "shortest_first" or client_id in self._work_left:
+            return None
+        return self._served_s.get(client_id, 0.0)
+
+    def served_totals(self) -> tuple[float, float]:
+        """Every answer's work and slot-seconds (the scale `served` uses)."""
+        return self._all_work, self._all_s
+
     def served(self, client_id: str) -> float:
         """The service a client has had, in the reported work's units (see the module docstring)."""
         scale = self._all_work / self._all_s if self._all_s > 0 else 1.0

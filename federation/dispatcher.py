@@ -175,8 +175,13 @@ class Dispatcher:
                     per[client] = per.get(client, 0) + n
         clients = self._clients
         return tuple(ModelDemand(model=model, clients=tuple(
-            ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c))
+            ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
+                         served_s=clients.served_s(c))
             for c, n in sorted(per.items()))) for model, per in sorted(wanted.items()) if per)
+
+    def served_totals(self) -> tuple[float, float]:
+        """Every answer's work (prompt + 2 × completion tokens) and the engine slot-seconds they held."""
+        return self._clients.served_totals()
 
     def held(self) -> dict[str, int]:
         """The capacity lease this process works within now, per server."""

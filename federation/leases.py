@@ -9,9 +9,13 @@ process let slots go) arrives within a round trip, and a steady process renews t
 pokes the client when it goes from idle to wanting slots and back, so a new eval does not wait for a renewal
 and an idle process holds nothing.
 
-When the registry is away, the lease held is kept until it expires (its TTL from when it arrived), then the
-process falls back to its safe share (each server's capacity divided among the holders last known); reports go
-on, and a lease from the registry — the same or a restarted one — replaces the fallback when it comes.
+A lease runs `ttl_s` from when the report that earned it was *sent*: the broker forgets a silent holder
+`ttl_s` after it *received* the report, later, so a holder never keeps slots the broker has already given to
+another. When a lease runs out unrenewed (the registry away, or a call too slow), the process keeps at most what
+it held, server by server, capped by its safe share (each server's capacity divided among the holders last
+known) for one more TTL, and then takes its safe share: by then every holder has lost its lease too if the
+registry is really away, so safe shares add up to at most each server's capacity. Reports go on, and a lease
+from the registry — the same or a restarted one — replaces the fallback when it comes.
 """
 
 from __future__ import annotations
@@ -66,9 +70,11 @@ class LeaseClient:
         self._poked = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
-        self._late: set[asyncio.Future[Lease]] = set()  # long polls superseded by a poked report, still out
+        self._late: dict[asyncio.Future[Lease], float] = {}  # long polls superseded by a poked report -> sent at
+        self._held: Mapping[str, int] = {}  # the lease last applied
         self.calls = 0
         self.failures = 0
+        self.lapses = 0  # leases that ran out unrenewed
 
     async def start(self) -> None:
         """Hold no slots until the first lease comes (a round trip); if none comes within CALL_TIMEOUT_S, the
@@ -97,7 +103,7 @@ class LeaseClient:
                 await self._task
         for call in list(self._late):
             call.cancel()
-        await asyncio.gather(*self._late, return_exceptions=True)
+        await asyncio.gather(*list(self._late), return_exceptions=True)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._registry.release_lease(self.holder), 1.0)
 
@@ -107,8 +113,9 @@ class LeaseClient:
 
     def report(self) -> DemandReport:
         dispatcher = self._dispatcher
+        work, slot_s = dispatcher.served_totals()
         return DemandReport(holder=self.holder, models=dispatcher.demand(), inflight=dispatcher.inflight(),
-                            held=dispatcher.held(), broker=self._broker)
+                            held=dispatcher.held(), broker=self._broker, served_work=work, served_slot_s=slot_s)
 
     async def _run(self) -> None:
         reported_at = float("-inf")
@@ -129,42 +136,56 @@ class LeaseClient:
                 raise
             poke.cancel()
             if call not in done:  # poked while the long poll waits: report again now, keep the answer coming
-                self._late.add(call)
+                self._late[call] = reported_at
                 call.add_done_callback(self._late_answer)
                 continue
             self.calls += 1
             try:
-                self._apply(call.result())
+                self._apply(call.result(), reported_at)
             except Exception as exc:  # the registry is away or restarting: keep the lease until it expires
                 self.failures += 1
                 log.debug("capacity lease not renewed: %s", type(exc).__name__)
                 await asyncio.sleep(RETRY_S)
 
     def _late_answer(self, call: asyncio.Future[Lease]) -> None:
-        self._late.discard(call)
+        sent_at = self._late.pop(call, self._clock())
         if not call.cancelled() and call.exception() is None:
             lease = call.result()
             if lease.version > self._version or lease.broker != self._broker:
-                self._apply(lease)
+                self._apply(lease, sent_at)
 
-    def _apply(self, lease: Lease) -> None:
+    def _apply(self, lease: Lease, sent_at: float) -> None:
+        """Work within `lease`, valid until `ttl_s` after the report it answers was sent."""
         if lease.broker != self._broker and self._broker is not None:
             log.info("the registry's lease broker changed (%s -> %s)", self._broker, lease.broker)
         self._broker, self._version, self._safe = lease.broker, lease.version, lease.safe
-        self._expires_at = self._clock() + lease.ttl_s
+        self._held = lease.slots
+        self._expires_at = sent_at + lease.ttl_s
         self._fallback = False
         self._dispatcher.apply_lease(lease.slots)
+        self._expire_in(self._expires_at - self._clock(), lease.ttl_s)
+
+    def _expire_in(self, delay: float, ttl_s: float) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
-        self._expiry = asyncio.get_running_loop().call_later(lease.ttl_s, self._expired)
+        self._expiry = asyncio.get_running_loop().call_later(max(0.0, delay), self._expired, ttl_s)
 
-    def _expired(self) -> None:
-        """The lease ran out unrenewed: the registry is away. Fall back to the safe share."""
+    def _expired(self, ttl_s: float) -> None:
+        """The lease ran out unrenewed (the registry away, or the call too slow). For one TTL keep at most what
+        was held, capped by the safe share; after that, the safe share."""
         self._expiry = None
-        if self._expires_at is not None and self._clock() >= self._expires_at and self._safe is not None:
-            log.warning("capacity lease expired (registry unreachable): falling back to the safe share")
+        if self._expires_at is None or self._clock() < self._expires_at or self._safe is None:
+            return
+        if not self._fallback:
+            self.lapses += 1
+            log.warning("capacity lease not renewed in time: keeping at most what was held for %.0f s", ttl_s)
             self._fallback = True
-            self._dispatcher.apply_lease(self._safe)
+            safe = self._safe
+            self._dispatcher.apply_lease({s: min(n, safe[s]) for s, n in self._held.items() if s in safe})
+            self._expire_in(ttl_s, ttl_s)
+            return
+        log.warning("capacity lease still not renewed (registry unreachable): falling back to the safe share")
+        self._dispatcher.apply_lease(self._safe)
 
     @property
     def in_fallback(self) -> bool:

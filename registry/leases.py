@@ -58,6 +58,10 @@ class ClientDemand(BaseModel):
     wanted: int = Field(ge=0)  # requests waiting + in flight: the slots it could use now
     rank: float = 0.0  # the client order's criterion; smaller first
     weight: float = Field(default=1.0, gt=0)
+    # Ranked by the service it has had (shortest_first, a client that reports no work left): the slot-seconds
+    # its answered requests held. The broker ranks it by these on the work scale of every holder's answers, so
+    # two processes whose own answers so far differ put one client before another the same way.
+    served_s: float | None = Field(default=None, ge=0)
 
 
 class ModelDemand(BaseModel):
@@ -77,6 +81,9 @@ class DemandReport(BaseModel):
     inflight: dict[str, int] = Field(default_factory=dict)  # server id -> attempts in flight there
     held: dict[str, int] = Field(default_factory=dict)  # server id -> slots of the lease it holds now
     broker: str | None = None  # the incarnation that granted `held` (None: none yet)
+    # Every answer this holder has had: its work (prompt + 2 × completion tokens) and the slot-seconds it held.
+    served_work: float = Field(default=0.0, ge=0)
+    served_slot_s: float = Field(default=0.0, ge=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,13 +205,28 @@ class LeaseBroker:
                 changed.add(holder_id)
         return changed
 
+    def _work_per_slot_s(self) -> float:
+        """Work per slot-second over every holder's answers: the scale that ranks service as work."""
+        work = sum(h.report.served_work for h in self._holders.values())
+        seconds = sum(h.report.served_slot_s for h in self._holders.values())
+        return work / seconds if seconds > 0 and work > 0 else 1.0
+
     def _entitlements(self, model: str, capacity: int) -> dict[str, float]:
         """Holder -> slots it is entitled to on the model's servers (fractional), by the client order."""
         clients: list[tuple[float, str, float, float]] = []  # rank, holder, weight, wanted
+        scale: float | None = None
         for holder_id, holder in self._holders.items():
             for demand in holder.report.models:
-                if demand.model == model:
-                    clients.extend((c.rank, holder_id, c.weight, float(c.wanted)) for c in demand.clients if c.wanted)
+                if demand.model != model:
+                    continue
+                for c in demand.clients:
+                    if not c.wanted:
+                        continue
+                    rank = c.rank
+                    if c.served_s is not None:
+                        scale = self._work_per_slot_s() if scale is None else scale
+                        rank = c.served_s * scale
+                    clients.append((rank, holder_id, c.weight, float(c.wanted)))
         clients.sort(key=lambda c: c[0])
         out: dict[str, float] = {}
         left = float(capacity)

@@ -122,3 +122,22 @@ def test_safe_shares_divide_each_server_among_its_holders() -> None:
     assert safe == {"s0": 2, "s1": 2, "x0": 2}
     b.broker.set_servers([LeaseServer("s0", "m", 4), LeaseServer("s1", "m", 0)])  # s1 went down
     assert b.broker.safe_shares() == {"s0": 2}
+
+
+def test_service_ranks_are_put_on_one_scale_across_holders() -> None:
+    """Clients ranked by service (shortest_first, no work left reported) are compared by slot-seconds on the
+    scale of every holder's answers: ranked on each holder's own scale, a client of a process whose answers
+    happened to be long-prompt (much work per slot-second) would queue behind one that had twice its service."""
+    b = Broker()
+
+    def report(holder: str, client: str, served_s: float, work: float, slot_s: float, rank: float) -> None:
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8, rank=rank, served_s=served_s),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), served_work=work, served_slot_s=slot_s,
+                                     broker=b.broker.incarnation))
+
+    # Own scales: a's answers 1000 work per slot-second, b's 100. Ranked on them, a's tool (10 slot-s of service)
+    # would be 10,000 and b's (20 slot-s) 2,000: b's first though it has had twice the service.
+    report("a", "tool-a", 10.0, work=10_000.0, slot_s=10.0, rank=10_000.0)
+    report("b", "tool-b", 20.0, work=2_000.0, slot_s=20.0, rank=2_000.0)
+    b.broker.reshare()
+    assert total(b.slots("a")) == 8 and b.slots("b") == {}

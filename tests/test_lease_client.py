@@ -1,0 +1,75 @@
+"""The lease client (federation/leases.py) against a registry that answers and then goes away, in simulated
+time: when a lease runs out, what the process may keep in flight, and when."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fedpool.federation.leases import LeaseClient
+from fedpool.federation.policies import make_policy
+from fedpool.registry import DemandReport, Lease
+from tests.fakes import FakePool
+from tests.test_dispatcher import snapshot_of
+
+pytestmark = pytest.mark.looptime
+TTL_S = 3.0
+
+
+class Registry:
+    """Answers lease calls with `slots` while up (a long poll: an unchanged lease after the call's wait); while
+    down, a call never answers. Notes when each report was received."""
+
+    def __init__(self, slots: dict[str, int], safe: dict[str, int]):
+        self.slots, self.safe = slots, safe
+        self.up = True
+        self.received: list[float] = []
+        self.released: list[str] = []
+
+    async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
+        loop = asyncio.get_running_loop()
+        if not self.up:
+            await asyncio.sleep(3600)
+        self.received.append(loop.time())
+        if known_version == 1:
+            await asyncio.sleep(wait_s)
+        return Lease(report.holder, "b1", 1, TTL_S, dict(self.slots), dict(self.safe), 2)
+
+    async def release_lease(self, holder: str) -> None:
+        self.released.append(holder)
+
+
+async def test_a_lapsed_lease_keeps_at_most_what_was_held_for_a_ttl_then_the_safe_share(fakes: FakePool) -> None:
+    servers = [fakes.start(), fakes.start()]
+    snap = snapshot_of(servers, capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    registry = Registry({"s0": 1, "s1": 3}, safe={"s0": 2, "s1": 2})
+    client = LeaseClient(registry, dispatcher, holder="h", clock=asyncio.get_running_loop().time)
+    await client.start()
+    try:
+        await asyncio.sleep(2.0)
+        assert dispatcher.held() == {"s0": 1, "s1": 3} and not client.in_fallback
+        registry.up = False
+        await asyncio.sleep(0.01)
+        # The last report that was answered was sent (and received: no network here) at this time; its lease
+        # runs TTL_S from then, not from when its answer came (a long poll answers up to 0.5 s later).
+        sent = registry.received[-1]
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(sent + TTL_S - 0.05 - loop.time())
+        assert dispatcher.held() == {"s0": 1, "s1": 3} and client.lapses == 0
+        await asyncio.sleep(0.1)
+        # Lapsed: nothing more than it held on any server (s0 stays at 1 though its safe share is 2), capped by
+        # the safe share (s1: 3 -> 2). The broker may already have given its slots away if it is alive.
+        assert client.in_fallback and client.lapses == 1
+        assert dispatcher.held() == {"s0": 1, "s1": 2}
+        await asyncio.sleep(TTL_S)
+        # One more TTL: every holder has lost its lease if the registry is away; the safe shares add up.
+        assert dispatcher.held() == {"s0": 2, "s1": 2}
+        registry.up, registry.slots = True, {"s0": 4}
+        await asyncio.sleep(10.0)  # the hung call times out, the next one is answered
+        assert dispatcher.held() == {"s0": 4} and not client.in_fallback and client.lapses == 1
+    finally:
+        await client.stop()
+    assert registry.released == ["h"]
