@@ -198,7 +198,8 @@ def registry(work: Path, backends: Sequence[str]) -> Iterator[tuple[str, Path]]:
     from fedpool.registry import Engine, RegistryClient, ServerRecord
 
     state = work / "registry"
-    ray.init(num_cpus=1, namespace="fedpool", include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    ray.init(address="local", num_cpus=1, namespace="fedpool", include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR)
 
     async def start() -> RegistryClient:
         client = await RegistryClient.start(state, token=secrets.token_hex(16))

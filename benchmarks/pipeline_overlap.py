@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--verifier-actors", type=int, default=1)
     parser.add_argument("--verifier-threads", type=int, default=1)
     args = parser.parse_args()
-    ray.init(num_cpus=max(4, os.cpu_count() or 2), namespace="fedpool", include_dashboard=False,
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 2), namespace="fedpool", include_dashboard=False,
              log_to_driver=False)
     try:
         r = asyncio.run(run(args))

@@ -212,7 +212,7 @@ def main() -> None:
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between one client's snapshot calls")
     parser.add_argument("--reader-processes", type=int, default=4, help="processes the clients are spread over")
     args = parser.parse_args()
-    ray.init(num_cpus=2, namespace="fedpool", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="fedpool", include_dashboard=False, log_to_driver=False)
     try:
         r = asyncio.run(run(args))
     finally:

@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    ray.init(num_cpus=max(2, args.actors * args.threads), namespace="fedpool", include_dashboard=False,
+    ray.init(address="local", num_cpus=max(2, args.actors * args.threads), namespace="fedpool", include_dashboard=False,
              log_to_driver=False)
     try:
         r = asyncio.run(run(args))

@@ -46,7 +46,8 @@ def init_local_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     try:
-        ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **_RAY_SETTINGS)
+        ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+             **_RAY_SETTINGS)
     except ValueError as exc:  # Ray refuses resource settings when a cluster already runs on this node
         if "existing cluster" not in str(exc):
             raise
@@ -80,14 +81,17 @@ def init_loopback_ray(address: str | None = None, num_cpus: int | None = None) -
     Ray (2.60) resolves a local node's address to the machine's own outside address even when told
     127.0.0.1; a pool meant for this machine's tools must not be reachable from the network, so the local
     cluster is started with Ray's single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which keeps every
-    Ray process on the loopback address), set for this process and every Ray process it starts."""
+    Ray process on the loopback address), set for this process and every Ray process it starts. Without an
+    address the cluster is always a new one (`address="local"`): a bare `ray.init()` joins whatever cluster
+    RAY_ADDRESS or a `ray start` on this machine names, and a pool meant to be private would join a stranger's."""
     if address:
         if is_loopback_address(address):
             loopback_ray_mode()
         ray.init(address=address, **_RAY_SETTINGS)
         return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} (--address {address})"
     loopback_ray_mode()
-    ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False, **_RAY_SETTINGS)
+    ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+             **_RAY_SETTINGS)
     return f"started a local Ray cluster at {ray.get_runtime_context().gcs_address} (loopback only; it stops with this)"
 
 

@@ -54,7 +54,7 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One real local Ray for the whole session (starting it costs ~8 s)."""
-    ray.init(num_cpus=2, namespace="fedpool", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, namespace="fedpool", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
