@@ -237,7 +237,18 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: dict[str, Any], specs:
               retry_failed: bool = False) -> int:
     """Runs the evals; exit code 0 when every record has a prediction, EXIT_INCOMPLETE when some failed (their
     errors are in the records; `fedpool eval resume` runs them again)."""
-    summaries = asyncio.run(_eval_through_pool(client, out, plan, specs, args, retry_failed))
+    from fedpool.clients import EvalTarget
+    from fedpool.clients.poolrun import run_evals_through_pool
+    from fedpool.federation import DispatchConfig
+
+    dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"), no_server_timeout_s=args.no_server_timeout)
+    policy = "planned" if plan.get("planned") else plan["policy"]  # runs saved before `planned` was a policy
+    summaries = asyncio.run(run_evals_through_pool(
+        client, specs, out, EvalTarget(model=plan["model"], revision=plan["revision"]), policy=policy,
+        dispatch=dispatch, concurrency=plan["concurrency"], verifier=lambda: verifier_pool(args),
+        media_actors=args.media_actors, metric_actors=args.metric_actors, progress="quiet" if args.quiet else "auto",
+        retry_failed=retry_failed, run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
+                                             "client_order": dispatch.client_order, "planned": policy == "planned"}))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
     emit(args, {"run_dir": str(out), "benchmarks": rows}, lambda _: "\n".join(
@@ -248,38 +259,3 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: dict[str, Any], specs:
         print(f"fedpool: {failed} record(s) failed; `fedpool eval resume {out}` runs them again", file=sys.stderr)
         return EXIT_INCOMPLETE
     return EXIT_OK
-
-
-async def _eval_through_pool(
-    client: Any, out: Path, plan: dict[str, Any], specs: list[Any], args: opt.PoolEvalOptions, retry_failed: bool
-) -> list[Any]:
-    from fedpool.clients import EvalTarget, run_evals
-    from fedpool.clients.progress import ProgressView
-    from fedpool.federation import DispatchConfig, PoolConnection
-    from fedpool.pipeline.media import MediaPool
-    from fedpool.pipeline.stages import StagePool
-
-    verifier = verifier_pool(args) if any(s.verifier for s in specs) else None
-    # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
-    media = MediaPool(args.media_actors, num_cpus=0.5) if any(s.prompt.media for s in specs) else None
-    # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well.
-    scoring = StagePool(args.metric_actors, num_cpus=0.25) if args.metric_actors > 0 else None
-    try:
-        await asyncio.gather(*(x.ready() for x in (verifier, media, scoring) if x is not None))
-        dispatch = DispatchConfig(client_order=plan.get("client_order", "fair"),
-                                  no_server_timeout_s=args.no_server_timeout)
-        policy = "planned" if plan.get("planned") else plan["policy"]  # runs saved before `planned` was a policy
-        async with PoolConnection(client, policy=policy, config=dispatch) as pool:
-            view = ProgressView(pool.dispatcher, mode="quiet" if args.quiet else "auto")
-            async with view:
-                return await run_evals(
-                    specs, pool.dispatcher, out, EvalTarget(model=plan["model"], revision=plan["revision"]),
-                    concurrency=plan["concurrency"], verifier=verifier, media=media, scoring=scoring,
-                    on_progress=view.update,
-                    retry_failed=retry_failed,
-                    run_info={"policy": plan["policy"], "concurrency": plan["concurrency"],
-                              "client_order": dispatch.client_order, "planned": policy == "planned"})
-    finally:
-        for pool_of_actors in (verifier, media, scoring):
-            if pool_of_actors is not None:
-                pool_of_actors.shutdown()

@@ -1,0 +1,45 @@
+"""Evals run through the pool by a process of their own (`fedpool eval run | resume | replay`): one pool
+connection, the Ray CPU actor pools its specs need (media encoding, the verifier, each benchmark's summary) made
+ready before the first request and shut down after the last, and a progress view, around `run_evals`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedpool.clients.eval_client import EvalSummary, EvalTarget
+from fedpool.clients.progress import ProgressView
+from fedpool.clients.runner import run_evals
+from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.pipeline import BenchmarkSpec
+from fedpool.pipeline.media import MediaPool
+from fedpool.pipeline.stages import StagePool
+from fedpool.pipeline.verifier import VerifierPool
+
+
+async def run_evals_through_pool(
+    registry: Any, specs: Sequence[BenchmarkSpec], out_dir: Path, target: EvalTarget, *, policy: str,
+    dispatch: DispatchConfig, concurrency: int, verifier: Callable[[], VerifierPool], media_actors: int,
+    metric_actors: int, progress: str = "auto", retry_failed: bool = False, run_info: dict[str, Any] | None = None,
+) -> list[EvalSummary]:
+    """`run_evals` over a new connection to `registry`'s pool with `policy`; `verifier` is called only when a spec
+    asks for judgments; `metric_actors=0` scores on a thread of this process; `progress` is ProgressView's mode."""
+    judge = verifier() if any(s.verifier for s in specs) else None
+    # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
+    media = MediaPool(media_actors, num_cpus=0.5) if any(s.prompt.media for s in specs) else None
+    # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well.
+    scoring = StagePool(metric_actors, num_cpus=0.25) if metric_actors > 0 else None
+    try:
+        await asyncio.gather(*(x.ready() for x in (judge, media, scoring) if x is not None))
+        async with PoolConnection(registry, policy=policy, config=dispatch) as pool:
+            view = ProgressView(pool.dispatcher, mode=progress)
+            async with view:
+                return await run_evals(specs, pool.dispatcher, out_dir, target, concurrency=concurrency,
+                                       verifier=judge, media=media, scoring=scoring, on_progress=view.update,
+                                       retry_failed=retry_failed, run_info=run_info)
+    finally:
+        for actors in (judge, media, scoring):
+            if actors is not None:
+                actors.shutdown()
