@@ -90,6 +90,7 @@ def test_ideal_is_the_fluid_split_over_server_speeds() -> None:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_small_comparison_end_to_end_writes_its_report(ray_cluster: None, tmp_path: Path) -> None:
     """Every arm on freshly started emulated servers; the report carries them, the bounds and the result line."""
     from fedpool.benchmarks.speedup import main

@@ -142,6 +142,7 @@ def test_grafana_dashboard_queries_only_metrics_fedpool_exports() -> None:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_ray_head_and_worker_scripts_start_a_cluster_with_the_registry() -> None:
     temp = Path(tempfile.mkdtemp(prefix="fpray", dir="/tmp"))  # short: Ray's socket paths have a length limit
     port, metrics_port = free_port(), free_port()

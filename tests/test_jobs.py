@@ -62,6 +62,7 @@ def status_of(url: str, path: str, method: str = "GET", token: str | None = None
         return exc.code
 
 
+@pytest.mark.slow
 async def test_jobs_survive_a_server_crash_and_finish_complete(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:

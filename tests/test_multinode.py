@@ -20,6 +20,7 @@ def last_json_line(stdout: str) -> dict[str, Any]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_registry_servers_and_cpu_actors_on_different_nodes() -> None:
     # Its own process: a test session can be connected to one Ray cluster only.
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / "cluster_check.py")], cwd=ROOT,
@@ -35,6 +36,7 @@ def test_registry_servers_and_cpu_actors_on_different_nodes() -> None:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_losing_the_node_of_the_cpu_actors_loses_no_record() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / "node_loss.py")], cwd=ROOT,
                             capture_output=True, text=True, timeout=280)

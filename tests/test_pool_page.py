@@ -18,7 +18,7 @@ from fedpool.deploy.process import free_port
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.chromium]
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # As the machine's notes say: without the background-networking flags Chromium tries to reach Google's

@@ -73,6 +73,7 @@ async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float = 60.0
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 async def test_serve_emulated_registers_heartbeats_and_deregisters(
     registry: RegistryClient, tmp_path: Path
 ) -> None:
@@ -126,6 +127,7 @@ async def test_serve_emulated_registers_heartbeats_and_deregisters(
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 async def test_serve_joins_a_registry_started_afresh(
     registry: RegistryClient, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from fedpool.deploy.process import free_port
 
-pytestmark = [pytest.mark.llamacpp]
+pytestmark = [pytest.mark.llamacpp, pytest.mark.lmeval]
 ROOT = Path(__file__).resolve().parent.parent
 LM_EVAL_TASK = """\
 task: fedpool_up_check

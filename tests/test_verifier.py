@@ -27,6 +27,7 @@ def verifier_pool(ray_cluster: None) -> Iterator[VerifierPool]:
     pool.shutdown()
 
 
+@pytest.mark.llamacpp  # the judge: llama.cpp (llama-cpp-python) in CPU actors
 async def test_cpu_actors_run_at_the_eval_processes_priority(verifier_pool: VerifierPool) -> None:
     """Ray starts workers at niceness 15; a judge or stage actor there gets ~3% of a core shared with a CPU
     engine at 0. Every fedpool CPU actor runs at niceness 0, like the eval's own process."""
@@ -50,6 +51,7 @@ def test_actor_options_keep_a_callers_environment() -> None:
     assert (options["num_cpus"], options["name"], options["max_restarts"]) == (0.5, "n", -1)
 
 
+@pytest.mark.llamacpp
 async def test_real_judgments_come_back_parsed_or_counted(verifier_pool: VerifierPool) -> None:
     items = [JudgeItem("What is the capital of France?", "Paris", p) for p in ("Paris", "Berlin", "paris.")]
     judgments = await verifier_pool.judge_many(items)
@@ -58,6 +60,7 @@ async def test_real_judgments_come_back_parsed_or_counted(verifier_pool: Verifie
     assert verifier_pool.unparsed == sum(j.rating is None for j in judgments)
 
 
+@pytest.mark.llamacpp
 async def test_every_record_of_a_verified_eval_is_judged_once(
     registry: RegistryClient, emulators: EmulatorFactory, verifier_pool: VerifierPool, tmp_path: Path
 ) -> None:
@@ -78,6 +81,7 @@ async def test_every_record_of_a_verified_eval_is_judged_once(
         await run_evals([spec], pool.dispatcher, tmp_path / "other", EvalTarget(model="emu-model"))
 
 
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("shared", [False, True])
 async def test_judge_calls_count_as_work_left_when_judges_share_the_engines_cores(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path, shared: bool
@@ -111,6 +115,7 @@ async def test_judge_calls_count_as_work_left_when_judges_share_the_engines_core
         assert answered["capitals_mc"][-1] < answered["arith"][0], answered
 
 
+@pytest.mark.slow
 async def test_benchmark_summaries_are_computed_on_cpu_actors(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:
