@@ -11,18 +11,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fedpool.benchmarks import realtool_speedup
 
+pytestmark = [pytest.mark.llamacpp, pytest.mark.lmeval]
 
+
+# 2 repeats x 2 arms x 2 lm-eval processes on real llama.cpp: over pytest's 300 s on 2 busy cores with 3 repeats
+@pytest.mark.timeout(600)
 def test_two_lm_eval_processes_through_the_gateway(tmp_path: Path) -> None:
     args = realtool_speedup.parse_args([
-        "--small", "--repeats", "3", "--pairs", "unequal", "--no-fedpool-arm", "--gateway-concurrency", "8",
+        "--small", "--repeats", "2", "--pairs", "unequal", "--no-fedpool-arm", "--gateway-concurrency", "8",
         "--results-dir", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work")])
     results, path, line = realtool_speedup.execute(args)
-    assert line["tool"] == "lm-eval" and line["processes"] == 2 and line["repeats"] == 3
-    assert 0.0 <= float(str(line["answers_same_pct"])) <= 100.0
-    assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
+    assert line["tool"] == "lm-eval" and line["processes"] == 2 and line["repeats"] == 2
     result = results["unequal"]
+    # The report's agreement is the answers' own: recomputed here from every answer of both arms. Greedy
+    # llama.cpp is not batch-invariant, so it is not 100 (the benchmark reports the engine's own run-to-run
+    # agreement beside it); but a gateway that returned other answers, or answers keyed to other documents,
+    # would agree on none.
+    same = total = 0
+    for run in result.runs:
+        for name, answers in run["conventional"].answers.items():
+            for doc, response in answers.items():
+                total += 1
+                same += run["gateway-nc8"].answers[name].get(doc) == response
+    assert total == sum(len(w.rows) for w in result.pair.workloads) * len(result.runs)
+    assert line["answers_same_pct"] == f"{100.0 * same / total:.1f}" and same > 0, line
+    assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
     sizes = {w.name: len(w.rows) for w in result.pair.workloads}
     for run in result.runs:  # every record of every eval came back in both arms
         for arm in ("conventional", "gateway-nc8"):
