@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -44,12 +43,13 @@ async def test_three_concurrent_evals_over_two_real_servers(
         stats = pool.dispatcher.stats()
     assert stats.inflight_total == 0 and stats.completed == 36
     total_score = 0.0
+    evals_on: dict[str, set[str]] = {server: set() for server in ids}
     for summary in summaries:
         records = read_jsonl(summary.artifact_dir / "records.jsonl")
         assert len(records) == 12 and len({r["sample_id"] for r in records}) == 12  # each exactly once
         assert summary.summary["failed"] == 0
-        by_server = Counter(r["provenance"]["server_id"] for r in records)
-        assert set(by_server) == set(ids), (summary.benchmark, by_server)  # every server served every eval
+        for server in {r["provenance"]["server_id"] for r in records}:
+            evals_on[server].add(summary.benchmark)
         for r in records:
             prov = r["provenance"]
             assert prov["engine"] == "llamacpp" and prov["accelerator"] == "cpu" and prov["attempts"] >= 1
@@ -61,6 +61,10 @@ async def test_three_concurrent_evals_over_two_real_servers(
             summary.artifact_dir / "config.json"
         ).read_text()
     assert total_score > 0
+    # Each engine's batches mixed requests of several evals. (Not every eval on every server: an eval whose
+    # requests come after the others filled the slots takes slots as they free, and one server may free them
+    # all first — the share of each eval per server is the engines' timing, not routing.)
+    assert all(len(evals) >= 2 for evals in evals_on.values()), evals_on
     assert files_containing(tmp_path, [TEST_TOKEN, "hf_secretvalue_0123456789"]) == []
 
 
