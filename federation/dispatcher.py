@@ -96,9 +96,9 @@ class Dispatcher:
         self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
         self.loop_lag_s = 0.0  # the loop's lateness running the grant passes (smoothed): overload, seen here
-        # Told when this process starts or stops wanting slots (the lease client reports at once, not at its
-        # next renewal).
-        self.on_demand: Callable[[], None] | None = None
+        # Told when this process starts (True) or stops (False) wanting slots: the lease client reports a start
+        # at once, not at its next renewal.
+        self.on_demand: Callable[[bool], None] | None = None
         self._seq = itertools.count()
         self._waiting = 0  # requests waiting for a slot, every route
         self._waiting_routes: set[Route] = set()
@@ -321,7 +321,7 @@ class Dispatcher:
         route.join(waiter, clients.key(client))
         clients.waiting[client] += 1
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
-            self.on_demand()  # idle until now
+            self.on_demand(True)  # idle until now
         self._waiting += 1
         self._waiting_routes.add(route)
         # Granted on the loop's next turn, not here: requests that arrive together (evals starting at once,
@@ -454,7 +454,7 @@ class Dispatcher:
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
-            self.on_demand()  # idle from now: the lease can go back
+            self.on_demand(False)  # idle from now: the lease can go back
         if self._racers and self._clients.done_sending:
             self._tail.on_release(state)  # before waiters: it only takes stragglers of clients done sending
         for route in state.routes:

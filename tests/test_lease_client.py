@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from fedpool.federation.leases import LeaseClient
+from fedpool.federation.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.policies import make_policy
 from fedpool.registry import DemandReport, Lease
 from tests.fakes import FakePool
-from tests.test_dispatcher import snapshot_of
+from tests.test_dispatcher import request, snapshot_of
 
 pytestmark = pytest.mark.looptime
 TTL_S = 3.0
@@ -25,6 +25,7 @@ class Registry:
         self.slots, self.safe = slots, safe
         self.up = True
         self.received: list[float] = []
+        self.reports: list[tuple[float, DemandReport]] = []
         self.released: list[str] = []
 
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
@@ -32,6 +33,7 @@ class Registry:
         if not self.up:
             await asyncio.sleep(3600)
         self.received.append(loop.time())
+        self.reports.append((loop.time(), report))
         if known_version == 1:
             await asyncio.sleep(wait_s)
         return Lease(report.holder, "b1", 1, TTL_S, dict(self.slots), dict(self.safe), 2)
@@ -73,3 +75,29 @@ async def test_a_lapsed_lease_keeps_at_most_what_was_held_for_a_ttl_then_the_saf
     finally:
         await client.stop()
     assert registry.released == ["h"]
+
+
+async def test_a_process_that_goes_idle_asks_for_its_last_demand_a_little_longer_then_nothing(
+        fakes: FakePool) -> None:
+    """A gateway between two callers' requests keeps its slots (the next request needs no round trip); a process
+    idle for longer than IDLE_HOLD_S reports that it wants nothing (and the broker gives its slots away)."""
+    server = fakes.start(decode_s=0.05)
+    snap = snapshot_of([server], capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    registry = Registry({"s0": 4}, safe={"s0": 4})
+    loop = asyncio.get_running_loop()
+    client = LeaseClient(registry, dispatcher, holder="h", clock=loop.time)
+    await client.start()
+    try:
+        await asyncio.sleep(1.0)
+        assert not any(r.models for _, r in registry.reports)  # nothing wanted yet
+        await asyncio.gather(*(dispatcher.submit(request(i)) for i in range(4)))  # 4 tokens × 0.05 s
+        idle_at = loop.time()
+        await asyncio.sleep(IDLE_HOLD_S + 1.0)
+        busy = [t for t, r in registry.reports if r.models]
+        assert busy and max(busy) >= idle_at + IDLE_HOLD_S - 0.5  # still asking for a while after going idle
+        assert registry.reports[-1][1].models == ()  # then nothing
+        assert all(t <= idle_at + IDLE_HOLD_S for t in busy)
+    finally:
+        await client.stop()
