@@ -120,7 +120,7 @@ class Spec:
         return out
 
     def config(self) -> DispatchConfig:
-        return DispatchConfig(hedging=False, client_order=self.client_order)
+        return DispatchConfig(client_order=self.client_order)
 
 
 def ideal_s(spec: Spec) -> tuple[float, float, float]:
@@ -346,7 +346,7 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
            f"{'es' if spec.processes != 1 else ''}"
            + (" sharing each server's slots by capacity leases" if spec.leases else
               " each filling every window (no leases)" if spec.processes > 1 else "")
-           + f", {spec.concurrency} requests in flight per eval, hedging off"
+           + f", {spec.concurrency} requests in flight per eval, the dispatcher's defaults otherwise (hedging on)"
            + ("; servers fail, rejoin, join and leave every 2 s" if spec.churn else ""))
     rows = []
     for w in worlds:

@@ -33,7 +33,7 @@ from typing import Any
 
 from fedpool.federation.plan_lp import MIN_SHARE, solve_phased_plan, solve_plan
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
-from fedpool.federation.pricing import CostFit, SpeedCalibration
+from fedpool.federation.pricing import CostFit, SpeedCalibration, kind_key
 from fedpool.federation.types import InferenceRequest
 from fedpool.registry import ServerEntry
 
@@ -93,9 +93,6 @@ def _expected_wait(c: Any) -> float:
     return float(c.expected_wait)
 
 
-def kind_key(server: ServerEntry) -> str:
-    """The plan's column for a server: its accelerator, GPU count and capacity."""
-    return f"{server.record.accelerator}x{server.record.gpu_count}/{server.capacity}"
 
 
 class PlannedRouting(Policy, name="planned"):

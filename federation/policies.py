@@ -14,11 +14,12 @@ import bisect
 import hashlib
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from fedpool.federation.horizon import HORIZON_MARGIN, Horizons, client_size, demand_on, free_in_kinds
 from fedpool.federation.types import InferenceRequest
 from fedpool.registry import ServerEntry
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from fedpool.federation.ledger import InflightLedger
 
 _POLICIES: dict[str, type[Policy]] = {}
+_NO_TRIED: set[str] = set()
 
 
 class ServerView(Protocol):
@@ -89,7 +91,7 @@ class RouteView(Protocol):
         """Every routable server of the route (ServerViews with `entry`, the registry's ServerEntry), room or not."""
 
     @property
-    def memo(self) -> dict[str, Any]:
+    def memo(self) -> dict[Any, Any]:
         """Scratch a policy may fill during one grant pass (cleared between passes)."""
 
     def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> Sequence[Any]:
@@ -104,6 +106,10 @@ class RouteView(Protocol):
 
     def free_in(self, group: str) -> Sequence[Any]:
         """The servers with room in that group (after `group_by`)."""
+
+    @property
+    def queues(self) -> Mapping[str, Sized]:
+        """Client -> its requests waiting on this route."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +224,11 @@ class PowerOfTwo(Policy, name="power_of_two"):
 
 
 class CapacityWeighted(Policy, name="capacity_weighted"):
-    """Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates. Expected waits
+    """On a route of mixed server kinds, a request goes only to a kind where it cannot outlast the run
+    (`federation/horizon.py`: at most 0.8 × the route's fluid horizon there, or its cheapest kind); else it is
+    held and the free slot goes to the next client that may use it. Among those servers with room:
+
+    Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates. Expected waits
     within `tie_tolerance` of the lowest are a tie: learned weights of identical servers always differ a
     little, and an exact comparison sent every request that found both idle to the one that happened to
     measure faster (92/8 between two equal servers at 100 req/s).
@@ -231,13 +241,45 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
     gave a server no turn for the rest of a run, so its speed was never measured again (276/24 between two
     equal servers at a light load)."""
 
-    def __init__(self, rng: random.Random | None = None, sample_size: int = 4, tie_tolerance: float = 0.1):
+    def __init__(self, rng: random.Random | None = None, sample_size: int = 4, tie_tolerance: float = 0.1,
+                 horizon: bool = True, horizon_margin: float = HORIZON_MARGIN):
         super().__init__(rng)
         self._sample_size = sample_size
         self._tolerance = tie_tolerance
         self.candidate_limit = sample_size
         self._clock = 0.0  # virtual time: the pass of the latest turn
         self._pass: dict[str, float] = {}  # server -> its next turn on the virtual clock (one entry per server)
+        self._horizons = Horizons(margin=horizon_margin) if horizon else None
+        self._state: DispatchState | None = None
+
+    def attach(self, state: DispatchState) -> None:
+        self._state = state
+
+    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
+        state, horizons = self._state, self._horizons
+        if horizons is None or state is None or tried:
+            return super().place(route, request, tried)
+        kinds, servers = horizons.routes.get(route.key), route.servers
+        if kinds is None or kinds.servers_ref is not servers or kinds.servers_len != len(servers):  # (inlined)
+            kinds = horizons.of(route)
+        if len(kinds.kinds) < 2:  # one kind: nothing to keep off
+            return super().place(route, request, tried)
+        clients, inflight = state.clients, state.ledger.clients
+        allowed = horizons.allowed(kinds, request.client_id, lambda c: client_size(clients.shape(c)), state.clock(),
+                                   lambda: demand_on(route, inflight))
+        memo = route.memo  # within one grant pass servers only fill: kinds found full stay full
+        if allowed in memo:
+            return memo[allowed]
+        free = free_in_kinds(route, allowed, self._sample_size, self._rng)
+        if free:
+            return self.choose(free, request)
+        held = memo[allowed] = (Hold.CLIENT_HELD if route.free_candidates(1, _NO_TRIED, self._rng)
+                                else Hold.ROUTE_FULL)
+        return held
+
+    def forget_client(self, client_id: str) -> None:
+        if self._horizons is not None:
+            self._horizons.forget_client(client_id)
 
     def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
         pool = candidates

@@ -51,6 +51,11 @@ class ServerCost:
         return ServerCost(self.prefill_s_per_token * prefill, self.decode_s_per_token * decode)
 
 
+def kind_key(server: ServerEntry) -> str:
+    """A server's kind, for the plan's columns and the horizon: its accelerator, GPU count and capacity."""
+    return f"{server.record.accelerator}x{server.record.gpu_count}/{server.capacity}"
+
+
 def server_cost(entry: ServerEntry) -> ServerCost:
     """The data-sheet prior for one server (see the module docstring)."""
     tflops, hbm_tbs = accelerator_roofline(entry.record.accelerator)

@@ -53,7 +53,7 @@ class Route:
         self.servers: list[ServerState] = []  # every routable server of the route, room or not
         self.free: list[ServerState] = []  # those with room now (unordered)
         self._pos: dict[ServerState, int] = {}
-        self.memo: dict[str, Any] = {}  # a policy's scratch for one grant pass (the dispatcher clears it)
+        self.memo: dict[Any, Any] = {}  # a policy's scratch for one grant pass (the dispatcher clears it)
         # Servers with room by a group a policy names (the planner: its server kinds), kept like `free`.
         self._group_of: Callable[[ServerState], str] | None = None
         self._groups: dict[str, list[ServerState]] = {}

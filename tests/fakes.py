@@ -157,7 +157,9 @@ class FakeServer:
             raise http_error(500, _error("injected failure"))
         prompt = body.get("prompt") if request.endpoint is Endpoint.COMPLETIONS else json.dumps(body["messages"])
         prompt_tokens = max(1, len(str(prompt).split()))
-        out_tokens = min(max_tokens, self.profile.default_output_tokens)
+        # As the emulator (deploy.emulator.request_shape): max_tokens long with ignore_eos, else where it stops.
+        stops_at = self.profile.default_output_tokens
+        out_tokens = max_tokens if body.get("ignore_eos") is True else min(max_tokens, stops_at)
         self.received += 1
         try:
             generation = await self.engine.generate(prompt_tokens, out_tokens)

@@ -625,3 +625,37 @@ def test_generation_parameters_are_typed_on_the_request() -> None:
         with pytest.raises(ValueError, match=next(iter(bad))):
             InferenceRequest.from_body({"prompt": "q", **bad}, request_id="r", model="m",
                                        endpoint=Endpoint.COMPLETIONS)
+
+
+async def test_capacity_weighted_keeps_answers_off_a_slow_kind_they_would_outlast_the_run_on(fakes: FakePool) -> None:
+    """On a route of two kinds (an A100 and a V100 by the data sheet), long answers would take longer on the
+    V100 than the whole route needs (its horizon): they wait for the A100 while short answers fill the V100.
+    Without the horizon, the V100 takes long answers as readily as any, and the run ends later."""
+    fast = fakes.start(max_running=4, decode_s=0.01)
+    slow = fakes.start(max_running=4, decode_s=0.025)
+    snap = snapshot_of([fast, slow], capacity=4, accelerators=["A100", "V100"])
+
+    async def run(horizon: bool) -> tuple[Counter[str], Counter[str], float]:
+        policy = make_policy("capacity_weighted", random.Random(0), horizon=horizon)
+        dispatcher = fakes.dispatcher(lambda: snap, policy, config=DispatchConfig(hedging=False))
+        dispatcher.set_client_shape("long", 8, 400)
+        dispatcher.set_client_shape("short", 8, 8)
+
+        def ask(client: str, i: int, tokens: int) -> InferenceRequest:
+            return InferenceRequest.from_body({"prompt": f"{client} {i}", "max_tokens": tokens, "ignore_eos": True},
+                                              model="emu-model",
+                                              request_id=f"{client}{i}", endpoint=Endpoint.COMPLETIONS,
+                                              client_id=client)
+
+        started = now()
+        results = await asyncio.gather(*(dispatcher.submit(ask("long", i, 400)) for i in range(6)),
+                                       *(dispatcher.submit(ask("short", i, 8)) for i in range(24)))
+        assert len({r.request_id for r in results}) == 30 and dispatcher.stats().inflight_total == 0
+        return (Counter(r.server_id for r in results[:6]), Counter(r.server_id for r in results[6:]),
+                now() - started)
+
+    long_on, short_on, makespan = await run(horizon=True)
+    assert long_on == Counter({"s0": 6}) and short_on["s1"] > 0
+    long_on_anywhere, _, makespan_anywhere = await run(horizon=False)
+    assert long_on_anywhere["s1"] > 0  # the control
+    assert makespan < makespan_anywhere

@@ -1,0 +1,178 @@
+"""The run's horizon on a route of mixed server kinds: which kinds a client's requests may go to.
+
+Why. A pool mixes fast and slow accelerators, and requests differ by an order of magnitude in work. Placed by
+capacity alone, a long-answer request lands on a slow server as often as any other, and one of them can take
+longer there than the whole pool needs for everything: in the simulated 256-server pool (A100s and V100s, 64
+evals) chain-of-thought answers sent to V100s at the start ran 28 s, the pool's fluid bound being 13 s, and the
+makespan was 2.2× that bound — behind a proxy that just sends each request to the server with the least
+outstanding work (1.3×).
+
+What. Every `refresh_s` the route's *horizon* is estimated: the work its clients have waiting and in flight,
+each request priced on the kind where it is cheapest, spread over every kind's slots at the speed the mix runs
+there (a fluid bound; O(clients × kinds)). A client's request may go to a kind where it takes at most
+(1 − `margin`) × the horizon — it cannot become the run's straggler there — or to its cheapest kinds (within
+`tie`). Elsewhere it is held for a kind it may use, and the free slot goes to the next client in the serving
+order that may use it. When the horizon falls below a request's time on every kind but its cheapest (the end of
+a run), only the cheapest take it: slow servers sit out the tail rather than lengthen it.
+
+Prices are the data-sheet priors (`pricing.server_cost`: prefill by compute, decode by bandwidth); shapes are
+the clients' own (announced, or guessed from their first request: `ClientBook.shape`). The learned per-sequence
+speed (`ServerState.weight`) is not used to correct the priors: it depends on what each server happened to run
+(a V100 given short answers looks fast), and scaling by it let long answers back onto the V100s (2.06× the bound
+against 1.24× on the same world); the planner fits each kind's speed on priced work instead (`CostFit`). No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedpool.federation.pricing import ServerCost, kind_key, server_cost
+
+HORIZON_REFRESH_S = 0.25  # the horizon is estimated again at most this often (O(clients × kinds))
+HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
+# full-batch price when long prompts share the batch: 0.1 let 20 s answers through at a 15 s bound)
+CHEAPEST_TIE = 0.05  # kinds within this of a request's cheapest price are its cheapest too
+DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
+MAX_ROUTES = 256  # routes whose kinds are kept (a gateway's callers pick models and revisions at will)
+
+
+def kind_of_state(server: Any) -> str:
+    """A route server's kind (`pricing.kind_key` of its registry entry)."""
+    return kind_key(server.entry)
+
+
+@dataclass
+class _Kind:
+    cost: ServerCost  # one member's prior, scaled by the kind's learned speed against it
+    slots: int
+
+
+@dataclass
+class RouteHorizon:
+    """One route's kinds, its horizon and each client's allowed kinds (rebuilt when the route's servers change)."""
+
+    servers_ref: Sequence[Any]
+    servers_len: int
+    kinds: dict[str, _Kind]
+    horizon: float = float("inf")
+    refreshed_at: float = float("-inf")
+    allowed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # client -> kinds its requests may use
+
+    def current(self, servers: Sequence[Any]) -> bool:
+        """Whether these are still the route's servers (a route's list is replaced or resized when they change)."""
+        return self.servers_ref is servers and self.servers_len == len(servers)
+
+
+Shape = Callable[[str], "tuple[float, float] | None"]  # client -> (prompt tokens, answer tokens)
+
+
+class Horizons:
+    """Per route: the kinds a client's requests may be placed on (see the module docstring)."""
+
+    def __init__(self, *, margin: float = HORIZON_MARGIN, refresh_s: float = HORIZON_REFRESH_S):
+        self._margin = margin
+        self._refresh_s = refresh_s
+        self.routes: dict[Any, RouteHorizon] = {}  # route key -> its kinds (`RouteHorizon.current` tells if still so)
+        self.refreshes = 0
+
+    def of(self, route: Any) -> RouteHorizon:
+        """The route's kinds, as of its servers now."""
+        ref = route.servers
+        known = self.routes.get(route.key)
+        if known is not None and known.current(ref):
+            return known
+        members: dict[str, list[Any]] = {}
+        for state in ref:
+            if state.entry is not None:
+                members.setdefault(kind_of_state(state), []).append(state)
+        kinds = {name: _Kind(server_cost(states[0].entry), sum(max(1, s.capacity) for s in states))
+                 for name, states in members.items()}
+        if route.key not in self.routes and len(self.routes) >= MAX_ROUTES:
+            del self.routes[next(iter(self.routes))]  # the longest known: routes come and go with callers
+        known = self.routes[route.key] = RouteHorizon(ref, len(ref), kinds)
+        if len(kinds) > 1:
+            route.group_by(kind_of_state)
+        return known
+
+    def allowed(self, horizon: RouteHorizon, client: str, shape: Shape, now: float,
+                demand: Callable[[], Iterable[tuple[str, int]]]) -> tuple[str, ...]:
+        """The kinds `client`'s requests may go to now. `demand`: (client, requests waiting or in flight) on the
+        route, read only when the horizon is estimated again."""
+        if now - horizon.refreshed_at >= self._refresh_s:
+            self._estimate(horizon, shape, now, demand())
+        kinds = horizon.allowed.get(client)
+        if kinds is None:
+            kinds = horizon.allowed[client] = self._allowed(horizon, shape(client))
+        return kinds
+
+    def forget_client(self, client: str) -> None:
+        for horizon in self.routes.values():
+            horizon.allowed.pop(client, None)
+
+    def _estimate(self, horizon: RouteHorizon, shape: Shape, now: float, demand: Iterable[tuple[str, int]]) -> None:
+        """The fluid bound of the route's work: Σ requests × cheapest price ÷ every kind's slots at the speed
+        the mix runs there."""
+        self.refreshes += 1
+        kinds = horizon.kinds
+        cheapest = 0.0
+        on_kind = dict.fromkeys(kinds, 0.0)
+        for client, n in demand:
+            size = shape(client)
+            if size is None or n <= 0:
+                continue
+            prices = {k: kind.cost.of(*size) for k, kind in kinds.items()}
+            cheapest += n * min(prices.values())
+            for k, price in prices.items():
+                on_kind[k] += n * price
+        if cheapest > 0:
+            slots = sum(kind.slots * cheapest / on_kind[k] for k, kind in kinds.items() if on_kind[k] > 0)
+            horizon.horizon = cheapest / slots
+        else:
+            horizon.horizon = float("inf")
+        horizon.refreshed_at = now
+        horizon.allowed.clear()
+
+    def _allowed(self, horizon: RouteHorizon, size: tuple[float, float] | None) -> tuple[str, ...]:
+        kinds = horizon.kinds
+        if size is None:
+            return tuple(kinds)
+        prices = {k: kind.cost.of(*size) for k, kind in kinds.items()}
+        best = min(prices.values())
+        limit = max(horizon.horizon * (1 - self._margin), best * (1 + CHEAPEST_TIE))
+        return tuple(k for k, price in prices.items() if price <= limit)
+
+
+def client_size(shape: Any) -> tuple[float, float] | None:
+    """(prompt tokens, answer tokens) of a `ClientShape` (None: unknown)."""
+    if shape is None:
+        return None
+    return float(shape.prompt_tokens), float(shape.max_tokens or DEFAULT_ANSWER_TOKENS)
+
+
+def free_in_kinds(route: Any, kinds: Sequence[str], limit: int, rng: Any) -> list[Any]:
+    """Up to `limit` servers with room in these kinds, sampled uniformly over them (O(kinds + limit))."""
+    lists = [route.free_in(k) for k in kinds]
+    total = sum(len(free) for free in lists)
+    if total <= limit:
+        return [s for free in lists for s in free]
+    out = []
+    for i in rng.sample(range(total), limit):
+        for free in lists:
+            if i < len(free):
+                out.append(free[i])
+                break
+            i -= len(free)
+    return out
+
+
+def demand_on(route: Any, inflight: Mapping[str, int]) -> Iterable[tuple[str, int]]:
+    """(client, requests waiting on the route + in flight) for the route's waiting clients and those with
+    requests in flight (a client's in-flight count is over every route: most clients use one model)."""
+    queues = route.queues
+    for client, queue in queues.items():
+        yield client, len(queue) + inflight.get(client, 0)
+    for client, n in inflight.items():
+        if client not in queues:
+            yield client, n
