@@ -45,8 +45,10 @@ def kind_of_state(server: Any) -> str:
 
 @dataclass
 class _Kind:
-    cost: ServerCost  # one member's prior, scaled by the kind's learned speed against it
+    cost: ServerCost  # one member's data-sheet prior
     slots: int
+    members: list[Any]
+    open: bool = True  # some member's breaker lets attempts through (as of the last estimate)
 
 
 @dataclass
@@ -87,7 +89,7 @@ class Horizons:
         for state in ref:
             if state.entry is not None:
                 members.setdefault(kind_of_state(state), []).append(state)
-        kinds = {name: _Kind(server_cost(states[0].entry), sum(max(1, s.capacity) for s in states))
+        kinds = {name: _Kind(server_cost(states[0].entry), sum(max(1, s.capacity) for s in states), states)
                  for name, states in members.items()}
         if route.key not in self.routes and len(self.routes) >= MAX_ROUTES:
             del self.routes[next(iter(self.routes))]  # the longest known: routes come and go with callers
@@ -113,9 +115,12 @@ class Horizons:
 
     def _estimate(self, horizon: RouteHorizon, shape: Shape, now: float, demand: Iterable[tuple[str, int]]) -> None:
         """The fluid bound of the route's work: Σ requests × cheapest price ÷ every kind's slots at the speed
-        the mix runs there."""
+        the mix runs there. Kinds whose every server's breaker is open are left out (held requests would wait
+        for them while others could serve); O(clients × kinds + servers)."""
         self.refreshes += 1
-        kinds = horizon.kinds
+        for kind in horizon.kinds.values():
+            kind.open = any(m.admits for m in kind.members)
+        kinds = {k: kind for k, kind in horizon.kinds.items() if kind.open} or horizon.kinds
         cheapest = 0.0
         on_kind = dict.fromkeys(kinds, 0.0)
         for client, n in demand:
@@ -135,7 +140,7 @@ class Horizons:
         horizon.allowed.clear()
 
     def _allowed(self, horizon: RouteHorizon, size: tuple[float, float] | None) -> tuple[str, ...]:
-        kinds = horizon.kinds
+        kinds = {k: kind for k, kind in horizon.kinds.items() if kind.open} or horizon.kinds
         if size is None:
             return tuple(kinds)
         prices = {k: kind.cost.of(*size) for k, kind in kinds.items()}
