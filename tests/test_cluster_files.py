@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from fedpool.cli import build_parser
 from fedpool.deploy.process import free_port
 from fedpool.federation.gateway import _Metrics as GatewayMetrics
+from fedpool.options import RegistryStartOptions, ServeOptions
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from fedpool.registry.exporter import pool_metrics_text
 from fedpool.registry.snapshot import LoadSample
@@ -74,6 +75,7 @@ def test_raycluster_has_what_kuberay_and_fedpool_need() -> None:
     assert {p["containerPort"] for p in container["ports"]} >= {6379, 9108}
     start = container["lifecycle"]["postStart"]["exec"]["command"][-1].split("; ")[-1]
     args = build_parser().parse_args(fedpool_args(start))
+    assert isinstance(args, RegistryStartOptions)
     assert (args.pin_resource, args.metrics_port) == ("fedpool-head", 9108)
     for group in cluster["spec"]["workerGroupSpecs"]:
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
@@ -83,6 +85,7 @@ def test_gpu_deployment_runs_a_valid_fedpool_serve() -> None:
     (_, deployment), = [(p, d) for p, d in k8s_documents() if d["kind"] == "Deployment"]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args(fedpool_args(container["args"][0]))
+    assert isinstance(args, ServeOptions)
     assert args.engine == "vllm" and args.host == "0.0.0.0" and args.address == "fedpool-head-svc:6379"
     assert args.token_path == Path("/etc/fedpool/registry.token")
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -104,8 +107,9 @@ def test_slurm_script_builds_the_serve_command(tmp_path: Path) -> None:
                           text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     args = build_parser().parse_args(json.loads(record.read_text()))
+    assert isinstance(args, ServeOptions)
     assert (args.engine, args.gpus, args.id, args.address) == ("vllm", 2, "slurm-4242", "10.0.0.1:6379")
-    assert args.label == ["slurm_job=4242"] and args.advertise_url.endswith(":8000")
+    assert args.label == ["slurm_job=4242"] and (args.advertise_url or "").endswith(":8000")
     # Without the required settings it stops with a message naming them.
     env.pop("FEDPOOL_RAY_ADDRESS")
     done = subprocess.run(["bash", str(DEPLOY / "slurm" / "fedpool-vllm.sbatch")], env=env, capture_output=True,

@@ -60,6 +60,10 @@ class View:
     def free_in(self, group: str) -> list[Server]:
         return [s for s in self.free_candidates(None, set(), None) if self._group_of(s) == group]
 
+    @property
+    def queues(self) -> dict[str, list[object]]:
+        return {}
+
 
 def prompt_of(client: str, chars: int, max_tokens: int | None) -> InferenceRequest:
     body: dict[str, object] = {"prompt": "x" * chars}
