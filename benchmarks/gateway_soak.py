@@ -110,7 +110,7 @@ def registry(work: Path, servers: Sequence[Server]) -> Iterator[tuple[str, Path]
     from fedpool.registry import Engine, RegistryClient, ServerRecord
 
     state = work / "registry"
-    ray.init(num_cpus=1, namespace="fedpool", include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, namespace="fedpool", include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR)
 
     async def start() -> RegistryClient:
