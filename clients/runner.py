@@ -48,4 +48,15 @@ async def run_evals(
     # line until all have loaded their samples and reported their work. Under fair there is nothing to
     # wait for (every eval starts with nothing in flight), and each eval starts as soon as it has loaded.
     start_line = StartLine(len(runs)) if dispatcher.client_order != "fair" else None
-    return list(await asyncio.gather(*(run.run(start_line) for run in runs)))
+    tasks = [asyncio.ensure_future(run.run(start_line)) for run in runs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        # One eval failed (a full disk, say) or the run was cancelled: the others stop here, while the pool
+        # connection is still open, and their outcomes are collected. Left running, they were cancelled by
+        # asyncio.run's shutdown after the connection had closed: warnings for every request they had in
+        # flight, and a traceback for an eval that failed the same way meanwhile.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
