@@ -377,6 +377,7 @@ class Dispatcher:
         """Grant free slots of the route to its waiters, in the serving order (synchronous: the choice and the
         count happen in one step)."""
         if not route.waiting:
+            route.unpark_all()  # (nothing is parked, as a rule)
             return
         # perf_counter, not process_time: the CPU clock of a process with Ray's threads is a syscall that cost ~10%
         # of the gateway's time here (py-spy); the pass is synchronous, so its wall time is its CPU time.
@@ -445,6 +446,7 @@ class Dispatcher:
                             f"no routable server serves model {waiter.request.model!r}"
                             + (f" revision {waiter.request.revision!r}" if waiter.request.revision else "")
                             + f" (waited {self._config.no_server_timeout_s:g}s)"))
+            route.unpark_all()  # a policy's reasons to hold a client are looked at again every tick
             self._grant(route)
         if self._waiting_routes and self._tick_handle is None:
             self._arm_tick()

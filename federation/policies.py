@@ -111,6 +111,10 @@ class RouteView(Protocol):
     def queues(self) -> Mapping[str, Sized]:
         """Client -> its requests waiting on this route."""
 
+    def park(self, client: str, groups: tuple[str, ...], key: Any) -> None:
+        """The client's requests wait until a server in one of `groups` (of `group_by`) has room: grant passes skip
+        it until then, or until the dispatcher's next periodic look (`key`: its place in the serving order)."""
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchState:
@@ -268,13 +272,15 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
         allowed = horizons.allowed(kinds, request.client_id, lambda c: client_size(clients.shape(c)), state.clock(),
                                    lambda: demand_on(route, inflight))
         memo = route.memo  # within one grant pass servers only fill: kinds found full stay full
-        if allowed in memo:
-            return memo[allowed]
-        free = free_in_kinds(route, allowed, self._sample_size, self._rng)
-        if free:
-            return self.choose(free, request)
-        held = memo[allowed] = (Hold.CLIENT_HELD if route.free_candidates(1, _NO_TRIED, self._rng)
-                                else Hold.ROUTE_FULL)
+        held = memo.get(allowed)
+        if held is None:
+            free = free_in_kinds(route, allowed, self._sample_size, self._rng)
+            if free:
+                return self.choose(free, request)
+            held = memo[allowed] = (Hold.CLIENT_HELD if route.free_candidates(1, _NO_TRIED, self._rng)
+                                    else Hold.ROUTE_FULL)
+        if held is Hold.CLIENT_HELD:  # out of the grant passes until one of its kinds has room
+            route.park(request.client_id, allowed, clients.key(request.client_id))
         return held
 
     def forget_client(self, client_id: str) -> None:

@@ -63,6 +63,10 @@ class Route:
         self._heap: list[tuple[float, float, int, str]] = []
         self._pushed: dict[str, ClientKey] = {}  # the key of each client's newest heap entry
         self.waiting = 0  # live waiters
+        # Clients a policy held until a server of one of these groups has room (`park`): out of the heap, so a
+        # grant pass does not walk them again; back when such a server frees, the servers change, or `unpark_all`.
+        self._parked: dict[str, tuple[tuple[str, ...], ClientKey]] = {}
+        self._parked_on: dict[str, set[str]] = {}
 
     # ---- servers ----------------------------------------------------------------------------------
     def admits(self, entry: ServerEntry) -> bool:
@@ -76,6 +80,7 @@ class Route:
         self.servers = servers
         self.free, self._pos = [], {}
         self._groups, self._gpos = {}, {}
+        self.unpark_all()
 
     def set_free(self, state: ServerState, free: bool) -> None:
         """Keep the index current: O(1)."""
@@ -85,9 +90,13 @@ class Route:
                 pos[state] = len(self.free)
                 self.free.append(state)
                 if self._group_of is not None:
-                    group = self._groups.setdefault(self._group_of(state), [])
+                    name = self._group_of(state)
+                    group = self._groups.setdefault(name, [])
                     self._gpos[state] = len(group)
                     group.append(state)
+                    if name in self._parked_on:
+                        for client in self._parked_on.pop(name):
+                            self._unpark(client)
             return
         index = pos.pop(state, None)
         if index is not None:
@@ -109,6 +118,7 @@ class Route:
             return
         self._group_of = group_of
         self._groups, self._gpos = {}, {}
+        self.unpark_all()
         for state in self.free:
             group = self._groups.setdefault(group_of(state), [])
             self._gpos[state] = len(group)
@@ -144,6 +154,35 @@ class Route:
         return state in self._pos and (not tried or state.id not in tried)
 
     # ---- waiting ---------------------------------------------------------------------------------
+    def park(self, client: str, groups: tuple[str, ...], key: ClientKey) -> None:
+        """`client` waits until a server in one of `groups` (see `group_by`) has room: grant passes skip it until
+        then (a policy that held it for those groups says so; O(groups))."""
+        if self._group_of is None or not groups or client in self._parked:
+            return
+        self._parked[client] = (groups, key)
+        for group in groups:
+            self._parked_on.setdefault(group, set()).add(client)
+
+    def unpark_all(self) -> None:
+        """Every parked client back in the order (the policy's reasons may have changed: its periodic look)."""
+        for client in list(self._parked):
+            self._unpark(client)
+
+    def _unpark(self, client: str) -> None:
+        parked = self._parked.pop(client, None)
+        if parked is None:
+            return
+        groups, key = parked
+        for group in groups:
+            waiting = self._parked_on.get(group)
+            if waiting is not None:
+                waiting.discard(client)
+                if not waiting:
+                    del self._parked_on[group]
+        queue = self.queues.get(client)
+        if queue is not None:  # (emptied while parked: `head` drops it)
+            self._push(client, key, queue[0].seq if queue else 0)  # `head` corrects a key that moved meanwhile
+
     def join(self, waiter: Waiter, key: ClientKey) -> None:
         client = waiter.request.client_id
         queue = self.queues.get(client)
@@ -192,7 +231,7 @@ class Route:
                 self._pushed[client] = key
                 heapq.heapreplace(heap, (key[0], key[1], queue[0].seq, client))
                 continue
-            if client in skip:
+            if client in skip or client in self._parked:
                 heapq.heappop(heap)
                 self._pushed.pop(client, None)
                 continue
@@ -202,7 +241,7 @@ class Route:
     def unskip(self, skipped: set[str], key_of: Callable[[str], ClientKey]) -> None:
         for client in skipped:
             queue = self.queues.get(client)
-            if queue:
+            if queue and client not in self._parked:
                 self._push(client, key_of(client), queue[0].seq)
 
     def granted(self, waiter: Waiter) -> None:

@@ -64,6 +64,9 @@ class View:
     def queues(self) -> dict[str, list[object]]:
         return {}
 
+    def park(self, client: str, groups: tuple[str, ...], key: object) -> None:
+        pass  # the planner holds without parking
+
 
 def prompt_of(client: str, chars: int, max_tokens: int | None) -> InferenceRequest:
     body: dict[str, object] = {"prompt": "x" * chars}

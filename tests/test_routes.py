@@ -1,0 +1,52 @@
+"""A route's waiting order (federation/routes.py) on real server states: clients a policy parked are out of the
+grant passes until a server of a group they wait for has room, the servers change, or the periodic look."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fedpool.federation.routes import Route, Waiter
+from fedpool.federation.serverbook import ServerState
+from fedpool.federation.types import Endpoint, InferenceRequest
+
+KEY = (0.0, 0.0)
+
+
+def waiter(route: Route, client: str, seq: int, loop: asyncio.AbstractEventLoop) -> Waiter:
+    request = InferenceRequest.from_body({"prompt": "x"}, request_id=f"{client}-{seq}", model="m",
+                                          endpoint=Endpoint.COMPLETIONS, client_id=client)
+    return Waiter(request, set(), loop.create_future(), seq, float("inf"), route)
+
+
+def test_a_parked_client_waits_out_of_the_order_until_its_group_has_room() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        route = Route(("m", None, None, None), "m", None, None, None)
+        fast, slow = ServerState("fast-0"), ServerState("slow-0")
+        route.set_servers([fast, slow])
+        route.group_by(lambda s: s.id.split("-")[0])
+        for seq, client in enumerate(["text", "image"]):
+            route.join(waiter(route, client, seq, loop), (float(seq), 0.0))
+        key = {"text": (0.0, 0.0), "image": (1.0, 0.0)}.__getitem__
+        first = route.head(key, set())
+        assert first is not None and first.request.client_id == "text"
+        route.park("text", ("fast",), key("text"))  # held by its policy until a fast server has room
+        second = route.head(key, set())
+        assert second is not None and second.request.client_id == "image"  # text is not walked again
+        route.granted(second)
+        assert route.head(key, set()) is None
+        route.set_free(slow, True)  # room on a kind text does not wait for: still parked
+        assert route.head(key, set()) is None
+        route.set_free(fast, True)
+        back = route.head(key, set())
+        assert back is not None and back.request.client_id == "text"
+        route.park("text", ("fast",), key("text"))
+        assert route.head(key, set()) is None
+        route.unpark_all()  # the dispatcher's tick: every reason looked at again
+        again = route.head(key, set())
+        assert again is not None and again.request.client_id == "text"
+        route.park("text", ("fast",), key("text"))
+        route.set_servers([fast, slow])  # the servers changed
+        assert route.head(key, set()) is not None
+    finally:
+        loop.close()
