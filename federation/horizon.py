@@ -120,6 +120,10 @@ class Horizons:
         self.refreshes += 1
         for kind in horizon.kinds.values():
             kind.open = any(m.admits for m in kind.members)
+            # The slots this process may use: a leasing process (many share the servers) spreads its own work
+            # over its leases, not over every server's capacity (its horizon would be its share's, tiny, and
+            # hold its requests off every kind but the cheapest while its leases there sit idle).
+            kind.slots = sum(max(1, m.capacity) if m.lease is None else m.lease for m in kind.members)
         kinds = {k: kind for k, kind in horizon.kinds.items() if kind.open} or horizon.kinds
         cheapest = 0.0
         on_kind = dict.fromkeys(kinds, 0.0)
@@ -131,8 +135,8 @@ class Horizons:
             cheapest += n * min(prices.values())
             for k, price in prices.items():
                 on_kind[k] += n * price
-        if cheapest > 0:
-            slots = sum(kind.slots * cheapest / on_kind[k] for k, kind in kinds.items() if on_kind[k] > 0)
+        slots = sum(kind.slots * cheapest / on_kind[k] for k, kind in kinds.items() if on_kind[k] > 0)
+        if cheapest > 0 and slots > 0:
             horizon.horizon = cheapest / slots
         else:
             horizon.horizon = float("inf")

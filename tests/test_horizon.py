@@ -15,6 +15,7 @@ class State:
     entry: ServerEntry
     capacity: int = 16
     admits: bool = True
+    lease: int | None = None  # slots leased to this process there (None: not leasing)
 
 
 @dataclass(eq=False)
