@@ -616,24 +616,14 @@ def _spread(values: Sequence[float], unit: str = "×", digits: int = 2) -> str:
             f"({min(values):.{digits}f}–{max(values):.{digits}f})")
 
 
-def eval_ratios(results: Results) -> dict[str, list[float]]:
-    """Per eval: its time from launch in N processes ÷ in one, each repeat."""
+def eval_ratios(results: Results, field: str = "done_s") -> dict[str, list[float]]:
+    """Per eval: its time in N processes ÷ in one, each repeat (`done_s`: from launch; `own_s`: from its start)."""
     out: dict[str, list[float]] = {}
     for run in results.evals:
         for name, multi in run["multi"].evals.items():
             one = run["one"].evals.get(name)
-            if one is not None and one.done_s > 0:
-                out.setdefault(name, []).append(multi.done_s / one.done_s)
-    return out
-
-
-def own_ratios(results: Results) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
-    for run in results.evals:
-        for name, multi in run["multi"].evals.items():
-            one = run["one"].evals.get(name)
-            if one is not None and one.own_s > 0:
-                out.setdefault(name, []).append(multi.own_s / one.own_s)
+            if one is not None and getattr(one, field) > 0:
+                out.setdefault(name, []).append(getattr(multi, field) / getattr(one, field))
     return out
 
 
@@ -681,7 +671,7 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
          "deepest engine queue (samples with any deferred / samples)", "records per server", "lease calls/s",
          "leases lapsed", "most holders at once", "most slots leased at once per server",
          "load 1-min (start → end)"], rows), ""]
-    ratios, owns = eval_ratios(results), own_ratios(results)
+    ratios, owns = eval_ratios(results), eval_ratios(results, "own_s")
     per_eval = []
     for name in ratios:
         one = [r["one"].evals[name] for r in results.evals]
@@ -754,7 +744,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
         out.append(f"- {key} = {value} (target {'≥' if key in ('processes', 'repeats') else '≤'} {target}): "
                    + ("met" if met else "**not met**"))
     if results.evals:
-        ratios = eval_ratios(results)
+        ratios, owns = eval_ratios(results), eval_ratios(results, "own_s")
         name = max(ratios, key=lambda n: statistics.median(ratios[n]))
         one = statistics.median(r["one"].evals[name].done_s for r in results.evals)
         multi = statistics.median(r["multi"].evals[name].done_s for r in results.evals)
@@ -765,7 +755,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
         out += ["", f"- The latest eval against its one-process time is `{name}`: done {multi:.1f} s from launch in "
                 f"its own process against {one:.1f} s in one (medians). Of that, start-up (launch to the eval's "
                 f"start) was {start_multi:.1f} s against {start_one:.1f} s, and its own run {own_multi:.1f} s "
-                f"against {own_one:.1f} s (own time ÷ one: {_spread(own_ratios(results)[name])}). Its process held a "
+                f"against {own_one:.1f} s (own time ÷ one: {_spread(owns[name])}). Its process held a "
                 "first slot " + _spread([r["multi"].first_slot_s().get(name, float("nan"))
                                          - r["multi"].evals[name].started_s for r in results.evals], " s", 1)
                 + " after the eval started (in one process: "
