@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -24,7 +25,38 @@ class EngineStartError(RuntimeError):
     """The engine exited or stayed unhealthy past its deadline; the message carries its log tail."""
 
 
+# Ports handed to child servers come from below the kernel's ephemeral range and above Ray's worker
+# ports (10002-19999): a port from the ephemeral range, free when picked, can be taken before the child
+# binds it by any process binding port 0 (Ray's gRPC servers do) or by any outgoing connection.
+_PICK_FLOOR = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now for a child server to bind, outside the range other processes pick ports from."""
+    ceiling = _ephemeral_low()
+    if ceiling - _PICK_FLOOR >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(_PICK_FLOOR, ceiling)
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
