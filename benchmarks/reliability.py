@@ -620,12 +620,13 @@ class _PartitionProxy:
         await self._runner.cleanup()
 
 
-async def run_scenario(name: str, work: Path, *, llama: bool = True) -> tuple[Figure, float]:
-    """A fresh pool per scenario: a clean run (the baseline), then the run with the fault."""
+async def run_scenario(name: str, work: Path, *, llama: bool = True, baseline: bool = True) -> Figure:
+    """A fresh pool per scenario: a clean run (the baseline the penalty is against), then the run with the
+    fault. Without `baseline` (the tests, which check what is lost and doubled, not the penalty) the fault run
+    starts on the fresh pool at once."""
     async with chaos_pool(work / name, llama=llama) as pool:
-        baseline, _, _ = await run_eval(pool, work / name / "baseline")
-        figure = await SCENARIOS[name](pool, work / name / "run", baseline)
-    return figure, baseline
+        clean = (await run_eval(pool, work / name / "baseline"))[0] if baseline else None
+        return await SCENARIOS[name](pool, work / name / "run", clean)
 
 
 def node_loss() -> Figure:
@@ -670,7 +671,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fedpool-chaos-"))
     figures = []
     for name in args.scenario or list(SCENARIOS):
-        figure, _ = asyncio.run(run_scenario(name, work))
+        figure = asyncio.run(run_scenario(name, work))
         print(" | ".join(map(str, figure.row())), flush=True)
         figures.append(figure)
     if not args.scenario:
