@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fedpool.clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget, StartLine
+from fedpool.clients.rundir import duplicate_names
 from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec
 from fedpool.pipeline.media import MediaPool
@@ -32,10 +33,8 @@ async def run_evals(
     retry_failed: bool = False,
 ) -> list[EvalSummary]:
     """All evals concurrently; each writes its own artifact directory under `out_dir`."""
-    names = [s.name for s in specs]
-    duplicates = {n for n in names if names.count(n) > 1}
-    if duplicates:
-        raise ValueError(f"benchmark names must be unique in one run: {sorted(duplicates)}")
+    if twice := duplicate_names(specs):
+        raise ValueError(f"benchmark names must be unique in one run: {twice}")
     runs = [
         EvalRun(
             spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,

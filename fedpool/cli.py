@@ -332,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(leaf: Leaf, settings: Options) -> int:
     """The command, its failures as one line on stderr and an exit code (docs/reference.md)."""
+    from fedpool.clients.rundir import NoServerError
     from fedpool.deploy import EngineStartError, LlamaServerNotInstalled
     from fedpool.pipeline import PipelineError
     from fedpool.pipeline.errors import ArtifactWriteError, OwnershipError
@@ -342,6 +343,9 @@ def _run(leaf: Leaf, settings: Options) -> int:
     except CliError as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
         return exc.code
+    except NoServerError as exc:  # nothing serves the model: the pool, not the command, is wanting
+        print(f"fedpool: error: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except (PipelineError, RegistryError) as exc:
         print(f"fedpool: error: {exc}", file=sys.stderr)
         if isinstance(exc, OwnershipError):

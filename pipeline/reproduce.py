@@ -8,8 +8,9 @@ changed: rescoring writes a new artifact.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from fedpool.pipeline.loaders import dataset_sha256
 from fedpool.pipeline.schema import Record
 from fedpool.pipeline.scoring import rescore_record, summarize_records
 from fedpool.pipeline.spec import BenchmarkSpec, spec_from_dict
-from fedpool.pipeline.verifier import JudgeItem, Judgment, judge_item, with_judgment
+from fedpool.pipeline.verifier import JudgeItem, Judgment, VerifierPool, judge_item, with_judgment
 
 # What a rescore may change: everything else decides the model's answers, so changing it needs inference.
 RESCORABLE_FIELDS = frozenset({"postprocess", "metrics", "verifier", "description", "version"})
@@ -140,6 +141,36 @@ async def _rescored(spec: BenchmarkSpec, record: Record, judge: Judge | None) ->
         return with_judgment(fresh, await judge(judge_item(fresh)))
     except Exception:  # a broken judge must not lose the record: it is written unjudged (counted)
         return with_judgment(fresh, None)
+
+
+def rescore_plan(artifact: Path, new_specs: Sequence[BenchmarkSpec],
+                 out: Path) -> list[tuple[SavedBenchmark, BenchmarkSpec]]:
+    """Each benchmark of `artifact` with the spec to rescore it with: its own, or the one of `new_specs` of its
+    name. ArtifactError for a spec of no benchmark of it, or an `out` that already holds a rescore of them."""
+    saved = [load_saved(d, check_data=False) for d in benchmark_dirs(artifact)]
+    by_name = {s.name: s for s in new_specs}
+    unknown = sorted(set(by_name) - {b.spec.name for b in saved})
+    if unknown:
+        raise ArtifactError(f"--spec for {', '.join(unknown)}: not a benchmark of {artifact}")
+    plan = [(b, rescoring_spec(b.spec, by_name.get(b.spec.name))) for b in saved]
+    if any((out / spec.name).exists() for _, spec in plan):
+        raise ArtifactError(f"{out} already holds a rescore of these benchmarks; use another --out")
+    return plan
+
+
+async def rescore_all(plan: Sequence[tuple[SavedBenchmark, BenchmarkSpec]], out: Path,
+                      judges: Callable[[], VerifierPool]) -> list[dict[str, Any]]:
+    """Every benchmark of `plan` rescored at once into `out`; `judges` is called (and its pool shut down after)
+    only when a spec asks for the verifier's judgments."""
+    pool = judges() if any(spec.verifier for _, spec in plan) else None
+    try:
+        if pool is not None:
+            await pool.ready()
+        judge = pool.judge if pool is not None else None
+        return list(await asyncio.gather(*(rescore_benchmark(b, out, spec=s, judge=judge) for b, s in plan)))
+    finally:
+        if pool is not None:
+            pool.shutdown()
 
 
 def replay_specs(artifact: Path) -> list[SavedBenchmark]:

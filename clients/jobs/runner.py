@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from fedpool.clients.eval_client import EvalProgress, EvalTarget
 from fedpool.clients.jobs.store import FINAL_STATES, JobRequest, JobStore
+from fedpool.clients.rundir import duplicate_names, wait_for_model
 from fedpool.clients.runner import run_evals
 from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec, load_samples, load_spec, spec_from_dict
@@ -48,9 +49,8 @@ def resolve_specs(request: JobRequest, roots: Sequence[Path] = ()) -> list[Bench
         _under_roots(spec.data_path(), roots, f"benchmark {spec.name!r}: data.path")
     if request.limit is not None:
         specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": request.limit})}) for s in specs]
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise PipelineError(f"benchmark names must be unique in a job: {names}")
+    if twice := duplicate_names(specs):
+        raise PipelineError(f"benchmark names must be unique in a job: {', '.join(twice)}")
     for spec in specs:
         load_samples(spec)  # raises DataError naming file and line
     return specs
@@ -204,18 +204,11 @@ class JobRunner:
     async def require_servers(self, request: JobRequest) -> None:
         """PipelineError unless a registered server serves the job's model, after waiting up to
         `wait_for_servers_s` for one: a model nobody serves is refused, not run into a page of failures."""
-        deadline = time.monotonic() + request.wait_for_servers_s
-        while True:
-            registered = self._dispatcher.registered_models()
-            if request.model in registered and (request.revision is None
-                                                or request.revision in registered[request.model]):
-                return
-            if time.monotonic() >= deadline:
-                served = sorted(registered)
-                rev = f" revision {request.revision!r}" if request.revision else ""
-                raise PipelineError(f"no registered server serves model {request.model!r}{rev} (the pool serves: "
-                                    f"{', '.join(served) or 'nothing'}); set wait_for_servers_s to wait for one")
-            await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        async def registered() -> dict[str, set[str]]:
+            return self._dispatcher.registered_models()
+
+        await wait_for_model(registered, request.model, request.revision, request.wait_for_servers_s,
+                             "set wait_for_servers_s to wait for one")
 
     def _progress(self, job_id: str, p: EvalProgress) -> None:
         self.live.setdefault(job_id, {})[p.benchmark] = {
