@@ -11,7 +11,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -86,6 +86,43 @@ def child_environment(extra: dict[str, str] | None = None, environ: dict[str, st
     for name in WITHHELD_FROM_ENGINES:
         base.pop(name, None)
     return {**base, **(extra or {})}
+
+
+def key_values(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
+    """KEY=VALUE items (a server's labels, an engine's variables); ValueError naming the flag and the item."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def engine_variables(items: Sequence[str], env_file: Path | None,
+                     environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the operator adds to an engine's environment: `--env-file` lines, then `--env KEY=VALUE` and
+    `--env KEY` (passed on from `environ`, so that a secret stays off every command line), later ones winning.
+    ValueError naming the file and line, or the item."""
+    environ = os.environ if environ is None else environ
+    env: dict[str, str] = {}
+    if env_file is not None:
+        for number, line in enumerate(env_file.read_text(encoding="utf-8").splitlines(), start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"{env_file}:{number}: expected KEY=VALUE")
+            env[key.strip()] = value
+    for item in items:
+        if "=" in item:
+            env.update(key_values([item], "--env"))
+        elif item in environ:
+            env[item] = environ[item]
+        else:
+            raise ValueError(f"--env {item}: no such variable in this environment (give KEY=VALUE)")
+    return env
 
 
 class EngineProcess:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,24 +50,6 @@ def cmd_registry_status(args: opt.RayJsonOptions) -> int:
 
 
 def cmd_pool_status(args: opt.RayJsonOptions) -> int:
-    from collections import Counter
-
-    client = registry_client(args)
-    snapshot = asyncio.run(client.snapshot())
-    entries = snapshot.entries
-    by = Counter((e.status.value, e.engine.value, e.record.accelerator) for e in entries)
-    routable = [e for e in entries if e.status.routable]
-    report = {
-        "version": snapshot.version, "servers": len(entries),
-        "by_status": dict(Counter(e.status.value for e in entries)),
-        "groups": [{"status": s, "engine": g, "accelerator": a, "servers": n} for (s, g, a), n in sorted(by.items())],
-        "models": {m: len(ids) for m, ids in snapshot.models().items()},
-        "capacity_routable": sum(e.capacity for e in routable),
-        "running": sum(e.load.running for e in routable if e.load),
-        "waiting": sum(e.load.waiting for e in routable if e.load),
-        "tokens_per_s": sum(e.load.tokens_per_s or 0.0 for e in routable if e.load),
-    }
-
     def text(r: dict[str, Any]) -> str:
         lines = [f"{r['servers']} server(s): " + ", ".join(f"{n} {s}" for s, n in sorted(r["by_status"].items())),
                  f"routable capacity {r['capacity_routable']} sequences; running {r['running']:.0f}, waiting "
@@ -77,7 +58,7 @@ def cmd_pool_status(args: opt.RayJsonOptions) -> int:
         lines += [f"  model {m}: {n} server(s)" for m, n in sorted(r["models"].items())]
         return "\n".join(lines)
 
-    emit(args, report, text)
+    emit(args, asyncio.run(registry_client(args).snapshot()).summary(), text)
     return EXIT_OK
 
 
@@ -86,8 +67,8 @@ def cmd_serve(args: opt.ServeOptions) -> int:
 
     from pydantic import ValidationError
 
-    from fedpool.deploy import free_port
     from fedpool.deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
+    from fedpool.deploy.process import engine_variables, free_port, key_values
     from fedpool.registry import ServerRecord
 
     port = args.port or free_port(args.host)
@@ -98,11 +79,11 @@ def cmd_serve(args: opt.ServeOptions) -> int:
     try:
         argv = engine_argv(spec)
         adapter = registry_engine(args.engine, args.profile)
+        labels = key_values(args.label)
+        engine_env = engine_variables(args.env, args.env_file)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
-    labels = parse_labels(args.label)
-    engine_env = _engine_env(args.env, args.env_file)
     server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
     try:
         record = ServerRecord.model_validate({
@@ -143,45 +124,16 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: d
     return EXIT_OK
 
 
-def _engine_env(items: Sequence[str], env_file: Path | None) -> dict[str, str]:
-    """--env KEY=VALUE, --env KEY (from this process's environment) and --env-file lines, later ones winning."""
-    env: dict[str, str] = {}
-    if env_file is not None:
-        text = env_file.read_text(encoding="utf-8")
-        for number, line in enumerate(text.splitlines(), start=1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, sep, value = line.partition("=")
-            if not sep or not key.strip():
-                raise CliError(f"{env_file}:{number}: expected KEY=VALUE", EXIT_USAGE)
-            env[key.strip()] = value
-    for item in items:
-        if "=" not in item:
-            if item not in os.environ:
-                raise CliError(f"--env {item}: no such variable in this environment (give KEY=VALUE)", EXIT_USAGE)
-            env[item] = os.environ[item]
-        else:
-            env.update(parse_labels([item], "--env"))
-    return env
-
-
-def parse_labels(items: Sequence[str], flag: str = "--label") -> dict[str, str]:
-    labels = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise CliError(f"{flag} {item!r}: expected KEY=VALUE", EXIT_USAGE)
-        labels[key] = value
-    return labels
-
-
 def cmd_server_add(args: opt.ServerAddOptions) -> int:
     from pydantic import ValidationError
 
+    from fedpool.deploy.process import key_values
     from fedpool.registry import ServerRecord
 
-    labels = parse_labels(args.label)
+    try:
+        labels = key_values(args.label)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     try:
         record = ServerRecord.model_validate({
             "id": args.id, "url": args.url, "engine": args.engine, "model": args.model, "revision": args.revision,
@@ -190,7 +142,7 @@ def cmd_server_add(args: opt.ServerAddOptions) -> int:
         raise CliError(validation_message(exc), EXIT_USAGE) from None
     client = registry_client(args)
     entry = asyncio.run(client.register(record, replace=args.replace))
-    emit(args, entry_json(entry), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
+    emit(args, entry.describe(), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
          f"{e['accelerator']}), capacity {e['capacity']}, status {e['status']}")
     return EXIT_OK
 
@@ -200,7 +152,7 @@ def cmd_server_list(args: opt.ServerListOptions) -> int:
     snapshot = asyncio.run(client.snapshot())
     if args.model:
         snapshot = snapshot.filter(model=args.model)
-    rows = [entry_json(e) for e in snapshot.entries]
+    rows = [e.describe() for e in snapshot.entries]
     emit(args, {"version": snapshot.version, "servers": rows}, lambda _: format_server_table(rows))
     return EXIT_OK
 
@@ -208,14 +160,14 @@ def cmd_server_list(args: opt.ServerListOptions) -> int:
 def cmd_server_show(args: opt.ServerOptions) -> int:
     client = registry_client(args)
     entry = asyncio.run(client.get(args.server_id))
-    emit(args, entry_json(entry), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
+    emit(args, entry.describe(), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
     return EXIT_OK
 
 
 def cmd_server_drain(args: opt.ServerOptions) -> int:
     client = registry_client(args)
     entry = asyncio.run(client.drain(args.server_id))
-    emit(args, entry_json(entry), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
+    emit(args, entry.describe(), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
     return EXIT_OK
 
 
@@ -224,19 +176,6 @@ def cmd_server_remove(args: opt.ServerOptions) -> int:
     record = asyncio.run(client.deregister(args.server_id))
     emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
     return EXIT_OK
-
-
-def entry_json(entry: Any) -> dict[str, Any]:
-    load, record = entry.load, entry.record
-    return {
-        "id": entry.id, "url": entry.url, "engine": entry.engine.value, "model": record.model,
-        "revision": record.revision, "accelerator": record.accelerator, "gpu_count": record.gpu_count,
-        "capacity": entry.capacity, "status": entry.status.value,
-        "running": load.running if load else None, "waiting": load.waiting if load else None,
-        "kv_cache_usage": load.kv_cache_usage if load else None, "tokens_per_s": load.tokens_per_s if load else None,
-        "probe_latency_ms": entry.probe_latency_s * 1000 if entry.probe_latency_s is not None else None,
-        "last_error": entry.last_error, "labels": dict(record.labels),
-    }
 
 
 def format_server_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -107,6 +108,20 @@ class ServerEntry:
     @property
     def engine(self) -> Engine:
         return self.record.engine
+
+    def describe(self) -> dict[str, Any]:
+        """The server as `fedpool server list | show | add | drain --json` print it: JSON-ready, no secrets."""
+        load, record = self.load, self.record
+        return {
+            "id": self.id, "url": self.url, "engine": self.engine.value, "model": record.model,
+            "revision": record.revision, "accelerator": record.accelerator, "gpu_count": record.gpu_count,
+            "capacity": self.capacity, "status": self.status.value,
+            "running": load.running if load else None, "waiting": load.waiting if load else None,
+            "kv_cache_usage": load.kv_cache_usage if load else None,
+            "tokens_per_s": load.tokens_per_s if load else None,
+            "probe_latency_ms": self.probe_latency_s * 1000 if self.probe_latency_s is not None else None,
+            "last_error": self.last_error, "labels": dict(record.labels),
+        }
 
 
 # One server's fast-changing facts on the wire: (id, status, capacity, running, waiting, kv, tokens_per_s,
@@ -247,6 +262,24 @@ class PoolSnapshot:
                 continue
             kept.append(entry)
         return PoolSnapshot(version=self.version, taken_at=self.taken_at, entries=tuple(kept))
+
+    def summary(self) -> dict[str, Any]:
+        """The pool at a glance (`fedpool pool status`): servers by status and by (status, engine, accelerator),
+        servers per model, and the routable servers' capacity and live load."""
+        entries = self.entries
+        routable = [e for e in entries if e.status.routable]
+        groups = Counter((e.status.value, e.engine.value, e.record.accelerator) for e in entries)
+        return {
+            "version": self.version, "servers": len(entries),
+            "by_status": dict(Counter(e.status.value for e in entries)),
+            "groups": [{"status": s, "engine": g, "accelerator": a, "servers": n}
+                       for (s, g, a), n in sorted(groups.items())],
+            "models": {m: len(ids) for m, ids in self.models().items()},
+            "capacity_routable": sum(e.capacity for e in routable),
+            "running": sum(e.load.running for e in routable if e.load),
+            "waiting": sum(e.load.waiting for e in routable if e.load),
+            "tokens_per_s": sum(e.load.tokens_per_s or 0.0 for e in routable if e.load),
+        }
 
     def models(self) -> dict[str, list[str]]:
         """model name -> ids of the servers that serve it."""
