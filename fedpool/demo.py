@@ -15,18 +15,19 @@ from typing import Any, TextIO
 
 import ray
 
-from fedpool.clients import EvalSummary, EvalTarget, run_evals
-from fedpool.clients.progress import ProgressView
+from fedpool.clients import EvalSummary, EvalTarget
+from fedpool.clients.poolrun import run_evals_through_pool
+from fedpool.deploy import ensure_gemma
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
-from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation import DispatchConfig
 from fedpool.options import DemoOptions
 from fedpool.pipeline import BenchmarkSpec, load_specs, package_versions
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.bundled import bundled_spec_paths
+from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.demo")
-PROGRESS_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,48 +80,23 @@ async def _run_pool(
         for launcher in launchers:
             print(f"[fedpool]   {launcher.record.id}: {launcher.record.url}  log {launcher.process.log_path}",
                   file=out, flush=True)
-        model = launchers[0].record.model
-        async with PoolConnection(registry, policy=options.policy, config=DispatchConfig()) as pool:
-            snapshot = await pool.refresh()
-            pool_servers = tuple(
-                {"id": e.id, "url": e.url, "engine": e.engine.value, "accelerator": e.record.accelerator,
-                 "model": e.record.model, "revision": e.record.revision, "capacity": e.capacity}
-                for e in snapshot.entries
-            )
-            run_info = {
-                "run_id": run_dir.name,
-                "policy": options.policy,
-                "pool": list(pool_servers),
-                "concurrent_evals": [s.name for s in specs],
-            }
-            write_json_atomic(run_dir / "run.json", {
-                **run_info, "command": " ".join(sys.argv), "packages": package_versions(),
-                "started_at": datetime.now(UTC).isoformat(),
-            })
-            print(f"[fedpool] running {len(specs)} evaluations concurrently through the pool "
-                  f"(policy {options.policy}): {', '.join(s.name for s in specs)}", file=out, flush=True)
-            verifier = None
-            if options.verifier:
-                from fedpool.deploy import ensure_gemma
-                from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
-
-                specs = [s.model_copy(update={"verifier": True}) for s in specs]
-                # The judge runs beside the local llama.cpp servers, on the same cores.
-                verifier = VerifierPool(VerifierConfig(model_path=str(ensure_gemma(options.model_path)),
-                                                       shares_engine_cores=True))
-                print("[fedpool] verifier: 1 Ray CPU actor judging every prediction as it completes", file=out)
-            progress = ProgressView(pool.dispatcher, mode="plain", out=out, every_s=PROGRESS_EVERY_S)
-            started = time.monotonic()
-            try:
-                async with progress:
-                    summaries = await run_evals(
-                        specs, pool.dispatcher, run_dir, EvalTarget(model=model), concurrency=options.concurrency,
-                        run_info=run_info, secrets=(), on_progress=progress.update, verifier=verifier,
-                    )
-            finally:
-                if verifier is not None:
-                    verifier.shutdown()
-            wall = time.monotonic() - started
+        pool_servers = tuple(e.describe() for e in (await registry.snapshot()).entries)
+        run_info = {"run_id": run_dir.name, "policy": options.policy, "pool": list(pool_servers),
+                    "concurrent_evals": [s.name for s in specs]}
+        write_json_atomic(run_dir / "run.json", {**run_info, "command": " ".join(sys.argv), "packages":
+                                                 package_versions(), "started_at": datetime.now(UTC).isoformat()})
+        print(f"[fedpool] running {len(specs)} evaluations concurrently through the pool "
+              f"(policy {options.policy}): {', '.join(s.name for s in specs)}", file=out, flush=True)
+        if options.verifier:
+            specs = [s.model_copy(update={"verifier": True}) for s in specs]
+            print("[fedpool] verifier: Ray CPU actors judging every prediction as it completes", file=out)
+        started = time.monotonic()
+        summaries = await run_evals_through_pool(
+            registry, specs, run_dir, EvalTarget(model=launchers[0].record.model), policy=options.policy,
+            dispatch=DispatchConfig(), concurrency=options.concurrency, verifier=lambda: _judges(options),
+            media_actors=options.media_actors, metric_actors=options.metric_actors, progress="plain",
+            run_info=run_info)
+        wall = time.monotonic() - started
     answered: dict[str, dict[str, int]] = {}
     for summary in summaries:
         for server_id, count in summary.summary["by_server"].items():
@@ -129,6 +105,13 @@ async def _run_pool(
     write_json_atomic(run_dir / "report.json", report.as_json())
     _print_report(report, out)
     return report
+
+
+def _judges(options: DemoOptions) -> VerifierPool:
+    """The judges run beside the local llama.cpp servers, on the same cores."""
+    model = options.verifier_model or ensure_gemma(options.model_path)
+    return VerifierPool(VerifierConfig(model_path=str(model), actors=options.verifier_actors,
+                                       threads=options.verifier_threads, shares_engine_cores=True))
 
 
 def _print_report(report: DemoReport, out: TextIO) -> None:
