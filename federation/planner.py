@@ -79,6 +79,7 @@ class _RoutePlan:
     sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> kind -> placed
     clients: set[str] = field(default_factory=set)  # clients that sent on this route
     replanning: bool = False  # a re-plan is scheduled (off the grant path)
+    route: RouteView | None = None  # where its held clients park (back in the order under a new plan)
 
 
 _NO_TRIED: set[str] = set()
@@ -160,6 +161,7 @@ class PlannedRouting(Policy, name="planned"):
             return Hold.CLIENT_HELD
         client_id = request.client_id
         plans = self._routes.get(route.key) or self._route_plan(route)
+        plans.route = route
         if client_id not in plans.clients:
             plans.clients.add(client_id)
             self._placed.add(client_id)
@@ -184,8 +186,11 @@ class PlannedRouting(Policy, name="planned"):
         pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
         if pick is None and tried:
             pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=False)
-        if pick is None:
-            return Hold.CLIENT_HELD  # held for its planned servers (which are full); other clients may go on
+        if pick is None:  # held for its planned servers (which are full); other clients may go on
+            kinds = tuple(k for k, q in quotas.items() if q > MIN_SHARE)
+            if not any(route.free_in(k) for k in kinds):  # out of the grant passes until one has room
+                route.park(client_id, kinds, self._st.clients.key(client_id))
+            return Hold.CLIENT_HELD
         plans.sent.setdefault(client_id, Counter())[plan.kind_of[pick.id]] += 1
         route.memo.clear()  # the pick may have filled its server
         return pick
@@ -362,6 +367,8 @@ class PlannedRouting(Policy, name="planned"):
             began = time.process_time()
             self._current_plan(plans, plans.servers_ref or servers, client_id, self._st.clock())
             self.solve_s += time.process_time() - began
+            if plans.route is not None:  # new quotas: every held client is looked at again
+                plans.route.unpark_all()
 
         loop.call_soon(replan)
 

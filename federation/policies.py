@@ -115,6 +115,9 @@ class RouteView(Protocol):
         """The client's requests wait until a server in one of `groups` (of `group_by`) has room: grant passes skip
         it until then, or until the dispatcher's next periodic look (`key`: its place in the serving order)."""
 
+    def unpark_all(self) -> None:
+        """Every parked client back in the order (the policy's reasons changed: a new plan, say)."""
+
 
 @dataclass(frozen=True, slots=True)
 class DispatchState:

@@ -65,7 +65,10 @@ class View:
         return {}
 
     def park(self, client: str, groups: tuple[str, ...], key: object) -> None:
-        pass  # the planner holds without parking
+        pass  # parking only spares grant passes a look at held clients: here every client is asked each time
+
+    def unpark_all(self) -> None:
+        pass
 
 
 def prompt_of(client: str, chars: int, max_tokens: int | None) -> InferenceRequest:
