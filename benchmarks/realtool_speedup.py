@@ -117,7 +117,7 @@ class Pair:
 
 def pairs(small: bool) -> dict[str, Pair]:
     if small:  # the CI test's version
-        return {"unequal": Pair("unequal", (arith(40), stories("long", 24, 48)), "A: 40 arith; B: 24 x 48 tokens"),
+        return {"unequal": Pair("unequal", (arith(24), stories("long", 16, 32)), "A: 24 arith; B: 16 x 32 tokens"),
                 "equal": Pair("equal", (stories("long", 16, 48), stories("long2", 16, 48)), "16 x 48 tokens each")}
     return {"unequal": Pair("unequal", (arith(60), stories("long", 40, 64)),
                             "A: bundled arith, 60 samples (a number back); B: 40 prompts x 64 tokens"),

@@ -29,11 +29,18 @@ from tests.fakes import FakePool
 TEST_TOKEN = "test-registry-token-7f3a9c"
 
 
+# The files that take longest (minutes of lm-eval, engine and Ray processes) run first: `make test`'s two workers
+# take files in this order, and a long file started last would leave one worker alone at the end.
+LONGEST_FIRST = ("test_multiprocess_bench.py", "test_realtool.py", "test_chaos.py", "test_cli.py", "test_vllm_cpu.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every async test checks that it leaves no task of its own running."""
+    """Every async test checks that it leaves no task of its own running; the longest files come first."""
     for item in items:
         if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
             item.fixturenames.insert(0, "no_leaked_tasks")
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture
