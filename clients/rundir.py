@@ -49,7 +49,7 @@ class RunPlan(BaseModel):
         return "planned" if self.planned else self.policy
 
     def write(self, out: Path) -> None:
-        write_json_atomic(out / EVAL_FILE, self.model_dump(mode="json", exclude_none=False))
+        write_json_atomic(out / EVAL_FILE, self.model_dump(mode="json"))
 
     @classmethod
     def read(cls, out: Path) -> RunPlan:
@@ -67,7 +67,8 @@ class RunPlan(BaseModel):
         except ValidationError as exc:
             kinds = {e["type"] for e in exc.errors()}
             if kinds & {"json_invalid", "model_type", "json_type"}:
-                raise RunDirError(f"{path}: not a fedpool run description (not JSON); it was damaged") from None
+                raise RunDirError(f"{path}: not a fedpool run description (not a JSON object); it was "
+                                  "damaged") from None
             where = ", ".join(sorted({str(e["loc"][0]) for e in exc.errors() if e["loc"]}))
             raise RunDirError(f"{path}: not a fedpool run description ({where or 'its fields'} missing or "
                               "wrong)") from None

@@ -152,10 +152,7 @@ class Dispatcher:
     def registered_models(self) -> dict[str, set[str]]:
         """Model -> revisions of every registered server (routable or not) in the current snapshot."""
         snapshot = self._snapshots()
-        out: dict[str, set[str]] = {}
-        for entry in snapshot.entries if snapshot is not None else ():
-            out.setdefault(entry.record.model, set()).add(entry.record.revision)
-        return out
+        return snapshot.revisions() if snapshot is not None else {}
 
     # ---- capacity leases (federation/leases.py renews them; the dispatcher decides within them) ---------
     def demand(self) -> tuple[ModelDemand, ...]:

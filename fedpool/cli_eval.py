@@ -13,6 +13,7 @@ from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, 
 if TYPE_CHECKING:
     from fedpool.clients.rundir import RunPlan
 
+
 def cmd_eval_run(args: opt.EvalRunOptions) -> int:
     from fedpool.clients.rundir import RunPlan, check_specs, owned, refuse_existing_run
 
@@ -48,10 +49,7 @@ async def require_servers(client: Any, model: str, revision: str | None, wait_s:
     from fedpool.clients.rundir import wait_for_model
 
     async def registered() -> dict[str, set[str]]:
-        served: dict[str, set[str]] = {}
-        for entry in (await client.snapshot()).entries:
-            served.setdefault(entry.record.model, set()).add(entry.record.revision)
-        return served
+        return (await client.snapshot()).revisions()
 
     await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
                          "SECONDS")

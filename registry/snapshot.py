@@ -281,6 +281,13 @@ class PoolSnapshot:
             "tokens_per_s": sum(e.load.tokens_per_s or 0.0 for e in routable if e.load),
         }
 
+    def revisions(self) -> dict[str, set[str]]:
+        """model name -> the revisions its registered servers (routable or not) serve."""
+        out: dict[str, set[str]] = {}
+        for entry in self.entries:
+            out.setdefault(entry.record.model, set()).add(entry.record.revision)
+        return out
+
     def models(self) -> dict[str, list[str]]:
         """model name -> ids of the servers that serve it."""
         out: dict[str, list[str]] = {}
