@@ -43,6 +43,7 @@ STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing 
 CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
 NO_TRIED: set[str] = set()  # shared, never mutated: a request that has failed nowhere yet
+NO_SKIP: set[str] = set()  # shared, never mutated: a grant pass that holds no client
 LAG_SMOOTHING = 0.1  # weight of one grant pass's lateness in the smoothed loop lag
 LAG_STALE_S = 1.0  # a smoothed loop lag with no grant pass for longer than this fades ...
 LAG_HALF_LIFE_S = 0.5  # ... by half every this many seconds beyond it
@@ -405,8 +406,12 @@ class Dispatcher:
             self._decisions += 1
         if held:
             route.unskip(held, key)
-        if route.waiting and self._tick_handle is None:
+        # The tick only for requests still ungranted (`waiting` counts the granted ones until they resume): a
+        # request that found room arms no timer.
+        if self._tick_handle is None and route.waiting and (route.parked or route.head(key, NO_SKIP) is not None):
             self._arm_tick()
+        if now - self._swept_at >= CLIENT_TTL_S / 10:  # (every grant pass, so a pool that never waits sweeps too)
+            self._sweep(now)
         self._decision_s += time.perf_counter() - began
 
     def _misplaced(self, route: Route, head: Waiter, placed: object) -> ServerState | Hold:
@@ -444,11 +449,7 @@ class Dispatcher:
                             + (f" revision {waiter.request.revision!r}" if waiter.request.revision else "")
                             + f" (waited {self._config.no_server_timeout_s:g}s)"))
             route.unpark_all()  # a policy's reasons to hold a client are looked at again every tick
-            self._grant(route)
-        if self._waiting_routes and self._tick_handle is None:
-            self._arm_tick()
-        if now - self._swept_at >= CLIENT_TTL_S / 10:
-            self._sweep(now)
+            self._grant(route)  # (re-arms the tick while requests there are still ungranted)
 
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)

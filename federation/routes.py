@@ -65,7 +65,7 @@ class Route:
         self.waiting = 0  # live waiters
         # Clients a policy held until a server of one of these groups has room (`park`): out of the heap, so a
         # grant pass does not walk them again; back when such a server frees, the servers change, or `unpark_all`.
-        self._parked: dict[str, tuple[tuple[str, ...], ClientKey]] = {}
+        self.parked: dict[str, tuple[tuple[str, ...], ClientKey]] = {}  # (read-only to everyone else)
         self._parked_on: dict[str, set[str]] = {}
 
     # ---- servers ----------------------------------------------------------------------------------
@@ -157,19 +157,19 @@ class Route:
     def park(self, client: str, groups: tuple[str, ...], key: ClientKey) -> None:
         """`client` waits until a server in one of `groups` (see `group_by`) has room: grant passes skip it until
         then (a policy that held it for those groups says so; O(groups))."""
-        if self._group_of is None or not groups or client in self._parked:
+        if self._group_of is None or not groups or client in self.parked:
             return
-        self._parked[client] = (groups, key)
+        self.parked[client] = (groups, key)
         for group in groups:
             self._parked_on.setdefault(group, set()).add(client)
 
     def unpark_all(self) -> None:
         """Every parked client back in the order (the policy's reasons may have changed: its periodic look)."""
-        for client in list(self._parked):
+        for client in list(self.parked):
             self._unpark(client)
 
     def _unpark(self, client: str) -> None:
-        parked = self._parked.pop(client, None)
+        parked = self.parked.pop(client, None)
         if parked is None:
             return
         groups, key = parked
@@ -231,7 +231,7 @@ class Route:
                 self._pushed[client] = key
                 heapq.heapreplace(heap, (key[0], key[1], queue[0].seq, client))
                 continue
-            if client in skip or client in self._parked:
+            if client in skip or client in self.parked:
                 heapq.heappop(heap)
                 self._pushed.pop(client, None)
                 continue
@@ -241,7 +241,7 @@ class Route:
     def unskip(self, skipped: set[str], key_of: Callable[[str], ClientKey]) -> None:
         for client in skipped:
             queue = self.queues.get(client)
-            if queue and client not in self._parked:
+            if queue and client not in self.parked:
                 self._push(client, key_of(client), queue[0].seq)
 
     def granted(self, waiter: Waiter) -> None:
