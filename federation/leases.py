@@ -115,10 +115,11 @@ class LeaseClient:
             await asyncio.wait_for(self._registry.release_lease(self.holder), 1.0)
 
     def poke(self, busy: bool = True) -> None:
-        """The dispatcher's demand went from nothing to something (report now) or back (nothing to do: renewals
-        report the last demand for IDLE_HOLD_S, then nothing)."""
+        """The dispatcher's demand went from nothing to something (report now, unless the last report still asked
+        for slots) or back (nothing to do: renewals report the last demand for IDLE_HOLD_S, then nothing)."""
         if busy:
-            self._poked.set()
+            if not self._wanted:  # (else the last report still asks for its slots, held for IDLE_HOLD_S: a paced
+                self._poked.set()  # gateway going idle between requests made 20 reports a second, not 2)
         else:
             self._wanted_at = self._clock()  # it wanted slots until now: the hold counts from here
 

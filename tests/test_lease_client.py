@@ -101,3 +101,29 @@ async def test_a_process_that_goes_idle_asks_for_its_last_demand_a_little_longer
         assert all(t <= idle_at + IDLE_HOLD_S for t in busy)
     finally:
         await client.stop()
+
+
+async def test_a_caller_paced_between_idle_spells_costs_renewals_only(fakes: FakePool) -> None:
+    """A gateway at a steady light load goes idle between requests (each answered before the next comes): each
+    return to work is within IDLE_HOLD_S of the last, the lease it holds still covers it, and it reports at the
+    renewal rate, not once per request (it used to report every MIN_POKE_S: 20 registry calls a second)."""
+    server = fakes.start(decode_s=0.001)
+    snap = snapshot_of([server], capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    registry = Registry({"s0": 4}, safe={"s0": 4})
+    loop = asyncio.get_running_loop()
+    client = LeaseClient(registry, dispatcher, holder="h", clock=loop.time)
+    await client.start()
+    try:
+        await asyncio.sleep(1.0)
+        began, before = loop.time(), len(registry.reports)
+        for i in range(200):  # 4 s at one request every 20 ms, each done in a few ms
+            await dispatcher.submit(request(i))
+            await asyncio.sleep(0.02)
+        seconds, reports = loop.time() - began, len(registry.reports) - before
+        assert dispatcher.inflight() == {}
+        assert reports <= seconds / 0.5 + 2, (reports, seconds)  # renewals (every 0.5 s), and the first poke
+        assert all(r.models for _, r in registry.reports[before + 1:])  # it kept asking for its slots
+    finally:
+        await client.stop()
