@@ -15,8 +15,10 @@ How slots are shared (one model's servers at a time):
    something, in proportion to what they want (work-conserving: a burst needs no round trip); a holder that
    wants nothing holds nothing.
 2. Entitlements are rounded to whole slots (largest remainder) and placed on servers: each holder keeps the
-   slots it uses now (sticky: no churn of servers between holders), and the rest is dealt a slot at a time,
-   the holder owed most first, onto the server with the most room — holders spread over the servers.
+   slots it has in flight and those it holds up to its fair spread (its entitlement in proportion to each
+   server's capacity; sticky: no churn of servers between holders), and the rest is dealt a slot at a time,
+   the holder owed most first, onto the server with the most room where it is under its spread — each holder
+   spread over the servers.
 3. Slots are never granted twice: a slot another holder may be using — the larger of its new lease, the lease
    it still holds (it may not have heard of a smaller one yet) and what it has in flight (in-flight work cannot
    be taken back) — is not room. So a lease shrinks first and the slots move once its holder says it has let
@@ -46,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
 RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
 MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
+SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 
 
@@ -251,12 +254,13 @@ class LeaseBroker:
 
     def _spread(self, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool) -> dict[str, dict[str, int]]:
-        """Holder -> server -> whole slots. Each holder first keeps the slots it uses (in flight, leased) up to its
-        entitlement — leases are sticky, no churn of servers between holders — then the rest is dealt one slot at
-        a time, the holder with the most still owed first, onto the server with the most room: holders spread
-        over the servers, each server's slots never granted twice. A slot another holder may be using — its last
-        lease, the lease it says it holds, or its work in flight — is not room: a lease shrinks first and the
-        slots move once its holder has let them go. O(holders' servers + slots dealt × log servers)."""
+        """Holder -> server -> whole slots. Each holder first keeps the slots it uses (in flight; then leased, up to
+        its fair spread) up to its entitlement — leases are sticky, no churn of servers between holders — then the
+        rest is dealt one slot at a time, the holder with the most still owed first, onto the server with the most
+        room where it is under its spread: each holder spread over the servers, each server's slots never granted
+        twice. A slot another holder may be using — its last lease, the lease it says it holds, or its work in
+        flight — is not room: a lease shrinks first and the slots move once its holder has let them go.
+        O(holders' servers + slots dealt × log servers)."""
         capacity = {s.id: s.capacity for s in servers}
         occupied: dict[str, dict[str, int]] = {}
         used = dict.fromkeys(capacity, 0)
@@ -275,14 +279,27 @@ class LeaseBroker:
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
         out: dict[str, dict[str, int]] = {h: {} for h in self._holders}
         owed: list[tuple[int, str]] = []
+        total_capacity = sum(capacity.values()) or 1
+
+        def fair(want: float, sid: str) -> int:
+            """A holder's fair spread on a server: its entitlement in proportion to the server's capacity."""
+            return math.ceil(want * capacity[sid] / total_capacity - 1e-9)
+
         for holder_id, want in wants.items():
             left = int(want)
             grant = out[holder_id]
-            # Where its requests are in flight first (those slots are taken either way), then the rest it holds.
+            # Where its requests are in flight first (those slots are taken either way), then the rest it holds
+            # up to its fair spread (its entitlement in proportion to each server's capacity): idle slots piled on
+            # one server go back, so one process's requests do not all land on one replica (a gateway replica's
+            # short requests kept 3 of 4 slots on one server: 75% of them there).
             inflight = self._holders[holder_id].report.inflight
-            for source in (inflight, occupied[holder_id]):
+            for source, spread in ((inflight, False), (occupied[holder_id], True)):
                 for sid, n in sorted(source.items(), key=lambda kv: (-kv[1], kv[0])):
-                    keep = min(n - grant.get(sid, 0), left) if sid in capacity else 0
+                    if sid not in capacity:
+                        continue
+                    keep = min(n - grant.get(sid, 0), left)
+                    if spread:
+                        keep = min(keep, fair(want, sid) - grant.get(sid, 0))
                     if keep > 0:
                         grant[sid] = grant.get(sid, 0) + keep
                         left -= keep
@@ -293,8 +310,23 @@ class LeaseBroker:
         heapq.heapify(owed)
         while owed and rooms:
             minus_left, holder_id = heapq.heappop(owed)
-            minus_room, sid = heapq.heappop(rooms)
-            out[holder_id][sid] = out[holder_id].get(sid, 0) + 1
+            grant = out[holder_id]
+            # The server with the most room where the holder is under its fair spread (among the SPREAD_LOOK with
+            # the most room), else the one with the most room.
+            looked: list[tuple[int, str]] = []
+            chosen = None
+            while rooms and len(looked) < SPREAD_LOOK:
+                room = heapq.heappop(rooms)
+                if grant.get(room[1], 0) < fair(wants[holder_id], room[1]):
+                    chosen = room
+                    break
+                looked.append(room)
+            if chosen is None:
+                chosen = looked.pop(0)
+            for room in looked:
+                heapq.heappush(rooms, room)
+            minus_room, sid = chosen
+            grant[sid] = grant.get(sid, 0) + 1
             if minus_room + 1 < 0:
                 heapq.heappush(rooms, (minus_room + 1, sid))
             if minus_left + 1 < 0:

@@ -141,3 +141,18 @@ def test_service_ranks_are_put_on_one_scale_across_holders() -> None:
     report("b", "tool-b", 20.0, work=2_000.0, slot_s=20.0, rank=2_000.0)
     b.broker.reshare()
     assert total(b.slots("a")) == 8 and b.slots("b") == {}
+
+
+def test_two_holders_each_spread_over_both_servers_not_one_server_each() -> None:
+    """Two processes with equal demand each get half of every server: a lease that kept the first slots it held
+    put one gateway replica's requests all on one server and the other's on the other (idle slots it held beyond
+    its fair spread now go back, and dealt slots go where the holder is under it)."""
+    b = Broker()
+    assert b.report("a", {"eval-a": (4, 1.0)}) == {"s0": 4, "s1": 4}  # alone: all of it, as headroom
+    b.report("b", {"eval-b": (4, 1.0)})
+    for _ in range(3):  # each hears of the other and lets slots go; the broker deals them again
+        b.report("a", {"eval-a": (4, 1.0)})
+        b.report("b", {"eval-b": (4, 1.0)})
+    assert b.slots("a") == {"s0": 2, "s1": 2} and b.slots("b") == {"s0": 2, "s1": 2}
+    # Slots in flight are kept where they are (they cannot be taken back), whatever the spread.
+    assert b.report("a", {"eval-a": (4, 1.0)}, inflight={"s0": 2}) == {"s0": 2, "s1": 2}
