@@ -51,7 +51,8 @@ class StagePool:
     its actors with it: Ray starts them again elsewhere and retries the calls in flight, so an eval loses no
     record to a lost CPU node."""
 
-    def __init__(self, actors: int, *, num_cpus: float | None = None, actor_options: dict[str, object] | None = None):
+    def __init__(self, actors: int, *, num_cpus: float | None = None, actor_options: dict[str, object] | None = None,
+                 ready_timeout_s: float = 120.0):
         import ray
 
         if actors < 1:
@@ -67,13 +68,21 @@ class StagePool:
         self._actors: list[Any] = [remote.remote() for _ in range(actors)]  # Ray's handles are not typed for .remote
         self._busy = [0] * actors
         self.calls = 0  # calls answered (for reports and tests: the work did run here)
+        self._up: asyncio.Future[None] | None = None  # the readiness check, made once
+        self._ready_timeout_s = ready_timeout_s
 
     @property
     def size(self) -> int:
         return len(self._actors)
 
-    async def ready(self, timeout_s: float = 120.0) -> None:
-        """Wait until every actor's process is up (a fresh actor takes a second or two to start)."""
+    async def ready(self) -> None:
+        """Wait until every actor's process is up (a fresh actor takes a second or two to start). Checked once:
+        later calls, and `run`, wait on the same check (a caller that gives up does not cancel it)."""
+        if self._up is None:
+            self._up = asyncio.ensure_future(self._check(self._ready_timeout_s))
+        await asyncio.shield(self._up)
+
+    async def _check(self, timeout_s: float) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(actor.ready.remote() for actor in self._actors)), timeout_s)
         except TimeoutError:
@@ -83,7 +92,10 @@ class StagePool:
             ) from None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the least busy actor (fn and args must pickle: module-level functions)."""
+        """`fn(*args)` on the least busy actor (fn and args must pickle: module-level functions), once the actors
+        are up (an actor that cannot be placed raises here, after `ready`'s timeout, instead of waiting forever)."""
+        if self._up is None or not self._up.done() or self._up.exception() is not None:
+            await self.ready()
         index = min(range(len(self._actors)), key=self._busy.__getitem__)
         self._busy[index] += 1
         try:

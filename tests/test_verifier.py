@@ -130,8 +130,7 @@ async def test_benchmark_summaries_are_computed_on_cpu_actors(
     specs = [load_spec(p) for p in bundled_spec_paths()[:2]]
     specs = [s.model_copy(update={"data": s.data.model_copy(update={"limit": 8})}) for s in specs]
     scoring = StagePool(1, num_cpus=0.1)
-    try:
-        await scoring.ready()
+    try:  # not made ready first (as `eval run` does): the actor starts while the evals run
         async with PoolConnection(registry) as pool:
             summaries = await run_evals(specs, pool.dispatcher, tmp_path, EvalTarget(model="emu-model"),
                                         scoring=scoring)
@@ -141,3 +140,24 @@ async def test_benchmark_summaries_are_computed_on_cpu_actors(
     for spec, summary in zip(specs, summaries, strict=True):
         here = summarize_records(spec, read_records(summary.artifact_dir / "records.jsonl"))
         assert summary.summary["scores"] == here["scores"] and summary.summary["records"] == 8
+
+
+async def test_a_stage_pool_that_cannot_be_placed_fails_its_calls_instead_of_hanging(ray_cluster: None) -> None:
+    """Calls wait for the actors to be up (a pool is used without `ready` first); actors the cluster cannot
+    place make every call raise after the readiness timeout, naming the cause, so the eval scores on a thread."""
+    from fedpool.pipeline.stages import StagePool
+
+    pool = StagePool(1, num_cpus=10_000, ready_timeout_s=1.0)  # far more CPUs than the test cluster has
+    try:
+        with pytest.raises(RuntimeError, match="did not all start within 1 s"):
+            await pool.run(len, [1, 2])
+        with pytest.raises(RuntimeError, match="cannot place them"):  # and again, at once: the same check
+            await pool.run(len, [1, 2])
+        assert pool.calls == 0
+    finally:
+        pool.shutdown()
+    placed = StagePool(1, num_cpus=0.1)
+    try:
+        assert await placed.run(len, [1, 2, 3]) == 3 and placed.calls == 1
+    finally:
+        placed.shutdown()
