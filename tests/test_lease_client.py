@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.policies import make_policy
 from fedpool.registry import DemandReport, Lease
@@ -40,6 +41,19 @@ class Registry:
 
     async def release_lease(self, holder: str) -> None:
         self.released.append(holder)
+
+
+async def one_server_leased(fakes: FakePool, decode_s: float) -> tuple[Dispatcher, Registry, LeaseClient]:
+    """One fake 4-slot server, a dispatcher over it and its lease client (started) against a registry that leases
+    all 4 slots."""
+    server = fakes.start(decode_s=decode_s)
+    snap = snapshot_of([server], capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    registry = Registry({"s0": 4}, safe={"s0": 4})
+    client = LeaseClient(registry, dispatcher, holder="h", clock=asyncio.get_running_loop().time)
+    await client.start()
+    return dispatcher, registry, client
 
 
 async def test_a_lapsed_lease_keeps_at_most_what_was_held_for_a_ttl_then_the_safe_share(fakes: FakePool) -> None:
@@ -81,14 +95,8 @@ async def test_a_process_that_goes_idle_asks_for_its_last_demand_a_little_longer
         fakes: FakePool) -> None:
     """A gateway between two callers' requests keeps its slots (the next request needs no round trip); a process
     idle for longer than IDLE_HOLD_S reports that it wants nothing (and the broker gives its slots away)."""
-    server = fakes.start(decode_s=0.05)
-    snap = snapshot_of([server], capacity=4)
-    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
-    dispatcher.notify_snapshot()
-    registry = Registry({"s0": 4}, safe={"s0": 4})
+    dispatcher, registry, client = await one_server_leased(fakes, decode_s=0.05)
     loop = asyncio.get_running_loop()
-    client = LeaseClient(registry, dispatcher, holder="h", clock=loop.time)
-    await client.start()
     try:
         await asyncio.sleep(1.0)
         assert not any(r.models for _, r in registry.reports)  # nothing wanted yet
@@ -107,14 +115,8 @@ async def test_a_caller_paced_between_idle_spells_costs_renewals_only(fakes: Fak
     """A gateway at a steady light load goes idle between requests (each answered before the next comes): each
     return to work is within IDLE_HOLD_S of the last, the lease it holds still covers it, and it reports at the
     renewal rate, not once per request (it used to report every MIN_POKE_S: 20 registry calls a second)."""
-    server = fakes.start(decode_s=0.001)
-    snap = snapshot_of([server], capacity=4)
-    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
-    dispatcher.notify_snapshot()
-    registry = Registry({"s0": 4}, safe={"s0": 4})
+    dispatcher, registry, client = await one_server_leased(fakes, decode_s=0.001)
     loop = asyncio.get_running_loop()
-    client = LeaseClient(registry, dispatcher, holder="h", clock=loop.time)
-    await client.start()
     try:
         await asyncio.sleep(1.0)
         began, before = loop.time(), len(registry.reports)
