@@ -108,6 +108,8 @@ class StagePool:
     def shutdown(self) -> None:
         import ray
 
+        if self._up is not None and not self._up.done():
+            self._up.cancel()  # (a readiness check still waiting on the actors killed here)
         for actor in self._actors:
             ray.kill(actor)
         self._actors.clear()
