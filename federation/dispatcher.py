@@ -100,6 +100,10 @@ class Dispatcher:
         # Told when this process starts (True) or stops (False) wanting slots: the lease client reports a start
         # at once, not at its next renewal.
         self.on_demand: Callable[[bool], None] | None = None
+        # Told when a slot comes back on a server where this process held more than its (shrunk) lease: the broker
+        # gives that slot to another process once it hears of it, so the lease client reports now, not at its
+        # next renewal (up to half a second later for every slot that moves).
+        self.on_over_lease_release: Callable[[], None] | None = None
         self._seq = itertools.count()
         self._waiting = 0  # requests waiting for a slot, every route
         self._waiting_routes: set[Route] = set()
@@ -387,6 +391,10 @@ class Dispatcher:
         while route.waiting and route.free:
             head = route.head(key, held)
             if head is None:
+                # Room left over that a parked client waits for (a freed server woke only its group's first):
+                # wake the next of each such group rather than leave the slot idle until the tick.
+                if route.parked and route.unpark_ready():
+                    continue
                 break
             try:
                 placed = policy.place(route, head.request, head.tried)
@@ -453,6 +461,8 @@ class Dispatcher:
 
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
+        if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
+            self.on_over_lease_release()  # (it held one more than its lease there until now)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
             self.on_demand(False)  # idle from now: the lease can go back
         if self._racers and self._clients.done_sending:

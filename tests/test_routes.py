@@ -50,3 +50,32 @@ def test_a_parked_client_waits_out_of_the_order_until_its_group_has_room() -> No
         assert route.head(key, set()) is not None
     finally:
         loop.close()
+
+
+def test_a_server_getting_room_wakes_its_groups_first_parked_client_only() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        route = Route(("m", None, None, None), "m", None, None, None)
+        fast, slow = ServerState("fast-0"), ServerState("slow-0")
+        route.set_servers([fast, slow])
+        route.group_by(lambda s: s.id.split("-")[0])
+        keys = {"a": (2.0, 0.0), "b": (0.0, 0.0), "c": (1.0, 0.0)}
+        for seq, client in enumerate(keys):
+            route.join(waiter(route, client, seq, loop), keys[client])
+        for client in keys:
+            route.park(client, ("fast",), keys[client])
+        assert route.head(keys.__getitem__, set()) is None
+        assert not route.unpark_ready()  # no fast server has room: nobody wakes
+        route.set_free(fast, True)  # one server: the first parked in the serving order, not all three
+        assert set(route.parked) == {"a", "c"}
+        first = route.head(keys.__getitem__, set())
+        assert first is not None and first.request.client_id == "b"
+        route.granted(first)  # (b's only request: placed elsewhere, say; fast still has room)
+        assert route.head(keys.__getitem__, set()) is None
+        assert route.unpark_ready() and set(route.parked) == {"a"}  # the next in order, while the room lasts
+        nxt = route.head(keys.__getitem__, set())
+        assert nxt is not None and nxt.request.client_id == "c"
+        route.set_free(fast, False)
+        assert not route.unpark_ready() and set(route.parked) == {"a"}
+    finally:
+        loop.close()
