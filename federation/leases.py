@@ -6,7 +6,8 @@ the client order and weight) and what it holds, and applies the lease that comes
 locally within it, so nothing on the request path waits for the registry. Calls are long polls: a report is
 answered at once when this process's slots changed, else after `renew_s` — so a lease that grows (another
 process let slots go) arrives within a round trip, and a steady process renews twice a second. The dispatcher
-pokes the client when it goes from idle to wanting slots, so a new eval does not wait for a renewal; a process
+pokes the client when it goes from idle to wanting slots, so a new eval does not wait for a renewal, and when it
+lets go of a slot its lease no longer covers (the lease shrank: another process waits for that slot); a process
 that goes idle reports its last demand for `IDLE_HOLD_S` more (a gateway between two callers' requests keeps
 its slots: the next request needs no round trip) and then nothing: an idle process holds nothing.
 
@@ -87,6 +88,7 @@ class LeaseClient:
         """Hold no slots until the first lease comes (a round trip); if none comes within CALL_TIMEOUT_S, the
         registry is away and no other holder is known: the windows are the dispatcher's own until one does."""
         self._dispatcher.on_demand = self.poke
+        self._dispatcher.on_over_lease_release = self._poked.set
         self._dispatcher.apply_lease({})
         loop = asyncio.get_running_loop()
         self._expiry = loop.call_later(CALL_TIMEOUT_S, self._never_leased)
@@ -102,6 +104,7 @@ class LeaseClient:
     async def stop(self) -> None:
         """Stop renewing and give the slots back (best effort: the broker forgets a silent holder at its TTL)."""
         self._dispatcher.on_demand = None
+        self._dispatcher.on_over_lease_release = None
         if self._expiry is not None:
             self._expiry.cancel()
         if self._task is not None:

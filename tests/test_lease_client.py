@@ -10,6 +10,7 @@ import pytest
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.policies import make_policy
+from fedpool.federation.types import Endpoint, InferenceRequest
 from fedpool.registry import DemandReport, Lease
 from tests.fakes import FakePool
 from tests.test_dispatcher import request, snapshot_of
@@ -127,5 +128,36 @@ async def test_a_caller_paced_between_idle_spells_costs_renewals_only(fakes: Fak
         assert dispatcher.inflight() == {}
         assert reports <= seconds / 0.5 + 2, (reports, seconds)  # renewals (every 0.5 s), and the first poke
         assert all(r.models for _, r in registry.reports[before + 1:])  # it kept asking for its slots
+    finally:
+        await client.stop()
+
+
+async def test_a_process_over_its_shrunk_lease_reports_each_slot_it_lets_go_at_once(fakes: FakePool) -> None:
+    """Another process wants slots: the broker shrinks this one's lease below what it has in flight, and each slot
+    moves once this process says it let it go. It says so when the request ends (within MIN_POKE_S), not at its
+    next renewal — up to half a second later for every slot that moves."""
+    dispatcher, registry, client = await one_server_leased(fakes, decode_s=0.05)
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.sleep(1.0)
+        lengths = (20, 26, 32, 38)  # tokens: done about 0.3 s apart, from 1 s after they start
+        calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
+            {"prompt": f"q{n}", "max_tokens": n, "ignore_eos": True}, request_id=f"r{n}", model="emu-model",
+            endpoint=Endpoint.COMPLETIONS))) for n in lengths]
+        await asyncio.sleep(0.1)
+        assert dispatcher.inflight() == {"s0": 4}
+        registry.slots = {"s0": 1}  # the next answer shrinks the lease: 3 of its 4 slots are wanted elsewhere
+        await asyncio.sleep(0.6)  # (the renewal in flight answers, the shrunk lease applies)
+        assert dispatcher.held() == {"s0": 1} and dispatcher.inflight() == {"s0": 4}
+        drops: list[tuple[float, int]] = []  # (when, in flight after) as each request ends
+        while not all(call.done() for call in calls):
+            n = dispatcher.inflight().get("s0", 0)
+            if n < (drops[-1][1] if drops else 4):
+                drops.append((loop.time(), n))
+            await asyncio.sleep(0.005)
+        assert [n for _, n in drops][:3] == [3, 2, 1]
+        for at, n in drops[:3]:  # each release while over the lease (4 -> 3 -> 2 -> 1): reported at once
+            assert any(at - 0.005 <= t <= at + 0.06 and r.inflight.get("s0", 0) == n for t, r in registry.reports), \
+                (at, n, [(t, r.inflight) for t, r in registry.reports])
     finally:
         await client.stop()
