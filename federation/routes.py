@@ -72,6 +72,7 @@ class Route:
         self.parked: dict[str, tuple[tuple[str, ...], ClientKey, int]] = {}  # (read-only to everyone else)
         self._parked_on: dict[str, list[tuple[float, float, int, str]]] = {}
         self._park_serial = 0
+        self._key_of: Callable[[str], ClientKey] | None = None  # the serving order's key (from `head`)
 
     # ---- servers ----------------------------------------------------------------------------------
     def admits(self, entry: ServerEntry) -> bool:
@@ -189,14 +190,24 @@ class Route:
         return woke
 
     def _unpark_first(self, group: str) -> bool:
+        """Unpark the group's first parked client by its key now (the order's key as the last grant pass read it:
+        an entry whose key moved since it parked goes back with the new one, as in `head`)."""
         heap = self._parked_on[group]
-        parked = self.parked
+        parked, key_of = self.parked, self._key_of
         while heap:
-            _, _, serial, client = heapq.heappop(heap)
+            first, share, serial, client = heap[0]
             entry = parked.get(client)
-            if entry is not None and entry[2] == serial:
-                self._unpark(client)
-                break
+            if entry is None or entry[2] != serial:
+                heapq.heappop(heap)
+                continue
+            if key_of is not None:
+                key = key_of(client)
+                if key != (first, share):
+                    heapq.heapreplace(heap, (key[0], key[1], serial, client))
+                    continue
+            heapq.heappop(heap)
+            self._unpark(client)
+            break
         else:
             del self._parked_on[group]
             return False
@@ -242,6 +253,7 @@ class Route:
     def head(self, key_of: Callable[[str], ClientKey], skip: set[str]) -> Waiter | None:
         """The waiter that comes first in the serving order (clients in `skip` left out; their entries are put
         back by `unskip`); cancelled waiters are dropped on the way."""
+        self._key_of = key_of
         heap = self._heap
         while heap:
             first, share, seq, client = heap[0]

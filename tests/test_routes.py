@@ -79,3 +79,23 @@ def test_a_server_getting_room_wakes_its_groups_first_parked_client_only() -> No
         assert not route.unpark_ready() and set(route.parked) == {"a"}
     finally:
         loop.close()
+
+
+def test_the_parked_client_woken_is_first_by_its_key_now_not_when_it_parked() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        route = Route(("m", None, None, None), "m", None, None, None)
+        fast = ServerState("fast-0")
+        route.set_servers([fast])
+        route.group_by(lambda s: s.id.split("-")[0])
+        keys = {"a": (0.0, 0.0), "b": (1.0, 0.0)}
+        for seq, client in enumerate(keys):
+            route.join(waiter(route, client, seq, loop), keys[client])
+        assert route.head(keys.__getitem__, set()) is not None  # (the grant pass's key)
+        for client in keys:
+            route.park(client, ("fast",), keys[client])
+        keys["a"] = (2.0, 0.0)  # a got served meanwhile: b comes first now
+        route.set_free(fast, True)
+        assert set(route.parked) == {"a"}
+    finally:
+        loop.close()
