@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -278,6 +279,11 @@ class EvalArm:
     watch: ArmWatch
 
     pids: dict[str, int] = field(default_factory=dict)  # process (its log's name) -> pid
+    # CPU the arm's eval processes used (user + system, from the kernel's accounting of waited children), and
+    # the share of the machine's CPU busy over the arm (/proc/stat): on a machine whose cores the engines also
+    # need, what the clients burn the engines lose.
+    client_cpu_s: float = 0.0
+    machine_busy: float = 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -361,16 +367,34 @@ async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, 
     pids: dict[str, int] = {}
     async with watching(pool) as watch:
         launch = time.time()
+        cpu, ticks = _children_cpu_s(), _machine_ticks()
         walls = await asyncio.gather(*(_process(argv, work / f"process-{i}.log", pids, ok=(0, 4))
                                        for i, argv in enumerate(argvs)))
+        client_cpu, (busy, total) = _children_cpu_s() - cpu, _machine_ticks(ticks)
     evals = {}
     for out in outs:
         for bench_dir in sorted(p.parent for p in out.glob("*/summary.json")):
             evals[bench_dir.name] = _eval_timing(bench_dir, launch)
     watch.lease_lapses = await asyncio.to_thread(_lease_lapses, work)
-    run = EvalArm(arm, evals, list(walls), watch, pids)
+    run = EvalArm(arm, evals, list(walls), watch, pids, client_cpu, busy / total if total else 0.0)
     await asyncio.to_thread(_dump, work / "arm.json", run)
     return run
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's children that have ended and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _machine_ticks(since: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine (/proc/stat), or their change since `since`."""
+    fields = [int(x) for x in Path("/proc/stat").read_text(encoding="utf-8").split("\n", 1)[0].split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    busy = total - fields[3] - fields[4]
+    if since is None:
+        return busy, total
+    return busy - since[0], total - since[1]
 
 
 def _lease_lapses(arm_dir: Path) -> int:
@@ -663,6 +687,7 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
                 "; ".join(f"{sid} {sum(t.by_server.get(sid, 0) for t in a.evals.values())}" for sid in servers),
                 f"{a.watch.lease_calls_per_s:.1f}", a.watch.lease_lapses, a.watch.max_holders,
                 "; ".join(f"{sid} {a.watch.max_granted.get(sid, 0)}" for sid in servers), a.watch.load(),
+                f"{a.client_cpu_s:.1f}", f"{a.machine_busy * 100:.0f}",
             ])
     lines = ["## 1. Four evals: one `fedpool eval run` vs one process each", "", markdown_table(
         ["repeat", "arm", "processes", "makespan from launch (s)", "first eval's start to last record (s)",
@@ -670,7 +695,7 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
          "per eval: start-up + own = done from launch (s)", "failed records",
          "deepest engine queue (samples with any deferred / samples)", "records per server", "lease calls/s",
          "leases lapsed", "most holders at once", "most slots leased at once per server",
-         "load 1-min (start → end)"], rows), ""]
+         "load 1-min (start → end)", "eval processes' CPU (s)", "machine CPU busy (%)"], rows), ""]
     ratios, owns = eval_ratios(results), eval_ratios(results, "own_s")
     per_eval = []
     for name in ratios:
@@ -692,6 +717,15 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
         f"{_spread([r['multi'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}; each holder renews "
         "about twice a second (federation/leases.py RENEW_S) from its start to its exit, and a process's share "
         "changing answers its long poll at once.", ""]
+    if any(r[arm].client_cpu_s > 0 for r in results.evals for arm in EVAL_ARMS):  # (older work dirs lack it)
+        lines += [
+            "CPU the eval processes used (user + system; start-up, Ray, leases, prompts and scoring), median (lowest–"
+            f"highest): one process {_spread([r['one'].client_cpu_s for r in results.evals], ' s', 1)}, four "
+            f"{_spread([r['multi'].client_cpu_s for r in results.evals], ' s', 1)}; the machine's CPU busy over the "
+            f"arm: one {_spread([r['one'].machine_busy * 100 for r in results.evals], '%', 0)}, four "
+            f"{_spread([r['multi'].machine_busy * 100 for r in results.evals], '%', 0)}. The llama.cpp servers "
+            "compute on the same 2 cores: what the clients use beyond one process's, the engines lose while the "
+            "machine is busy.", ""]
     return lines
 
 
@@ -929,7 +963,7 @@ def load_results(work: Path) -> Results:
             evals = {n: EvalTiming(**{**t, "lost_copies": [tuple(c) for c in t["lost_copies"]]})
                      for n, t in raw["evals"].items()}
             runs[arm] = EvalArm(arm, evals, raw["process_s"], _load_watch(raw["watch"], work / f"evals-{r}" / arm),
-                                raw["pids"])
+                                raw["pids"], raw.get("client_cpu_s", 0.0), raw.get("machine_busy", 0.0))
         results.evals.append(runs)
         r += 1
     r = 1
