@@ -17,6 +17,7 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
@@ -243,7 +244,7 @@ class Dispatcher:
                     raise
                 task.uncancel()  # the cancel was the winning copy's: the request is answered
                 retry = retry or RetryState()
-                self._settle_lost_race(state, started, retry, client)
+                self._settle_lost_race(state, started, retry)
                 return self._answered(request, racer.copy_server, racer.won, racer.copy_started, racer.won_at,
                                       retry, hedged=True)
             except BaseException:
@@ -285,7 +286,10 @@ class Dispatcher:
         if self._observes and entry is not None:
             self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens, latency)
         self._clients.note_served(client, completion.prompt_tokens, completion.completion_tokens, latency)
-        self._hedge_timer.observe(request.model, latency, client)
+        seen = self._hedge_timer.latencies.get(request.model)  # (HedgeTimer.observe, inlined: every answer)
+        if seen is None:
+            seen = self._hedge_timer.latencies[request.model] = deque(maxlen=self._hedge_timer.window)
+        seen.append(latency)
         self._completed += 1
         if self._waiting_routes:
             self._touch(client)  # its service grew: under shortest_first its place in the queue moves
@@ -567,14 +571,14 @@ class Dispatcher:
             copy.cancel()
             await asyncio.gather(copy, return_exceptions=True)
 
-    def _settle_lost_race(self, state: ServerState, started: float, retry: RetryState, client: str) -> None:
+    def _settle_lost_race(self, state: ServerState, started: float, retry: RetryState) -> None:
         """The first attempt was cancelled because a copy answered first. If its server answered nothing at all
         while it ran (long enough to tell), the server accepts requests and does not answer them: a passive
         failure (`stalled`), reported like any other, so a hung server cannot come out of a run looking healthy."""
         now = self._clock()
         age = now - started
         entry = state.entry
-        delay = self._hedge_timer.delay(entry.record.model if entry is not None else "", client) or 0.0
+        delay = self._hedge_timer.delay(entry.record.model if entry is not None else "") or 0.0
         if state.last_answer_at < started and age >= max(STALL_MIN_S, 2 * delay):
             self._record_failure(state, started, AttemptError(
                 FailureKind.STALLED, f"no answer in {age:.1f}s while a copy elsewhere answered"), retry)
@@ -628,19 +632,17 @@ class Dispatcher:
         """Forget clients gone for CLIENT_TTL_S (nothing in flight or waiting): their service, shapes, latency."""
         self._swept_at = now
         for client in self._clients.idle(now, CLIENT_TTL_S):
-            self._forget_client(client)
-
-    def _forget_client(self, client: str) -> None:
-        self._clients.forget(client)
-        self._book.forget_client(client)
-        self._policy.forget_client(client)
-        self._hedge_timer.forget_client(client)
+            self._clients.forget(client)
+            self._book.forget_client(client)
+            self._policy.forget_client(client)
 
     def forget_idle_clients(self, ttl_s: float = CLIENT_TTL_S) -> int:
         """Forget clients idle for `ttl_s` now (the gateway calls this when it has many); returns how many."""
         idle = self._clients.idle(self._clock(), ttl_s)
         for client in idle:
-            self._forget_client(client)
+            self._clients.forget(client)
+            self._book.forget_client(client)
+            self._policy.forget_client(client)
         return len(idle)
 
     def inflight(self) -> dict[str, int]:

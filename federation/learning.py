@@ -233,47 +233,29 @@ class ServerLearning:
 
 
 class HedgeTimer:
-    """When a request is a straggler: `factor` × the median latency of its client's recent answers (of the model's,
-    until the client has `min_samples`), never sooner than `min_delay_s`, and not at all before `min_samples`
-    answers of the model have been seen. Per client because one model serves requests an order of magnitude
-    apart: by the model's median (short answers, most of them), every long-answer request was a straggler at the
-    tail: simulated 256 servers × 64 evals, 1,680 copies a run (1,280 of them steals), each adding to a full
-    batch, 1.313× the bound against 1.261× without copies (nine worlds); 1.290× timed per client."""
+    """When to hedge a straggler: `factor` × the median latency of recent answers for a model, never sooner
+    than `min_delay_s`, and not at all before `min_samples` answers have been seen."""
 
-    def __init__(self, factor: float = 2.0, min_delay_s: float = 0.2, min_samples: int = 8, window: int = 200,
-                 client_window: int = 32):
+    def __init__(self, factor: float = 2.0, min_delay_s: float = 0.2, min_samples: int = 8, window: int = 200):
         self._factor = factor
         self._min_delay_s = min_delay_s
         self._min_samples = min_samples
         self.window = window
-        self.client_window = client_window
         self.latencies: dict[str, deque[float]] = {}  # model -> recent answer latencies (the dispatcher appends)
-        self.by_client: dict[str, deque[float]] = {}  # client -> its recent answer latencies (forgotten with it)
 
-    def observe(self, model: str, latency_s: float, client: str | None = None) -> None:
+    def observe(self, model: str, latency_s: float) -> None:
         seen = self.latencies.get(model)
         if seen is None:
             seen = self.latencies[model] = deque(maxlen=self.window)
         seen.append(latency_s)
-        if client is not None:
-            mine = self.by_client.get(client)
-            if mine is None:
-                mine = self.by_client[client] = deque(maxlen=self.client_window)
-            mine.append(latency_s)
 
-    def delay(self, model: str, client: str | None = None) -> float | None:
+    def delay(self, model: str) -> float | None:
         seen = self.latencies.get(model)
         if not seen or len(seen) < self._min_samples:
             return None
-        mine = self.by_client.get(client) if client is not None else None
-        if mine is not None and len(mine) >= self._min_samples:
-            seen = mine
         return max(self._min_delay_s, self._factor * statistics.median(seen))
 
     def forget(self, models: set[str]) -> None:
         """Keep only these models' latencies (a model no server serves any more is forgotten)."""
         for model in [m for m in self.latencies if m not in models]:
             del self.latencies[model]
-
-    def forget_client(self, client: str) -> None:
-        self.by_client.pop(client, None)

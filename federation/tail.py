@@ -121,7 +121,7 @@ class TailRescue:
         if not self._waiting():
             now = self._clock()
             for racer in tail:
-                delay = self.timer.delay(racer.request.model, racer.request.client_id)
+                delay = self.timer.delay(racer.request.model)
                 if delay is not None and now - racer.started >= delay:
                     self._hedge(racer)
         self.client_done()
@@ -159,16 +159,11 @@ class TailRescue:
         entry = thief.entry
         if not self._racers or entry is None or self._waiting():
             return
-        done, now, timer = self._clients.done_sending, self._clock(), self.timer
+        done = self._clients.done_sending
 
         def eligible(r: Racer) -> bool:  # the cheap tests first: it runs for every racer
-            if not (r.racing and r.copy_server is None and r.request.client_id in done and r.server.entry is not None
-                    and may_race(r.server.entry, entry) and r.route in thief.routes):  # (thief.routes: its few routes)
-                return False
-            # A straggler only (late for its own client's answers, as hedging): a request merely running longer
-            # than others, copied onto a freed slot, restarts from nothing there and adds to that batch.
-            delay = timer.delay(r.request.model, r.request.client_id)
-            return delay is not None and now - r.started >= delay
+            return (r.racing and r.copy_server is None and r.request.client_id in done and r.server.entry is not None
+                    and may_race(r.server.entry, entry) and r.route in thief.routes)  # (thief.routes: its few routes)
 
         for victim in self._stealable(thief, eligible):
             self._start_copy(victim, thief)

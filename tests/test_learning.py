@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedpool.federation.learning import BusyRate, HedgeTimer, WindowController, WindowObservation
+from fedpool.federation.learning import BusyRate, WindowController, WindowObservation
 from fedpool.federation.ledger import HISTORY_S, InflightLedger, StallClock
 
 
@@ -202,19 +202,3 @@ def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:
     assert book.weight_of(slow) > 0.9 * book.weight_of(fast)
     answer(slow, 0.1)
     assert slow.learning is not None and slow.learning.speed_at == now[0]
-
-
-def test_a_request_is_a_straggler_by_its_own_clients_answers_not_the_models() -> None:
-    """One model, short answers (0.5 s) from one client and long ones (6 s) from another: a long answer is not a
-    straggler at 2x the model's median (1 s), only at 2x its own client's; a client with too few answers yet is
-    timed by the model's, and a forgotten client's latencies go with it."""
-    timer = HedgeTimer(factor=2.0, min_delay_s=0.2, min_samples=8)
-    for _ in range(40):
-        timer.observe("m", 0.5, "short")
-    for _ in range(10):
-        timer.observe("m", 6.0, "long")
-    assert timer.delay("m", "short") == 1.0
-    assert timer.delay("m", "long") == 12.0
-    assert timer.delay("m", "new") == timer.delay("m") == 1.0  # (the model's median: 0.5 s)
-    timer.forget_client("long")
-    assert timer.delay("m", "long") == 1.0 and "long" not in timer.by_client
