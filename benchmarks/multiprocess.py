@@ -367,10 +367,10 @@ async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, 
     pids: dict[str, int] = {}
     async with watching(pool) as watch:
         launch = time.time()
-        cpu, ticks = _children_cpu_s(), _machine_ticks()
+        cpu, ticks = _children_cpu_s(), await asyncio.to_thread(_machine_ticks)
         walls = await asyncio.gather(*(_process(argv, work / f"process-{i}.log", pids, ok=(0, 4))
                                        for i, argv in enumerate(argvs)))
-        client_cpu, (busy, total) = _children_cpu_s() - cpu, _machine_ticks(ticks)
+        client_cpu, (busy, total) = _children_cpu_s() - cpu, await asyncio.to_thread(_machine_ticks, ticks)
     evals = {}
     for out in outs:
         for bench_dir in sorted(p.parent for p in out.glob("*/summary.json")):

@@ -194,6 +194,7 @@ class Route:
         an entry whose key moved since it parked goes back with the new one, as in `head`)."""
         heap = self._parked_on[group]
         parked, key_of = self.parked, self._key_of
+        woke = False
         while heap:
             first, share, serial, client = heap[0]
             entry = parked.get(client)
@@ -207,13 +208,11 @@ class Route:
                     continue
             heapq.heappop(heap)
             self._unpark(client)
+            woke = True
             break
-        else:
-            del self._parked_on[group]
-            return False
         if not heap:
-            self._parked_on.pop(group, None)
-        return True
+            del self._parked_on[group]
+        return woke
 
     def _unpark(self, client: str) -> None:
         """Back in the order (its entries in other groups' heaps go stale: dropped when met)."""

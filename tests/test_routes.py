@@ -18,15 +18,22 @@ def waiter(route: Route, client: str, seq: int, loop: asyncio.AbstractEventLoop)
     return Waiter(request, set(), loop.create_future(), seq, float("inf"), route)
 
 
+def grouped_route(servers: list[ServerState], keys: dict[str, tuple[float, float]],
+                  loop: asyncio.AbstractEventLoop) -> Route:
+    """A route over `servers`, grouped by the kind before the dash in their ids, one waiter per client of `keys`."""
+    route = Route(("m", None, None, None), "m", None, None, None)
+    route.set_servers(servers)
+    route.group_by(lambda s: s.id.split("-")[0])
+    for seq, client in enumerate(keys):
+        route.join(waiter(route, client, seq, loop), keys[client])
+    return route
+
+
 def test_a_parked_client_waits_out_of_the_order_until_its_group_has_room() -> None:
     loop = asyncio.new_event_loop()
     try:
-        route = Route(("m", None, None, None), "m", None, None, None)
         fast, slow = ServerState("fast-0"), ServerState("slow-0")
-        route.set_servers([fast, slow])
-        route.group_by(lambda s: s.id.split("-")[0])
-        for seq, client in enumerate(["text", "image"]):
-            route.join(waiter(route, client, seq, loop), (float(seq), 0.0))
+        route = grouped_route([fast, slow], {"text": (0.0, 0.0), "image": (1.0, 0.0)}, loop)
         key = {"text": (0.0, 0.0), "image": (1.0, 0.0)}.__getitem__
         first = route.head(key, set())
         assert first is not None and first.request.client_id == "text"
@@ -55,13 +62,9 @@ def test_a_parked_client_waits_out_of_the_order_until_its_group_has_room() -> No
 def test_a_server_getting_room_wakes_its_groups_first_parked_client_only() -> None:
     loop = asyncio.new_event_loop()
     try:
-        route = Route(("m", None, None, None), "m", None, None, None)
         fast, slow = ServerState("fast-0"), ServerState("slow-0")
-        route.set_servers([fast, slow])
-        route.group_by(lambda s: s.id.split("-")[0])
         keys = {"a": (2.0, 0.0), "b": (0.0, 0.0), "c": (1.0, 0.0)}
-        for seq, client in enumerate(keys):
-            route.join(waiter(route, client, seq, loop), keys[client])
+        route = grouped_route([fast, slow], keys, loop)
         for client in keys:
             route.park(client, ("fast",), keys[client])
         assert route.head(keys.__getitem__, set()) is None
@@ -84,13 +87,9 @@ def test_a_server_getting_room_wakes_its_groups_first_parked_client_only() -> No
 def test_the_parked_client_woken_is_first_by_its_key_now_not_when_it_parked() -> None:
     loop = asyncio.new_event_loop()
     try:
-        route = Route(("m", None, None, None), "m", None, None, None)
         fast = ServerState("fast-0")
-        route.set_servers([fast])
-        route.group_by(lambda s: s.id.split("-")[0])
         keys = {"a": (0.0, 0.0), "b": (1.0, 0.0)}
-        for seq, client in enumerate(keys):
-            route.join(waiter(route, client, seq, loop), keys[client])
+        route = grouped_route([fast], keys, loop)
         assert route.head(keys.__getitem__, set()) is not None  # (the grant pass's key)
         for client in keys:
             route.park(client, ("fast",), keys[client])
