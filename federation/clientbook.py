@@ -49,6 +49,9 @@ class ClientBook:
         self._requests_left: dict[str, int] = {}
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
         self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests
+        # shortest_first: per client, attempts in flight and the sum of when they took their slots (the service
+        # they have had so far, for the lease broker's ranks across processes; see `attained_s`)
+        self._running: dict[str, tuple[int, float]] = {}
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._shapes: dict[str, ClientShape] = {}
@@ -94,11 +97,32 @@ class ClientBook:
         self._all_work += (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
         self._all_s += slot_s
 
-    def served_s(self, client_id: str) -> float | None:
-        """Slot-seconds of a client ranked by its service (shortest_first, no work left reported); else None."""
+    def started(self, client_id: str, now: float) -> None:
+        """An attempt of the client's took a slot at `now` (counted under shortest_first only)."""
+        if self.order == "shortest_first":
+            n, since = self._running.get(client_id, (0, 0.0))
+            self._running[client_id] = (n + 1, since + now)
+
+    def ended(self, client_id: str) -> None:
+        """One of the client's attempts let its slot go. Which one is not said: the sum of start times loses their
+        mean (exact when it was the last, and `note_served` adds the answered one's own slot-seconds)."""
+        running = self._running.get(client_id)
+        if running is not None:
+            n, since = running
+            if n <= 1:
+                del self._running[client_id]
+            else:
+                self._running[client_id] = (n - 1, since - since / n)
+
+    def served_s(self, client_id: str, now: float) -> float | None:
+        """The service a client ranked by its service (shortest_first, no work left reported) has attained by
+        `now`: the slot-seconds of its answered requests and of those in flight so far; else None. Counting those
+        in flight keeps it continuous: a long request adds its seconds as they pass, not all at once when it ends,
+        so two processes' clients ranked on it do not swap places each time a long answer lands."""
         if self.order != "shortest_first" or client_id in self._work_left:
             return None
-        return self._served_s.get(client_id, 0.0)
+        n, since = self._running.get(client_id, (0, 0.0))
+        return self._served_s.get(client_id, 0.0) + max(0.0, n * now - since)
 
     def served_totals(self) -> tuple[float, float]:
         """Every answer's work and slot-seconds (the scale `served` uses)."""
@@ -124,6 +148,7 @@ class ClientBook:
         for table in (self._work_left, self._answer, self._served_s, self._seen):
             table.pop(client_id, None)
         self._requests_left.pop(client_id, None)
+        self._running.pop(client_id, None)
         self._shapes.pop(client_id, None)
         self.done_sending.discard(client_id)
 

@@ -175,10 +175,10 @@ class Dispatcher:
                 per = wanted.setdefault(state.entry.record.model, {})
                 for client, n in state.by_client.items():
                     per[client] = per.get(client, 0) + n
-        clients = self._clients
+        clients, now = self._clients, self._clock()
         return tuple(ModelDemand(model=model, clients=tuple(
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
-                         served_s=clients.served_s(c))
+                         served_s=clients.served_s(c, now))
             for c, n in sorted(per.items()))) for model, per in sorted(wanted.items()) if per)
 
     def served_totals(self) -> tuple[float, float]:
@@ -410,6 +410,7 @@ class Dispatcher:
                 continue
             route.granted(head)
             book.take(placed, head.request.client_id, now)
+            self._clients.started(head.request.client_id, now)
             head.future.set_result(placed)
             self._decisions += 1
         if held:
@@ -461,6 +462,7 @@ class Dispatcher:
 
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
+        self._clients.ended(client)
         if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
             self.on_over_lease_release()  # (it held one more than its lease there until now)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
@@ -516,8 +518,10 @@ class Dispatcher:
     def _start_copy(self, racer: Racer, state: ServerState) -> None:
         """A second attempt of a racer's request on `state` (a hedge or a steal), counted like any other."""
         client = racer.request.client_id
-        self._book.take(state, client, self._clock())
-        racer.copy_server, racer.copy_started = state, self._clock()
+        now = self._clock()
+        self._book.take(state, client, now)
+        self._clients.started(client, now)
+        racer.copy_server, racer.copy_started = state, now
         self._tail.hedges += 1
         racer.copy = asyncio.get_running_loop().create_task(self._run_copy(racer, state))
 

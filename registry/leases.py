@@ -11,6 +11,8 @@ How slots are shared (one model's servers at a time):
 
 1. Entitlements follow the same client order as inside one process, across every holder: clients of a smaller
    rank first, each up to what it wants; clients of equal rank share what is left by weight (water-filling).
+   Clients ranked by the service they have attained (slot-seconds, answered and in flight) are one class while
+   within SERVICE_TIE_S of an equal share of each other: a client far behind goes first, near equals share.
    A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the holders that want
    something, in proportion to what they want (work-conserving: a burst needs no round trip); a holder that
    wants nothing holds nothing.
@@ -50,6 +52,7 @@ RESHARE_S = 0.02  # leases are re-shared at most this often (every report is tak
 MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
 SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
+SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
 
 
 class ClientDemand(BaseModel):
@@ -216,7 +219,7 @@ class LeaseBroker:
 
     def _entitlements(self, model: str, capacity: int) -> dict[str, float]:
         """Holder -> slots it is entitled to on the model's servers (fractional), by the client order."""
-        clients: list[tuple[float, str, float, float]] = []  # rank, holder, weight, wanted
+        clients: list[tuple[float, str, float, float, bool]] = []  # rank, holder, weight, wanted, by service
         scale: float | None = None
         for holder_id, holder in self._holders.items():
             for demand in holder.report.models:
@@ -229,21 +232,29 @@ class LeaseBroker:
                     if c.served_s is not None:
                         scale = self._work_per_slot_s() if scale is None else scale
                         rank = c.served_s * scale
-                    clients.append((rank, holder_id, c.weight, float(c.wanted)))
+                    clients.append((rank, holder_id, c.weight, float(c.wanted), c.served_s is not None))
         clients.sort(key=lambda c: c[0])
+        # Clients ranked by the service they have attained are one class while they are within what an equal share
+        # of the slots gives in SERVICE_TIE_S: ranked strictly, the one a hair behind got every slot it wanted and
+        # the other none until it fell behind in turn — whole requests later, as slots are not taken back (two
+        # gateway replicas' callers each went 5-11 s without a slot, benchmarks/results/multiprocess.md).
+        by_service = sum(1 for c in clients if c[4])
+        service_tie = SERVICE_TIE_S * capacity / by_service * (scale or 1.0) if by_service else 0.0
         out: dict[str, float] = {}
         left = float(capacity)
         i = 0
         while i < len(clients) and left > 1e-9:
-            j = i + 1  # one class: ranks equal within a relative tolerance
-            while j < len(clients) and clients[j][0] - clients[i][0] <= RANK_TIE * max(1.0, abs(clients[i][0])):
+            j = i + 1  # one class: ranks equal within a relative tolerance (within service_tie, by service)
+            tie = RANK_TIE * max(1.0, abs(clients[i][0]))
+            while j < len(clients) and clients[j][0] - clients[i][0] <= (
+                    max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
                 j += 1
-            for (_, holder_id, _, _), got in zip(clients[i:j], _water_fill(clients[i:j], left), strict=True):
+            for (_, holder_id, *_), got in zip(clients[i:j], _water_fill(clients[i:j], left), strict=True):
                 out[holder_id] = out.get(holder_id, 0.0) + got
                 left -= got
             i = j
         wanted: dict[str, float] = {}
-        for _, holder_id, _, n in clients:
+        for _, holder_id, _, n, _ in clients:
             wanted[holder_id] = wanted.get(holder_id, 0.0) + n
             out.setdefault(holder_id, 0.0)
         total = sum(wanted.values())
@@ -408,7 +419,7 @@ def _whole(wants: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def _water_fill(clients: list[tuple[float, str, float, float]], capacity: float) -> list[float]:
+def _water_fill(clients: list[tuple[float, str, float, float, bool]], capacity: float) -> list[float]:
     """Max-min fair by weight: each client gets weight × level, capped at what it wants."""
     got = [0.0] * len(clients)
     active = [i for i, c in enumerate(clients) if c[3] > 0]

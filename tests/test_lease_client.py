@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.policies import make_policy
@@ -161,3 +162,38 @@ async def test_a_process_over_its_shrunk_lease_reports_each_slot_it_lets_go_at_o
                 (at, n, [(t, r.inflight) for t, r in registry.reports])
     finally:
         await client.stop()
+
+
+async def test_a_client_ranked_by_service_reports_its_requests_in_flight_as_they_run(fakes: FakePool) -> None:
+    """Under shortest_first a caller that reports no work left is ranked by the service it has attained, and the
+    lease report counts its requests in flight by the seconds they have held their slots so far: counted only when
+    an answer lands, a long answer moved its rank all at once, and two processes' callers swapped places."""
+    server = fakes.start(decode_s=0.05)
+    snap = snapshot_of([server], capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
+                                  config=DispatchConfig(client_order="shortest_first"))
+    dispatcher.notify_snapshot()
+
+    def served() -> float | None:
+        (model,) = dispatcher.demand()
+        (client,) = model.clients
+        return client.served_s
+
+    calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
+        {"prompt": f"q{n}", "max_tokens": 40, "ignore_eos": True}, request_id=f"r{n}", model="emu-model",
+        endpoint=Endpoint.COMPLETIONS, client_id="tool"))) for n in range(2)]
+    await asyncio.sleep(1.0)
+    assert dispatcher.inflight() == {"s0": 2}
+    assert served() == pytest.approx(2.0, abs=0.1)  # two slots held for a second each, nothing answered yet
+    await asyncio.sleep(0.5)
+    assert served() == pytest.approx(3.0, abs=0.1)  # still rising with the time that passes
+    answers = await asyncio.gather(*calls)
+    assert dispatcher.demand() == ()  # answered: nothing wanted
+    held = sum(a.latency_s for a in answers)
+    # One more request: its rank is what the two answered held, counted once, and nothing of theirs in flight.
+    calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
+        {"prompt": "q2", "max_tokens": 40, "ignore_eos": True}, request_id="r2", model="emu-model",
+        endpoint=Endpoint.COMPLETIONS, client_id="tool")))]
+    await asyncio.sleep(0.01)
+    assert served() == pytest.approx(held, abs=0.02)
+    await asyncio.gather(*calls)

@@ -156,3 +156,27 @@ def test_two_holders_each_spread_over_both_servers_not_one_server_each() -> None
     assert b.slots("a") == {"s0": 2, "s1": 2} and b.slots("b") == {"s0": 2, "s1": 2}
     # Slots in flight are kept where they are (they cannot be taken back), whatever the spread.
     assert b.report("a", {"eval-a": (4, 1.0)}, inflight={"s0": 2}) == {"s0": 2, "s1": 2}
+
+
+def test_clients_ranked_by_service_share_while_near_equal_and_one_far_behind_goes_first() -> None:
+    """Two gateway replicas' callers, each ranked by the service it has attained: ranked strictly, the one a hair
+    behind got all 8 slots and the other none, until whole requests later the ranks swapped (5-11 s without a
+    slot). Within SERVICE_TIE_S seconds of an equal share (2 s × 4 slots = 8 slot-seconds here) they share; a
+    caller far behind (a newcomer) still goes first."""
+    b = Broker()
+
+    def report(holder: str, client: str, served_s: float) -> dict[str, int]:
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8, served_s=served_s),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), served_work=100.0, served_slot_s=10.0,
+                                     held=dict(b.broker.lease(holder).slots), broker=b.broker.incarnation))
+        b.broker.reshare()
+        return b.slots(holder)
+
+    for _ in range(3):  # each adopts its lease and reports again
+        report("gw0", "arith", 30.0)
+        report("gw1", "long", 36.0)  # 6 slot-seconds ahead: near equal
+    assert b.slots("gw0") == {"s0": 2, "s1": 2} and b.slots("gw1") == {"s0": 2, "s1": 2}
+    for _ in range(3):
+        report("gw0", "arith", 30.0)
+        report("gw1", "long", 39.0)  # 9 slot-seconds ahead: arith is behind by more than the tie
+    assert total(b.slots("gw0")) == 8 and b.slots("gw1") == {}
