@@ -834,11 +834,12 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
             + (f"; later behind two replicas: {', '.join(later)}." if later else "."))
     if any(max(run["two-replicas"].longest_without_slots_s().values(), default=0.0) > STARVED_S
            for run in results.tools):
-        out.append(f"- A replica that held no slot for more than {STARVED_S:g} s while its client was sending: the "
-                   "broker ranked the other replica's client first throughout. Under `shortest_first` a gateway "
-                   "client's rank is its attained service, which each process puts on its own scale (its own "
-                   "answers' work per slot-second, federation/clientbook.py `served`), so ranks from two replicas "
-                   "are not in one unit.")
+        out.append(f"- A replica that held no slot for more than {STARVED_S:g} s while its client was sending: under "
+                   "`shortest_first` both callers are ranked by the service they have attained (slot-seconds, "
+                   "answered and in flight, on the scale of every holder's answers), and they share while within "
+                   "2 s of an equal share of each other (registry/leases.py `SERVICE_TIE_S`). A caller further "
+                   "ahead than that gets no new slot until the other has caught up (least attained service across "
+                   "processes), and slots change hands only as the requests holding them end.")
     return out
 
 

@@ -60,6 +60,8 @@ class DispatcherStats:
     decisions: int = 0  # slots granted (each a routing decision)
     decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
     loop_stalled_s: float = 0.0  # seconds this process's loop stood still with attempts in flight (not charged)
+    preempted: int = 0  # attempts that gave their slot back to a shrunk capacity lease (federation/preempt.py)
+    preempted_lost_s: float = 0.0  # the engine time those attempts had used
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, 
 from fedpool.federation.learning import HedgeTimer
 from fedpool.federation.ledger import InflightLedger, StallClock
 from fedpool.federation.policies import DispatchState, Hold, Policy
+from fedpool.federation.preempt import Preemptions
 from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Route, Waiter
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
@@ -39,6 +40,7 @@ from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 log = logging.getLogger("fedpool.dispatcher")
 
 WAIT_POLL_S = 0.25  # while requests wait: breakers half-open, deadlines pass, snapshots are looked at again
+PREEMPTED = "gave its slot back: this process's capacity lease shrank (another process's client comes first)"
 STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing since it started: `stalled`
 CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
@@ -94,6 +96,7 @@ class Dispatcher:
                                 racers=self._racers if self._racers is not None else {}, clients=self._clients,
                                 book=self._book, policy=policy, rng=self._rng, clock=clock,
                                 waiting=lambda: self._waiting, start_copy=self._start_copy)
+        self._preempt = Preemptions(clock)  # attempts on leased servers, given back when a lease shrinks
         self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
         self.loop_lag_s = 0.0  # the loop's lateness running the grant passes (smoothed): overload, seen here
@@ -193,6 +196,11 @@ class Dispatcher:
         """Work within this lease of slots per server from now on (None: no lease, every window is the
         dispatcher's own); waiting requests look again at once."""
         self._book.apply_lease(slots)
+        if slots is not None:  # attempts beyond the lease that have only just started give their slots back
+            for server_id in list(self._preempt.running):
+                state = self._book.states.get(server_id)
+                if state is not None and state.lease is not None and state.inflight > state.lease:
+                    self._preempt.over_lease(server_id, state.inflight - state.lease, self._racers)
         for route in list(self._waiting_routes):
             self._grant(route)
 
@@ -214,6 +222,8 @@ class Dispatcher:
         while True:
             state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
+            if state.lease is not None:  # leased: the attempt may give its slot back if the lease shrinks
+                self._preempt.started(state.id, task or asyncio.current_task(), started)
             racer = None
             if task is not None and racers is not None:
                 racer = racers[task] = Racer(request, state, route, started, task)
@@ -235,6 +245,12 @@ class Dispatcher:
                 continue
             except asyncio.CancelledError:
                 self._release(state, client)
+                if self._preempt.requeue(task or asyncio.current_task()):  # the slot went back to a shrunk lease
+                    if racer is not None:
+                        self._end_race(racer)
+                    retry = retry or RetryState()
+                    retry.attempts.append(Attempt(state.id, started, self._clock() - started, detail=PREEMPTED))
+                    continue
                 if racer is None:
                     raise
                 self._end_race(racer)
@@ -463,6 +479,8 @@ class Dispatcher:
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
         self._clients.ended(client)
+        if self._preempt.running:
+            self._preempt.ended(state.id, asyncio.current_task())
         if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
             self.on_over_lease_release()  # (it held one more than its lease there until now)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
@@ -657,6 +675,7 @@ class Dispatcher:
         return DispatcherStats(
             submitted=self._submitted, completed=self._completed, failed=self._failed, retries=self._retries,
             hedges=self._tail.hedges, inflight_total=self._ledger.total(), waiting=self._waiting,
+            preempted=self._preempt.count, preempted_lost_s=self._preempt.lost_s,
             decisions=self._decisions, decision_s=self._decision_s,
             loop_stalled_s=self._stalls.stalled_s if self._stalls is not None else 0.0,
             servers=self._book.server_stats(snapshot.entries if snapshot else ()),

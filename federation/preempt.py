@@ -1,0 +1,87 @@
+"""Giving slots back when this process's capacity lease shrinks below what it has in flight.
+
+The lease broker (registry/leases.py) shrinks a process's lease when another process's client comes first (a
+short eval launched while a long one fills the pool) or is owed its share. In-flight work is not taken back, so
+until now the slots moved only as this process's requests ended — a whole answer later: a short eval started a
+fraction of a second after two long ones in other processes got its first slot 7.3 s after its start, against
+0.4 s in one process (benchmarks/results/multiprocess.md). A request that started moments ago has done little
+work, so the dispatcher gives its slot back at once: the attempt is cancelled and the request goes back to its
+client's queue, to run again when its lease has room. Only attempts younger than `PREEMPT_MAX_AGE_S` are taken
+(the youngest first), so at most that much engine time is lost per slot moved; older ones run to their end as
+before. An attempt racing a copy (hedge or steal) is never taken.
+
+Pure bookkeeping over the attempts' tasks; the dispatcher cancels nothing itself but through `over_lease`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fedpool.federation.tail import Racer
+
+PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
+
+Task = asyncio.Task[Any]
+
+
+class Preemptions:
+    def __init__(self, clock: Callable[[], float], max_age_s: float = PREEMPT_MAX_AGE_S):
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self.running: dict[str, dict[Task, float]] = {}  # server id -> attempt's task -> when it started
+        self._taken: dict[Task, str] = {}  # attempts cancelled to give their slot back -> their server
+        self.count = 0  # attempts given back
+        self.lost_s = 0.0  # the engine time they had used
+
+    def started(self, server_id: str, task: Task | None, now: float) -> None:
+        """An attempt on a leased server began (its task is the request's)."""
+        if task is None:
+            return
+        running = self.running.get(server_id)
+        if running is None:
+            running = self.running[server_id] = {}
+        running[task] = now
+
+    def ended(self, server_id: str, task: Task | None) -> None:
+        """The attempt let its slot go (answered, failed, cancelled or taken)."""
+        running = self.running.get(server_id)
+        if running is not None and task is not None and running.pop(task, None) is not None and not running:
+            del self.running[server_id]
+
+    def over_lease(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None) -> int:
+        """Take up to `excess` attempts on the server (beyond those already taken), the youngest first and only
+        those younger than the age limit and racing no copy; returns how many were taken now."""
+        for gone in [t for t in self._taken if t.done()]:  # (ended before it could see its cancel)
+            del self._taken[gone]
+        running = self.running.get(server_id)
+        if not running or excess <= 0:
+            return 0
+        excess -= sum(1 for t in running if t in self._taken)
+        now = self._clock()
+        taken = 0
+        for task, started in sorted(running.items(), key=lambda kv: -kv[1]):
+            if taken >= excess or now - started >= self._max_age_s:
+                break
+            racer = racers.get(task) if racers is not None else None
+            if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
+                continue
+            if racer is not None:
+                racer.racing = False  # no copy may start for it now
+            self._taken[task] = server_id
+            self.lost_s += now - started
+            task.cancel()
+            taken += 1
+        return taken
+
+    def requeue(self, task: Task | None) -> bool:
+        """Called where the request's attempt was cancelled: True when the cancel was a give-back alone (the
+        caller did not cancel too): the cancel is withdrawn and the request goes back to its queue."""
+        if task is None or self._taken.pop(task, None) is None:
+            return False
+        if task.cancelling() != 1:
+            return False  # the caller cancelled as well: the request is cancelled
+        task.uncancel()
+        self.count += 1
+        return True

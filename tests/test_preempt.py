@@ -1,0 +1,90 @@
+"""Attempts that give their slot back when this process's capacity lease shrinks (federation/preempt.py), on a
+real dispatcher over a fake server, in simulated time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fedpool.federation.dispatcher import PREEMPTED, Dispatcher
+from fedpool.federation.policies import make_policy
+from fedpool.federation.preempt import PREEMPT_MAX_AGE_S
+from fedpool.federation.types import Endpoint, InferenceRequest, InferenceResult
+from tests.fakes import FakePool
+from tests.test_dispatcher import snapshot_of
+
+pytestmark = pytest.mark.looptime
+
+
+def leased(fakes: FakePool) -> Dispatcher:
+    """A dispatcher over one fake 4-slot server (0.05 s a token), leased all 4 slots."""
+    server = fakes.start(decode_s=0.05)
+    snap = snapshot_of([server], capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    dispatcher.apply_lease({"s0": 4})
+    return dispatcher
+
+
+def submit(dispatcher: Dispatcher, n: int, **params: float) -> list[asyncio.Future[InferenceResult]]:
+    return [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
+        {"prompt": f"q{i}", "max_tokens": 40, "ignore_eos": True, **params}, request_id=f"r{i}", model="emu-model",
+        endpoint=Endpoint.COMPLETIONS))) for i in range(n)]
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy-hedgeable"])
+async def test_a_shrunk_lease_takes_back_slots_of_attempts_that_have_only_just_started(fakes: FakePool,
+                                                                                       greedy: bool) -> None:
+    """Another process's client comes first: the broker shrinks this process's lease to 1 slot. The three youngest
+    attempts give their slots back at once (not a whole answer later), go back to the queue, and run again when
+    the lease grows: every request answered exactly once, the give-back in its attempt log. Greedy requests may
+    be raced by copies at a tail (hedgeable): they are given back the same way, and no copy starts for them."""
+    dispatcher = leased(fakes)
+    calls = submit(dispatcher, 4, **({"temperature": 0.0} if greedy else {}))
+    await asyncio.sleep(0.3)
+    assert dispatcher.inflight() == {"s0": 4}
+    dispatcher.apply_lease({"s0": 1})
+    await asyncio.sleep(0.01)
+    assert dispatcher.inflight() == {"s0": 1} and dispatcher.stats().waiting == 3
+    assert dispatcher.stats().preempted == 3
+    assert dispatcher.stats().preempted_lost_s == pytest.approx(0.9, abs=0.05)  # three attempts 0.3 s old
+    await asyncio.sleep(0.5)
+    assert dispatcher.inflight() == {"s0": 1}  # within the lease until it grows
+    dispatcher.apply_lease({"s0": 4})
+    results = await asyncio.gather(*calls)
+    assert sorted(r.request_id for r in results) == ["r0", "r1", "r2", "r3"]
+    given_back = [a for r in results for a in r.attempts if a.detail == PREEMPTED]
+    assert len(given_back) == 3 and all(a.failure is None for a in given_back)
+    assert sum(1 for r in results if len(r.attempts) == 1) == 1  # the one that kept its slot ran once
+    stats = dispatcher.stats()
+    assert dispatcher.inflight() == {} and stats.completed == 4 and stats.failed == 0 and stats.hedges == 0
+
+
+async def test_attempts_older_than_the_age_limit_run_to_their_end(fakes: FakePool) -> None:
+    """An attempt that has run PREEMPT_MAX_AGE_S or more has done too much work to throw away: the shrunk lease
+    waits for it to end, as before."""
+    dispatcher = leased(fakes)
+    calls = submit(dispatcher, 4)
+    await asyncio.sleep(PREEMPT_MAX_AGE_S + 0.1)
+    dispatcher.apply_lease({"s0": 1})
+    await asyncio.sleep(0.01)
+    assert dispatcher.inflight() == {"s0": 4} and dispatcher.stats().preempted == 0
+    results = await asyncio.gather(*calls)
+    assert all(len(r.attempts) == 1 for r in results)
+
+
+async def test_a_caller_cancelling_while_its_slot_is_given_back_cancels_the_request(fakes: FakePool) -> None:
+    """The give-back and the caller's own cancel in one turn: the request is cancelled, not run again, and no slot
+    is left taken."""
+    dispatcher = leased(fakes)
+    (call,) = submit(dispatcher, 1)
+    await asyncio.sleep(0.2)
+    dispatcher.apply_lease({})  # the lease shrank to nothing
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert dispatcher.inflight() == {} and dispatcher.stats().waiting == 0
+    dispatcher.apply_lease({"s0": 4})
+    await asyncio.sleep(2.0)
+    assert dispatcher.stats().submitted == 1 and dispatcher.stats().completed == 0
