@@ -65,6 +65,7 @@ from fedpool.benchmarks.realtool_speedup import (
     stories,
 )
 from fedpool.benchmarks.report import RESULTS_DIR, code_version, markdown_table, write_report
+from fedpool.federation.dispatcher import PREEMPTED
 from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.multiprocess")
@@ -269,6 +270,9 @@ class EvalTiming:
     # straggler copies that lost their race: (the server it ran on, seconds from launch to its cancellation, which
     # is when the winning copy answered)
     lost_copies: list[tuple[str, float]] = field(default_factory=list)
+    # attempts that gave their slot back to a shrunk lease (federation/preempt.py) and the engine seconds they had run
+    given_back: int = 0
+    given_back_s: float = 0.0
 
 
 @dataclass
@@ -352,7 +356,8 @@ def _eval_timing(bench_dir: Path, launch: float) -> EvalTiming:
     failed = sum(1 for r in rows if r["provenance"].get("error"))
     lost = [(a["server_id"], r["provenance"]["completed_at"] - launch) for r in rows
             for a in r["provenance"]["attempt_log"] if a.get("lost_race")]
-    return EvalTiming(done - own, own, done, len(rows), failed, dict(servers), lost)
+    back = [a["latency_s"] for r in rows for a in r["provenance"]["attempt_log"] if a.get("detail") == PREEMPTED]
+    return EvalTiming(done - own, own, done, len(rows), failed, dict(servers), lost, len(back), sum(back))
 
 
 async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, limit: int | None) -> EvalArm:
@@ -682,6 +687,7 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
                 ", ".join(f"{s:.1f}" for s in a.process_s),
                 "; ".join(f"{n} {t.started_s:.1f} + {t.own_s:.1f} = {t.done_s:.1f}" for n, t in a.evals.items()),
                 sum(t.failed for t in a.evals.values()),
+                f"{sum(t.given_back for t in a.evals.values())} ({sum(t.given_back_s for t in a.evals.values()):.1f})",
                 "; ".join(f"{sid} {a.watch.max_deferred.get(sid, 0)} ({a.watch.deferred_samples.get(sid, 0)}"
                           f"/{a.watch.samples})" for sid in servers),
                 "; ".join(f"{sid} {sum(t.by_server.get(sid, 0) for t in a.evals.values())}" for sid in servers),
@@ -693,6 +699,7 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
         ["repeat", "arm", "processes", "makespan from launch (s)", "first eval's start to last record (s)",
          "process walls (s)",
          "per eval: start-up + own = done from launch (s)", "failed records",
+         "attempts given back to a shrunk lease (engine s they had run)",
          "deepest engine queue (samples with any deferred / samples)", "records per server", "lease calls/s",
          "leases lapsed", "most holders at once", "most slots leased at once per server",
          "load 1-min (start → end)", "eval processes' CPU (s)", "machine CPU busy (%)"], rows), ""]
@@ -796,7 +803,10 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                 + _spread([r["one"].first_slot_s().get(name, float("nan")) - r["one"].evals[name].started_s
                            for r in results.evals], " s", 1)
                 + "): a process that starts later finds the slots held by the requests in flight of one that "
-                "started earlier, and none is taken back. Load (1-minute) at the start of the multi arms: "
+                "started earlier; only attempts under 1 s old give their slots back (federation/preempt.py; "
+                "given back in the multi arms: "
+                + ", ".join(str(sum(t.given_back for t in r["multi"].evals.values())) for r in results.evals)
+                + "), the rest as they end. Load (1-minute) at the start of the multi arms: "
                 + ", ".join(f"{r['multi'].watch.load_start[0]:.1f}" for r in results.evals)
                 + f" on {os.cpu_count()} cores; each process imports fedpool and Ray, joins the cluster and starts a "
                 "Ray CPU actor for its summaries before its eval starts."]
