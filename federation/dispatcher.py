@@ -28,7 +28,7 @@ from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, 
 from fedpool.federation.learning import HedgeTimer
 from fedpool.federation.ledger import InflightLedger, StallClock
 from fedpool.federation.policies import DispatchState, Hold, Policy
-from fedpool.federation.preempt import Preemptions
+from fedpool.federation.preempt import Preemptions, engine_cancel_s
 from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Route, Waiter
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
@@ -244,13 +244,15 @@ class Dispatcher:
                 await self._after_failure(request, state, started, err, retry)
                 continue
             except asyncio.CancelledError:
-                self._release(state, client)
-                if self._preempt.requeue(task or asyncio.current_task()):  # the slot went back to a shrunk lease
+                current = task or asyncio.current_task()
+                if self._preempt.requeue(current):  # the slot goes back to a shrunk lease: the request to its queue
+                    self._give_back(state, client, current)
                     if racer is not None:
                         self._end_race(racer)
                     retry = retry or RetryState()
                     retry.attempts.append(Attempt(state.id, started, self._clock() - started, detail=PREEMPTED))
                     continue
+                self._release(state, client)
                 if racer is None:
                     raise
                 self._end_race(racer)
@@ -284,6 +286,16 @@ class Dispatcher:
                                                   answered_at - racer.copy_started, lost_race=True))
             return self._answered(request, state, completion, started, answered_at, retry,
                                   racer.copy_server is not None)
+
+    def _give_back(self, state: ServerState, client: str, task: asyncio.Task[object] | None) -> None:
+        """An attempt was taken for a shrunk lease: its slot is released once its engine has let the request go."""
+        self._preempt.ended(state.id, task)
+        entry = state.entry
+        delay = engine_cancel_s(entry.record.engine if entry is not None else None)
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self._release, state, client)
+        else:
+            self._release(state, client)
 
     def _end_race(self, racer: Racer) -> None:
         racer.racing = False

@@ -1,14 +1,16 @@
 """Giving slots back when this process's capacity lease shrinks below what it has in flight.
 
 The lease broker (registry/leases.py) shrinks a process's lease when another process's client comes first (a
-short eval launched while a long one fills the pool) or is owed its share. In-flight work is not taken back, so
-until now the slots moved only as this process's requests ended — a whole answer later: a short eval started a
+short eval launched while a long one fills the pool) or is owed its share. In-flight work used not to be taken
+back, so the slots moved only as this process's requests ended — a whole answer later: a short eval started a
 fraction of a second after two long ones in other processes got its first slot 7.3 s after its start, against
 0.4 s in one process (benchmarks/results/multiprocess.md). A request that started moments ago has done little
 work, so the dispatcher gives its slot back at once: the attempt is cancelled and the request goes back to its
-client's queue, to run again when its lease has room. Only attempts younger than `PREEMPT_MAX_AGE_S` are taken
-(the youngest first), so at most that much engine time is lost per slot moved; older ones run to their end as
-before. An attempt racing a copy (hedge or steal) is never taken.
+client's queue, to run again when its lease has room. The slot stays counted for as long as the engine may take
+to notice the closed connection (`ENGINE_CANCEL_S`), so no request lands on an engine that is still running the
+one it replaced. Only attempts younger than `PREEMPT_MAX_AGE_S` are taken (the youngest first), so at most that
+much engine time is lost per slot moved; older ones run to their end. An attempt racing a copy (hedge or steal)
+is never taken.
 
 Pure bookkeeping over the attempts' tasks; the dispatcher cancels nothing itself but through `over_lease`.
 """
@@ -22,6 +24,15 @@ from typing import Any
 from fedpool.federation.tail import Racer
 
 PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
+# How long an engine may go on with a request whose connection closed: the slot is counted this long after the
+# give-back, so no other process's request lands on it first. vLLM's API server cancels a handler when its client
+# disconnects; llama.cpp's server looks every HTTP_POLLING_SECONDS (1 s), and engines not checked get as long.
+ENGINE_CANCEL_S = {"vllm": 0.0}
+DEFAULT_CANCEL_S = 1.0
+
+
+def engine_cancel_s(engine: str | None) -> float:
+    return ENGINE_CANCEL_S.get(engine or "", DEFAULT_CANCEL_S)
 
 Task = asyncio.Task[Any]
 

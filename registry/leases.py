@@ -303,8 +303,11 @@ class LeaseBroker:
             # up to its fair spread (its entitlement in proportion to each server's capacity): idle slots piled on
             # one server go back, so one process's requests do not all land on one replica (a gateway replica's
             # short requests kept 3 of 4 slots on one server: 75% of them there).
+            # A holder in flight beyond its entitlement keeps its fair spread of them on each server first (the rest
+            # it gives back, its youngest at once: federation/preempt.py), so a shrunk lease does not leave it all
+            # on the servers it happened to fill first (one replica's callers came to use one server only).
             inflight = self._holders[holder_id].report.inflight
-            for source, spread in ((inflight, False), (occupied[holder_id], True)):
+            for source, spread in ((inflight, True), (inflight, False), (occupied[holder_id], True)):
                 for sid, n in sorted(source.items(), key=lambda kv: (-kv[1], kv[0])):
                     if sid not in capacity:
                         continue

@@ -180,3 +180,15 @@ def test_clients_ranked_by_service_share_while_near_equal_and_one_far_behind_goe
         report("gw0", "arith", 30.0)
         report("gw1", "long", 39.0)  # 9 slot-seconds ahead: arith is behind by more than the tie
     assert total(b.slots("gw0")) == 8 and b.slots("gw1") == {}
+
+
+def test_a_holder_in_flight_beyond_its_share_keeps_its_fair_spread_of_them_on_each_server() -> None:
+    """A gateway replica alone had all 8 slots in flight, 4 on each server; another replica's caller comes and
+    they share. The first keeps 2 on each server (the rest it gives back, its youngest at once), not the 4 on the
+    server it reports first: keeping those put every one of its callers' requests on one server (76% of all)."""
+    b = Broker()
+    b.report("gw0", {"arith": (8, 1.0)}, inflight={"s0": 4, "s1": 4})
+    b.report("gw1", {"long": (8, 1.0)})
+    assert b.report("gw0", {"arith": (8, 1.0)}, inflight={"s0": 4, "s1": 4}) == {"s0": 2, "s1": 2}
+    b.report("gw0", {"arith": (8, 1.0)}, inflight={"s0": 2, "s1": 2})
+    assert b.report("gw1", {"long": (8, 1.0)}) == {"s0": 2, "s1": 2}

@@ -9,7 +9,7 @@ import pytest
 
 from fedpool.federation.dispatcher import PREEMPTED, Dispatcher
 from fedpool.federation.policies import make_policy
-from fedpool.federation.preempt import PREEMPT_MAX_AGE_S
+from fedpool.federation.preempt import ENGINE_CANCEL_S, PREEMPT_MAX_AGE_S, engine_cancel_s
 from fedpool.federation.types import Endpoint, InferenceRequest, InferenceResult
 from tests.fakes import FakePool
 from tests.test_dispatcher import snapshot_of
@@ -17,10 +17,10 @@ from tests.test_dispatcher import snapshot_of
 pytestmark = pytest.mark.looptime
 
 
-def leased(fakes: FakePool) -> Dispatcher:
+def leased(fakes: FakePool, engine: str = "vllm") -> Dispatcher:
     """A dispatcher over one fake 4-slot server (0.05 s a token), leased all 4 slots."""
     server = fakes.start(decode_s=0.05)
-    snap = snapshot_of([server], capacity=4)
+    snap = snapshot_of([server], capacity=4, engines=[engine])
     dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
     dispatcher.notify_snapshot()
     dispatcher.apply_lease({"s0": 4})
@@ -88,3 +88,21 @@ async def test_a_caller_cancelling_while_its_slot_is_given_back_cancels_the_requ
     dispatcher.apply_lease({"s0": 4})
     await asyncio.sleep(2.0)
     assert dispatcher.stats().submitted == 1 and dispatcher.stats().completed == 0
+
+
+async def test_a_slot_given_back_stays_counted_while_the_engine_may_still_run_the_request(fakes: FakePool) -> None:
+    """llama.cpp's server notices a closed connection only when it next looks (every second): until then the slot
+    stays counted, so neither this process nor (through its report) another sends a request the engine would
+    queue beyond its slots. vLLM cancels the request as the connection closes: no wait."""
+    assert ENGINE_CANCEL_S["vllm"] == 0.0 and engine_cancel_s("llamacpp") == 1.0
+    dispatcher = leased(fakes, engine="llamacpp")
+    calls = submit(dispatcher, 4)
+    await asyncio.sleep(0.3)
+    dispatcher.apply_lease({"s0": 1})
+    await asyncio.sleep(0.5)
+    assert dispatcher.stats().preempted == 3 and dispatcher.inflight() == {"s0": 4}  # counted for the engine
+    await asyncio.sleep(0.6)
+    assert dispatcher.inflight() == {"s0": 1} and dispatcher.stats().waiting == 3
+    dispatcher.apply_lease({"s0": 4})
+    results = await asyncio.gather(*calls)
+    assert len({r.request_id for r in results}) == 4 and dispatcher.inflight() == {}
