@@ -222,7 +222,8 @@ class Dispatcher:
         while True:
             state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
-            if state.lease is not None:  # leased: the attempt may give its slot back if the lease shrinks
+            if state.lease is not None and state.entry is not None and engine_cancel_s(state.entry.record.engine) \
+                    is not None:  # leased, on an engine that drops a request whose client went: may be given back
                 self._preempt.started(state.id, task or asyncio.current_task(), started)
             racer = None
             if task is not None and racers is not None:
@@ -291,7 +292,7 @@ class Dispatcher:
         """An attempt was taken for a shrunk lease: its slot is released once its engine has let the request go."""
         self._preempt.ended(state.id, task)
         entry = state.entry
-        delay = engine_cancel_s(entry.record.engine if entry is not None else None)
+        delay = engine_cancel_s(entry.record.engine if entry is not None else None) or 0.0
         if delay > 0:
             asyncio.get_running_loop().call_later(delay, self._release, state, client)
         else:

@@ -6,9 +6,9 @@ back, so the slots moved only as this process's requests ended — a whole answe
 fraction of a second after two long ones in other processes got its first slot 7.3 s after its start, against
 0.4 s in one process (benchmarks/results/multiprocess.md). A request that started moments ago has done little
 work, so the dispatcher gives its slot back at once: the attempt is cancelled and the request goes back to its
-client's queue, to run again when its lease has room. The slot stays counted for as long as the engine may take
-to notice the closed connection (`ENGINE_CANCEL_S`), so no request lands on an engine that is still running the
-one it replaced. Only attempts younger than `PREEMPT_MAX_AGE_S` are taken (the youngest first), so at most that
+client's queue, to run again when its lease has room. Only on engines that drop a request whose client has gone
+(`ENGINE_CANCEL_S`): elsewhere the engine would go on running it and queue the request sent in its place. Only
+attempts younger than `PREEMPT_MAX_AGE_S` are taken (the youngest first), so at most that
 much engine time is lost per slot moved; older ones run to their end. An attempt racing a copy (hedge or steal)
 is never taken.
 
@@ -24,15 +24,20 @@ from typing import Any
 from fedpool.federation.tail import Racer
 
 PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
-# How long an engine may go on with a request whose connection closed: the slot is counted this long after the
-# give-back, so no other process's request lands on it first. vLLM's API server cancels a handler when its client
-# disconnects; llama.cpp's server looks every HTTP_POLLING_SECONDS (1 s), and engines not checked get as long.
+# How long an engine goes on with a request whose connection closed, by engine: the slot stays counted that long
+# after the give-back, so no request lands on an engine still running the one it replaced. vLLM's API server
+# cancels a handler as its client disconnects (as fedpool's emulator does). An engine not listed is never asked
+# to give a slot back: llama.cpp's server (this pool's build) runs a non-streamed request to its end after its
+# client has gone — four cancelled 200-token requests kept all 4 slots busy 6 s later — so a give-back there
+# queued the next requests in the engine (4 deep for 5 s, benchmarks/multiprocess.py); SGLang and other servers
+# are not checked.
 ENGINE_CANCEL_S = {"vllm": 0.0}
-DEFAULT_CANCEL_S = 1.0
 
 
-def engine_cancel_s(engine: str | None) -> float:
-    return ENGINE_CANCEL_S.get(engine or "", DEFAULT_CANCEL_S)
+def engine_cancel_s(engine: str | None) -> float | None:
+    """Seconds the engine may run a request after its client went away; None: until its end (never taken)."""
+    return ENGINE_CANCEL_S.get(engine or "")
+
 
 Task = asyncio.Task[Any]
 
