@@ -803,10 +803,11 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                 + _spread([r["one"].first_slot_s().get(name, float("nan")) - r["one"].evals[name].started_s
                            for r in results.evals], " s", 1)
                 + "): a process that starts later finds the slots held by the requests in flight of one that "
-                "started earlier; only attempts under 1 s old give their slots back (federation/preempt.py; "
+                "started earlier. Attempts under 1 s old give their slots back only on engines that drop a request "
+                "whose client has gone (federation/preempt.py: vLLM, not llama.cpp, which runs it to its end); "
                 "given back in the multi arms: "
                 + ", ".join(str(sum(t.given_back for t in r["multi"].evals.values())) for r in results.evals)
-                + "), the rest as they end. Load (1-minute) at the start of the multi arms: "
+                + ". Load (1-minute) at the start of the multi arms: "
                 + ", ".join(f"{r['multi'].watch.load_start[0]:.1f}" for r in results.evals)
                 + f" on {os.cpu_count()} cores; each process imports fedpool and Ray, joins the cluster and starts a "
                 "Ray CPU actor for its summaries before its eval starts."]
