@@ -22,9 +22,9 @@ How slots are shared (one model's servers at a time):
    the holder owed most first, onto the server with the most room where it is under its spread — each holder
    spread over the servers.
 3. Slots are never granted twice: a slot another holder may be using — the larger of its new lease, the lease
-   it still holds (it may not have heard of a smaller one yet) and what it has in flight (in-flight work cannot
-   be taken back) — is not room. So a lease shrinks first and the slots move once its holder says it has let
-   them go.
+   it still holds (it may not have heard of a smaller one yet), every lease sent to it since the one its last
+   report acknowledges, and what it has in flight (in-flight work cannot be taken back) — is not room. So a
+   lease shrinks first and the slots move once its holder says it has let them go.
 
 Failure modes (docs/architecture.md, "Many processes, one pool"): a holder that stops reporting loses its lease
 after `ttl_s` (a killed process's slots come back within seconds); a broker that restarts (new incarnation)
@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
 RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
 MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
+MAX_UNACKED = 32  # leases kept per holder that it has not said it received (a silent holder expires at its TTL)
 SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
@@ -120,6 +121,9 @@ class _Holder:
     seen_at: float
     slots: dict[str, int] = field(default_factory=dict)
     version: int = 0
+    # Leases sent since the one the holder last said it holds (version -> slots): it may be using any of them (a
+    # lease answered after its report, or one that has since shrunk), so their slots are not room either.
+    unacked: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
 class LeaseBroker:
@@ -136,13 +140,18 @@ class LeaseBroker:
         self.recomputes = 0
 
     # ---- what holders and the registry say ---------------------------------------------------------
-    def report(self, report: DemandReport) -> None:
-        """Take a holder's report (shares move at the next `reshare`)."""
+    def report(self, report: DemandReport, known_version: int | None = None) -> None:
+        """Take a holder's report (shares move at the next `reshare`); `known_version`: the version of the lease
+        it held when it sent the report (None: the latest, as a holder reporting in step with the broker)."""
         now = self._clock()
         holder = self._holders.get(report.holder)
         if holder is None:
             holder = self._holders[report.holder] = _Holder(report, now)
         holder.report, holder.seen_at = report, now
+        if known_version is None or report.broker != self.incarnation:
+            known_version = holder.version if known_version is None else -1
+        for version in [v for v in holder.unacked if v <= known_version]:  # (held: that lease, in the report)
+            del holder.unacked[version]
 
     def set_servers(self, servers: Iterable[LeaseServer]) -> None:
         """The registry's servers (membership, capacity, status), as of now."""
@@ -208,6 +217,9 @@ class LeaseBroker:
             if slots != holder.slots:
                 holder.slots = slots
                 holder.version += 1
+                holder.unacked[holder.version] = slots
+                if len(holder.unacked) > MAX_UNACKED:
+                    del holder.unacked[min(holder.unacked)]
                 changed.add(holder_id)
         return changed
 
@@ -279,7 +291,7 @@ class LeaseBroker:
             report = holder.report
             held = report.held if learning or report.broker == self.incarnation else {}
             mine: dict[str, int] = {}
-            for source in (held, report.inflight, holder.slots):
+            for source in (held, report.inflight, holder.slots, *holder.unacked.values()):
                 for sid, n in source.items():
                     if sid in capacity and n > mine.get(sid, 0):
                         mine[sid] = n
@@ -366,7 +378,7 @@ class LeaseService:
 
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
         self.calls += 1
-        self.broker.report(report)
+        self.broker.report(report, known_version)
         await self._reshare()
         holder = report.holder
         if self.broker.version(holder) == known_version and wait_s > 0:

@@ -192,3 +192,34 @@ def test_a_holder_in_flight_beyond_its_share_keeps_its_fair_spread_of_them_on_ea
     assert b.report("gw0", {"arith": (8, 1.0)}, inflight={"s0": 4, "s1": 4}) == {"s0": 2, "s1": 2}
     b.report("gw0", {"arith": (8, 1.0)}, inflight={"s0": 2, "s1": 2})
     assert b.report("gw1", {"long": (8, 1.0)}) == {"s0": 2, "s1": 2}
+
+
+def test_a_lease_sent_but_not_yet_acknowledged_is_not_room_for_another_holder() -> None:
+    """A holder is granted all 8 slots and fills them before its next report (twice a second). Meanwhile two more
+    holders report: its lease shrinks, and shrinks again. Its last report predates every lease it was sent, so the
+    broker may not take its smaller current lease as what it uses: the 8 slots it was first sent stay taken until
+    it reports what it holds and has in flight (the engines queued 2-3 requests beyond their slots for 6 s)."""
+    b = Broker()
+
+    def report(holder: str, known: int, inflight: dict[str, int] | None = None) -> None:
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=holder, wanted=40, rank=1.0),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), inflight=inflight or {},
+                                     held=dict(b.broker.lease(holder).slots) if known > 0 else {},
+                                     broker=b.broker.incarnation), known_version=known)
+        b.broker.reshare()
+
+    report("a", -1)
+    assert b.slots("a") == {"s0": 4, "s1": 4} and b.broker.version("a") == 1  # it sends 8 requests at once
+    report("b", -1)
+    report("c", -1)
+    assert b.broker.version("a") >= 2 and total(b.slots("a")) < 8  # a's share shrank, a has not heard yet
+    assert b.slots("b") == {} and b.slots("c") == {}  # what a was sent may all be in use
+    report("a", b.broker.version("a"), inflight={"s0": 4, "s1": 4})  # it has: 8 in flight
+    assert b.slots("b") == {} and b.slots("c") == {}
+    report("a", b.broker.version("a"), inflight={"s0": 1, "s1": 2})  # 5 of them ended
+    for _ in range(3):  # each hears of its lease and says it holds it
+        for holder in ("a", "b", "c"):
+            report(holder, b.broker.version(holder), inflight={"s0": 1, "s1": 2} if holder == "a" else None)
+    lease_a = b.slots("a")  # (what a may still use: the lease it holds, or its requests in flight)
+    for sid, in_flight in (("s0", 1), ("s1", 2)):  # every slot used once, none idle
+        assert max(lease_a.get(sid, 0), in_flight) + b.slots("b").get(sid, 0) + b.slots("c").get(sid, 0) == 4
