@@ -520,13 +520,13 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
                         if floor is not None else "(one repeat: no run-to-run agreement measured)."))
         lines.append(f"Balanced bound (conventional busy server-seconds ÷ {servers}): "
                      f"{statistics.median(balanced):.1f} s (runs " + ", ".join(f"{b:.1f}" for b in balanced) + ").")
-        conv = result.eval_walls("conventional")
-        for arm in result.gateway_arms:
-            fed = result.eval_walls(arm)
-            later = [n for n in conv if fed[n] > conv[n]]
-            lines.append(f"{arm}: " + ("no eval finished later than on its own server" if not later else
-                                       "later than on its own server: " + ", ".join(
-                                           f"{n} ({fed[n]:.1f} s vs {conv[n]:.1f} s)" for n in later)) + ".")
+        for arm in result.gateway_arms:  # each repeat's arms ran back to back: compared repeat by repeat
+            later = [(i + 1, n, run[arm].eval_s[n], run["conventional"].eval_s[n]) for i, run in enumerate(result.runs)
+                     for n in run["conventional"].eval_s if run[arm].eval_s[n] > run["conventional"].eval_s[n]]
+            lines.append(f"{arm}: " + ("no eval finished later than on its own server in any repeat" if not later
+                                       else "later than on its own server: " + ", ".join(
+                                           f"{n} in repeat {i} ({fed:.1f} s vs {conv:.1f} s)"
+                                           for i, n, fed, conv in later)) + ".")
         lines.append("")
     return "\n".join(lines)
 
