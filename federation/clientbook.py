@@ -50,7 +50,7 @@ class ClientBook:
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
         self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests
         # shortest_first: per client, attempts in flight and the sum of when they took their slots (the service
-        # they have had so far, for the lease broker's ranks across processes; see `attained_s`)
+        # they have had so far, for the lease broker's ranks across processes; see `served_s`)
         self._running: dict[str, tuple[int, float]] = {}
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
