@@ -38,7 +38,7 @@ from fedpool.federation import (
     Policy,
 )
 from fedpool.federation.leases import LeaseClient
-from fedpool.federation.transport import Target, request_body
+from fedpool.federation.transport import Target, UrlTarget, request_body
 from fedpool.registry import (
     DemandReport,
     Engine,
@@ -397,7 +397,7 @@ async def _least_work(clock: Callable[[], float], world_of: Callable[[Callable[[
             {"prompt": prompt_of(eval_, k), "max_tokens": eval_.answer_tokens, "ignore_eos": True},
             request_id=f"{eval_.name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=eval_.name)
         try:
-            await transport.complete(best.record, request)
+            await transport.complete(UrlTarget(best.id, best.record.url), request)
             outcomes[eval_.name].answered += 1
         finally:
             outstanding[best.id] -= best_work

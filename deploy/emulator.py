@@ -295,12 +295,14 @@ class EmulatedServer:
         text = self._answer(prompt, out_tokens)
         self._stats.completed += 1
         self._count("200")
-        if body.get("stream"):
-            return await self._stream(request, text, chat)
-        if self.faults.crash_after is not None and self._stats.completed >= self.faults.crash_after:
-            asyncio.get_running_loop().create_task(self.crash())
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": out_tokens,
                                  "total_tokens": prompt_tokens + out_tokens}
+        if body.get("stream"):
+            options = body.get("stream_options")
+            return await self._stream(request, text, chat,
+                                      usage if isinstance(options, dict) and options.get("include_usage") else None)
+        if self.faults.crash_after is not None and self._stats.completed >= self.faults.crash_after:
+            asyncio.get_running_loop().create_task(self.crash())
         if self.profile.prefix_cache:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         created = int(time.time())
@@ -315,23 +317,27 @@ class EmulatedServer:
              "choices": [choice], "usage": usage}
         )
 
-    async def _stream(self, request: web.Request, text: str, chat: bool) -> web.StreamResponse:
-        """Server-sent events in vLLM's format, one token a chunk, then `data: [DONE]`."""
+    async def _stream(self, request: web.Request, text: str, chat: bool,
+                      usage: dict[str, Any] | None) -> web.StreamResponse:
+        """Server-sent events in vLLM's format, one token a chunk, with `stream_options.include_usage` an event
+        with no choices and the usage, then `data: [DONE]`."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         created, rid = int(time.time()), f"cmpl-{self._stats.completed}"
         words = text.split(" ")[1:]
+        obj = "chat.completion.chunk" if chat else "text_completion"
         for i, word in enumerate(words):
             last = i == len(words) - 1
             piece = " " + word
             if chat:
                 delta = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
                 choice = {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
-                obj = "chat.completion.chunk"
             else:
                 choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": "length" if last else None}
-                obj = "text_completion"
             chunk = {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if usage is not None:
+            chunk = {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [], "usage": usage}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

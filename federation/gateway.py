@@ -305,7 +305,7 @@ class Gateway:
             return self._failed(exc)
         finally:
             self._inflight -= 1
-        return web.Response(body=_answer_bytes(result.completion, model, endpoint), headers={
+        return web.Response(body=_answer_bytes(result.completion, model, endpoint, req.request_id), headers={
             "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
             "X-Fedpool-Attempts": str(len(result.attempts))}), "200"
 
@@ -361,9 +361,11 @@ class Gateway:
         return match.client
 
 
-def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint) -> bytes:
+def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint, request_id: str) -> bytes:
     """The engine's body as it sent it, but for a `model` field other than the name the client asked for (an
-    engine that reports its weights' path, say): only then is the body decoded and encoded again."""
+    engine that reports its weights' path, say): only then is the body decoded and encoded again. An answer
+    with no body of its own (assembled from a stream, or from an in-process transport) is written in OpenAI's
+    shape from its fields."""
     raw = completion.raw
     if raw is not None and completion.model == model:
         return raw
@@ -371,7 +373,6 @@ def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint) -> byt
         body = loads(raw)
         body["model"] = model
         return dumps(body)
-    # A transport that keeps no bytes (an in-process one): the answer in OpenAI's shape from its fields.
     if endpoint is Endpoint.CHAT:
         message: dict[str, Any] = {"role": "assistant", "content": completion.text}
         if completion.reasoning_content is not None:
@@ -379,9 +380,12 @@ def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint) -> byt
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": completion.finish_reason}
     else:
         choice = {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason}
-    usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens}
-    return dumps({"object": "chat.completion" if endpoint is Endpoint.CHAT else "text_completion", "model": model,
-                  "choices": [choice], "usage": usage})
+    prompt, answer = completion.prompt_tokens, completion.completion_tokens
+    usage = {"prompt_tokens": prompt, "completion_tokens": answer,
+             "total_tokens": prompt + answer if prompt is not None and answer is not None else None}
+    return dumps({"id": f"cmpl-{request_id}", "object": "chat.completion" if endpoint is Endpoint.CHAT
+                  else "text_completion", "created": int(time.time()), "model": model, "choices": [choice],
+                  "usage": usage})
 
 
 def _check_body(body: object, endpoint: Endpoint) -> web.Response | None:

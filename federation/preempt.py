@@ -26,17 +26,20 @@ from fedpool.federation.tail import Racer
 PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
 # How long an engine goes on with a request whose connection closed, by engine: the slot stays counted that long
 # after the give-back, so no request lands on an engine still running the one it replaced. vLLM's API server
-# cancels a handler as its client disconnects (as fedpool's emulator does). An engine not listed is never asked
-# to give a slot back: llama.cpp's server (this pool's build) runs a non-streamed request to its end after its
-# client has gone — four cancelled 200-token requests kept all 4 slots busy 6 s later — so a give-back there
-# queued the next requests in the engine (4 deep for 5 s, benchmarks/multiprocess.py); SGLang and other servers
-# are not checked.
+# cancels a handler as its client disconnects (as fedpool's emulator does). llama.cpp's server (this pool's build)
+# runs a non-streamed request to its end after its client has gone — four cancelled 200-token requests kept all 4
+# slots busy 6 s later, and a give-back there queued the next requests in the engine (4 deep for 5 s,
+# benchmarks/multiprocess.py) — but stops a streamed one at its next token, so the transport asks it for streams
+# (transport.STREAMED_ENGINES) and only those are given back. SGLang and other servers are not checked: never
+# asked to give a slot back.
 ENGINE_CANCEL_S = {"vllm": 0.0}
+STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.0}
 
 
-def engine_cancel_s(engine: str | None) -> float | None:
-    """Seconds the engine may run a request after its client went away; None: until its end (never taken)."""
-    return ENGINE_CANCEL_S.get(engine or "")
+def engine_cancel_s(engine: str | None, streamed: bool = False) -> float | None:
+    """Seconds the engine may run a request after its client went away (`streamed`: the request was sent as a
+    stream); None: until its end (never taken)."""
+    return (STREAMED_CANCEL_S if streamed else ENGINE_CANCEL_S).get(engine or "")
 
 
 Task = asyncio.Task[Any]

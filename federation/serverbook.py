@@ -19,6 +19,7 @@ from fedpool.federation.errors import FailureKind
 from fedpool.federation.learning import LEARN_PERIOD_S, ServerLearning
 from fedpool.federation.ledger import InflightLedger, ServerSlots
 from fedpool.federation.routes import Route, RouteKey
+from fedpool.federation.transport import STREAMED_ENGINES
 from fedpool.registry import PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
@@ -51,13 +52,14 @@ class ServerState(ServerSlots):
 
     __slots__ = ("answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
                  "last_answer_at", "learning", "lease", "open_until", "present", "queue_clear", "queue_full",
-                 "routes", "scrape_at", "scraped_running", "scraped_waiting", "tokens", "trial", "url", "weight",
-                 "window")
+                 "routes", "scrape_at", "scraped_running", "scraped_waiting", "streamed", "tokens", "trial", "url",
+                 "weight", "window")
 
     def __init__(self, server_id: str):
         super().__init__(server_id)
         self.entry: ServerEntry | None = None
         self.url = ""
+        self.streamed = False  # its engine is asked for streamed answers (transport.STREAMED_ENGINES)
         self.capacity = 1
         self.window = 0
         self.weight = 1.0
@@ -135,6 +137,7 @@ class ServerBook:
     def _adopt(self, state: ServerState, entry: ServerEntry) -> None:
         state.entry = entry
         state.url = entry.record.url
+        state.streamed = entry.record.engine in STREAMED_ENGINES
         state.present = entry.status.routable
         if state.learning is None or state.capacity != entry.capacity:
             state.capacity = entry.capacity

@@ -92,13 +92,17 @@ class ReuseTrackingConnector(aiohttp.TCPConnector):
 
 
 class Target(Protocol):
-    """The server an attempt goes to (a dispatcher's ServerState): its id and base URL."""
+    """The server an attempt goes to (a dispatcher's ServerState): its id, base URL, and whether its engine is
+    asked for streamed answers (`STREAMED_ENGINES`)."""
 
     @property
     def id(self) -> str: ...
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def streamed(self) -> bool: ...
 
 
 class StreamBody(Protocol):
@@ -130,9 +134,13 @@ class HttpTransport:
         self._timeout = self.timeouts.client_timeout()
 
     async def complete(self, server: Target, request: InferenceRequest) -> Completion:
-        """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError."""
+        """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError. On a
+        server whose engine is asked for streams (`streamed`), a request a stream can carry whole (`assembles`)
+        is sent with stream=true and its events assembled into the completion."""
         attempt = SimpleNamespace(reused=False)
         _ATTEMPT.set(attempt)  # this task's context: the connector notes there whether it reused a connection
+        if server.streamed and assembles(request):
+            return await self._assembled(server, request, attempt)
         body = request_body(request)
         try:
             data = orjson.dumps(body)
@@ -152,14 +160,32 @@ class HttpTransport:
             raise transport_error(exc, attempt.reused) from exc
         return parse_completion(raw, request.endpoint)
 
+    async def _assembled(self, server: Target, request: InferenceRequest, attempt: SimpleNamespace) -> Completion:
+        body = request_body(request, stream=True)
+        body["stream_options"] = STREAM_USAGE
+        try:
+            async with self.session.post(server.url + request.endpoint, data=dumps(body), headers=STREAM_HEADERS,
+                                         timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
+                return await assemble_stream(resp.content, request.endpoint)
+        except AttemptError:
+            raise
+        except Exception as exc:
+            raise transport_error(exc, attempt.reused) from exc
+
     async def open_stream(self, server: Target, request: InferenceRequest) -> aiohttp.ClientResponse:
-        return await open_stream(self.session, server.url, request, self.timeouts, self._timeout)
+        return await open_stream(self.session, server.url, request, self.timeouts, self._timeout,
+                                 close=server.streamed)
 
 
 @dataclass(frozen=True, slots=True)
-class _Url:
+class UrlTarget:
+    """A server known by its URL alone (outside a dispatcher), asked for streams or not."""
+
     id: str
     url: str
+    streamed: bool = False
 
 
 def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
@@ -171,7 +197,7 @@ async def post_completion(
     session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts
 ) -> Completion:
     """POST the request to one server outside any dispatcher; the parsed completion, or AttemptError."""
-    return await HttpTransport(session, timeouts).complete(_Url(base_url, base_url), request)
+    return await HttpTransport(session, timeouts).complete(UrlTarget(base_url, base_url), request)
 
 
 def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, Any]:
@@ -191,6 +217,107 @@ def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, A
     body["model"] = request.model
     body["stream"] = stream
     return body
+
+
+# Engines whose answers are asked for as a stream and assembled into one completion. llama.cpp's server (this
+# pool's build) runs a non-streamed request to its end after its client has gone — four cancelled 200-token
+# requests kept all 4 slots busy 6 s later — but stops a streamed one at its next token (within 0.5 s). Streamed,
+# a request fedpool cancels (a hedge's losing copy, a slot given back to a shrunk lease, a gateway client that
+# went away) frees the engine's slot, not only fedpool's count of it. vLLM and SGLang abort a request whose
+# connection closed either way; a server of unknown kind is asked for what its caller asked.
+# llama.cpp's server also closes the connection after every stream though its head says keep-alive: a streamed
+# request to these engines asks for `Connection: close`, so no pooled connection is reused after the engine closed
+# it (the next request on it would fail as a reset).
+STREAMED_ENGINES = frozenset({"llamacpp"})
+STREAM_HEADERS = {**JSON_HEADERS, "Connection": "close"}
+STREAM_USAGE = {"include_usage": True}  # OpenAI's stream option: the last event carries the token counts
+# Fields whose streamed form differs from the whole answer's by engine (several choices, per-token log
+# probabilities, the prompt echoed, the caller's own stream options): such requests are sent unstreamed.
+_WHOLE_ONLY = ("logprobs", "top_logprobs", "echo", "best_of", "stream_options", "suffix")
+
+
+def assembles(request: InferenceRequest) -> bool:
+    """Whether a stream can carry this request's whole answer as the engine would send it unstreamed: one prompt
+    (or messages), one choice, no log probabilities, no echo."""
+    extra = request.params.extra
+    if extra and (any(name in extra for name in _WHOLE_ONLY) or extra.get("n", 1) != 1):
+        return False
+    return request.prompt is None or isinstance(request.prompt, str)
+
+
+async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> Completion:
+    """Read an OpenAI event stream (`data: {...}` lines, `data: [DONE]` last) to its end into one completion:
+    the text of every event joined, the last finish_reason, the usage of the event that carries it. Without a
+    usage event the completion tokens are the events that carried text (one token an event on the engines in
+    `STREAMED_ENGINES`) and the prompt tokens are unknown. An error event, a body past MAX_RESPONSE_BYTES, or a
+    stream that ends before its last event is an AttemptError."""
+    chat = endpoint is Endpoint.CHAT
+    parts: list[str] = []
+    thoughts: list[str] = []
+    finish = usage = model = None
+    size = 0
+    events = 0
+    done = False
+    buffer = b""
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise AttemptError(FailureKind.BAD_RESPONSE,
+                               f"response larger than {MAX_RESPONSE_BYTES // (1024 * 1024)} MiB")
+        lines = (buffer + chunk).split(b"\n")
+        buffer = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, `event:` lines
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                done = True
+                break
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError as exc:
+                raise AttemptError(FailureKind.BAD_RESPONSE, "stream event is not JSON") from exc
+            if type(event) is not dict:
+                raise AttemptError(FailureKind.BAD_RESPONSE, "stream event is not a JSON object")
+            if "error" in event:
+                raise AttemptError(FailureKind.SERVER_ERROR, "error event in the stream",
+                                   upstream_message=upstream_message(payload))
+            if model is None and type(event.get("model")) is str:
+                model = event["model"]
+            if type(event.get("usage")) is dict:
+                usage = event["usage"]
+            choices = event.get("choices")
+            if not choices:
+                continue  # the usage event has none
+            choice = choices[0] if type(choices) is list else None
+            if type(choice) is not dict:
+                raise AttemptError(FailureKind.BAD_RESPONSE, "stream event has no choice")
+            if chat:
+                delta = choice.get("delta")
+                if type(delta) is dict:
+                    text, thought = delta.get("content"), delta.get("reasoning_content")
+                    if type(thought) is str and thought:
+                        thoughts.append(thought)
+                        events += 1
+                    if type(text) is str and text:
+                        parts.append(text)
+                        events += 1
+            elif type(text := choice.get("text")) is str and text:
+                parts.append(text)
+                events += 1
+            if type(choice.get("finish_reason")) is str:
+                finish = choice["finish_reason"]
+        if done:
+            break
+    if not done and finish is None:
+        raise AttemptError(FailureKind.BAD_RESPONSE, "stream ended before its last event")
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = events
+    if usage is not None:
+        prompt_tokens = usage.get("prompt_tokens") if type(usage.get("prompt_tokens")) is int else None
+        completion_tokens = usage.get("completion_tokens") if type(usage.get("completion_tokens")) is int else events
+    return Completion("".join(parts), finish, prompt_tokens, completion_tokens,
+                      "".join(thoughts) if thoughts else None, None, model)
 
 
 def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError:
@@ -231,17 +358,19 @@ def upstream_message(raw: bytes, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | 
 
 async def open_stream(
     session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts,
-    client_timeout: aiohttp.ClientTimeout | None = None,
+    client_timeout: aiohttp.ClientTimeout | None = None, *, close: bool = False,
 ) -> aiohttp.ClientResponse:
     """POST with stream=true; returns the open response once its head says 200 (the caller reads and
     releases it), or raises AttemptError. Nothing has reached the caller's client yet, so a failure
     here can still be retried elsewhere. Cancelled while it waits for the head, the connection is closed
-    (aiohttp's own handling): nothing is left open."""
+    (aiohttp's own handling): nothing is left open. `close`: the engine closes the connection after a stream
+    (STREAMED_ENGINES), so it is not kept for another request."""
     attempt = SimpleNamespace(reused=False)
     _ATTEMPT.set(attempt)
     try:
         resp = await session.post(base_url + request.endpoint.value, data=dumps(request_body(request, stream=True)),
-                                  headers=JSON_HEADERS, timeout=client_timeout or timeouts.client_timeout())
+                                  headers=STREAM_HEADERS if close else JSON_HEADERS,
+                                  timeout=client_timeout or timeouts.client_timeout())
     except Exception as exc:
         raise transport_error(exc, attempt.reused) from exc
     if resp.status != 200:

@@ -24,7 +24,7 @@ from fedpool.federation import DispatchConfig, Dispatcher, InferenceRequest, Req
 from fedpool.federation.errors import FailureKind
 from fedpool.federation.gateway import SHARED_CLIENT, Gateway, serving
 from fedpool.federation.policies import Policy
-from fedpool.federation.transport import HttpTransport
+from fedpool.federation.transport import HttpTransport, UrlTarget
 from fedpool.federation.types import Endpoint, SamplingParams
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from tests.conftest import EmulatorFactory
@@ -53,8 +53,9 @@ class Rig:
         self.dispatcher.notify_snapshot()
 
 
-def entry(server_id: str, url: str, *, model: str = MODEL, capacity: int = 4) -> ServerEntry:
-    record = ServerRecord(id=server_id, url=url, engine=Engine.VLLM, model=model, revision=REVISION,
+def entry(server_id: str, url: str, *, model: str = MODEL, capacity: int = 4,
+          engine: Engine = Engine.VLLM) -> ServerEntry:
+    record = ServerRecord(id=server_id, url=url, engine=engine, model=model, revision=REVISION,
                           accelerator="cpu", capacity=capacity)
     return ServerEntry(record, ServerStatus.HEALTHY, capacity, 1.0)
 
@@ -221,6 +222,10 @@ async def test_submit_cancelled_at_every_step_gives_its_slot_back(emulators: Emu
         points = await cancel_at_every_step(lambda: two.dispatcher.submit(request()), two.dispatcher,
                                             expected=(RequestFailed,))
         assert points > 3
+    # An engine of llama.cpp's kind is asked for a stream that the transport assembles: every step of that too.
+    async with rig([entry("streamed", fast.url, engine=Engine.LLAMACPP)]) as streamed:
+        points = await cancel_at_every_step(lambda: streamed.dispatcher.submit(request()), streamed.dispatcher)
+        assert points > 3 and streamed.dispatcher.stats().inflight_total == 0
 
 
 async def test_stream_cancelled_at_every_step_gives_its_slot_back(emulators: EmulatorFactory,
@@ -424,7 +429,7 @@ async def test_a_reset_on_a_reused_keepalive_connection_is_told_from_a_fresh_one
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    target = entry("s", url)
+    target = UrlTarget("s", url)
     try:
         async with new_session() as session:
             transport = HttpTransport(session)

@@ -92,14 +92,32 @@ async def test_a_caller_cancelling_while_its_slot_is_given_back_cancels_the_requ
 
 async def test_on_an_engine_that_runs_a_request_whose_client_went_nothing_is_given_back(fakes: FakePool) -> None:
     """llama.cpp's server (this pool's build) runs a non-streamed request to its end after its client has gone: a
-    slot given back there stays busy in the engine and the request sent in its place queues. The shrunk lease waits
-    for those attempts to end, as before; vLLM drops the request with its connection, so it may give back."""
+    slot given back there stays busy in the engine and the request sent in its place queues. Requests the
+    transport cannot send it as a stream (log probabilities here) are not given back: the shrunk lease waits for
+    those attempts to end, as before. vLLM drops the request with its connection, so it may give back."""
     assert engine_cancel_s("vllm") == 0.0 and engine_cancel_s("llamacpp") is None
     dispatcher = leased(fakes, engine="llamacpp")
-    calls = submit(dispatcher, 4)
+    calls = submit(dispatcher, 4, logprobs=1)
     await asyncio.sleep(0.3)
     dispatcher.apply_lease({"s0": 1})
     await asyncio.sleep(0.01)
     assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 4}
     results = await asyncio.gather(*calls)
     assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}
+
+
+async def test_on_llamacpp_streamed_attempts_give_their_slot_back(fakes: FakePool) -> None:
+    """The transport asks llama.cpp for a stream wherever one carries the whole answer, and llama.cpp stops a
+    streamed request at its next token once its client has gone: those attempts give their slots back to a shrunk
+    lease as on vLLM (tests/test_streamed_answers.py checks the engine's side on a real llama-server)."""
+    assert engine_cancel_s("llamacpp", streamed=True) == 0.0 and engine_cancel_s("sglang", streamed=True) is None
+    dispatcher = leased(fakes, engine="llamacpp")
+    calls = submit(dispatcher, 4)
+    await asyncio.sleep(0.3)
+    dispatcher.apply_lease({"s0": 1})
+    await asyncio.sleep(0.01)
+    assert dispatcher.inflight() == {"s0": 1} and dispatcher.stats().preempted == 3
+    dispatcher.apply_lease({"s0": 4})
+    results = await asyncio.gather(*calls)
+    assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
+    assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
