@@ -95,20 +95,20 @@ def tracing(trace: Trace, skip: frozenset[types.CodeType] = frozenset()) -> Iter
 
 
 async def trace_one(servers: int = 4, policy: str = "capacity_weighted") -> Trace:
-    from fedpool.deploy.process import free_port
     from fedpool.federation import Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
     from fedpool.federation.dispatcher import WAIT_POLL_S
     from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
-    ports = [free_port() for _ in range(servers)]
+    # Each emulator binds a port of its own choosing (--port 0) and says which: no port is picked here and then
+    # taken by another process before the child binds it.
     procs = [await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL, "--port", str(p), "--profile", "tiny",
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+        sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL, "--port", "0", "--profile", "tiny",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(servers)]
     try:
-        await _wait_up(ports)
+        urls = [await _url_of(proc) for proc in procs]
         entries = []
-        for i, port in enumerate(ports):
-            record = ServerRecord(id=f"s{i}", url=f"http://127.0.0.1:{port}", engine=Engine.VLLM, model=MODEL,
+        for i, url in enumerate(urls):
+            record = ServerRecord(id=f"s{i}", url=url, engine=Engine.VLLM, model=MODEL,
                                   revision="r1", accelerator="A100", capacity=8)
             entries.append(ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=8,
                                        weight=prior_weight(record)))
@@ -132,27 +132,24 @@ async def trace_one(servers: int = 4, policy: str = "capacity_weighted") -> Trac
         return trace
     finally:
         for proc in procs:
-            proc.terminate()
+            if proc.returncode is None:
+                proc.terminate()
         for proc in procs:
             await proc.wait()
 
 
-async def _wait_up(ports: list[int], timeout_s: float = 30.0) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        for port in ports:
-            while True:
-                try:
-                    async with session.get(f"http://127.0.0.1:{port}/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"emulated server on port {port} did not come up")
-                await asyncio.sleep(0.1)
+async def _url_of(proc: asyncio.subprocess.Process, timeout_s: float = 60.0) -> str:
+    """The URL an emulator child serves on, from the line it prints once it listens; its error if it died."""
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
+    except TimeoutError:
+        raise RuntimeError(f"the emulated server did not start within {timeout_s:.0f} s") from None
+    if b" on http://" not in line:
+        await proc.wait()
+        error = (await proc.stderr.read()).decode(errors="replace")[-2000:]
+        raise RuntimeError(f"the emulated server exited with {proc.returncode}: {error}")
+    return line.decode().rsplit(" on ", 1)[1].strip()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fedpool.deploy.emulator", description="vLLM-style emulated server")
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="0: a free port of its choosing (printed)")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="tiny")
     parser.add_argument("--profile-json", help="a full profile as JSON (overrides --profile)")
     parser.add_argument("--speedup", type=float, default=1.0)
