@@ -803,9 +803,9 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                 + _spread([r["one"].first_slot_s().get(name, float("nan")) - r["one"].evals[name].started_s
                            for r in results.evals], " s", 1)
                 + "): a process that starts later finds the slots held by the requests in flight of one that "
-                "started earlier. Attempts under 1 s old give their slots back only on engines that drop a request "
-                "whose client has gone (federation/preempt.py: vLLM, not llama.cpp, which runs it to its end); "
-                "given back in the multi arms: "
+                "started earlier. Attempts under 1 s old give their slots back to a shrunk lease where the engine "
+                "drops a request whose client has gone (federation/preempt.py: vLLM, and llama.cpp for the requests "
+                "the transport sends it as streams, which are all of these); given back in the multi arms: "
                 + ", ".join(str(sum(t.given_back for t in r["multi"].evals.values())) for r in results.evals)
                 + ". Load (1-minute) at the start of the multi arms: "
                 + ", ".join(f"{r['multi'].watch.load_start[0]:.1f}" for r in results.evals)

@@ -30,10 +30,12 @@ PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back t
 # runs a non-streamed request to its end after its client has gone — four cancelled 200-token requests kept all 4
 # slots busy 6 s later, and a give-back there queued the next requests in the engine (4 deep for 5 s,
 # benchmarks/multiprocess.py) — but stops a streamed one at its next token, so the transport asks it for streams
-# (transport.STREAMED_ENGINES) and only those are given back. SGLang and other servers are not checked: never
-# asked to give a slot back.
+# (transport.STREAMED_ENGINES) and only those are given back. It notices the closed connection as it sends the
+# next token, after a prefill under way: released at once, three requests sent in place of given-back ones
+# waited in its queue for 0.3 s (benchmarks/multiprocess.py), so the slot stays counted half a second more. SGLang
+# and other servers are not checked: never asked to give a slot back.
 ENGINE_CANCEL_S = {"vllm": 0.0}
-STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.0}
+STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.5}
 
 
 def engine_cancel_s(engine: str | None, streamed: bool = False) -> float | None:

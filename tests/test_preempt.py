@@ -109,14 +109,20 @@ async def test_on_an_engine_that_runs_a_request_whose_client_went_nothing_is_giv
 async def test_on_llamacpp_streamed_attempts_give_their_slot_back(fakes: FakePool) -> None:
     """The transport asks llama.cpp for a stream wherever one carries the whole answer, and llama.cpp stops a
     streamed request at its next token once its client has gone: those attempts give their slots back to a shrunk
-    lease as on vLLM (tests/test_streamed_answers.py checks the engine's side on a real llama-server)."""
-    assert engine_cancel_s("llamacpp", streamed=True) == 0.0 and engine_cancel_s("sglang", streamed=True) is None
+    lease as on vLLM (tests/test_streamed_answers.py checks the engine's side on a real llama-server). It notices
+    at its next token, so the slots stay counted for `engine_cancel_s` more: nothing is sent in their place while
+    the engine may still run the requests given back."""
+    delay = engine_cancel_s("llamacpp", streamed=True)
+    assert delay is not None and delay > 0 and engine_cancel_s("sglang", streamed=True) is None
     dispatcher = leased(fakes, engine="llamacpp")
     calls = submit(dispatcher, 4)
     await asyncio.sleep(0.3)
     dispatcher.apply_lease({"s0": 1})
     await asyncio.sleep(0.01)
-    assert dispatcher.inflight() == {"s0": 1} and dispatcher.stats().preempted == 3
+    assert dispatcher.stats().preempted == 3 and dispatcher.stats().waiting == 3
+    assert dispatcher.inflight() == {"s0": 4}  # given back, still counted while the engine lets them go
+    await asyncio.sleep(delay)
+    assert dispatcher.inflight() == {"s0": 1}
     dispatcher.apply_lease({"s0": 4})
     results = await asyncio.gather(*calls)
     assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
