@@ -33,7 +33,7 @@ from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Route, Waiter
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
 from fedpool.federation.tail import Racer, TailRescue
-from fedpool.federation.transport import HttpTransport, Transport, assembles
+from fedpool.federation.transport import HttpTransport, Transport, sends_stream
 from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
 from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 
@@ -222,11 +222,11 @@ class Dispatcher:
         while True:
             state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
-            streamed = state.streamed and assembles(request)  # (the transport asks the engine for a stream)
-            if state.lease is not None and state.entry is not None \
-                    and engine_cancel_s(state.entry.record.engine, streamed) is not None:
-                # leased, on an engine that drops the request once its client went: may be given back
-                self._preempt.started(state.id, task or asyncio.current_task(), started)
+            cancel_s = None  # leased, on an engine that drops the request once its client went: may be given back
+            if state.lease is not None and state.entry is not None:
+                cancel_s = engine_cancel_s(state.entry.record.engine, sends_stream(state, request))
+                if cancel_s is not None:
+                    self._preempt.started(state.id, task or asyncio.current_task(), started)
             racer = None
             if task is not None and racers is not None:
                 racer = racers[task] = Racer(request, state, route, started, task)
@@ -249,7 +249,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 current = task or asyncio.current_task()
                 if self._preempt.requeue(current):  # the slot goes back to a shrunk lease: the request to its queue
-                    self._give_back(state, client, current, streamed)
+                    self._give_back(state, client, current, cancel_s or 0.0)
                     if racer is not None:
                         self._end_race(racer)
                     retry = retry or RetryState()
@@ -290,12 +290,10 @@ class Dispatcher:
             return self._answered(request, state, completion, started, answered_at, retry,
                                   racer.copy_server is not None)
 
-    def _give_back(self, state: ServerState, client: str, task: asyncio.Task[object] | None,
-                   streamed: bool) -> None:
-        """An attempt was taken for a shrunk lease: its slot is released once its engine has let the request go."""
+    def _give_back(self, state: ServerState, client: str, task: asyncio.Task[object] | None, delay: float) -> None:
+        """An attempt was taken for a shrunk lease: its slot is released once its engine has let the request go
+        (`delay` seconds from now, `engine_cancel_s`)."""
         self._preempt.ended(state.id, task)
-        entry = state.entry
-        delay = engine_cancel_s(entry.record.engine if entry is not None else None, streamed) or 0.0
         if delay > 0:
             asyncio.get_running_loop().call_later(delay, self._release, state, client)
         else:

@@ -135,11 +135,11 @@ class HttpTransport:
 
     async def complete(self, server: Target, request: InferenceRequest) -> Completion:
         """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError. On a
-        server whose engine is asked for streams (`streamed`), a request a stream can carry whole (`assembles`)
-        is sent with stream=true and its events assembled into the completion."""
+        server whose engine is asked for streams, a request a stream can carry whole (`sends_stream`) is sent
+        with stream=true and its events assembled into the completion."""
         attempt = SimpleNamespace(reused=False)
         _ATTEMPT.set(attempt)  # this task's context: the connector notes there whether it reused a connection
-        if server.streamed and assembles(request):
+        if sends_stream(server, request):
             return await self._assembled(server, request, attempt)
         body = request_body(request)
         try:
@@ -234,6 +234,12 @@ STREAM_USAGE = {"include_usage": True}  # OpenAI's stream option: the last event
 # Fields whose streamed form differs from the whole answer's by engine (several choices, per-token log
 # probabilities, the prompt echoed, the caller's own stream options): such requests are sent unstreamed.
 _WHOLE_ONLY = ("logprobs", "top_logprobs", "echo", "best_of", "stream_options", "suffix")
+
+
+def sends_stream(server: Target, request: InferenceRequest) -> bool:
+    """Whether `complete` sends this request to this server as a stream: its engine is asked for streams and a
+    stream can carry the whole answer."""
+    return server.streamed and assembles(request)
 
 
 def assembles(request: InferenceRequest) -> bool:

@@ -6,6 +6,7 @@ llama-server, a request fedpool cancels frees the engine's slot at once (unstrea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from fedpool.federation import PoolConnection
 from fedpool.federation.errors import AttemptError, FailureKind
+from fedpool.federation.gateway import serving
 from fedpool.federation.transport import HttpTransport, assembles, new_session, parse_completion
 from fedpool.federation.types import Endpoint, InferenceRequest, SamplingParams
 from fedpool.registry import Engine, RegistryClient, ServerRecord
@@ -57,27 +59,19 @@ class Target:
 
 
 class ScriptedEngine:
-    """A real aiohttp app on loopback that streams `events` (then `tail`) and answers unstreamed requests with
-    the same answer whole; it keeps each request's body and Connection header."""
+    """An aiohttp app (served on loopback by `engine_with`) that streams `events` (then `tail`) and answers
+    unstreamed requests with the same answer whole; it keeps each request's body and Connection header."""
 
     def __init__(self, events: list[dict[str, Any]], tail: bytes = b"data: [DONE]\n\n"):
         self.events, self.tail = events, tail
         self.seen: list[tuple[dict[str, Any], str | None]] = []
         self.url = ""
-        self._runner: web.AppRunner | None = None
 
-    async def start(self) -> None:
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self._serve)
         app.router.add_post("/v1/chat/completions", self._serve)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        return app
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -110,17 +104,15 @@ def whole(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def scripted() -> AsyncIterator[list[ScriptedEngine]]:
-    made: list[ScriptedEngine] = []
-    yield made
-    for engine in made:
-        await engine.stop()
+async def scripted() -> AsyncIterator[contextlib.AsyncExitStack]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield stack
 
 
-async def engine_with(made: list[ScriptedEngine], events: list[dict[str, Any]], **kwargs: Any) -> ScriptedEngine:
+async def engine_with(stack: contextlib.AsyncExitStack, events: list[dict[str, Any]],
+                      **kwargs: Any) -> ScriptedEngine:
     engine = ScriptedEngine(events, **kwargs)
-    await engine.start()
-    made.append(engine)
+    engine.url = await stack.enter_async_context(serving(engine.app()))
     return engine
 
 
@@ -136,7 +128,7 @@ CHAT_REQUEST = InferenceRequest(request_id="r", model="gemma3-270m", endpoint=En
 
 @pytest.mark.parametrize("events", [COMPLETION_EVENTS, CHAT_EVENTS], ids=["completions", "chat"])
 async def test_the_assembled_stream_is_the_answer_the_engine_sends_whole(
-        scripted: list[ScriptedEngine], events: list[dict[str, Any]]) -> None:
+        scripted: contextlib.AsyncExitStack, events: list[dict[str, Any]]) -> None:
     engine = await engine_with(scripted, events)
     req = CHAT_REQUEST if events is CHAT_EVENTS else completion_request()
     async with new_session() as session:
@@ -156,7 +148,7 @@ async def test_the_assembled_stream_is_the_answer_the_engine_sends_whole(
 
 @pytest.mark.parametrize("extra", [{"logprobs": 2}, {"echo": True}, {"n": 3}, {"best_of": 2},
                                    {"stream_options": {"include_usage": False}}])
-async def test_requests_a_stream_cannot_carry_whole_go_unstreamed(scripted: list[ScriptedEngine],
+async def test_requests_a_stream_cannot_carry_whole_go_unstreamed(scripted: contextlib.AsyncExitStack,
                                                                    extra: dict[str, Any]) -> None:
     engine = await engine_with(scripted, COMPLETION_EVENTS)
     req = completion_request(**extra)
@@ -173,7 +165,7 @@ async def test_a_prompt_list_goes_unstreamed() -> None:
     assert not assembles(req)
 
 
-async def test_a_stream_without_usage_counts_its_events_as_tokens(scripted: list[ScriptedEngine]) -> None:
+async def test_a_stream_without_usage_counts_its_events_as_tokens(scripted: contextlib.AsyncExitStack) -> None:
     events = [{k: v for k, v in e.items() if k != "usage"} for e in COMPLETION_EVENTS]
     engine = await engine_with(scripted, events)
     async with new_session() as session:
@@ -190,7 +182,7 @@ async def test_a_stream_without_usage_counts_its_events_as_tokens(scripted: list
      "stream event has no choice"),
 ], ids=["cut-short", "error-event", "not-json", "no-choice"])
 async def test_a_broken_or_failing_stream_is_a_typed_failure(
-        scripted: list[ScriptedEngine], events: list[dict[str, Any]], tail: bytes, kind: FailureKind,
+        scripted: contextlib.AsyncExitStack, events: list[dict[str, Any]], tail: bytes, kind: FailureKind,
         says: str) -> None:
     engine = await engine_with(scripted, events, tail=tail)
     async with new_session() as session:
