@@ -43,6 +43,12 @@ from fedpool.pipeline.verifier import VerifierPool, judge_item, judge_prompt_wor
 
 log = logging.getLogger("fedpool.client")
 
+# A summary of fewer records is computed on a thread of the eval's process: it costs less than starting the
+# actor (a Ray worker process: 1.2 CPU-s to boot, measured) — 60 records: 5-25 ms of CPU; 1,000: 20 ms (exact
+# match), 63 ms (WER), 167 ms (corpus BLEU) — and the eval processes' CPU is taken from engines that share it
+# (four eval processes on 2 cores beside two llama.cpp servers: benchmarks/results/multiprocess.md).
+SUMMARY_ON_ACTORS_FROM = 2_000
+
 
 @dataclass(frozen=True, slots=True)
 class EvalTarget:
@@ -120,6 +126,7 @@ class EvalRun:
         stages: StageHooks | None = None,
         media: MediaPool | None = None,
         scoring: StagePool | None = None,
+        summary_on_actors_from: int = SUMMARY_ON_ACTORS_FROM,
         retry_failed: bool = False,
     ):
         if concurrency < 1:
@@ -137,6 +144,7 @@ class EvalRun:
         self._stages = stages or StageHooks()
         self._media = media
         self._scoring = scoring  # CPU actors for the benchmark's summary (corpus metrics, bootstraps)
+        self._summary_on_actors_from = summary_on_actors_from  # fewer records: summarized on a thread here
         self._retry_failed = retry_failed
         self._work_each = 1.0
         self._post: set[asyncio.Task[None]] = set()
@@ -254,9 +262,10 @@ class EvalRun:
 
     async def _summarize(self, records: list[Record]) -> dict[str, Any]:
         """The benchmark's scores (corpus WER/BLEU, bootstrap intervals over every record): on a CPU
-        actor when the run has them, else on a thread; never on the event loop, which has other evals'
-        requests in flight. An actor that fails (its node gone for good) leaves the work to a thread."""
-        if self._scoring is not None:
+        actor when the run has them and the eval has `summary_on_actors_from` records or more, else on a
+        thread; never on the event loop, which has other evals' requests in flight. An actor that fails (its
+        node gone for good) leaves the work to a thread."""
+        if self._scoring is not None and len(records) >= self._summary_on_actors_from:
             try:
                 return await self._scoring.run(summarize_records, self.spec, records)
             except Exception as exc:

@@ -7,7 +7,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedpool.clients.eval_client import EvalProgress, EvalRun, EvalSummary, EvalTarget, StartLine
+from fedpool.clients.eval_client import (
+    SUMMARY_ON_ACTORS_FROM,
+    EvalProgress,
+    EvalRun,
+    EvalSummary,
+    EvalTarget,
+    StartLine,
+)
 from fedpool.clients.rundir import duplicate_names
 from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec
@@ -30,6 +37,7 @@ async def run_evals(
     stages: dict[str, StageHooks] | None = None,
     media: MediaPool | None = None,
     scoring: StagePool | None = None,
+    summary_on_actors_from: int = SUMMARY_ON_ACTORS_FROM,
     retry_failed: bool = False,
 ) -> list[EvalSummary]:
     """All evals concurrently; each writes its own artifact directory under `out_dir`."""
@@ -39,7 +47,8 @@ async def run_evals(
         EvalRun(
             spec, dispatcher, out_dir, target, concurrency=concurrency, run_info=run_info,
             secrets=secrets, on_progress=on_progress, verifier=verifier,
-            stages=(stages or {}).get(spec.name), media=media, scoring=scoring, retry_failed=retry_failed,
+            stages=(stages or {}).get(spec.name), media=media, scoring=scoring,
+            summary_on_actors_from=summary_on_actors_from, retry_failed=retry_failed,
         )
         for spec in specs
     ]

@@ -64,8 +64,11 @@ class StagePool:
             total = float(ray.cluster_resources().get("CPU", 0.0))
             num_cpus = max(0.01, min(1.0, total / (2 * actors))) if total > 0 else 0.0
         self.num_cpus = num_cpus
-        remote = ray.remote(StageWorker).options(**cpu_actor_options(num_cpus, actor_options))
-        self._actors: list[Any] = [remote.remote() for _ in range(actors)]  # Ray's handles are not typed for .remote
+        self._size = actors
+        self._options = cpu_actor_options(num_cpus, actor_options)
+        # Started at the first `ready` or `run`, not here: each actor is a Ray worker process (1.2 CPU-s to boot
+        # on this project's 2-core machine), and a run whose work never needs them should not pay for them.
+        self._actors: list[Any] = []  # Ray's handles are not typed for .remote
         self._busy = [0] * actors
         self.calls = 0  # calls answered (for reports and tests: the work did run here)
         self._up: asyncio.Future[None] | None = None  # the readiness check, made once
@@ -73,12 +76,22 @@ class StagePool:
 
     @property
     def size(self) -> int:
-        return len(self._actors)
+        return self._size
+
+    @property
+    def started(self) -> bool:
+        """Whether the actors were asked for (by `ready` or `run`)."""
+        return self._up is not None
 
     async def ready(self) -> None:
-        """Wait until every actor's process is up (a fresh actor takes a second or two to start). Checked once:
-        later calls, and `run`, wait on the same check (a caller that gives up does not cancel it)."""
+        """Start the actors if not yet, and wait until every actor's process is up (a fresh actor takes a second
+        or two to start). Checked once: later calls, and `run`, wait on the same check (a caller that gives up
+        does not cancel it)."""
         if self._up is None:
+            import ray
+
+            remote = ray.remote(StageWorker).options(**self._options)
+            self._actors = [remote.remote() for _ in range(self._size)]
             self._up = asyncio.ensure_future(self._check(self._ready_timeout_s))
         await asyncio.shield(self._up)
 

@@ -119,8 +119,9 @@ async def test_judge_calls_count_as_work_left_when_judges_share_the_engines_core
 async def test_benchmark_summaries_are_computed_on_cpu_actors(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:
-    """`fedpool eval run` hands each benchmark's summary (corpus metrics, bootstrap intervals) to CPU actors:
-    the scores are the same as computed in the process, and the actors did the work (one call per eval)."""
+    """`fedpool eval run` hands each benchmark's summary (corpus metrics, bootstrap intervals) to CPU actors
+    (here from any size; by default from `SUMMARY_ON_ACTORS_FROM` records): the scores are the same as computed
+    in the process, and the actors did the work (one call per eval)."""
     from fedpool.pipeline import summarize_records
     from fedpool.pipeline.artifact import read_records
     from fedpool.pipeline.stages import StagePool
@@ -133,13 +134,41 @@ async def test_benchmark_summaries_are_computed_on_cpu_actors(
     try:  # not made ready first (as `eval run` does): the actor starts while the evals run
         async with PoolConnection(registry) as pool:
             summaries = await run_evals(specs, pool.dispatcher, tmp_path, EvalTarget(model="emu-model"),
-                                        scoring=scoring)
+                                        scoring=scoring, summary_on_actors_from=0)
     finally:
         scoring.shutdown()
     assert scoring.calls == len(specs)
     for spec, summary in zip(specs, summaries, strict=True):
         here = summarize_records(spec, read_records(summary.artifact_dir / "records.jsonl"))
         assert summary.summary["scores"] == here["scores"] and summary.summary["records"] == 8
+
+
+async def test_a_small_evals_summary_starts_no_actor(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """Below `SUMMARY_ON_ACTORS_FROM` records the summary is computed on a thread of the eval's process, and the
+    scoring pool's actors are never started (each is a Ray worker process: more CPU to boot than the summary
+    costs); the scores are the ones the actors would compute."""
+    from fedpool.clients.eval_client import SUMMARY_ON_ACTORS_FROM
+    from fedpool.pipeline import summarize_records
+    from fedpool.pipeline.artifact import read_records
+    from fedpool.pipeline.stages import StagePool
+
+    server = await emulators.start(model="emu-model")
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=4))
+    spec = load_spec(bundled_spec_paths()[0])
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"limit": 8})})
+    assert 8 < SUMMARY_ON_ACTORS_FROM
+    scoring = StagePool(1, num_cpus=0.1)
+    try:
+        async with PoolConnection(registry) as pool:
+            [summary] = await run_evals([spec], pool.dispatcher, tmp_path, EvalTarget(model="emu-model"),
+                                        scoring=scoring)
+        assert not scoring.started and scoring.calls == 0
+    finally:
+        scoring.shutdown()
+    here = summarize_records(spec, read_records(summary.artifact_dir / "records.jsonl"))
+    assert summary.summary["scores"] == here["scores"] and summary.summary["records"] == 8
 
 
 async def test_a_stage_pool_that_cannot_be_placed_fails_its_calls_instead_of_hanging(ray_cluster: None) -> None:
