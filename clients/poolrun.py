@@ -1,6 +1,6 @@
 """Evals run through the pool by a process of their own (`fedpool eval run | resume | replay`): one pool
 connection, the Ray CPU actor pools its specs need (media encoding and the verifier made ready before the first
-request; each benchmark's summary's starting meanwhile) shut down after the last, and a progress view, around
+request; each benchmark's summary's at first use, by a large eval) shut down after the last, and a progress view, around
 `run_evals`."""
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ async def run_evals_through_pool(
     judge = verifier() if any(s.verifier for s in specs) else None
     # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
     media = MediaPool(media_actors, num_cpus=0.5) if any(s.prompt.media for s in specs) else None
-    # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well.
+    # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well, once it
+    # has enough records to be worth an actor (eval_client.SUMMARY_ON_ACTORS_FROM): the pool starts them then.
     scoring = StagePool(metric_actors, num_cpus=0.25) if metric_actors > 0 else None
     try:
         # The judges and the media encoders are needed from the first records on: up before the first request.
-        # The scoring actors only at each eval's end: their start overlaps the run (four evals started together
-        # on 2 cores spent 8.5 s launching against 3.1 s for one, actor processes booting among them).
+        # The scoring actors only at an eval's end, and only for a large eval: four eval processes started
+        # together on 2 cores, each booting its actor, spent 8.3 CPU-s beside one process's 2.9 (actors not
+        # counted), taken from the engines on the same cores.
         await asyncio.gather(*(x.ready() for x in (judge, media) if x is not None))
         async with PoolConnection(registry, policy=policy, config=dispatch) as pool:
             view = ProgressView(pool.dispatcher, mode=progress)
