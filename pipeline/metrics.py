@@ -13,11 +13,14 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-# jiwer, sacrebleu and rapidfuzz are imported by the metrics that use them: sacrebleu alone takes 60 ms to
-# import, paid by every eval process at its start (most benchmarks score by exact match).
+# numpy, jiwer, sacrebleu and rapidfuzz are imported where they are used: together 150 ms of CPU that every
+# eval process paid at its start (four processes starting at once on 2 cores wait for each other's imports),
+# though most benchmarks score by exact match and numpy is needed only for the summary at the end.
 
 BOOTSTRAP_RESAMPLES = 1000
 CI_LEVEL = 0.95
@@ -137,10 +140,14 @@ class CorpusForm:
     def rows(self, sums: np.ndarray) -> np.ndarray:
         if self.reduce_rows is not None:
             return self.reduce_rows(sums)
+        import numpy as np
+
         return np.fromiter((self.reduce(row) for row in sums), dtype=float, count=len(sums))
 
 
 def _edit_rates(sums: np.ndarray) -> np.ndarray:
+    import numpy as np
+
     refs = sums[:, 1]
     return np.divide(sums[:, 0], refs, out=np.zeros(len(sums)), where=refs > 0)
 
@@ -185,6 +192,8 @@ def bootstrap(stats: np.ndarray, reduce_rows: Callable[[np.ndarray], np.ndarray]
     """(statistic, CI low, CI high): the statistic of the summed per-sample statistics (`stats`, n × k), and
     its percentile interval over `resamples` resamples of the samples with replacement. Vectorized: the
     resamples are index matrices drawn in blocks (bounded memory), summed with numpy, reduced row-wise."""
+    import numpy as np
+
     n, k = stats.shape
     rng = np.random.default_rng(seed)
     value = float(reduce_rows(stats.sum(axis=0, keepdims=True))[0])
@@ -206,6 +215,8 @@ def aggregate(metric: str, values: Sequence[float], *, seed: int = 0) -> Score:
     n = len(values)
     if n == 0:
         return Score(metric, float("nan"), float("nan"), float("nan"), 0)
+    import numpy as np
+
     mean, lo, hi = bootstrap(np.asarray(values, dtype=float).reshape(n, 1), lambda sums: sums[:, 0] / n, seed=seed)
     return Score(metric, mean * scale, lo * scale, hi * scale, n)
 
@@ -220,6 +231,8 @@ def aggregate_corpus(metric: str, pairs: Sequence[tuple[str, Sequence[str]]], *,
     n = len(pairs)
     if n == 0:
         return Score(metric, float("nan"), float("nan"), float("nan"), 0)
+    import numpy as np
+
     stats = np.array([form.stats(pred, labels) for pred, labels in pairs], dtype=float)
     value, lo, hi = bootstrap(stats, form.rows, seed=seed)
     return Score(metric, value * scale, lo * scale, hi * scale, n)
