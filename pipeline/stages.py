@@ -64,7 +64,6 @@ class StagePool:
             total = float(ray.cluster_resources().get("CPU", 0.0))
             num_cpus = max(0.01, min(1.0, total / (2 * actors))) if total > 0 else 0.0
         self.num_cpus = num_cpus
-        self._size = actors
         self._options = cpu_actor_options(num_cpus, actor_options)
         # Started at the first `ready` or `run`, not here: each actor is a Ray worker process (1.2 CPU-s to boot
         # on this project's 2-core machine), and a run whose work never needs them should not pay for them.
@@ -76,7 +75,7 @@ class StagePool:
 
     @property
     def size(self) -> int:
-        return self._size
+        return len(self._busy)
 
     @property
     def started(self) -> bool:
@@ -91,7 +90,7 @@ class StagePool:
             import ray
 
             remote = ray.remote(StageWorker).options(**self._options)
-            self._actors = [remote.remote() for _ in range(self._size)]
+            self._actors = [remote.remote() for _ in range(self.size)]
             self._up = asyncio.ensure_future(self._check(self._ready_timeout_s))
         await asyncio.shield(self._up)
 
