@@ -3,7 +3,6 @@ command line, settles each option's value (config.py), calls the rooms, prints t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from fedpool.cli_support import (
     pool_page,
     ray_token_auth_if_available,
     registry_client,
+    run_server,
     stop_on_signals,
 )
 from fedpool.config import ConfigError, Layers, apply_defaults, find_config_file, load_settings, read_config_file, show
@@ -99,7 +99,7 @@ def cmd_gateway(args: opt.GatewayOptions) -> int:
         given = args.jobs_token_file.read_text(encoding="utf-8").strip() if args.jobs_token_file else None
         jobs_token = ensure_jobs_token(jobs_dir, given)
     client = registry_client(args)
-    asyncio.run(_serve_gateway(client, args, keys, jobs_dir, jobs_token))
+    run_server(_serve_gateway(client, args, keys, jobs_dir, jobs_token))
     return EXIT_OK
 
 

@@ -9,7 +9,6 @@ in STATE_DIR/up.log); `fedpool down` stops it (deploy/background.py supervises b
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -18,7 +17,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from fedpool.cli_support import EXIT_BUSY, EXIT_FAILED, EXIT_USAGE, CliError, pool_page, stop_on_signals
+from fedpool.cli_support import (
+    EXIT_BUSY,
+    EXIT_FAILED,
+    EXIT_USAGE,
+    CliError,
+    pool_page,
+    run_server,
+    stop_on_signals,
+)
 from fedpool.options import DownOptions, UpOptions
 
 if TYPE_CHECKING:
@@ -97,7 +104,7 @@ def run_up(options: UpOptions, spec: LocalPoolSpec, out: TextIO = sys.stdout, er
         how = init_loopback_ray(options.address)
         print(f"[fedpool up] Ray: {how}", file=err, flush=True)
         try:
-            return asyncio.run(_up(options, spec, state, out, err))
+            return run_server(_up(options, spec, state, out, err))
         finally:
             ray.shutdown()
     finally:
