@@ -28,8 +28,9 @@ T = TypeVar("T")
 
 def run_server(main: Coroutine[Any, Any, T]) -> T:
     """Run a long-lived server (the gateway, `fedpool up`) on uvloop's event loop where it is installed, else on
-    asyncio's: the gateway's CPU a request, saturated, was 316 µs on uvloop against 339 on asyncio's loop in the
-    same composition (benchmarks/results/gateway_capacity.md, medians of 3 repeats whose ranges do not overlap)."""
+    asyncio's: the gateway's CPU a request, saturated, was 3-7% lower on uvloop than on asyncio's loop in the
+    same composition (benchmarks/results/gateway_capacity.md, two runs of 3 repeats: 316 against 339 µs, 339
+    against 350)."""
     try:
         import uvloop
     except ImportError:
