@@ -36,7 +36,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from fedpool.benchmarks.assignment import Workload, ideal_makespan
@@ -156,23 +155,6 @@ async def churn(world: World) -> None:
         else:
             leaving = rng.choice([i for i in world.servers if world.servers[i].alive])
             world.remove(leaving)
-
-
-def suite_world(pool_path: Path, evals_path: Path) -> tuple[list[tuple[str, Kind, EmulatorProfile]], list[Eval]]:
-    """A `fedpool bench speedup` pool and evals file (emulated servers, synthetic evals) as a simulated world:
-    the same profiles and answer lengths (the pool's output spread); prompts without the harness's jitter,
-    and no CPU stages (loading, scoring, judging are not simulated)."""
-    from fedpool.benchmarks.speedup_engine import SyntheticEval, load_evals_config, load_pool_config
-
-    pool, evals = load_pool_config(pool_path), load_evals_config(evals_path)
-    servers = []
-    for emulated in pool.emulated:
-        profile = emulated.resolved(pool.output_spread, pool.perturb_seed)
-        engine = Engine.SGLANG if profile.protocol == "sglang" else Engine.VLLM
-        servers.append((emulated.id, Kind(emulated.profile, emulated.accelerator, engine, 0.0), profile))
-    out = [Eval(e.name, e.prompt_tokens, e.max_tokens, e.size, concurrency=evals.concurrency,
-                exact_answers=False) for e in evals.evals if isinstance(e, SyntheticEval)]
-    return servers, out
 
 
 def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:

@@ -200,15 +200,6 @@ def build_world(kinds: Mapping[str, Kind], profiles: Mapping[str, EmulatorProfil
     return world
 
 
-def world_of_servers(servers: Sequence[tuple[str, Kind, EmulatorProfile]], clock: Callable[[], float]) -> World:
-    """A world of named servers (id, kind, profile), as a benchmark's pool file lists them."""
-    sims = {server_id: _make_server(server_id, kind.profile, kind, profile, clock)
-            for server_id, kind, profile in servers}
-    world = World(sims, PoolSnapshot(version=0, taken_at=clock(), entries=()), clock)
-    world.publish()
-    return world
-
-
 def kind_counts(kinds: Mapping[str, Kind], servers: int) -> dict[str, int]:
     """Servers per kind: the shares rounded, the rounding left-over on the largest kind."""
     counts = {name: max(1, int(servers * k.share)) for name, k in kinds.items()}
