@@ -15,8 +15,9 @@ tokens answered, n the mean number of sequences running (the ledger's attempt-se
 decode steps, each costing the prior's step at that batch). The kind's prefill-to-decode ratio stays the
 data sheets': a two-factor regression (prefill and decode apart) was tried and was unstable — decode factors
 from 0.04 to 80 across windows of the Table 7 design — because busy time does not split additively when
-prompt chunks and decode steps share the engine's steps. Within a kind, `SpeedCalibration` (priced work per
-busy second) splits the kind's share among its members.
+prompt chunks and decode steps share the engine's steps. After a kind's first fit, the factor handed to a plan
+moves at most `FIT_RATE_PER_S` a second. Within a kind, `SpeedCalibration` (priced work per busy second) splits
+the kind's share among its members.
 """
 
 from __future__ import annotations
