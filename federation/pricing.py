@@ -15,9 +15,8 @@ tokens answered, n the mean number of sequences running (the ledger's attempt-se
 decode steps, each costing the prior's step at that batch). The kind's prefill-to-decode ratio stays the
 data sheets': a two-factor regression (prefill and decode apart) was tried and was unstable — decode factors
 from 0.04 to 80 across windows of the Table 7 design — because busy time does not split additively when
-prompt chunks and decode steps share the engine's steps. After a kind's first fit, the factor handed to a plan
-moves at most `FIT_RATE_PER_S` a second. Within a kind, `SpeedCalibration` (priced work per busy second) splits
-the kind's share among its members.
+prompt chunks and decode steps share the engine's steps. Within a kind, `SpeedCalibration` (priced work per
+busy second) splits the kind's share among its members.
 """
 
 from __future__ import annotations
@@ -35,12 +34,6 @@ DECODE_BW_EFFICIENCY = 0.8  # prior: a memory-bound step streams weights at abou
 FULL_BATCH_STEP_FACTOR = 1.5  # prior: a full batch's decode step against a batch of one
 FIT_WINDOW_S = 2.0  # seconds of answers per regression row (per server)
 FIT_MIN_ROWS = 3  # rows a kind needs before its fit replaces the prior
-# After a kind's first fit, the factor the plan uses moves at most this much per second (up or down). Long answers
-# that start together finish together: until they do, their servers' windows show busy time and no answers (the
-# V100 kind's factor rose 9x in 2 s in benchmarks/scale_sim.py's planned world 3), then every answer at once
-# (0.11x); each swing moved hundreds of requests to the wrong kind. The first fit is taken as it is: that is
-# the quick correction of the prior that the other worlds rely on.
-FIT_RATE_PER_S = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +124,6 @@ class CostFit:
         self.enabled = enabled
         self._windows: dict[str, _Window] = {}
         self._stats: dict[str, _Stats] = {}
-        self._used: dict[str, tuple[float, float]] = {}  # kind -> (factor last handed out, when)
 
     def observe(self, server: ServerEntry, kind: str, prompt_tokens: int, completion_tokens: int) -> None:
         now = self._clock()
@@ -162,22 +154,8 @@ class CostFit:
                 for kind, members in kinds.items()}
 
     def fitted_kinds(self) -> dict[str, float]:
-        """Kind -> fitted speed factor against the prior (busy seconds per priced second), moved at most
-        FIT_RATE_PER_S per second from the last one handed out."""
-        now = self._clock()
-        out: dict[str, float] = {}
-        for k, s in self._stats.items():
-            if s.rows < FIT_MIN_ROWS or (f := s.factor()) is None:
-                continue
-            used = self._used.get(k)
-            if used is not None and now > used[1]:
-                most = FIT_RATE_PER_S ** (now - used[1])
-                f = min(max(f, used[0] / most), used[0] * most)
-            elif used is not None:
-                f = used[0]
-            self._used[k] = (f, now)
-            out[k] = f
-        return out
+        """Kind -> fitted speed factor against the prior (busy seconds per priced second), for logs and reports."""
+        return {k: f for k, s in self._stats.items() if s.rows >= FIT_MIN_ROWS and (f := s.factor()) is not None}
 
 
 @dataclass
