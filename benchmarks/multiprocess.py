@@ -7,14 +7,16 @@ real local pool.
 The pool is what `fedpool up` starts (deploy/localpool.py's `local_servers`): local Ray on loopback, the registry
 (probing every 2 s) and N llama.cpp servers serving the bundled Gemma 3 270M. Every other process joins it as a
 user's would (`--address`, `--state-dir`): each has its own dispatcher, leasing its slots from the registry's broker.
+The eval processes, which start no CPU actors here, reach the registry over its HTTP API (the URL and token in the
+state dir) and are no Ray drivers; the gateways join Ray.
 
 1. **eval run**: four evals, two long-answer ones (40 prompts x 48 tokens, no stop) and the bundled `arith` and
    `capitals`, as one `fedpool eval run` with four `--spec` (**one**) and as four `fedpool eval run` processes
    started together (**multi**), same flags otherwise; the order of the two arms alternates between repeats.
    Times are taken from launch (the moment the processes are started) with the wall clock the records carry
    (`provenance.completed_at`): an eval is done at its last record; its own time is its summary's `wall_time_s`
-   and its start-up (launch to the eval's start: the process's imports, joining Ray, its CPU actor, its lease
-   client) the difference.
+   and its start-up (launch to the eval's start: the process's imports, reaching the registry, its lease client)
+   the difference.
 2. **replicas**: two lm-eval processes (`local-completions`, realtool_speedup's invocation, `num_concurrent` = the
    pool's slots, one API key each) each behind its own `fedpool gateway` process (**two-replicas**) against both
    behind one (**one-gateway**); fresh gateways in every arm. realtool_speedup's start gate holds every request
@@ -875,7 +877,8 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
         f"Pool: {len(servers)} llama.cpp servers (Gemma 3 270M Q4_K_M, {args.slots} slots, {args.threads} "
         f"thread(s) each) started as `fedpool up` starts them (deploy/localpool.py), local Ray on loopback, the "
         f"registry probing every {PROBE_INTERVAL_S:g} s. Every eval run, gateway and lm-eval is its own process "
-        f"joining the pool (`--address`, `--state-dir`). {len(results.evals)} alternating repeats of part 1, "
+        f"joining the pool (`--address`, `--state-dir`); the eval processes reach the registry over its HTTP API "
+        f"(no Ray driver), the gateways through Ray. {len(results.evals)} alternating repeats of part 1, "
         f"{len(results.tools)} of part 2; ratios are medians with the (lowest–highest) over repeats.",
         "",
         f"Evals: `long_a`, `long_b` ({args.long_prompts} prompts x {args.long_tokens} tokens each, no stop), the "

@@ -24,15 +24,21 @@ async def run_evals_through_pool(
     registry: Any, specs: Sequence[BenchmarkSpec], out_dir: Path, target: EvalTarget, *, policy: str,
     dispatch: DispatchConfig, concurrency: int, verifier: Callable[[], VerifierPool], media_actors: int,
     metric_actors: int, progress: str = "auto", retry_failed: bool = False, run_info: dict[str, Any] | None = None,
+    join_ray: Callable[[], object] | None = None,
 ) -> list[EvalSummary]:
     """`run_evals` over a new connection to `registry`'s pool with `policy`; `verifier` is called only when a spec
-    asks for judgments; `metric_actors=0` scores on a thread of this process; `progress` is ProgressView's mode."""
+    asks for judgments; `metric_actors=0` scores on a thread of this process; `progress` is ProgressView's mode.
+    `join_ray` joins the Ray cluster (blocking) before the first CPU actor is made, for a process that reached the
+    registry without Ray (its HTTP API): called only when a spec needs actors, or a large eval its scoring actors."""
+    needs_actors_now = any(s.verifier or s.prompt.media for s in specs)
+    if join_ray is not None and needs_actors_now:
+        await asyncio.to_thread(join_ray)
     judge = verifier() if any(s.verifier for s in specs) else None
     # Images, audio and video frames are read and encoded on Ray CPU actors, ahead of the requests.
     media = MediaPool(media_actors, num_cpus=0.5) if any(s.prompt.media for s in specs) else None
     # Each benchmark's summary (corpus metrics, bootstrap intervals) is computed on CPU actors as well, once it
     # has enough records to be worth an actor (eval_client.SUMMARY_ON_ACTORS_FROM): the pool starts them then.
-    scoring = StagePool(metric_actors, num_cpus=0.25) if metric_actors > 0 else None
+    scoring = StagePool(metric_actors, num_cpus=0.25, before_start=join_ray) if metric_actors > 0 else None
     try:
         # The judges and the media encoders are needed from the first records on: up before the first request.
         # The scoring actors only at an eval's end, and only for a large eval: four eval processes started

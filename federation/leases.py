@@ -48,7 +48,7 @@ IDLE_HOLD_S = 1.0
 
 
 class LeaseRegistry(Protocol):
-    """What the lease client needs of the registry (RegistryClient; the simulator's in-process broker)."""
+    """What the lease client needs of the registry (its Ray or HTTP client; the simulator's in-process broker)."""
 
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease: ...
 

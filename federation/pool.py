@@ -17,7 +17,7 @@ from fedpool.federation.errors import FailureKind
 from fedpool.federation.leases import LeaseClient
 from fedpool.federation.policies import make_policy
 from fedpool.federation.transport import new_session
-from fedpool.registry import PoolSnapshot, RegistryClient, SnapshotWatcher
+from fedpool.registry import PoolRegistry, PoolSnapshot, SnapshotWatcher
 
 log = logging.getLogger("fedpool.pool")
 
@@ -36,7 +36,7 @@ class PoolConnection:
 
     def __init__(
         self,
-        registry: RegistryClient,
+        registry: PoolRegistry,
         *,
         policy: str = "capacity_weighted",
         policy_options: dict[str, Any] | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpool import options as opt
-from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, emit, registry_client
+from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, connect_ray, emit, pool_registry
 
 if TYPE_CHECKING:
     from fedpool.clients.rundir import RunPlan
@@ -24,7 +24,7 @@ def cmd_eval_run(args: opt.EvalRunOptions) -> int:
     # Every input is checked before anything is written: a refused run leaves nothing behind.
     refuse_existing_run(out)
     specs = check_specs([Path(p) for p in plan.specs], plan.limit, given=args.spec)
-    client = registry_client(args)
+    client = pool_registry(args)
     asyncio.run(require_servers(client, args.model, args.revision, args.wait_for_servers))
     with owned(out, "fedpool eval run"):
         refuse_existing_run(out)  # another run may have started here meanwhile
@@ -39,7 +39,7 @@ def cmd_eval_resume(args: opt.EvalResumeOptions) -> int:
     with owned(out, "fedpool eval resume"):
         plan = RunPlan.read(out)
         specs = check_specs([Path(p) for p in plan.specs], plan.limit)
-        client = registry_client(args)
+        client = pool_registry(args)
         asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers))
         return _run_eval(args, out, plan, specs, client, retry_failed=not args.keep_failed)
 
@@ -51,8 +51,11 @@ async def require_servers(client: Any, model: str, revision: str | None, wait_s:
     async def registered() -> dict[str, set[str]]:
         return (await client.snapshot()).revisions()
 
-    await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
-                         "SECONDS")
+    try:
+        await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
+                             "SECONDS")
+    finally:
+        await client.aclose()  # (its connections belong to this event loop; the run starts another)
 
 
 def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
@@ -63,7 +66,7 @@ def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
     saved = replay_specs(source)  # an ArtifactError names what is wrong with it (exit code 2)
     plan = replay_plan(source, saved, out)
     refuse_existing_run(out)
-    client = registry_client(args)
+    client = pool_registry(args)
     asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers))
     with owned(out, "fedpool eval replay"):
         refuse_existing_run(out)
@@ -115,12 +118,21 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
     from fedpool.federation import DispatchConfig
 
     dispatch = DispatchConfig(client_order=plan.client_order, no_server_timeout_s=args.no_server_timeout)
-    summaries = asyncio.run(run_evals_through_pool(
-        client, specs, out, EvalTarget(model=plan.model, revision=plan.revision), policy=plan.routing,
-        dispatch=dispatch, concurrency=plan.concurrency, verifier=lambda: verifier_pool(args),
-        media_actors=args.media_actors, metric_actors=args.metric_actors, progress="quiet" if args.quiet else "auto",
-        retry_failed=retry_failed, run_info={"policy": plan.policy, "concurrency": plan.concurrency,
-                                             "client_order": plan.client_order, "planned": plan.routing == "planned"}))
+
+    async def run() -> Any:
+        try:
+            return await run_evals_through_pool(
+                client, specs, out, EvalTarget(model=plan.model, revision=plan.revision), policy=plan.routing,
+                dispatch=dispatch, concurrency=plan.concurrency, verifier=lambda: verifier_pool(args),
+                media_actors=args.media_actors, metric_actors=args.metric_actors,
+                progress="quiet" if args.quiet else "auto", retry_failed=retry_failed,
+                join_ray=lambda: connect_ray(args),
+                run_info={"policy": plan.policy, "concurrency": plan.concurrency, "client_order": plan.client_order,
+                          "planned": plan.routing == "planned"})
+        finally:
+            await client.aclose()
+
+    summaries = asyncio.run(run())
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
     emit(args, {"run_dir": str(out), "benchmarks": rows}, lambda _: "\n".join(

@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fedpool.options import Options, RayOptions
+from fedpool.options import Options, PoolApiOptions, RayOptions
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command failed (a registry error, a job that failed)
@@ -75,6 +75,29 @@ def registry_client(args: RayOptions) -> Any:
         return RegistryClient.connect_blocking(token_file=args.token_path, state_dir=args.state_dir.expanduser())
     except RegistryError as exc:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from None
+
+
+def pool_registry(args: PoolApiOptions) -> Any:
+    """The registry for a command that only uses the pool (snapshots, leases, failure reports): over its HTTP API
+    when this process has the token and finds the API (--registry-url, FEDPOOL_REGISTRY_URL, the URL the registry
+    wrote in the state dir), so the process is no Ray driver — 0.8-0.9 CPU-s less a process (docs/architecture.md);
+    else through Ray, as `registry_client`. A command that later needs Ray (CPU actors) joins it then
+    (`connect_ray`)."""
+    from fedpool.registry import RegistryError
+    from fedpool.registry.auth import resolve_client_token
+    from fedpool.registry.httpclient import find_registry_api
+
+    state = args.state_dir.expanduser()
+    try:
+        token = resolve_client_token(token_file=args.token_path, state_dir=state)
+        api = find_registry_api(url=args.registry_url, token=token, state_dir=state)
+    except RegistryError as exc:
+        raise CliError(str(exc), EXIT_UNAVAILABLE) from None
+    if api is not None:
+        if not args.quiet:
+            print(f"fedpool: registry API {api.url}", file=sys.stderr)
+        return api
+    return registry_client(args)
 
 
 def stop_on_signals() -> asyncio.Event:

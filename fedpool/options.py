@@ -149,6 +149,11 @@ class RayOptions(Options):
     quiet: Annotated[bool, Flag(("-q", "--quiet"))] = option(False, "no cluster line on stderr, no progress display")
 
 
+class PoolApiOptions(RayOptions):
+    registry_url: str | None = option(None, "the registry's HTTP API (default: FEDPOOL_REGISTRY_URL, else the URL "
+                                      "the registry wrote in STATE_DIR/registry.url, else through Ray)")
+
+
 class WaitOptions(Options):
     wait_for_servers: Annotated[Seconds | None, Flag(metavar="S")] = option(
         None, "when no registered server serves the model yet, wait up to S seconds for one (default: refuse at "
@@ -259,7 +264,7 @@ class JobOptions(JobsClientOptions):
     job_id: Annotated[str, Positional()]
 
 
-class PoolEvalOptions(RayOptions, WaitOptions, VerifierOptions):
+class PoolEvalOptions(PoolApiOptions, WaitOptions, VerifierOptions):
     """`eval run | resume | replay`: evals through the pool."""
 
     json_output: JsonOutput = False

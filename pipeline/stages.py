@@ -52,12 +52,15 @@ class StagePool:
     record to a lost CPU node."""
 
     def __init__(self, actors: int, *, num_cpus: float | None = None, actor_options: dict[str, object] | None = None,
-                 ready_timeout_s: float = 120.0):
-        import ray
-
+                 ready_timeout_s: float = 120.0, before_start: Callable[[], object] | None = None):
         if actors < 1:
             raise ValueError("a stage pool needs at least one actor")
+        # Called (in a thread) before the actors are made: joins Ray for a process that has not yet (one that
+        # reached the registry over HTTP, and would otherwise start a Ray cluster of its own here).
+        self._before_start = before_start
         if num_cpus is None:
+            import ray
+
             # One core each where the cluster has them, but all of them together at most half the cluster's
             # CPUs, so judges and other actors can still be placed (an actor that cannot be placed would
             # wait forever).
@@ -87,6 +90,11 @@ class StagePool:
         or two to start). Checked once: later calls, and `run`, wait on the same check (a caller that gives up
         does not cancel it)."""
         if self._up is None:
+            if self._before_start is not None:
+                await asyncio.to_thread(self._before_start)
+            if self._up is not None:  # another caller started them while this one waited
+                await asyncio.shield(self._up)
+                return
             import ray
 
             remote = ray.remote(StageWorker).options(**self._options)
@@ -118,9 +126,11 @@ class StagePool:
             self._busy[index] -= 1
 
     def shutdown(self) -> None:
+        if self._up is None:
+            return  # never started: nothing to stop (and no Ray to import for it)
         import ray
 
-        if self._up is not None and not self._up.done():
+        if not self._up.done():
             self._up.cancel()  # (a readiness check still waiting on the actors killed here)
         for actor in self._actors:
             ray.kill(actor)

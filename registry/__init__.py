@@ -1,8 +1,15 @@
-"""fedpool's Ray-based registry of inference servers. Public names only; other rooms import these."""
+"""fedpool's Ray-based registry of inference servers. Public names only; other rooms import these.
 
-from fedpool.registry.actor import NAMESPACE, REGISTRY_NAME, RegistryConfig
+The names that need Ray (the actor, its Ray client) are imported on first use: a process that reaches the
+registry over its HTTP API (`RegistryHttpClient`, an eval process that starts no CPU actors) never imports Ray,
+which cost each such process 0.4-0.5 CPU-s to import and 0.4 more to join the cluster and make its first call."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fedpool.registry.adapters import EngineAdapter, MetricsParseError, adapter_for
-from fedpool.registry.client import RegistryClient, SnapshotWatcher
 from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
 from fedpool.registry.leases import (
     ClientDemand,
@@ -15,7 +22,22 @@ from fedpool.registry.leases import (
 )
 from fedpool.registry.records import Engine, ServerRecord
 from fedpool.registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
+from fedpool.registry.watcher import PoolRegistry, SnapshotWatcher
 from fedpool.registry.weights import ACCELERATOR_ROOFLINE, ACCELERATOR_SPEED, accelerator_roofline, prior_weight
+
+if TYPE_CHECKING:
+    from fedpool.registry.actor import NAMESPACE, REGISTRY_NAME, RegistryConfig
+    from fedpool.registry.client import RegistryClient
+
+_RAY_NAMES = {"NAMESPACE": "actor", "REGISTRY_NAME": "actor", "RegistryConfig": "actor", "RegistryClient": "client"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _RAY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "ACCELERATOR_ROOFLINE",
@@ -34,6 +56,7 @@ __all__ = [
     "LoadSample",
     "MetricsParseError",
     "ModelDemand",
+    "PoolRegistry",
     "PoolSnapshot",
     "ProbeResult",
     "RegistrationError",

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
+import orjson
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -56,6 +57,10 @@ class RegistryConfig(BaseModel):
     drain_timeout_s: float = Field(default=300.0, ge=0)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(default=None, ge=0, le=65535)  # serve /metrics for Prometheus
+    # The HTTP API (registry/api.py) for client processes that are not Ray drivers: on `api_host`, port `api_port`
+    # (0: a free port; None: no API). Its URL is written to STATE_DIR/registry.url for clients on this host.
+    api_host: str = "127.0.0.1"
+    api_port: int | None = Field(default=0, ge=0, le=65535)
     # Custom Ray resources that pin the registry and its prober to nodes, e.g. {"fedpool-head": 0.01} with
     # `ray start --head --resources '{"fedpool-head": 1}'`. Empty: anywhere.
     resources: dict[str, float] = Field(default_factory=dict)
@@ -99,6 +104,10 @@ class RegistryActor:
         self._prober_credential = secrets.token_urlsafe(32)
         self._started_at = time.time()
         self._metrics_runner: Any = None
+        self._api_runner: Any = None
+        self._api_starting: asyncio.Lock | None = None
+        self._json_rows: tuple[int, float, bytes] | None = None
+        self._json_records: tuple[int, bytes] | None = None
         self._rows_cache: tuple[int, float, bytes] | None = None
         self._records_cache: tuple[int, bytes] | None = None
         # Capacity leases (registry/leases.py): a new broker per incarnation (it learns for one TTL after a restart).
@@ -108,6 +117,7 @@ class RegistryActor:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def _ensure_started(self) -> None:
+        await self._ensure_api()
         if self._changed is None:
             self._changed = asyncio.Event()
         if self._session is None:
@@ -124,6 +134,35 @@ class RegistryActor:
             await self._prober.start.remote()
             if self._config.metrics_port is not None and self._metrics_runner is None:
                 await self._serve_metrics()
+
+    async def _ensure_api(self) -> None:
+        """Serve the HTTP API once per incarnation, and say where beside the token. Also called from the prober's
+        every cycle, so an actor Ray restarted serves it again though only HTTP clients use it."""
+        if self._api_runner is not None or self._config.api_port is None:
+            return
+        if self._api_starting is None:
+            self._api_starting = asyncio.Lock()
+        async with self._api_starting:
+            if self._api_runner is not None:
+                return
+            from fedpool.registry.api import make_api, serve_api, write_api_file
+
+            try:
+                runner, url = await serve_api(make_api(self, self._config.token_sha256), self._config.api_host,
+                                              self._config.api_port)
+            except OSError as exc:  # the port is taken: clients reach the registry through Ray, as before
+                log.error("registry API not served on %s:%s (%s); clients use Ray", self._config.api_host,
+                          self._config.api_port, exc)
+                self._config = self._config.model_copy(update={"api_port": None})
+                return
+            self._api_runner = runner
+            await write_api_file(Path(self._config.state_dir), url, self._incarnation)
+            log.info("registry API on %s", url)
+
+    async def api_info(self) -> dict[str, Any]:
+        """What the API's /v1/ping says besides the token check."""
+        return {"incarnation": self._incarnation, "version": self._state.version,
+                "servers": len(self._state.ids()), "state_dir": self._config.state_dir}
 
     async def _serve_metrics(self) -> None:
         from aiohttp import web
@@ -177,6 +216,7 @@ class RegistryActor:
 
     async def probe_plan(self) -> ProbePlan:
         """Called by the prober each cycle."""
+        await self._ensure_api()
         return ProbePlan(
             records=tuple(self._state.records()),
             busy_ids=self._state.busy_ids(),
@@ -225,6 +265,7 @@ class RegistryActor:
 
     async def check_token(self, token: str | None) -> None:
         """Raises AuthError unless `token` is this registry's (so a client can be refused before it acts)."""
+        await self._ensure_api()
         check_token(token, self._config.token_sha256)
 
     # ---- mutations (token required) -----------------------------------------------------------
@@ -325,6 +366,27 @@ class RegistryActor:
                 self._records_cache = (membership, blob)
             records = self._records_cache[1]
         return (version, self._rows_cache[1], membership, records, self._rows_cache[2])
+
+    async def snapshot_json(
+        self, since_version: int = -1, timeout_s: float = 0.0, known_membership: int = -1, have_version: int = -1
+    ) -> bytes:
+        """`snapshot_wire` for the HTTP API, as one JSON object: version, taken_at, membership, records (null when
+        the caller has them) and rows (null when it holds this version). Encoded once per version and once per
+        membership change, as the pickles are."""
+        await self._wait_newer(since_version, timeout_s)
+        version = self._state.version
+        if self._json_rows is None or self._json_rows[0] != version:
+            self._json_rows = (version, time.time(), orjson.dumps(self._state.wire_rows()))
+        membership = self._state.membership_version
+        records = b"null"
+        if known_membership != membership:
+            if self._json_records is None or self._json_records[0] != membership:
+                self._json_records = (membership, orjson.dumps([r.model_dump(mode="json")
+                                                                for r in self._state.records()]))
+            records = self._json_records[1]
+        rows = b"null" if have_version == version else self._json_rows[2]
+        return b'{"version":%d,"taken_at":%s,"membership":%d,"records":%s,"rows":%s}' % (
+            version, orjson.dumps(self._json_rows[1]), membership, records, rows)
 
     async def _wait_newer(self, since_version: int, timeout_s: float) -> None:
         await self._ensure_started()

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import logging
 import pickle
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,70 +232,8 @@ class RegistryClient:
     async def ping(self) -> dict[str, Any]:
         return await self._call("ping")
 
+    async def aclose(self) -> None:
+        """Nothing to let go: Ray holds the connection for the process."""
+
     async def metrics_text(self) -> str:
         return (await self._call("metrics_text")).decode("utf-8")
-
-
-class SnapshotWatcher:
-    """Keeps the latest PoolSnapshot for one client process by long-polling the registry.
-
-    The registry answers only when the version changed (or the poll times out), so many clients cost it
-    little. If the registry is restarting, the last snapshot stays in use and polling retries.
-    """
-
-    def __init__(
-        self,
-        fetch: Callable[[int, float], Awaitable[PoolSnapshot]],
-        *,
-        poll_timeout_s: float = 5.0,
-        retry_s: float = 1.0,
-        on_update: Callable[[PoolSnapshot], None] | None = None,
-    ):
-        self._fetch = fetch
-        self._poll_timeout_s = poll_timeout_s
-        self._retry_s = retry_s
-        self._on_update = on_update
-        self._latest: PoolSnapshot | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._first = asyncio.Event()
-
-    @classmethod
-    def for_client(cls, client: RegistryClient, **kwargs: Any) -> SnapshotWatcher:
-        return cls(client.snapshot, **kwargs)
-
-    @property
-    def latest(self) -> PoolSnapshot | None:
-        return self._latest
-
-    async def start(self) -> PoolSnapshot:
-        self._set(await self._fetch(-1, 0.0))
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self._latest  # type: ignore[return-value]
-
-    async def refresh(self) -> PoolSnapshot:
-        self._set(await self._fetch(-1, 0.0))
-        return self._latest  # type: ignore[return-value]
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    def _set(self, snapshot: PoolSnapshot) -> None:
-        if self._latest is None or snapshot.version != self._latest.version:
-            self._latest = snapshot
-            if self._on_update is not None:
-                self._on_update(snapshot)
-
-    async def _run(self) -> None:
-        while True:
-            since = self._latest.version if self._latest is not None else -1
-            try:
-                self._set(await self._fetch(since, self._poll_timeout_s))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # registry restarting or unreachable: keep the last snapshot
-                log.warning("registry snapshot poll failed (%s); keeping version %s", type(exc).__name__, since)
-                await asyncio.sleep(self._retry_s)

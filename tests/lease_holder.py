@@ -2,7 +2,10 @@
 registry, sends `--requests` requests of one client `--concurrency` at a time, and writes one JSON line every
 50 ms (what it holds and has in flight) and one per answer (the request id): the test reads the file.
 
-    python -m tests.lease_holder --address A --state-dir S --client NAME --requests N --out FILE [--linger S]
+    python -m tests.lease_holder --address A --state-dir S --client NAME --requests N --out FILE [--linger S] [--http]
+
+With `--http` it reaches the registry over its HTTP API and is no Ray driver (its last line says whether Ray was
+imported).
 """
 
 from __future__ import annotations
@@ -10,16 +13,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
-from fedpool.deploy.localpool import init_loopback_ray
 from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
-from fedpool.registry import RegistryClient
+from fedpool.registry import PoolRegistry
+from fedpool.registry.auth import resolve_client_token
+from fedpool.registry.httpclient import find_registry_api
 
 
 async def hold(args: argparse.Namespace) -> None:
-    registry = await RegistryClient.connect(state_dir=Path(args.state_dir))
+    registry: PoolRegistry
+    if args.http:
+        api = find_registry_api(url=None, token=resolve_client_token(state_dir=Path(args.state_dir)),
+                                state_dir=Path(args.state_dir))
+        assert api is not None, "no registry API in the state dir"
+        registry = api
+    else:
+        from fedpool.registry import RegistryClient
+
+        registry = await RegistryClient.connect(state_dir=Path(args.state_dir))
     out = await asyncio.to_thread(Path(args.out).open, "a", encoding="utf-8")
 
     def write(**fields: object) -> None:
@@ -56,6 +70,8 @@ async def hold(args: argparse.Namespace) -> None:
         write(done=args.requests)
         await asyncio.sleep(args.linger)
         watcher.cancel()
+    await registry.aclose()
+    write(ray_imported="ray" in sys.modules)
     out.close()
 
 
@@ -71,8 +87,12 @@ def main() -> None:
     parser.add_argument("--order", default="fair")
     parser.add_argument("--linger", type=float, default=0.0)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--http", action="store_true")
     args = parser.parse_args()
-    init_loopback_ray(args.address)
+    if not args.http:
+        from fedpool.deploy.localpool import init_loopback_ray
+
+        init_loopback_ray(args.address)
     asyncio.run(hold(args))
 
 

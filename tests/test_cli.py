@@ -380,3 +380,33 @@ async def test_runs_are_owned_outages_heal_and_unknown_models_are_refused(
     rows = read_jsonl(broken / "arith" / "records.jsonl")
     assert len(rows) == 4 and not any(r["provenance"]["error"] for r in rows)
     assert len(read_jsonl(broken / "arith" / "records.retried.jsonl")) == 4  # the failures are kept, aside
+
+
+@pytest.mark.ray
+async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """With the registry's token (here: its state dir), `eval run` finds the API the registry wrote beside the token
+    and never imports Ray (no CPU actors needed): 0.8-0.9 CPU-s less a process. A wrong token is refused by name."""
+    from fedpool.registry import Engine, ServerRecord
+
+    server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
+    await registry.register(ServerRecord(id="emu", url=server.url, engine=Engine.VLLM, model="emu-model", capacity=4))
+    state = (await registry.ping())["state_dir"]
+    address = ray.get_runtime_context().gcs_address
+    spec = ROOT / "pipeline" / "bundled" / "arith.yaml"
+    probe = ("import sys; from fedpool.cli import main; rc = main(sys.argv[1:]); "
+             "print('RAY-IMPORTED' if 'ray' in sys.modules else 'NO-RAY', file=sys.stderr); sys.exit(rc)")
+    argv = [sys.executable, "-c", probe, "eval", "run", "--address", address, "--state-dir", state, "--spec", str(spec),
+            "--model", "emu-model", "--limit", "8"]
+    done = await asyncio.to_thread(subprocess.run, [*argv, "--out", str(tmp_path / "run")], capture_output=True,
+                                   text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "fedpool: registry API http://127.0.0.1:" in done.stderr and "NO-RAY" in done.stderr, done.stderr
+    ids = [r["sample_id"] for r in read_jsonl(tmp_path / "run" / "arith" / "records.jsonl")]
+    assert len(ids) == 8 == len(set(ids))
+    wrong = await asyncio.to_thread(subprocess.run, [*argv, "--out", str(tmp_path / "wrong")], capture_output=True,
+                                    text=True, timeout=120, cwd=ROOT,
+                                    env={**os.environ, "FEDPOOL_REGISTRY_TOKEN": "w" * 32})
+    assert wrong.returncode == 3 and "refused this process's token" in wrong.stderr, wrong.stderr
+    assert not (tmp_path / "wrong").exists()

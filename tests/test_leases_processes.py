@@ -45,7 +45,8 @@ async def holder(state: Path, out: Path, client: str, requests: int, **options: 
     args = [sys.executable, "-m", "tests.lease_holder", "--address", address, "--state-dir", str(state), "--client",
             client, "--requests", str(requests), "--out", str(out)]
     for name, value in options.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        args += ([flag] if value else []) if isinstance(value, bool) else [flag, str(value)]
     return await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=asyncio.subprocess.DEVNULL,
                                                 stderr=asyncio.subprocess.PIPE)
 
@@ -81,7 +82,8 @@ async def test_a_killed_process_s_slots_are_granted_to_another_within_5_s(
         pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
     _registry, state = pool
     a_out, b_out = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a = await holder(state, a_out, "a", 400, concurrency=16)
+    # The one killed reaches the registry over its HTTP API, the survivor through Ray: one broker for both.
+    a = await holder(state, a_out, "a", 400, concurrency=16, http=True)
     await until(lambda: held(a_out) == SLOTS, 60, "the first process holding every slot")
     b = await holder(state, b_out, "b", 400, concurrency=16)
     await until(lambda: held(b_out) > 0 and held(b_out) + held(a_out) <= SLOTS, 60, "both holding a share")
@@ -132,14 +134,18 @@ async def test_two_processes_with_unequal_work_finish_in_shortest_first_order(
     assert len({line["answered"] for line in long_lines if "answered" in line}) == 96
 
 
+@pytest.mark.parametrize("http", [False, True], ids=["ray", "http"])
 async def test_the_registry_killed_mid_run_loses_and_doubles_nothing(
-        pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
+        pool: tuple[RegistryClient, Path], tmp_path: Path, http: bool) -> None:
+    """Through Ray, or over the HTTP API: Ray restarts the actor, whose API comes back on another port (found again
+    in the state dir); leases ride out the gap."""
     registry, state = pool
     out = tmp_path / "run.jsonl"
-    proc = await holder(state, out, "run", 120, concurrency=16)
+    proc = await holder(state, out, "run", 120, concurrency=16, http=http)
     await until(lambda: sum("answered" in line for line in lines(out)) >= 30, 60, "a quarter answered")
     ray.kill(registry.handle, no_restart=False)  # Ray restarts it; its broker learns for one TTL
     await finish(proc)
     answered = [line["answered"] for line in lines(out) if "answered" in line]
     assert len(answered) == 120 and len(set(answered)) == 120
     assert (await registry.ping())["servers"] == 2
+    assert [line["ray_imported"] for line in lines(out) if "ray_imported" in line] == [not http]

@@ -1,0 +1,196 @@
+"""The registry's HTTP API: what a client process needs of the registry (snapshots, capacity leases, failure
+reports), for processes that are not Ray drivers.
+
+An eval process that starts no CPU actors needs nothing of Ray but the registry; joining Ray cost it 0.4-0.5
+CPU-s to import Ray, 0.22-0.25 to join the cluster and 0.17-0.20 for its first actor call (Ray builds its
+serialization context), measured with getrusage on this project's 2-core machine, where four such processes
+started together took those CPU-seconds from the engines on the same cores. The registry actor serves the same
+calls over HTTP on its own event loop, so such a process reaches the registry with the aiohttp it already has.
+
+Every call but `/v1/ping` needs the registry's token (`Authorization: Bearer`): unlike Ray's port, which only a
+cluster's members reach, this port may be reachable from anywhere its host is. Bodies are JSON; snapshots are
+encoded once per version (rows) and once per membership change (records), as for the Ray path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+from pydantic import ValidationError
+
+from fedpool.registry.auth import token_digest
+from fedpool.registry.leases import Lease
+
+log = logging.getLogger("fedpool.registry")
+
+API_FILE = "registry.url"  # in the state dir, beside registry.token: where clients on this host find the API
+MAX_WAIT_S = 30.0  # the longest long poll the API holds open
+MAX_BODY = 16 * 1024 * 1024  # a demand report of a gateway with many client ids stays well under this
+API_VERSION = 1
+
+
+class ApiError(Exception):
+    """An answer other than 200, with the reason in words."""
+
+    def __init__(self, status: int, message: str):
+        self.status = status
+        super().__init__(message)
+
+
+class ApiBackend(Protocol):
+    """What the API serves (the registry actor)."""
+
+    async def snapshot_json(self, since_version: int, timeout_s: float, known_membership: int,
+                            have_version: int) -> bytes: ...
+
+    async def lease(self, report: dict[str, Any], known_version: int = -1, wait_s: float = 0.0) -> Lease: ...
+
+    async def release_lease(self, holder: str) -> None: ...
+
+    async def report_failure(self, server_id: str, kind: str) -> bool: ...
+
+    async def api_info(self) -> dict[str, Any]: ...
+
+
+def lease_json(lease: Lease) -> dict[str, Any]:
+    return {"holder": lease.holder, "broker": lease.broker, "version": lease.version, "ttl_s": lease.ttl_s,
+            "slots": dict(lease.slots), "safe": dict(lease.safe), "holders": lease.holders}
+
+
+def lease_from_json(data: dict[str, Any]) -> Lease:
+    return Lease(holder=str(data["holder"]), broker=str(data["broker"]), version=int(data["version"]),
+                 ttl_s=float(data["ttl_s"]), slots={str(k): int(v) for k, v in data["slots"].items()},
+                 safe={str(k): int(v) for k, v in data["safe"].items()}, holders=int(data["holders"]))
+
+
+def _number(request: web.Request, name: str, default: float, cast: Callable[[str], float] = float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise ApiError(400, f"query parameter {name}={raw!r} is not a number") from None
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise ApiError(400, f"body field {name!r} must be a {names}, not {type(value).__name__}")
+    return value
+
+
+def make_api(backend: ApiBackend, token_sha256: str) -> web.Application:
+    """The API's routes over `backend`; callers authenticate with the token whose SHA-256 is `token_sha256`."""
+    expected = token_sha256.encode()
+
+    def authorize(request: web.Request) -> None:
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not token or not hmac.compare_digest(token_digest(token).encode(), expected):
+            raise ApiError(401, "missing or wrong registry token (Authorization: Bearer TOKEN)")
+
+    async def body_of(request: web.Request) -> dict[str, Any]:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        return body
+
+    def answer(data: Any, status: int = 200) -> web.Response:
+        return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        try:
+            if request.path != "/v1/ping":
+                authorize(request)
+            return await handler(request)
+        except ApiError as exc:
+            return answer({"error": str(exc)}, exc.status)
+        except ValidationError as exc:
+            return answer({"error": f"invalid body: {exc.errors(include_url=False)}"}, 400)
+
+    async def ping(request: web.Request) -> web.Response:
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        token_ok = bool(token) and hmac.compare_digest(token_digest(token).encode(), expected)
+        return answer({"fedpool_registry": API_VERSION, "token_ok": token_ok, **await backend.api_info()})
+
+    async def snapshot(request: web.Request) -> web.Response:
+        body = await backend.snapshot_json(
+            int(_number(request, "since", -1, int)), min(MAX_WAIT_S, max(0.0, _number(request, "timeout", 0.0))),
+            int(_number(request, "membership", -1, int)), int(_number(request, "have", -1, int)))
+        return web.Response(body=body, content_type="application/json")
+
+    async def lease(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        known = _field(body, "known_version", int) if "known_version" in body else -1
+        wait_s = min(MAX_WAIT_S, max(0.0, float(_field(body, "wait_s", (int, float))) if "wait_s" in body else 0.0))
+        return answer(lease_json(await backend.lease(_field(body, "report", dict), known, wait_s)))
+
+    async def release(request: web.Request) -> web.Response:
+        await backend.release_lease(_field(await body_of(request), "holder", str))
+        return answer({"released": True})
+
+    async def failure(request: web.Request) -> web.Response:
+        body = await body_of(request)
+        return answer({"known": await backend.report_failure(_field(body, "server_id", str),
+                                                             _field(body, "kind", str))})
+
+    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY)
+    app.router.add_get("/v1/ping", ping)
+    app.router.add_get("/v1/snapshot", snapshot)
+    app.router.add_post("/v1/lease", lease)
+    app.router.add_post("/v1/lease/release", release)
+    app.router.add_post("/v1/failure", failure)
+    return app
+
+
+async def serve_api(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Start `app` on host:port (0: a free port); returns the runner and the URL it answers on."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    shown = f"[{host}]" if ":" in host else host
+    if host in ("0.0.0.0", "::"):
+        import socket
+
+        shown = socket.gethostname()
+    return runner, f"http://{shown}:{bound}"
+
+
+async def write_api_file(state_dir: Path, url: str, incarnation: str) -> None:
+    """Say where the API answers, beside the token (written whole: a reader never sees half of it)."""
+
+    def write() -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = state_dir / f".{API_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps({"url": url, "incarnation": incarnation}) + "\n", encoding="utf-8")
+        os.replace(tmp, state_dir / API_FILE)
+
+    await asyncio.to_thread(write)
+
+
+def read_api_file(state_dir: Path) -> str | None:
+    """The URL the registry of `state_dir` last said it answers on, or None."""
+    try:
+        data = json.loads((state_dir / API_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    url = data.get("url") if isinstance(data, dict) else None
+    return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None
