@@ -31,13 +31,15 @@ def cmd_registry_start(args: opt.RegistryStartOptions) -> int:
     async def start() -> dict[str, Any]:
         client = await RegistryClient.start(
             args.state_dir.expanduser(), token=token, probe_interval_s=args.probe_interval,
-            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host, api_host=args.api_host,
+            api_port=None if args.no_api else (args.api_port or 0),
             resources={args.pin_resource: 0.01} if args.pin_resource else {})
         return await client.ping()
 
     info = asyncio.run(start())
     emit(args, info, lambda i: f"registry running: {i['servers']} server(s), state in {i['state_dir']}; "
-         f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)")
+         f"token file {Path(i['state_dir']) / 'registry.token'} (mode 0600)"
+         + (f"; HTTP API {i['api_url']}" if i.get("api_url") else ""))
     return EXIT_OK
 
 
@@ -45,7 +47,8 @@ def cmd_registry_status(args: opt.RayJsonOptions) -> int:
     client = registry_client(args)
     info = asyncio.run(client.ping())
     emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
-         f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms")
+         f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms"
+         + (f"; HTTP API {i['api_url']}" if i.get("api_url") else ""))
     return EXIT_OK
 
 

@@ -214,6 +214,11 @@ class RegistryStartOptions(RayJsonOptions):
     token_file: Path | None = option(None, "file holding the token to use (default: generate one)")
     metrics_port: Port | None = option(None, "serve the pool's Prometheus metrics on this port")
     metrics_host: str = option("127.0.0.1", "bind address of the metrics endpoint")
+    api_port: Port | None = option(None, "port of the registry's HTTP API for client processes (default: a free "
+                                   "port, written to STATE_DIR/registry.url)")
+    api_host: str = option("127.0.0.1", "bind address of the registry's HTTP API (0.0.0.0: reachable from other "
+                           "hosts, whose clients pass --registry-url)")
+    no_api: bool = option(False, "serve no HTTP API: every client process reaches the registry through Ray")
     pin_resource: str | None = option(None, "custom Ray resource the registry and its prober must run on")
 
 

@@ -105,6 +105,7 @@ class RegistryActor:
         self._started_at = time.time()
         self._metrics_runner: Any = None
         self._api_runner: Any = None
+        self._api_url: str | None = None
         self._api_starting: asyncio.Lock | None = None
         self._json_rows: tuple[int, float, bytes] | None = None
         self._json_records: tuple[int, bytes] | None = None
@@ -156,6 +157,7 @@ class RegistryActor:
                 self._config = self._config.model_copy(update={"api_port": None})
                 return
             self._api_runner = runner
+            self._api_url = url
             await write_api_file(Path(self._config.state_dir), url, self._incarnation)
             log.info("registry API on %s", url)
 
@@ -198,6 +200,7 @@ class RegistryActor:
             "last_probe_cycle_s": self._last_cycle_s,
             "probe_interval_s": self._config.probe_interval_s,
             "state_dir": self._config.state_dir,
+            "api_url": self._api_url,
             "incarnation": self._incarnation,
             "started_at": self._started_at,
             "pid": os.getpid(),
