@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import ray
 
+from fedpool.deploy.process import free_port
 from fedpool.registry import AuthError, DemandReport, Engine, RegistryClient, RegistryError, ServerRecord
 from fedpool.registry.actor import get_registry_actor
 from fedpool.registry.api import API_FILE, read_api_file
@@ -148,3 +149,21 @@ async def test_a_registry_ray_restarted_is_found_again_on_its_new_port(registry:
         assert lease.holder == "after-restart"
     finally:
         await api.aclose()
+
+
+async def test_a_fixed_port_or_no_api_as_the_operator_chose(ray_cluster: None,
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    port = free_port()
+    fixed_dir, off_dir = tmp_path_factory.mktemp("api-fixed"), tmp_path_factory.mktemp("api-off")
+    fixed = await RegistryClient.start(fixed_dir, token=TEST_TOKEN, api_port=port, namespace="fedpool-api-fixed")
+    try:
+        assert (await fixed.ping())["api_url"] == f"http://127.0.0.1:{port}" == read_api_file(fixed_dir)
+    finally:
+        await fixed.terminate()
+    off = await RegistryClient.start(off_dir, token=TEST_TOKEN, api_port=None, namespace="fedpool-api-off")
+    try:
+        assert (await off.ping())["api_url"] is None and not (off_dir / API_FILE).exists()
+        assert await asyncio.to_thread(find_registry_api, url=None, token=TEST_TOKEN, state_dir=off_dir,
+                                       environ={}) is None  # clients go through Ray
+    finally:
+        await off.terminate()

@@ -72,13 +72,14 @@ def default_of(parser: type[BaseModel], dest: str) -> object:
 
 def test_every_listener_binds_loopback_by_default() -> None:
     for names, dest in ((("gateway",), "host"), (("jobs", "serve"), "host"), (("registry", "start"), "metrics_host"),
-                        (("serve",), "host")):
+                        (("registry", "start"), "api_host"), (("serve",), "host")):
         assert default_of(subparser(*names), dest) == "127.0.0.1", names
     from fedpool.deploy.emulator import EmulatedServer
     from fedpool.registry.actor import RegistryConfig
 
     assert EmulatedServer(model="m")._host == "127.0.0.1"
-    assert RegistryConfig(state_dir="/x", token_sha256="0" * 64).metrics_host == "127.0.0.1"
+    config = RegistryConfig(state_dir="/x", token_sha256="0" * 64)
+    assert config.metrics_host == "127.0.0.1" and config.api_host == "127.0.0.1"
 
 
 def test_engine_children_never_see_fedpool_credentials_and_show_config_masks_env_secrets() -> None:
