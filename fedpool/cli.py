@@ -29,6 +29,7 @@ from fedpool.cli_support import (
     EXIT_USAGE,
     CliError,
     pool_page,
+    pool_registry,
     ray_token_auth_if_available,
     registry_client,
     run_server,
@@ -98,21 +99,37 @@ def cmd_gateway(args: opt.GatewayOptions) -> int:
 
         given = args.jobs_token_file.read_text(encoding="utf-8").strip() if args.jobs_token_file else None
         jobs_token = ensure_jobs_token(jobs_dir, given)
-    client = registry_client(args)
+    # Without jobs the gateway needs nothing of Ray but the registry: over its HTTP API where found (no Ray driver in
+    # the gateway's process). Jobs may need CPU actors (judges, media encoders): that server joins Ray.
+    if jobs_dir is not None and args.registry_url and not args.quiet:
+        print("fedpool: --registry-url is not used with jobs (they may need Ray's CPU actors): joining Ray",
+              file=sys.stderr)
+    client = pool_registry(args) if jobs_dir is None else registry_client(args)
     run_server(_serve_gateway(client, args, keys, jobs_dir, jobs_token))
     return EXIT_OK
 
 
 async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_dir: Path | None,
                          jobs_token: str | None) -> None:
-    from fedpool.clients.jobs import JobRunner, JobStore
-    from fedpool.clients.poolapp import raise_open_files_limit, serving_pool
-    from fedpool.federation import DispatchConfig, PoolConnection
-    from fedpool.pipeline.ownership import private_dir
+    from fedpool.clients.poolapp import raise_open_files_limit
+    from fedpool.federation import DispatchConfig
 
     raise_open_files_limit()
     # A model whose servers are all unroutable is answered 503 (with Retry-After) after 10 s, not a minute.
     config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
+    try:
+        await _serve_pool(client, args, keys, jobs_dir, jobs_token, config)
+    finally:
+        await client.aclose()
+
+
+async def _serve_pool(client: Any, args: opt.GatewayOptions, keys: Any, jobs_dir: Path | None, jobs_token: str | None,
+                      config: Any) -> None:
+    from fedpool.clients.jobs import JobRunner, JobStore
+    from fedpool.clients.poolapp import serving_pool
+    from fedpool.federation import PoolConnection
+    from fedpool.pipeline.ownership import private_dir
+
     async with PoolConnection(client, policy=args.policy, config=config) as pool:
         job_runner = None
         if jobs_dir is not None:

@@ -222,7 +222,7 @@ class RegistryStartOptions(RayJsonOptions):
     pin_resource: str | None = option(None, "custom Ray resource the registry and its prober must run on")
 
 
-class GatewayOptions(RayOptions, VerifierOptions):
+class GatewayOptions(PoolApiOptions, VerifierOptions):
     host: str = option("127.0.0.1", "bind address")
     port: Port = option(8080, "port")
     policy: Policy = option("capacity_weighted", "routing policy")

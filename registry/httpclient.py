@@ -183,8 +183,9 @@ def find_registry_api(*, url: str | None, token: str | None, state_dir: Path | N
                       environ: dict[str, str] | None = None) -> RegistryHttpClient | None:
     """The registry's API for a client process, or None where the caller should use Ray: no URL given or found
     in the state dir, or no token to call it with. A URL given (argument or FEDPOOL_REGISTRY_URL) must answer
-    with this token (RegistryError otherwise); one found in the state dir that does not answer is stale (the
-    registry is gone or was started elsewhere): None."""
+    and take this token (RegistryError otherwise); one found in the state dir is only a shortcut: when it does
+    not answer (the registry is gone or was started elsewhere) or does not take the token (it came from elsewhere
+    and belongs to another registry), None."""
     env = environ if environ is not None else dict(os.environ)
     given = url or env.get(URL_ENV)
     if given:
@@ -204,7 +205,12 @@ def find_registry_api(*, url: str | None, token: str | None, state_dir: Path | N
     except RegistryUnreachable as exc:
         log.info("%s; reaching the registry through Ray", exc)
         return None
-    _check(info, found)
+    if not info.get("token_ok"):
+        # The token came from elsewhere (a flag, the environment) and is not this registry's: the state dir may
+        # belong to another registry than the one meant. Through Ray, as without an API.
+        log.info("the registry API at %s does not take this process's token; reaching the registry through Ray",
+                 found)
+        return None
     return RegistryHttpClient(found, token, url_file_dir=state_dir)
 
 

@@ -387,7 +387,8 @@ async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
     registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
 ) -> None:
     """With the registry's token (here: its state dir), `eval run` finds the API the registry wrote beside the token
-    and never imports Ray (no CPU actors needed): 0.8-0.9 CPU-s less a process. A wrong token is refused by name."""
+    and never imports Ray (no CPU actors needed): 0.8-0.9 CPU-s less a process. With a token from elsewhere that is
+    not this registry's it goes through Ray (reads need no token there); a URL given explicitly must take it."""
     from fedpool.registry import Engine, ServerRecord
 
     server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
@@ -405,8 +406,13 @@ async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
     assert "fedpool: registry API http://127.0.0.1:" in done.stderr and "NO-RAY" in done.stderr, done.stderr
     ids = [r["sample_id"] for r in read_jsonl(tmp_path / "run" / "arith" / "records.jsonl")]
     assert len(ids) == 8 == len(set(ids))
-    wrong = await asyncio.to_thread(subprocess.run, [*argv, "--out", str(tmp_path / "wrong")], capture_output=True,
-                                    text=True, timeout=120, cwd=ROOT,
-                                    env={**os.environ, "FEDPOOL_REGISTRY_TOKEN": "w" * 32})
-    assert wrong.returncode == 3 and "refused this process's token" in wrong.stderr, wrong.stderr
-    assert not (tmp_path / "wrong").exists()
+    wrong = {**os.environ, "FEDPOOL_REGISTRY_TOKEN": "w" * 32}
+    via_ray = await asyncio.to_thread(subprocess.run, [*argv, "--out", str(tmp_path / "via-ray")], capture_output=True,
+                                      text=True, timeout=120, cwd=ROOT, env=wrong)
+    assert via_ray.returncode == 0 and "fedpool: Ray cluster" in via_ray.stderr, via_ray.stderr
+    api_url = json.loads((Path(state) / "registry.url").read_text())["url"]
+    refused = await asyncio.to_thread(subprocess.run, [*argv, "--out", str(tmp_path / "refused"), "--registry-url",
+                                                       api_url], capture_output=True, text=True, timeout=120,
+                                      cwd=ROOT, env=wrong)
+    assert refused.returncode == 3 and "refused this process's token" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()

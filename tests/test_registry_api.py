@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,9 +23,10 @@ from fedpool.registry.actor import get_registry_actor
 from fedpool.registry.api import API_FILE, read_api_file
 from fedpool.registry.httpclient import RegistryHttpClient, RegistryUnreachable, find_registry_api
 from fedpool.registry.leases import ClientDemand, ModelDemand
-from tests.conftest import TEST_TOKEN, EmulatorFactory
+from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
 
 pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def api_of(registry: RegistryClient) -> tuple[RegistryHttpClient, Path]:
@@ -109,8 +113,10 @@ async def test_the_api_refuses_without_the_token_and_names_bad_input(registry: R
         async with session.get(f"{api.url}/v1/ping") as response:  # open, and says the token was not given
             info = await response.json()
             assert info["fedpool_registry"] == 1 and info["token_ok"] is False
+    # A token from elsewhere: the state dir's API is not this token's registry, so Ray; given explicitly, refused.
+    assert await asyncio.to_thread(find_registry_api, url=None, token="y" * 32, state_dir=state, environ={}) is None
     with pytest.raises(AuthError, match="refused this process's token"):
-        await asyncio.to_thread(find_registry_api, url=None, token="y" * 32, state_dir=state, environ={})
+        await asyncio.to_thread(find_registry_api, url=api.url, token="y" * 32, state_dir=None, environ={})
     with pytest.raises(AuthError, match="needs the registry's token"):
         await asyncio.to_thread(find_registry_api, url=api.url, token=None, state_dir=None, environ={})
     with pytest.raises(RegistryError, match="http:// or https://"):
@@ -167,3 +173,29 @@ async def test_a_fixed_port_or_no_api_as_the_operator_chose(ray_cluster: None,
                                        environ={}) is None  # clients go through Ray
     finally:
         await off.terminate()
+
+
+async def test_a_gateway_without_jobs_reaches_the_registry_over_its_api_without_ray(
+        registry: RegistryClient, emulators: EmulatorFactory) -> None:
+    await register_two(registry, emulators)
+    state = (await registry.ping())["state_dir"]
+    port = free_port()
+    probe = ("import sys; from fedpool.cli import main; rc = main(sys.argv[1:]); "
+             "print('RAY-IMPORTED' if 'ray' in sys.modules else 'NO-RAY', file=sys.stderr); sys.exit(rc)")
+    argv = [sys.executable, "-c", probe, "gateway", "--address", ray.get_runtime_context().gcs_address, "--state-dir",
+            state, "--port", str(port)]
+    proc = await asyncio.to_thread(subprocess.Popen, argv, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await asyncio.to_thread(wait_http_up, url, proc, "gateway")
+        async with aiohttp.ClientSession() as session:
+            for i in range(8):
+                async with session.post(f"{url}/v1/completions", json={"model": "emu-model", "prompt": f"q{i}",
+                                                                        "max_tokens": 4}) as response:
+                    assert response.status == 200 and response.headers["X-Fedpool-Server"] in ("emu-0", "emu-1")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(proc.communicate, timeout=60)
+    assert proc.returncode == 0, err
+    assert "fedpool: registry API http://127.0.0.1:" in err and "NO-RAY" in err, err
