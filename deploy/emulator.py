@@ -162,9 +162,10 @@ class EmulatedServer:
 
     async def _server_info(self, request: web.Request) -> web.Response:
         """SGLang's server info: the fields clients read (max_running_requests, model path, version)."""
+        kv = {"max_total_num_tokens": self.profile.kv_cache_tokens} if self.profile.kv_cache_tokens else {}
         return web.json_response({
             "model_path": self.model, "served_model_name": self.model, "tp_size": 1, "dp_size": 1,
-            "max_running_requests": self.profile.max_running, "enable_metrics": True,
+            "max_running_requests": self.profile.max_running, "enable_metrics": True, **kv,
             "version": "emulated", "internal_states": [{"max_running_requests": self.profile.max_running}],
         })
 
@@ -247,8 +248,19 @@ class EmulatedServer:
             "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n"
             "# TYPE vllm:prefix_cache_hits_total counter\n"
             f"vllm:prefix_cache_hits_total{{{labels}}} {float(c.prefix_hits)}\n"
-        ) + self._emulator_metrics()
+        ) + self._cache_config() + self._emulator_metrics()
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    def _cache_config(self) -> str:
+        """vLLM's `cache_config_info` (an info gauge whose labels carry the KV cache's blocks), when the profile has a
+        KV budget: blocks of 16 tokens, as vLLM's default block size."""
+        kv = self.profile.kv_cache_tokens
+        if not kv:
+            return ""
+        return ("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+                "# TYPE vllm:cache_config_info gauge\n"
+                f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",engine="0",'
+                f'num_gpu_blocks="{kv // 16}",num_cpu_blocks="0"}} 1.0\n')
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)

@@ -36,6 +36,8 @@ class ClientShape:
 
 CHARS_PER_TOKEN = 4.0  # a prompt's tokens guessed from its characters until the client or an answer says
 SERVED_DECODE_WEIGHT = 2.0  # a completion token's share of a full batch step against a prompt token's
+KV_ANSWER_TOKENS = 256.0  # a client that states no max_tokens: the answer its sequence is expected to grow by
+KV_ALPHA = 0.2  # one answer's weight in its client's mean sequence length (prompt + completion tokens)
 
 
 class ClientBook:
@@ -55,6 +57,7 @@ class ClientBook:
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._shapes: dict[str, ClientShape] = {}
+        self._sequence: dict[str, float] = {}  # mean prompt + completion tokens of the client's answers (KV held)
         self.done_sending: set[str] = set()
         self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
         self._seen: dict[str, float] = {}  # client -> when it last submitted or was answered (insertion-ordered)
@@ -94,6 +97,10 @@ class ClientBook:
                     slot_s: float) -> None:
         """An answer came back after holding an engine slot for `slot_s` seconds."""
         self._served_s[client_id] = self._served_s.get(client_id, 0.0) + slot_s
+        if prompt_tokens is not None:
+            length = float(prompt_tokens + (completion_tokens or 0))
+            mean = self._sequence.get(client_id)
+            self._sequence[client_id] = length if mean is None else mean + KV_ALPHA * (length - mean)
         self._all_work += (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
         self._all_s += slot_s
 
@@ -145,7 +152,7 @@ class ClientBook:
 
     def forget(self, client_id: str) -> None:
         """Drop everything kept about a client that has gone (a weight it was given by configuration stays)."""
-        for table in (self._work_left, self._answer, self._served_s, self._seen):
+        for table in (self._work_left, self._answer, self._served_s, self._seen, self._sequence):
             table.pop(client_id, None)
         self._requests_left.pop(client_id, None)
         self._running.pop(client_id, None)
@@ -163,6 +170,17 @@ class ClientBook:
 
     def shape(self, client_id: str) -> ClientShape | None:
         return self._shapes.get(client_id)
+
+    def kv_tokens(self, client_id: str) -> float:
+        """The KV cache one of the client's requests is expected to hold on an engine: its answers' mean prompt +
+        completion tokens (the engine's own count, media included), else its shape's prompt and answer budget."""
+        mean = self._sequence.get(client_id)
+        if mean is not None:
+            return mean
+        shape = self._shapes.get(client_id)
+        if shape is None:
+            return KV_ANSWER_TOKENS
+        return shape.prompt_tokens + (shape.max_tokens if shape.max_tokens is not None else KV_ANSWER_TOKENS)
 
     def first(self, client_id: str) -> float:
         """The order's own criterion (smaller first); 0 for every client under `fair`."""

@@ -20,6 +20,10 @@ class DispatchConfig:
     window_factor: float = 1.0  # admission window ceiling = engine capacity × this
     adaptive_windows: bool = True  # grow/shrink each server's window from what the dispatcher observes
     learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
+    # A server whose KV cache (ServerRecord.kv_cache_tokens) this dispatcher's attempts are expected to fill takes
+    # no more until some end: long prompts (video) do not pile up in the engine's queue behind a window sized on
+    # short ones.
+    kv_admission: bool = True
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
     timeouts: Timeouts = field(default_factory=Timeouts)

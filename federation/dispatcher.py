@@ -88,6 +88,7 @@ class Dispatcher:
                                              config.breaker_failures, config.breaker_cooldown_s,
                                              config.learn_period_s), self._ledger, clock=clock)
         self._book.on_forget = policy.forget_server
+        self._book.kv_cost = self._clients.kv_tokens if config.kv_admission else None
         # Hedgeable requests in flight, by the task awaiting each (None: no copies under this config or policy).
         self._racers: dict[asyncio.Task[object], Racer] | None = (
             {} if config.hedging and not policy.plans_the_tail else None)

@@ -51,9 +51,9 @@ class ServerState(ServerSlots):
     `scraped_waiting`, `scraped_running` and `expected_wait`; only the book and the ledger change it."""
 
     __slots__ = ("answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
-                 "last_answer_at", "learning", "lease", "open_until", "present", "queue_clear", "queue_full",
-                 "routes", "scrape_at", "scraped_running", "scraped_waiting", "streamed", "tokens", "trial", "url",
-                 "weight", "window")
+                 "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning", "lease", "open_until",
+                 "present", "queue_clear", "queue_full", "routes", "scrape_at", "scraped_running", "scraped_waiting",
+                 "streamed", "tokens", "trial", "url", "weight", "window")
 
     def __init__(self, server_id: str):
         super().__init__(server_id)
@@ -71,6 +71,11 @@ class ServerState(ServerSlots):
         self.lease: int | None = None  # slots the registry leases this process there (None: not leasing)
         self.queue_full = False  # the engine queues beyond what we know: no new grants until it drains
         self.queue_clear = 0  # scrapes in a row with the queue empty, while queue_full
+        # KV admission: the engine's KV cache in tokens (this process's share of it under a lease; None: unknown, no
+        # limit), and what this dispatcher's attempts there are expected to hold (per client, to give back exactly).
+        self.kv_budget: float | None = None
+        self.kv_inflight = 0.0
+        self.kv_by_client: dict[str, float] = {}
         self.scrape_at = float("-inf")  # observed_at of the newest scrape seen
         # Circuit breaker: open after consecutive failures, then one half-open trial after the cool-down.
         self.breaker_failures = 0
@@ -109,6 +114,8 @@ class ServerBook:
         self._stale_after_s = STALE_PERIODS * settings.learn_period_s
         self.lease_slots: Mapping[str, int] | None = None  # this process's capacity lease (None: not leasing)
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
+        # The KV cache one request of a client is expected to hold (ClientBook.kv_tokens); None: no KV admission.
+        self.kv_cost: Callable[[str], float] | None = None
 
     # ---- the pool ---------------------------------------------------------------------------------
     def sync(self, snapshot: PoolSnapshot | None) -> bool:
@@ -146,6 +153,7 @@ class ServerBook:
                 state.learning = ServerLearning.for_capacity(
                     entry.capacity, adaptive=self._settings.adaptive_windows,
                     max_factor=self._settings.window_factor, period_s=self._settings.learn_period_s)
+        self._set_kv_budget(state)
         load = entry.load
         state.scraped_waiting = load.waiting if load is not None else 0.0
         state.scraped_running = load.running if load is not None else 0.0
@@ -215,36 +223,82 @@ class ServerBook:
     # ---- slots ---------------------------------------------------------------------------------------
     def has_room(self, state: ServerState) -> bool:
         return (state.present and state.inflight < state.window
+                and (state.kv_budget is None or state.kv_inflight < state.kv_budget)
                 and (state.open_until is None or (state.half_open and not state.trial)))
 
     def take(self, state: ServerState, client_id: str, now: float) -> None:
-        """Count a slot there (same step as the choice); the server leaves the index when full."""
+        """Count a slot there (same step as the choice); the server leaves the index when full: its window of
+        requests, or its KV cache, is taken."""
         n = self.ledger.take(state, client_id)
         learning = state.learning
         assert learning is not None
         if learning.period_start is None:  # (inlined ServerLearning.on_start: this runs for every grant)
             learning.period_start = now
-        if n >= state.window:
+        full = n >= state.window
+        if full:
             learning.full = True
+        if state.kv_budget is not None and self.kv_cost is not None:
+            cost = self.kv_cost(client_id)
+            state.kv_inflight += cost
+            state.kv_by_client[client_id] = state.kv_by_client.get(client_id, 0.0) + cost
+            full = full or state.kv_inflight >= state.kv_budget
         if state.half_open:  # this is the one trial
             state.trial = True
-        if n >= state.window or state.trial:
+        if full or state.trial:
             for route in state.routes:
                 route.set_free(state, False)
 
     def release(self, state: ServerState, client_id: str) -> None:
+        kv_freed = False
+        if state.kv_by_client:
+            kv_freed = self._release_kv(state, client_id)
         n = self.ledger.release(state, client_id)
-        if n == state.window - 1 or not n:
+        if n == state.window - 1 or not n or kv_freed:
             room = self.has_room(state)
             for route in state.routes:
                 route.set_free(state, room)
         if not n and not state.present:
             self._forget_if_idle(state)
 
+    def _release_kv(self, state: ServerState, client_id: str) -> bool:
+        """Give back one of the client's attempts' share of the KV it holds there (its mean there: the estimate
+        may have moved since the attempt took it, and the client's share drops to exactly 0 with its last one);
+        True when that made room under the budget."""
+        held = state.kv_by_client.get(client_id)
+        count = state.by_client.get(client_id, 0)
+        if held is None or count <= 0:
+            return False
+        share = held / count
+        if count == 1:
+            del state.kv_by_client[client_id]
+        else:
+            state.kv_by_client[client_id] = held - share
+        budget = state.kv_budget
+        was_full = budget is not None and state.kv_inflight >= budget
+        state.kv_inflight = max(0.0, state.kv_inflight - share) if state.kv_by_client else 0.0
+        return was_full and budget is not None and state.kv_inflight < budget
+
+    def _set_kv_budget(self, state: ServerState) -> None:
+        """The engine's KV cache (its record's, discovered at registration), this process's share of it under a
+        lease: the same fraction of the cache as of the slots."""
+        entry = state.entry
+        kv = entry.record.kv_cache_tokens if entry is not None else None
+        budget: float | None = None
+        if kv is not None and self.kv_cost is not None:
+            budget = float(kv)
+            if state.lease is not None:
+                budget *= min(1.0, state.lease / max(1, state.capacity))
+        if budget != state.kv_budget:
+            state.kv_budget = budget
+            room = self.has_room(state)
+            for route in state.routes:
+                route.set_free(state, room)
+
     def set_lease(self, state: ServerState, slots: int | None) -> None:
         """The registry's lease of slots there for this process (None: not leasing)."""
         if state.lease != slots:
             state.lease = slots
+            self._set_kv_budget(state)
             self._rewindow(state)
 
     def apply_lease(self, slots: Mapping[str, int] | None) -> None:

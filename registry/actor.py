@@ -282,7 +282,9 @@ class RegistryActor:
         self._state.check_duplicate(server, replace=replace)
         assert self._session is not None
         if verify:
-            capacity = await verify_server(self._session, server, timeout_s=self._config.check_timeout_s)
+            capacity, kv = await verify_server(self._session, server, timeout_s=self._config.check_timeout_s)
+            if kv != server.kv_cache_tokens:  # discovered: the record carries it to every dispatcher
+                server = server.model_copy(update={"kv_cache_tokens": kv})
         else:
             from fedpool.registry.adapters import adapter_for
 

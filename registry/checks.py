@@ -11,8 +11,9 @@ from fedpool.registry.records import ServerRecord
 
 async def verify_server(
     session: aiohttp.ClientSession, record: ServerRecord, *, timeout_s: float
-) -> int:
-    """Check the server and return its capacity (declared, else discovered, else the engine default).
+) -> tuple[int, int | None]:
+    """Check the server and return its capacity (declared, else discovered, else the engine default) and its KV
+    cache in tokens (declared, else discovered, else None).
 
     Raises RegistrationError naming the check that failed: reachable, healthy, model or capacity.
     """
@@ -43,9 +44,10 @@ async def verify_server(
         )
 
     discovered = await adapter.discover_capacity(session, record.url, timeout_s)
+    kv = record.kv_cache_tokens or await adapter.discover_kv_cache_tokens(session, record.url, timeout_s)
     if record.capacity is not None:
-        return record.capacity
-    return discovered or adapter.default_capacity
+        return record.capacity, kv
+    return discovered or adapter.default_capacity, kv
 
 
 async def _served_models(

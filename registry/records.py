@@ -70,6 +70,9 @@ class ServerRecord(BaseModel):
     capacity: Annotated[int | None, Field(ge=1, le=100_000)] = Field(
         default=None, description="max concurrent sequences; None = discover from the engine"
     )
+    kv_cache_tokens: Annotated[int | None, Field(ge=1)] = Field(
+        default=None, description="KV cache size in tokens; None = discover from the engine where it says "
+        "(vLLM's cache_config_info, SGLang's max_total_num_tokens)")
     labels: dict[str, str] = Field(default_factory=dict)
     registered_at: float = Field(default_factory=time.time)
 

@@ -102,6 +102,23 @@ class EngineAdapter(ABC):
         """Max concurrent sequences as the engine reports it, or None when it does not say."""
         return None
 
+    async def discover_kv_cache_tokens(
+        self, session: aiohttp.ClientSession, base_url: str, timeout_s: float
+    ) -> int | None:
+        """The KV cache's size in tokens as the engine reports it, or None when it does not say."""
+        return None
+
+    @staticmethod
+    async def _get_metrics(session: aiohttp.ClientSession, url: str, timeout_s: float,
+                           wanted: frozenset[str]) -> MetricSamples | None:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                return MetricSamples(await resp.text(), wanted)
+        except (aiohttp.ClientError, TimeoutError, ValueError, MetricsParseError):
+            return None
+
     @staticmethod
     async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> object | None:
         try:

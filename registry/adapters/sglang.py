@@ -44,14 +44,28 @@ class SglangAdapter(EngineAdapter, engine=Engine.SGLANG):
         return None
 
 
-def _find_max_running(info: dict[str, object]) -> int | None:
-    """`max_running_requests` sits at the top level, or per data-parallel rank under internal_states."""
-    value = info.get("max_running_requests")
+    async def discover_kv_cache_tokens(
+        self, session: aiohttp.ClientSession, base_url: str, timeout_s: float
+    ) -> int | None:
+        """`max_total_num_tokens` of /server_info (the token pool's size: SGLang's KV cache)."""
+        for path in SERVER_INFO_PATHS:
+            info = await self._get_json(session, base_url + path, timeout_s)
+            if isinstance(info, dict):
+                value = _find_max_running(info, "max_total_num_tokens")
+                if value:
+                    return value
+        return None
+
+
+def _find_max_running(info: dict[str, object], key: str = "max_running_requests") -> int | None:
+    """`max_running_requests` (or another per-rank limit, `key`) sits at the top level, or per data-parallel rank
+    under internal_states (then the ranks' sum)."""
+    value = info.get(key)
     if isinstance(value, int) and value > 0:
         return value
     states = info.get("internal_states")
     if isinstance(states, list):
-        found = [s.get("max_running_requests") for s in states if isinstance(s, dict)]
+        found = [s.get(key) for s in states if isinstance(s, dict)]
         ints = [v for v in found if isinstance(v, int) and v > 0]
         if ints:
             return sum(ints)

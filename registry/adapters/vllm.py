@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import aiohttp
+
 from fedpool.registry.adapters.base import EngineAdapter, MetricSamples
 from fedpool.registry.records import Engine
 from fedpool.registry.snapshot import LoadSample
@@ -29,6 +31,12 @@ class VllmAdapter(EngineAdapter, engine=Engine.VLLM):
             generation_tokens_total=samples.total(GENERATION_TOKENS),
             observed_at=observed_at,
         )
+
+    async def discover_kv_cache_tokens(
+        self, session: aiohttp.ClientSession, base_url: str, timeout_s: float
+    ) -> int | None:
+        samples = await self._get_metrics(session, base_url + "/metrics", timeout_s, frozenset({CACHE_CONFIG}))
+        return self.kv_cache_tokens(samples) if samples is not None else None
 
     @staticmethod
     def kv_cache_tokens(samples: MetricSamples) -> int | None:
