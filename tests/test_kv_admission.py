@@ -101,14 +101,17 @@ async def test_the_emulator_reports_its_kv_cache_as_the_engine_does(protocol: st
 
 @pytest.mark.ray
 async def test_the_registry_records_the_kv_cache_it_discovers(registry: RegistryClient) -> None:
-    server = EmulatedServer(model="m", profile=EmulatorProfile(max_running=4, kv_cache_tokens=65_536))
-    await server.start()
+    servers = [EmulatedServer(model="m", profile=EmulatorProfile(max_running=4, kv_cache_tokens=65_536), seed=i)
+               for i in range(2)]
+    for server in servers:
+        await server.start()
     try:
-        entry = await registry.register(ServerRecord(id="kv", url=server.url, engine=Engine.VLLM, model="m"))
+        entry = await registry.register(ServerRecord(id="kv", url=servers[0].url, engine=Engine.VLLM, model="m"))
         assert entry.record.kv_cache_tokens == 65_536
-        declared = await registry.register(ServerRecord(id="kv-declared", url=server.url, engine=Engine.VLLM, model="m",
-                                                        kv_cache_tokens=1_000))
+        declared = await registry.register(ServerRecord(id="kv-declared", url=servers[1].url, engine=Engine.VLLM,
+                                                        model="m", kv_cache_tokens=1_000))
         assert declared.record.kv_cache_tokens == 1_000  # what the operator declares wins
         assert (await registry.snapshot()).get("kv").record.kv_cache_tokens == 65_536  # type: ignore[union-attr]
     finally:
-        await server.stop()
+        for server in servers:
+            await server.stop()
