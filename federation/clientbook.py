@@ -57,7 +57,7 @@ class ClientBook:
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._shapes: dict[str, ClientShape] = {}
-        self._sequence: dict[str, float] = {}  # mean prompt + completion tokens of the client's answers (KV held)
+        self._sequence: dict[str, float] = {}  # mean KV its answers held: prompt + half the completion tokens
         self.done_sending: set[str] = set()
         self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
         self._seen: dict[str, float] = {}  # client -> when it last submitted or was answered (insertion-ordered)
@@ -98,7 +98,9 @@ class ClientBook:
         """An answer came back after holding an engine slot for `slot_s` seconds."""
         self._served_s[client_id] = self._served_s.get(client_id, 0.0) + slot_s
         if prompt_tokens is not None:
-            length = float(prompt_tokens + (completion_tokens or 0))
+            # What the request held in the engine's KV cache on average over its life: its prompt, and its answer
+            # growing a token a step (half of it on average): the engine admits on what it holds now.
+            length = prompt_tokens + 0.5 * (completion_tokens or 0)
             mean = self._sequence.get(client_id)
             self._sequence[client_id] = length if mean is None else mean + KV_ALPHA * (length - mean)
         self._all_work += (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
@@ -172,15 +174,15 @@ class ClientBook:
         return self._shapes.get(client_id)
 
     def kv_tokens(self, client_id: str) -> float:
-        """The KV cache one of the client's requests is expected to hold on an engine: its answers' mean prompt +
-        completion tokens (the engine's own count, media included), else its shape's prompt and answer budget."""
+        """The KV cache one of the client's requests is expected to hold on an engine, on average over its life:
+        its answers' mean prompt + half their completion tokens (the engine's own counts, media included), else
+        its shape's prompt and half its answer budget."""
         mean = self._sequence.get(client_id)
         if mean is not None:
             return mean
         shape = self._shapes.get(client_id)
-        if shape is None:
-            return KV_ANSWER_TOKENS
-        return shape.prompt_tokens + (shape.max_tokens if shape.max_tokens is not None else KV_ANSWER_TOKENS)
+        answer = KV_ANSWER_TOKENS if shape is None or shape.max_tokens is None else shape.max_tokens
+        return (shape.prompt_tokens if shape is not None else 0.0) + 0.5 * answer
 
     def first(self, client_id: str) -> float:
         """The order's own criterion (smaller first); 0 for every client under `fair`."""

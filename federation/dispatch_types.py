@@ -22,8 +22,9 @@ class DispatchConfig:
     learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
     # A server whose KV cache (ServerRecord.kv_cache_tokens) this dispatcher's attempts are expected to fill takes
     # no more until some end: long prompts (video) do not pile up in the engine's queue behind a window sized on
-    # short ones.
-    kv_admission: bool = True
+    # short ones. Off by default: on Table 7's pool it held the V100s below what their engines ran (federated
+    # 40.2-46.5 s over six runs, median 41.7, against 38.7-41.7, median 39.4, without; docs/architecture.md).
+    kv_admission: bool = False
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
     timeouts: Timeouts = field(default_factory=Timeouts)
