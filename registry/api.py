@@ -94,10 +94,13 @@ def make_api(backend: ApiBackend, token_sha256: str) -> web.Application:
     """The API's routes over `backend`; callers authenticate with the token whose SHA-256 is `token_sha256`."""
     expected = token_sha256.encode()
 
-    def authorize(request: web.Request) -> None:
+    def token_ok(request: web.Request) -> bool:
         header = request.headers.get("Authorization", "")
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not token or not hmac.compare_digest(token_digest(token).encode(), expected):
+        return bool(token) and hmac.compare_digest(token_digest(token).encode(), expected)
+
+    def authorize(request: web.Request) -> None:
+        if not token_ok(request):
             raise ApiError(401, "missing or wrong registry token (Authorization: Bearer TOKEN)")
 
     async def body_of(request: web.Request) -> dict[str, Any]:
@@ -124,10 +127,7 @@ def make_api(backend: ApiBackend, token_sha256: str) -> web.Application:
             return answer({"error": f"invalid body: {exc.errors(include_url=False)}"}, 400)
 
     async def ping(request: web.Request) -> web.Response:
-        header = request.headers.get("Authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        token_ok = bool(token) and hmac.compare_digest(token_digest(token).encode(), expected)
-        return answer({"fedpool_registry": API_VERSION, "token_ok": token_ok, **await backend.api_info()})
+        return answer({"fedpool_registry": API_VERSION, "token_ok": token_ok(request), **await backend.api_info()})
 
     async def snapshot(request: web.Request) -> web.Response:
         body = await backend.snapshot_json(

@@ -70,10 +70,6 @@ class RegistryHttpClient:
         self._members: tuple[int, dict[str, ServerRecord]] | None = None
         self._last: PoolSnapshot | None = None
 
-    @property
-    def has_token(self) -> bool:
-        return True
-
     def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._loop is not loop or self._session.closed:
@@ -97,7 +93,7 @@ class RegistryHttpClient:
             try:
                 return await self._once(method, path, wait_s, params, body)
             except RegistryUnreachable:
-                if attempt == 2 or not self._reread_url():
+                if attempt == 2 or not await asyncio.to_thread(self._reread_url):
                     raise
         raise AssertionError("unreachable")
 

@@ -26,8 +26,8 @@ from fedpool.registry.httpclient import find_registry_api
 async def hold(args: argparse.Namespace) -> None:
     registry: PoolRegistry
     if args.http:
-        api = find_registry_api(url=None, token=resolve_client_token(state_dir=Path(args.state_dir)),
-                                state_dir=Path(args.state_dir))
+        api = await asyncio.to_thread(find_registry_api, url=None, state_dir=Path(args.state_dir),
+                                      token=resolve_client_token(state_dir=Path(args.state_dir)))
         assert api is not None, "no registry API in the state dir"
         registry = api
     else:

@@ -35,30 +35,29 @@ class SglangAdapter(EngineAdapter, engine=Engine.SGLANG):
     async def discover_capacity(
         self, session: aiohttp.ClientSession, base_url: str, timeout_s: float
     ) -> int | None:
-        for path in SERVER_INFO_PATHS:
-            info = await self._get_json(session, base_url + path, timeout_s)
-            if isinstance(info, dict):
-                value = _find_max_running(info)
-                if value:
-                    return value
-        return None
+        return await self._server_info_limit(session, base_url, timeout_s, "max_running_requests")
 
 
     async def discover_kv_cache_tokens(
         self, session: aiohttp.ClientSession, base_url: str, timeout_s: float
     ) -> int | None:
         """`max_total_num_tokens` of /server_info (the token pool's size: SGLang's KV cache)."""
+        return await self._server_info_limit(session, base_url, timeout_s, "max_total_num_tokens")
+
+    async def _server_info_limit(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float,
+                                 key: str) -> int | None:
+        """A limit `key` of the first server-info path that states it."""
         for path in SERVER_INFO_PATHS:
             info = await self._get_json(session, base_url + path, timeout_s)
             if isinstance(info, dict):
-                value = _find_max_running(info, "max_total_num_tokens")
+                value = _find_limit(info, key)
                 if value:
                     return value
         return None
 
 
-def _find_max_running(info: dict[str, object], key: str = "max_running_requests") -> int | None:
-    """`max_running_requests` (or another per-rank limit, `key`) sits at the top level, or per data-parallel rank
+def _find_limit(info: dict[str, object], key: str) -> int | None:
+    """A limit (`max_running_requests`, `max_total_num_tokens`) sits at the top level, or per data-parallel rank
     under internal_states (then the ranks' sum)."""
     value = info.get(key)
     if isinstance(value, int) and value > 0:
