@@ -237,6 +237,59 @@ class StartGate:
         return {k: t - self.released_at for k, t in self.last_answer.items()}
 
 
+# ---- CPU accounting ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CpuUse:
+    """What this machine's cores did during an arm: the engines' own CPU seconds, the seconds their threads spent
+    runnable but waiting for a core (the kernel's run-queue delay, /proc/<pid>/task/*/schedstat), and every other
+    process's CPU seconds (the machine's busy time, /proc/stat via psutil, less the engines'). Everything runs on
+    one 2-core machine: what the rest uses, the engines wait for."""
+
+    engines_cpu_s: float
+    engines_wait_s: float
+    other_cpu_s: float
+
+
+def _cpu_counters(pids: Sequence[int]) -> tuple[float, float, float]:
+    """(machine busy CPU s, engines' CPU s, engines' run-queue wait s) since boot."""
+    import psutil
+
+    times = psutil.cpu_times()
+    busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+    cpu = wait = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    run_ns, wait_ns, _ = (task / "schedstat").read_text().split()
+                    cpu += int(run_ns) / 1e9
+                    wait += int(wait_ns) / 1e9
+    return busy, cpu, wait
+
+
+class CpuMeter:
+    """`CpuUse` between `start` and `stop` (None where /proc is not Linux's)."""
+
+    def __init__(self, pids: Sequence[int]):
+        self._pids = list(pids)
+        self._begin: tuple[float, float, float] | None = None
+
+    async def start(self) -> None:
+        self._begin = await asyncio.to_thread(self._read)
+
+    async def stop(self) -> CpuUse | None:
+        end = await asyncio.to_thread(self._read)
+        if self._begin is None or end is None:
+            return None
+        busy, cpu, wait = (b - a for a, b in zip(self._begin, end, strict=True))
+        return CpuUse(cpu, wait, max(0.0, busy - cpu))
+
+    def _read(self) -> tuple[float, float, float] | None:
+        if not self._pids or not Path("/proc/self/schedstat").exists():
+            return None
+        return _cpu_counters(self._pids)
+
+
 # ---- one arm -------------------------------------------------------------------------------------------
 @dataclass
 class ArmRun:
@@ -247,6 +300,7 @@ class ArmRun:
     busy_s: dict[str, float]
     running_s: dict[str, float]  # server -> ∫ requests processing dt (÷ busy_s: its mean batch when busy)
     answers: dict[str, dict[int, Any]]  # eval -> doc_id -> lm-eval's resps (or fedpool's prediction)
+    cpu: CpuUse | None = None  # what the machine's cores did meanwhile
 
     @property
     def process_makespan_s(self) -> float:
@@ -285,12 +339,14 @@ def _child_env(api_key: str) -> dict[str, str]:
 
 
 async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: str, work: Path,
-                          task_dir: Path, concurrent: int, server_urls: dict[str, str], gate: StartGate) -> ArmRun:
+                          task_dir: Path, concurrent: int, server_urls: dict[str, str], gate: StartGate,
+                          engine_pids: Sequence[int] = ()) -> ArmRun:
     """Every eval of the pair as its own lm-eval process, eval i against targets[i] (through the start gate),
     all at once."""
     keys = {w.name: f"sk-realtool-{arm}-{w.name}-0123456789" for w in pair.workloads}
     gate.arm({keys[w.name]: target for w, target in zip(pair.workloads, targets, strict=True)})
-    busy, stop = BusyLog(), asyncio.Event()
+    busy, stop, meter = BusyLog(), asyncio.Event(), CpuMeter(engine_pids)
+    await meter.start()
     sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
     outs = {w.name: work / arm / w.name for w in pair.workloads}
     try:
@@ -301,15 +357,16 @@ async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: s
     finally:
         stop.set()
         await sampler
+    cpu = await meter.stop()
     answers = {w.name: _lm_eval_answers(outs[w.name], w.name) for w in pair.workloads}
     by_key = gate.durations()
     evals = {w.name: by_key.get(keys[w.name], 0.0) for w in pair.workloads}
     return ArmRun(arm, max(evals.values()), dict(zip(outs, walls, strict=True)), evals, busy.busy_s, busy.running_s,
-                  answers)
+                  answers, cpu)
 
 
 async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Path], ray_address: str,
-                          state_dir: Path, server_urls: dict[str, str]) -> ArmRun:
+                          state_dir: Path, server_urls: dict[str, str], engine_pids: Sequence[int] = ()) -> ArmRun:
     """fedpool's own `eval run` with both benchmarks (one process, one dispatcher)."""
     specs = []
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
@@ -318,7 +375,8 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
         await asyncio.to_thread(spec.write_text, w.fedpool_spec(data[w.name]), encoding="utf-8")
         specs += ["--spec", str(spec)]
     out = work / "fedpool-run"
-    busy, stop = BusyLog(), asyncio.Event()
+    busy, stop, meter = BusyLog(), asyncio.Event(), CpuMeter(engine_pids)
+    await meter.start()
     sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
     try:
         wall = await _run_process(
@@ -328,6 +386,7 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
     finally:
         stop.set()
         await sampler
+    cpu = await meter.stop()
     answers: dict[str, dict[int, Any]] = {}
     for w in pair.workloads:
         rows = [json.loads(line) for line in (out / w.name / "records.jsonl").read_text().splitlines()]
@@ -337,7 +396,7 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
     evals = {name: float(summary["wall_time_s"]) for name, summary in summaries.items()}
     # One process, its evals started together: the makespan is its longest eval's (start-up not counted).
     return ArmRun("fedpool-eval-run", max(evals.values()), {"(both)": wall}, evals, busy.busy_s, busy.running_s,
-                  answers)
+                  answers, cpu)
 
 
 # ---- the pool --------------------------------------------------------------------------------------------
@@ -349,6 +408,7 @@ class Pool:
     ray_address: str
     state_dir: Path
     slots: int
+    engine_pids: tuple[int, ...] = ()  # the llama.cpp servers' processes (CPU accounting)
 
 
 @contextlib.asynccontextmanager
@@ -372,8 +432,9 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
             async with PoolConnection(registry, config=config) as conn:
                 await conn.refresh()
                 async with serving(Gateway(conn.dispatcher, lambda: conn.snapshot).app()) as url:
+                    pids = tuple(pid for lr in launchers if (pid := lr.process.pid) is not None)
                     yield Pool(launchers[0].record.model, {lr.record.id: lr.record.url for lr in launchers},
-                               url, ray.get_runtime_context().gcs_address, work / "registry", slots)
+                               url, ray.get_runtime_context().gcs_address, work / "registry", slots, pids)
     finally:
         await registry.terminate()
         if not joined:
@@ -449,14 +510,15 @@ async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_con
             if arm == "conventional":
                 targets = servers[:len(pair.workloads)]
                 results[arm] = await run_lm_eval_arm(arm, pair, targets, pool.model, where, task_dir, pool.slots,
-                                                     pool.server_urls, gate)
+                                                     pool.server_urls, gate, pool.engine_pids)
             elif arm == "fedpool-eval-run":
                 results[arm] = await run_fedpool_arm(pair, pool.model, where, data, pool.ray_address,
-                                                     pool.state_dir, pool.server_urls)
+                                                     pool.state_dir, pool.server_urls, pool.engine_pids)
             else:
                 concurrent = int(arm.removeprefix("gateway-nc"))
                 results[arm] = await run_lm_eval_arm(arm, pair, [pool.gateway_url] * len(pair.workloads),
-                                                     pool.model, where, task_dir, concurrent, pool.server_urls, gate)
+                                                     pool.model, where, task_dir, concurrent, pool.server_urls, gate,
+                                                     pool.engine_pids)
             print(f"[realtool] {pair.name} run {r + 1}/{repeats} {arm}: inference makespan "
                   f"{results[arm].inference_makespan_s:.1f} s ("
                   + ", ".join(f"{n} {s:.1f} s" for n, s in results[arm].eval_s.items()) + "), processes "
@@ -518,6 +580,15 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
                      "conventional arm does not agree with itself either: "
                      + (f"{floor:.1f}% of answers were the same in consecutive repeats of the conventional arm."
                         if floor is not None else "(one repeat: no run-to-run agreement measured)."))
+        cpu_rows = [[arm, *(f"{statistics.median(getattr(r[arm].cpu, f) for r in result.runs):.1f}"
+                             for f in ("engines_cpu_s", "engines_wait_s", "other_cpu_s"))]
+                    for arm in arms if all(r[arm].cpu is not None for r in result.runs)]
+        if cpu_rows:
+            lines += ["", "The machine's cores during each arm (median over repeats): the engines' CPU seconds, the "
+                      "seconds their threads were runnable but waited for a core, and every other process's CPU "
+                      "seconds (lm-eval, the gateway, the registry, Ray, this script):", "",
+                      markdown_table(["arm", "engines CPU s", "engines waited for a core s", "everything else CPU s"],
+                                     cpu_rows), ""]
         lines.append(f"Balanced bound (conventional busy server-seconds ÷ {servers}): "
                      f"{statistics.median(balanced):.1f} s (runs " + ", ".join(f"{b:.1f}" for b in balanced) + ").")
         for arm in result.gateway_arms:  # each repeat's arms ran back to back: compared repeat by repeat

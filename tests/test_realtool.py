@@ -48,3 +48,9 @@ def test_two_lm_eval_processes_through_the_gateway(tmp_path: Path) -> None:
         walls = result.eval_walls(arm)
         assert set(walls) == set(sizes) and all(w > 0 for w in walls.values()), (arm, walls)
         assert result.median(arm) > 0, arm
+        # The machine's cores during the arm: the engines computed (their own CPU time, from the kernel), and the
+        # report prints the table the "why" of the balanced bound rests on.
+        for run in result.runs:
+            cpu = run[arm].cpu
+            assert cpu is not None and cpu.engines_cpu_s > 0 and cpu.engines_wait_s >= 0 and cpu.other_cpu_s >= 0, cpu
+    assert "engines waited for a core s" in path.read_text()
