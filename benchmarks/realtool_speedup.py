@@ -38,6 +38,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -345,10 +346,12 @@ async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: s
     all at once."""
     keys = {w.name: f"sk-realtool-{arm}-{w.name}-0123456789" for w in pair.workloads}
     gate.arm({keys[w.name]: target for w, target in zip(pair.workloads, targets, strict=True)})
+    outs = {w.name: work / arm / w.name for w in pair.workloads}
+    for out in outs.values():  # a run before in the same --work-dir: its samples must not be read as this one's
+        await asyncio.to_thread(shutil.rmtree, out, ignore_errors=True)
     busy, stop, meter = BusyLog(), asyncio.Event(), CpuMeter(engine_pids)
     await meter.start()
     sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
-    outs = {w.name: work / arm / w.name for w in pair.workloads}
     try:
         walls = await asyncio.gather(*(
             _run_process(_lm_eval_argv(model, gate.url, w.name, task_dir, outs[w.name], concurrent),
@@ -375,6 +378,7 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
         await asyncio.to_thread(spec.write_text, w.fedpool_spec(data[w.name]), encoding="utf-8")
         specs += ["--spec", str(spec)]
     out = work / "fedpool-run"
+    await asyncio.to_thread(shutil.rmtree, out, ignore_errors=True)  # (`eval run` refuses a directory holding a run)
     busy, stop, meter = BusyLog(), asyncio.Event(), CpuMeter(engine_pids)
     await meter.start()
     sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
