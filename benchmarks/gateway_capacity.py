@@ -198,6 +198,9 @@ def registry(work: Path, backends: Sequence[str]) -> Iterator[tuple[str, Path]]:
     from fedpool.registry import Engine, RegistryClient, ServerRecord
 
     state = work / "registry"
+    # A run before in the same --work-dir left its registry's state (the servers it registered, on ports of that
+    # run's nginx): this run's registry starts empty.
+    shutil.rmtree(state, ignore_errors=True)
     ray.init(address="local", num_cpus=1, namespace="fedpool", include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR)
 
