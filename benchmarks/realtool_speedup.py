@@ -291,6 +291,28 @@ class CpuMeter:
         return _cpu_counters(self._pids)
 
 
+@dataclass
+class ArmWatch:
+    """What an arm's engines and cores did while it ran (`cpu` set when the arm ends)."""
+
+    busy: BusyLog = field(default_factory=BusyLog)
+    cpu: CpuUse | None = None
+
+
+@contextlib.asynccontextmanager
+async def watching(server_urls: dict[str, str], engine_pids: Sequence[int]) -> AsyncIterator[ArmWatch]:
+    """For the arm's life: the engines' busy gauges sampled, the machine's cores metered."""
+    watch, stop, meter = ArmWatch(), asyncio.Event(), CpuMeter(engine_pids)
+    await meter.start()
+    sampler = asyncio.create_task(sample_busy(server_urls, watch.busy, stop))
+    try:
+        yield watch
+    finally:
+        stop.set()
+        await sampler
+    watch.cpu = await meter.stop()
+
+
 # ---- one arm -------------------------------------------------------------------------------------------
 @dataclass
 class ArmRun:
@@ -341,7 +363,7 @@ def _child_env(api_key: str) -> dict[str, str]:
 
 async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: str, work: Path,
                           task_dir: Path, concurrent: int, server_urls: dict[str, str], gate: StartGate,
-                          engine_pids: Sequence[int] = ()) -> ArmRun:
+                          engine_pids: Sequence[int]) -> ArmRun:
     """Every eval of the pair as its own lm-eval process, eval i against targets[i] (through the start gate),
     all at once."""
     keys = {w.name: f"sk-realtool-{arm}-{w.name}-0123456789" for w in pair.workloads}
@@ -349,27 +371,20 @@ async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: s
     outs = {w.name: work / arm / w.name for w in pair.workloads}
     for out in outs.values():  # a run before in the same --work-dir: its samples must not be read as this one's
         await asyncio.to_thread(shutil.rmtree, out, ignore_errors=True)
-    busy, stop, meter = BusyLog(), asyncio.Event(), CpuMeter(engine_pids)
-    await meter.start()
-    sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
-    try:
+    async with watching(server_urls, engine_pids) as watch:
         walls = await asyncio.gather(*(
             _run_process(_lm_eval_argv(model, gate.url, w.name, task_dir, outs[w.name], concurrent),
                          _child_env(keys[w.name]), work / f"{arm}-{w.name}.log")
             for w in pair.workloads))
-    finally:
-        stop.set()
-        await sampler
-    cpu = await meter.stop()
     answers = {w.name: _lm_eval_answers(outs[w.name], w.name) for w in pair.workloads}
     by_key = gate.durations()
     evals = {w.name: by_key.get(keys[w.name], 0.0) for w in pair.workloads}
-    return ArmRun(arm, max(evals.values()), dict(zip(outs, walls, strict=True)), evals, busy.busy_s, busy.running_s,
-                  answers, cpu)
+    return ArmRun(arm, max(evals.values()), dict(zip(outs, walls, strict=True)), evals, watch.busy.busy_s,
+                  watch.busy.running_s, answers, watch.cpu)
 
 
 async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Path], ray_address: str,
-                          state_dir: Path, server_urls: dict[str, str], engine_pids: Sequence[int] = ()) -> ArmRun:
+                          state_dir: Path, server_urls: dict[str, str], engine_pids: Sequence[int]) -> ArmRun:
     """fedpool's own `eval run` with both benchmarks (one process, one dispatcher)."""
     specs = []
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
@@ -379,18 +394,11 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
         specs += ["--spec", str(spec)]
     out = work / "fedpool-run"
     await asyncio.to_thread(shutil.rmtree, out, ignore_errors=True)  # (`eval run` refuses a directory holding a run)
-    busy, stop, meter = BusyLog(), asyncio.Event(), CpuMeter(engine_pids)
-    await meter.start()
-    sampler = asyncio.create_task(sample_busy(server_urls, busy, stop))
-    try:
+    async with watching(server_urls, engine_pids) as watch:
         wall = await _run_process(
             [sys.executable, "-m", "fedpool.cli", "eval", "run", "--address", ray_address, "--state-dir",
              str(state_dir), "--quiet", "--model", model, "--out", str(out), *specs, "--metric-actors", "0"],
             {k: v for k, v in os.environ.items() if not k.startswith("FEDPOOL_")}, work / "fedpool-run.log")
-    finally:
-        stop.set()
-        await sampler
-    cpu = await meter.stop()
     answers: dict[str, dict[int, Any]] = {}
     for w in pair.workloads:
         rows = [json.loads(line) for line in (out / w.name / "records.jsonl").read_text().splitlines()]
@@ -399,8 +407,8 @@ async def run_fedpool_arm(pair: Pair, model: str, work: Path, data: dict[str, Pa
     summaries = {w.name: json.loads((out / w.name / "summary.json").read_text()) for w in pair.workloads}
     evals = {name: float(summary["wall_time_s"]) for name, summary in summaries.items()}
     # One process, its evals started together: the makespan is its longest eval's (start-up not counted).
-    return ArmRun("fedpool-eval-run", max(evals.values()), {"(both)": wall}, evals, busy.busy_s, busy.running_s,
-                  answers, cpu)
+    return ArmRun("fedpool-eval-run", max(evals.values()), {"(both)": wall}, evals, watch.busy.busy_s,
+                  watch.busy.running_s, answers, watch.cpu)
 
 
 # ---- the pool --------------------------------------------------------------------------------------------
