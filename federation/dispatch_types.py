@@ -25,6 +25,12 @@ class DispatchConfig:
     # short ones. Off by default: on Table 7's pool it held the V100s below what their engines ran (federated
     # 40.2-46.5 s over six runs, median 41.7, against 38.7-41.7, median 39.4, without; docs/architecture.md).
     kv_admission: bool = False
+    # A scrape that shows most of this dispatcher's attempts on a server queued in its engine shrinks that
+    # server's window at once (learning.SCRAPE_QUEUE_SHARE), and with this on, the attempts beyond the new window
+    # started less than a second ago are taken back to their queues (on engines that drop a request whose client
+    # has gone): a plan or window that sent a server far more than it runs is undone at the next scrape instead of
+    # draining for seconds while other servers idle.
+    give_back_queued: bool = True
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -65,7 +71,7 @@ class DispatcherStats:
     decisions: int = 0  # slots granted (each a routing decision)
     decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
     loop_stalled_s: float = 0.0  # seconds this process's loop stood still with attempts in flight (not charged)
-    preempted: int = 0  # attempts that gave their slot back to a shrunk capacity lease (federation/preempt.py)
+    preempted: int = 0  # attempts that gave their slot back to a shrunk lease or window (federation/preempt.py)
     preempted_lost_s: float = 0.0  # the engine time those attempts had used
 
 

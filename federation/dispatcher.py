@@ -40,7 +40,8 @@ from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 log = logging.getLogger("fedpool.dispatcher")
 
 WAIT_POLL_S = 0.25  # while requests wait: breakers half-open, deadlines pass, snapshots are looked at again
-PREEMPTED = "gave its slot back: this process's capacity lease shrank (another process's client comes first)"
+PREEMPTED = ("gave its slot back: this process's capacity lease shrank (another process's client comes first), "
+             "or a scrape found most of its attempts on the server queued in the engine")
 STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing since it started: `stalled`
 CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
@@ -97,7 +98,10 @@ class Dispatcher:
                                 racers=self._racers if self._racers is not None else {}, clients=self._clients,
                                 book=self._book, policy=policy, rng=self._rng, clock=clock,
                                 waiting=lambda: self._waiting, start_copy=self._start_copy)
-        self._preempt = Preemptions(clock)  # attempts on leased servers, given back when a lease shrinks
+        # Attempts that may give their slot back: when a lease shrinks, and (give_back_queued) when a scrape shows
+        # them queued in their engine beyond the window.
+        self._preempt = Preemptions(clock)
+        self._give_back_queued = config.give_back_queued
         self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
         self.loop_lag_s = 0.0  # the loop's lateness running the grant passes (smoothed): overload, seen here
@@ -201,15 +205,29 @@ class Dispatcher:
             for server_id in list(self._preempt.running):
                 state = self._book.states.get(server_id)
                 if state is not None and state.lease is not None and state.inflight > state.lease:
-                    self._preempt.over_lease(server_id, state.inflight - state.lease, self._racers)
+                    self._preempt.over_limit(server_id, state.inflight - state.lease, self._racers)
         for route in list(self._waiting_routes):
             self._grant(route)
 
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: routes are rebuilt, waiting requests look again."""
-        if self._book.sync(self._snapshots()):
+        if self._sync():
             for route in list(self._waiting_routes):
                 self._grant(route)
+
+    def _sync(self) -> bool:
+        """Take the newest snapshot (True when it was new); attempts a scrape found queued in their engine beyond
+        the window shrunk by it give their slots back (`DispatchConfig.give_back_queued`)."""
+        if not self._book.sync(self._snapshots()):
+            return False
+        over = self._book.over_window
+        if over:
+            self._book.over_window = []
+            if self._give_back_queued:
+                for state in over:
+                    if state.inflight > state.window:
+                        self._preempt.over_limit(state.id, state.inflight - state.window, self._racers)
+        return True
 
     # ---- the hot path -------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
@@ -223,8 +241,8 @@ class Dispatcher:
         while True:
             state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
-            cancel_s = None  # leased, on an engine that drops the request once its client went: may be given back
-            if state.lease is not None and state.entry is not None:
+            cancel_s = None  # on an engine that drops the request once its client went: may be given back
+            if state.entry is not None and (self._give_back_queued or state.lease is not None):
                 cancel_s = engine_cancel_s(state.entry.record.engine, sends_stream(state, request))
                 if cancel_s is not None:
                     self._preempt.started(state.id, task or asyncio.current_task(), started)
@@ -249,7 +267,7 @@ class Dispatcher:
                 continue
             except asyncio.CancelledError:
                 current = task or asyncio.current_task()
-                if self._preempt.requeue(current):  # the slot goes back to a shrunk lease: the request to its queue
+                if self._preempt.requeue(current):  # slot back (shrunk lease or window), the request to its queue
                     self._give_back(state, client, current, cancel_s or 0.0)
                     if racer is not None:
                         self._end_race(racer)
@@ -311,7 +329,7 @@ class Dispatcher:
         attempts = retry.attempts if retry is not None else []
         attempts.append(Attempt(state.id, started, latency))
         client = request.client_id
-        self._book.sync(self._snapshots())  # the window decision below reads the newest scrape
+        self._sync()  # the window decision below reads the newest scrape
         self._book.note_success(state, completion.completion_tokens or 0, latency, client)
         entry = state.entry
         if self._observes and entry is not None:
@@ -345,7 +363,7 @@ class Dispatcher:
         route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
                                        request.pinned_servers))
         if route is None:
-            self._book.sync(self._snapshots())
+            self._sync()
             route = self._book.route((request.model, request.revision, request.pinned_engines,
                                       request.pinned_servers), request.model, request.revision,
                                      request.pinned_engines, request.pinned_servers)
@@ -401,7 +419,7 @@ class Dispatcher:
             previous *= 0.5 ** ((age - LAG_STALE_S) / LAG_HALF_LIFE_S)
         self.loop_lag_s = previous + LAG_SMOOTHING * (lag - previous)
         self.loop_lag_at = now
-        self._book.sync(self._snapshots())
+        self._sync()
         routes, self._submitted_routes = self._submitted_routes, set()
         for route in routes:
             self._grant(route)
@@ -478,7 +496,7 @@ class Dispatcher:
         """While anyone waits: new snapshots, breakers half-open, no-server deadlines, a policy's own times."""
         self._tick_handle = None
         now = self._clock()
-        self._book.sync(self._snapshots())
+        self._sync()
         self._book.tick(now)
         for route in list(self._waiting_routes):
             if not route.servers:

@@ -12,7 +12,10 @@ attempts younger than `PREEMPT_MAX_AGE_S` are taken (the youngest first), so at 
 much engine time is lost per slot moved; older ones run to their end. An attempt racing a copy (hedge or steal)
 is never taken.
 
-Pure bookkeeping over the attempts' tasks; the dispatcher cancels nothing itself but through `over_lease`.
+The same give-back serves a window shrunk by a scrape of the engine's queue (`DispatchConfig.give_back_queued`):
+the youngest attempts there are the ones the engine has queued, not started.
+
+Pure bookkeeping over the attempts' tasks; the dispatcher cancels nothing itself but through `over_limit`.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class Preemptions:
         if running is not None and task is not None and running.pop(task, None) is not None and not running:
             del self.running[server_id]
 
-    def over_lease(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None) -> int:
+    def over_limit(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None) -> int:
         """Take up to `excess` attempts on the server (beyond those already taken), the youngest first and only
         those younger than the age limit and racing no copy; returns how many were taken now."""
         for gone in [t for t in self._taken if t.done()]:  # (ended before it could see its cancel)

@@ -116,6 +116,9 @@ class ServerBook:
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
         # The KV cache one request of a client is expected to hold (ClientBook.kv_tokens); None: no KV admission.
         self.kv_cost: Callable[[str], float] | None = None
+        # Servers whose window a scrape of their engine's queue shrank below what is in flight there (the
+        # dispatcher takes the youngest attempts back after each sync, and empties this).
+        self.over_window: list[ServerState] = []
 
     # ---- the pool ---------------------------------------------------------------------------------
     def sync(self, snapshot: PoolSnapshot | None) -> bool:
@@ -157,16 +160,27 @@ class ServerBook:
         load = entry.load
         state.scraped_waiting = load.waiting if load is not None else 0.0
         state.scraped_running = load.running if load is not None else 0.0
-        if self._settings.engine_queue_guard and load is not None and load.observed_at > state.scrape_at:
+        if load is not None and load.observed_at > state.scrape_at:
             state.scrape_at = load.observed_at
-            # The engine's own queue: requests waiting there beyond ours (its scrape compared with what we had
-            # in flight then) mean someone else filled it; no new grants until it shows empty again.
-            beyond = load.running + load.waiting - state.capacity
-            if load.waiting >= QUEUE_TRIP and beyond >= QUEUE_TRIP:
-                state.queue_full, state.queue_clear = True, 0
-            elif state.queue_full and load.waiting <= 0:
-                state.queue_clear += 1
-                state.queue_full = state.queue_clear < QUEUE_CLEAR_SCRAPES
+            if self._settings.engine_queue_guard:
+                # The engine's own queue: requests waiting there beyond ours (its scrape compared with what we had
+                # in flight then) mean someone else filled it; no new grants until it shows empty again.
+                beyond = load.running + load.waiting - state.capacity
+                if load.waiting >= QUEUE_TRIP and beyond >= QUEUE_TRIP:
+                    state.queue_full, state.queue_clear = True, 0
+                elif state.queue_full and load.waiting <= 0:
+                    state.queue_clear += 1
+                    state.queue_full = state.queue_clear < QUEUE_CLEAR_SCRAPES
+            if load.waiting > 0 and state.learning is not None:
+                # Ours queued in the engine (at most what we had there then): the window shrinks now, not at the
+                # next answer; attempts beyond it that the engine has likely not started are the dispatcher's to
+                # take back (`over_window`).
+                ours = state.at(load.observed_at)
+                if state.learning.on_scrape(min(load.waiting, ours), ours) is not None:
+                    self._rewindow(state)
+                    if state.inflight > state.window:
+                        self.over_window.append(state)
+                    return
         self._rewindow(state)
 
     def route(self, key: RouteKey, model: str, revision: str | None, engines: tuple[str, ...] | None,

@@ -7,11 +7,13 @@ import asyncio
 
 import pytest
 
+from fedpool.federation import DispatchConfig
 from fedpool.federation.dispatcher import PREEMPTED, Dispatcher
 from fedpool.federation.policies import make_policy
 from fedpool.federation.preempt import PREEMPT_MAX_AGE_S, engine_cancel_s
 from fedpool.federation.types import Endpoint, InferenceRequest, InferenceResult
-from tests.fakes import FakePool
+from fedpool.registry import LoadSample, PoolSnapshot, ServerEntry
+from tests.fakes import FakePool, wall_time
 from tests.test_dispatcher import snapshot_of
 
 pytestmark = pytest.mark.looptime
@@ -127,3 +129,73 @@ async def test_on_llamacpp_streamed_attempts_give_their_slot_back(fakes: FakePoo
     results = await asyncio.gather(*calls)
     assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
     assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
+
+
+# ---- an engine queue seen by a scrape ------------------------------------------------------------------------
+def queued_scrape(snap: PoolSnapshot, running: int, waiting: int, version: int = 2) -> PoolSnapshot:
+    """The same pool, with the first server's engine scraped now: `running` running, `waiting` in its queue."""
+    first, *rest = snap.entries
+    scraped = ServerEntry(record=first.record, status=first.status, capacity=first.capacity, weight=first.weight,
+                          load=LoadSample(running=running, waiting=waiting, observed_at=wall_time()))
+    return PoolSnapshot(version=version, taken_at=0.0, entries=(scraped, *rest))
+
+
+def one_then_two(fakes: FakePool, give_back_queued: bool = True) -> tuple[Dispatcher, list[PoolSnapshot], PoolSnapshot]:
+    """A 2-slot engine (0.05 s a token) registered with 16 slots, the only server at first; a second one joins
+    with the scrape that shows the first one's queue."""
+    fakes.start(max_running=2, decode_s=0.05)
+    fakes.start(max_running=16, decode_s=0.05)
+    both = snapshot_of(fakes.servers, capacity=16)
+    current = [PoolSnapshot(version=1, taken_at=0.0, entries=both.entries[:1])]
+    dispatcher = fakes.dispatcher(lambda: current[0], make_policy("least_inflight"),
+                                  config=DispatchConfig(give_back_queued=give_back_queued))
+    dispatcher.notify_snapshot()
+    return dispatcher, current, both
+
+
+async def test_a_scrape_of_a_deep_engine_queue_takes_the_queued_attempts_back(fakes: FakePool) -> None:
+    """Sixteen attempts on an engine that runs two: its window was the registered 16, and no answer comes for
+    2 s to shrink it. The next scrape shows 14 of them queued: the window shrinks at once, the attempts beyond it
+    (the youngest, which the engine has not started) give their slots back and run on the server that has room,
+    each request answered exactly once."""
+    dispatcher, current, both = one_then_two(fakes)
+    slow = fakes.servers[0]
+    calls = submit(dispatcher, 16)
+    await asyncio.sleep(0.2)
+    assert dispatcher.inflight() == {"s0": 16} and slow.running == 2
+    current[0] = queued_scrape(both, running=2, waiting=14)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    window = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+    assert window.window == 4 and window.window_reason is not None and "scrape" in window.window_reason  # 2 + 2
+    assert dispatcher.stats().preempted == 12 and dispatcher.inflight() == {"s0": 4, "s1": 12}
+    results = await asyncio.gather(*calls)
+    assert sorted(r.request_id for r in results) == sorted(f"r{i}" for i in range(16))
+    given_back = [r for r in results if any(a.detail == PREEMPTED for a in r.attempts)]
+    assert len(given_back) == 12 and all(r.server_id == "s1" for r in given_back)
+    assert slow.cancelled >= 12 and dispatcher.inflight() == {}  # the engine dropped them; every slot came back
+
+
+async def test_a_short_engine_queue_or_the_option_off_takes_nothing_back(fakes: FakePool) -> None:
+    """A queue of fewer than three quarters of this dispatcher's attempts there keeps a KV-bound engine's batch
+    full: no shrink between answers. With `give_back_queued` off, a deep queue shrinks the window (no more are
+    sent) but what was sent stays."""
+    dispatcher, current, both = one_then_two(fakes)
+    calls = submit(dispatcher, 16)
+    await asyncio.sleep(0.2)
+    current[0] = queued_scrape(both, running=6, waiting=10)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 16}
+    await asyncio.gather(*calls)
+
+    dispatcher, current, both = one_then_two(fakes, give_back_queued=False)
+    calls = submit(dispatcher, 16)
+    await asyncio.sleep(0.2)
+    current[0] = queued_scrape(both, running=2, waiting=14)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    window = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+    assert window.window == 4 and dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 16}
+    results = await asyncio.gather(*calls)
+    assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}
