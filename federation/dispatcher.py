@@ -28,7 +28,7 @@ from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, 
 from fedpool.federation.learning import HedgeTimer
 from fedpool.federation.ledger import InflightLedger, StallClock
 from fedpool.federation.policies import DispatchState, Hold, Policy
-from fedpool.federation.preempt import Preemptions, engine_cancel_s
+from fedpool.federation.preempt import ENGINE_CANCEL_S, STREAMED_CANCEL_S, Preemptions
 from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Route, Waiter
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
@@ -242,10 +242,16 @@ class Dispatcher:
             state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
             started = self._clock()
             cancel_s = None  # on an engine that drops the request once its client went: may be given back
-            if state.entry is not None and (self._give_back_queued or state.lease is not None):
-                cancel_s = engine_cancel_s(state.entry.record.engine, sends_stream(state, request))
+            entry = state.entry
+            if entry is not None and (self._give_back_queued or state.lease is not None):
+                # (engine_cancel_s and Preemptions.started, inlined: every attempt passes here)
+                cancel_s = (STREAMED_CANCEL_S if sends_stream(state, request) else ENGINE_CANCEL_S).get(
+                    entry.record.engine)
                 if cancel_s is not None:
-                    self._preempt.started(state.id, task or asyncio.current_task(), started)
+                    running = self._preempt.running.get(state.id)
+                    if running is None:
+                        running = self._preempt.running[state.id] = {}
+                    running[task or asyncio.current_task()] = started  # type: ignore[index]
             racer = None
             if task is not None and racers is not None:
                 racer = racers[task] = Racer(request, state, route, started, task)
@@ -512,8 +518,9 @@ class Dispatcher:
     def _release(self, state: ServerState, client: str) -> None:
         self._book.release(state, client)
         self._clients.ended(client)
-        if self._preempt.running:
-            self._preempt.ended(state.id, asyncio.current_task())
+        running = self._preempt.running.get(state.id)  # (Preemptions.ended, inlined: every release passes here)
+        if running is not None and running.pop(asyncio.current_task(), None) is not None and not running:  # type: ignore[arg-type]
+            del self._preempt.running[state.id]
         if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
             self.on_over_lease_release()  # (it held one more than its lease there until now)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
