@@ -211,23 +211,20 @@ class Dispatcher:
 
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: routes are rebuilt, waiting requests look again."""
-        if self._sync():
+        if self._book.sync(self._snapshots()):
+            if self._book.over_window:
+                self._take_back_queued()
             for route in list(self._waiting_routes):
                 self._grant(route)
 
-    def _sync(self) -> bool:
-        """Take the newest snapshot (True when it was new); attempts a scrape found queued in their engine beyond
-        the window shrunk by it give their slots back (`DispatchConfig.give_back_queued`)."""
-        if not self._book.sync(self._snapshots()):
-            return False
-        over = self._book.over_window
-        if over:
-            self._book.over_window = []
-            if self._give_back_queued:
-                for state in over:
-                    if state.inflight > state.window:
-                        self._preempt.over_limit(state.id, state.inflight - state.window, self._racers)
-        return True
+    def _take_back_queued(self) -> None:
+        """After a sync whose scrapes shrank windows below what is in flight (`ServerBook.over_window`): the
+        youngest attempts beyond each give their slots back (`DispatchConfig.give_back_queued`)."""
+        over, self._book.over_window = self._book.over_window, []
+        if self._give_back_queued:
+            for state in over:
+                if state.inflight > state.window:
+                    self._preempt.over_limit(state.id, state.inflight - state.window, self._racers)
 
     # ---- the hot path -------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
@@ -335,7 +332,8 @@ class Dispatcher:
         attempts = retry.attempts if retry is not None else []
         attempts.append(Attempt(state.id, started, latency))
         client = request.client_id
-        self._sync()  # the window decision below reads the newest scrape
+        if self._book.sync(self._snapshots()) and self._book.over_window:  # (the window decision below reads it)
+            self._take_back_queued()
         self._book.note_success(state, completion.completion_tokens or 0, latency, client)
         entry = state.entry
         if self._observes and entry is not None:
@@ -369,7 +367,8 @@ class Dispatcher:
         route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
                                        request.pinned_servers))
         if route is None:
-            self._sync()
+            if self._book.sync(self._snapshots()) and self._book.over_window:
+                self._take_back_queued()
             route = self._book.route((request.model, request.revision, request.pinned_engines,
                                       request.pinned_servers), request.model, request.revision,
                                      request.pinned_engines, request.pinned_servers)
@@ -425,7 +424,8 @@ class Dispatcher:
             previous *= 0.5 ** ((age - LAG_STALE_S) / LAG_HALF_LIFE_S)
         self.loop_lag_s = previous + LAG_SMOOTHING * (lag - previous)
         self.loop_lag_at = now
-        self._sync()
+        if self._book.sync(self._snapshots()) and self._book.over_window:
+            self._take_back_queued()
         routes, self._submitted_routes = self._submitted_routes, set()
         for route in routes:
             self._grant(route)
@@ -502,7 +502,8 @@ class Dispatcher:
         """While anyone waits: new snapshots, breakers half-open, no-server deadlines, a policy's own times."""
         self._tick_handle = None
         now = self._clock()
-        self._sync()
+        if self._book.sync(self._snapshots()) and self._book.over_window:
+            self._take_back_queued()
         self._book.tick(now)
         for route in list(self._waiting_routes):
             if not route.servers:
