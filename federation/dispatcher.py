@@ -101,6 +101,8 @@ class Dispatcher:
         # Attempts that may give their slot back: when a lease shrinks, and (give_back_queued) when a scrape shows
         # them queued in their engine beyond the window.
         self._preempt = Preemptions(clock)
+        if config.give_back_queued:
+            self._book.on_queued = self._take_back_queued
         self._give_back_queued = config.give_back_queued
         self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
@@ -212,19 +214,14 @@ class Dispatcher:
     def notify_snapshot(self) -> None:
         """Call when a new snapshot arrived: routes are rebuilt, waiting requests look again."""
         if self._book.sync(self._snapshots()):
-            if self._book.over_window:
-                self._take_back_queued()
             for route in list(self._waiting_routes):
                 self._grant(route)
 
-    def _take_back_queued(self) -> None:
-        """After a sync whose scrapes shrank windows below what is in flight (`ServerBook.over_window`): the
-        youngest attempts beyond each give their slots back (`DispatchConfig.give_back_queued`)."""
-        over, self._book.over_window = self._book.over_window, []
-        if self._give_back_queued:
-            for state in over:
-                if state.inflight > state.window:
-                    self._preempt.over_limit(state.id, state.inflight - state.window, self._racers)
+    def _take_back_queued(self, state: ServerState) -> None:
+        """A scrape of the engine's queue shrank the server's window below what is in flight there (told by the
+        book during a sync): the youngest attempts beyond it give their slots back."""
+        if state.inflight > state.window:
+            self._preempt.over_limit(state.id, state.inflight - state.window, self._racers)
 
     # ---- the hot path -------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
@@ -332,8 +329,7 @@ class Dispatcher:
         attempts = retry.attempts if retry is not None else []
         attempts.append(Attempt(state.id, started, latency))
         client = request.client_id
-        if self._book.sync(self._snapshots()) and self._book.over_window:  # (the window decision below reads it)
-            self._take_back_queued()
+        self._book.sync(self._snapshots())  # the window decision below reads the newest scrape
         self._book.note_success(state, completion.completion_tokens or 0, latency, client)
         entry = state.entry
         if self._observes and entry is not None:
@@ -367,8 +363,7 @@ class Dispatcher:
         route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
                                        request.pinned_servers))
         if route is None:
-            if self._book.sync(self._snapshots()) and self._book.over_window:
-                self._take_back_queued()
+            self._book.sync(self._snapshots())
             route = self._book.route((request.model, request.revision, request.pinned_engines,
                                       request.pinned_servers), request.model, request.revision,
                                      request.pinned_engines, request.pinned_servers)
@@ -424,8 +419,7 @@ class Dispatcher:
             previous *= 0.5 ** ((age - LAG_STALE_S) / LAG_HALF_LIFE_S)
         self.loop_lag_s = previous + LAG_SMOOTHING * (lag - previous)
         self.loop_lag_at = now
-        if self._book.sync(self._snapshots()) and self._book.over_window:
-            self._take_back_queued()
+        self._book.sync(self._snapshots())
         routes, self._submitted_routes = self._submitted_routes, set()
         for route in routes:
             self._grant(route)
@@ -502,8 +496,7 @@ class Dispatcher:
         """While anyone waits: new snapshots, breakers half-open, no-server deadlines, a policy's own times."""
         self._tick_handle = None
         now = self._clock()
-        if self._book.sync(self._snapshots()) and self._book.over_window:
-            self._take_back_queued()
+        self._book.sync(self._snapshots())
         self._book.tick(now)
         for route in list(self._waiting_routes):
             if not route.servers:

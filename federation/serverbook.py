@@ -116,9 +116,9 @@ class ServerBook:
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
         # The KV cache one request of a client is expected to hold (ClientBook.kv_tokens); None: no KV admission.
         self.kv_cost: Callable[[str], float] | None = None
-        # Servers whose window a scrape of their engine's queue shrank below what is in flight there (the
-        # dispatcher takes the youngest attempts back after each sync, and empties this).
-        self.over_window: list[ServerState] = []
+        # Told when a scrape of a server's engine queue shrank its window below what is in flight there (the
+        # dispatcher takes the youngest attempts back; None: nothing is taken).
+        self.on_queued: Callable[[ServerState], None] | None = None
 
     # ---- the pool ---------------------------------------------------------------------------------
     def sync(self, snapshot: PoolSnapshot | None) -> bool:
@@ -174,12 +174,12 @@ class ServerBook:
             if load.waiting > 0 and state.learning is not None:
                 # Ours queued in the engine (at most what we had there then): the window shrinks now, not at the
                 # next answer; attempts beyond it that the engine has likely not started are the dispatcher's to
-                # take back (`over_window`).
+                # take back (`on_queued`).
                 ours = state.at(load.observed_at)
                 if state.learning.on_scrape(min(load.waiting, ours), ours) is not None:
                     self._rewindow(state)
-                    if state.inflight > state.window:
-                        self.over_window.append(state)
+                    if state.inflight > state.window and self.on_queued is not None:
+                        self.on_queued(state)
                     return
         self._rewindow(state)
 
