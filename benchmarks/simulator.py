@@ -95,11 +95,16 @@ class SimTransport:
         body = request_body(request)
         _, words, prompt_tokens, out_tokens = request_shape(body, request.endpoint is Endpoint.CHAT, sim.profile, 0)
         blocks = prompt_blocks(words) if sim.profile.prefix_cache else ()
+        # On an engine that aborts by id (SGLang), the attempt carries one and a cancel aborts it at once, as the
+        # HTTP transport does.
+        rid = f"sim-{self.attempts}" if server.abort_path is not None else None
         try:
-            await sim.engine.generate(prompt_tokens, out_tokens, blocks)
+            await sim.engine.generate(prompt_tokens, out_tokens, blocks, rid)
         except PromptTooLong as exc:
             raise AttemptError(FailureKind.REQUEST_ERROR, "HTTP 400", status=400, upstream_message=str(exc)) from None
         except asyncio.CancelledError:
+            if rid is not None:
+                sim.engine.abort(rid)
             task = asyncio.current_task()
             if not sim.alive and task is not None and not task.cancelling():
                 raise AttemptError(FailureKind.CONNECT, "server died mid-request") from None

@@ -52,10 +52,16 @@ class StepProfile(Protocol):
     def max_batched_tokens(self) -> int: ...
     @property
     def prefix_cache(self) -> bool: ...
+    @property
+    def abort_check_s(self) -> float: ...
 
 
 class PromptTooLong(Exception):
     """The prompt alone needs more KV than the engine has: the engine rejects it (HTTP 400)."""
+
+
+class Aborted(Exception):
+    """The request was aborted by its id (`BatchEngine.abort`, SGLang's /abort_request)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,7 @@ class _Seq:
     decoded: int = 0
     admitted_at: float | None = None
     preempted: int = 0
+    rid: str | None = None  # the caller's id for it, by which it may be aborted
 
     @property
     def context(self) -> int:
@@ -126,6 +133,7 @@ class BatchEngine:
         self._cache: OrderedDict[int, None] = OrderedDict()
         self._arrival = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._rids: dict[str, _Seq] = {}  # sequences in the engine that carry an id, by it
         self.counters = EngineCounters()
 
     # ---- state read by the metrics endpoint -------------------------------------------------------
@@ -145,7 +153,10 @@ class BatchEngine:
         return min(1.0, self._kv_used / budget)
 
     # ---- requests -----------------------------------------------------------------------------------
-    async def generate(self, prompt_tokens: int, out_tokens: int, blocks: tuple[int, ...] = ()) -> Generation:
+    async def generate(self, prompt_tokens: int, out_tokens: int, blocks: tuple[int, ...] = (),
+                       rid: str | None = None) -> Generation:
+        """Run one request to its end; `rid`: the caller's id for it (`abort`). Raises PromptTooLong, or Aborted
+        when aborted by its id."""
         budget = self.profile.kv_cache_tokens
         if budget is not None and prompt_tokens + 1 > budget:
             raise PromptTooLong(f"prompt of {prompt_tokens} tokens exceeds the KV cache ({budget} tokens)")
@@ -157,7 +168,9 @@ class BatchEngine:
             self.counters.generation_tokens += max(1, out_tokens)
             return Generation(prompt_tokens, 0, max(1, out_tokens), 0.0, 0)
         loop = asyncio.get_running_loop()
-        seq = _Seq(prompt_tokens, max(1, out_tokens), blocks, loop.create_future(), self._clock())
+        seq = _Seq(prompt_tokens, max(1, out_tokens), blocks, loop.create_future(), self._clock(), rid=rid)
+        if rid is not None:
+            self._rids[rid] = seq
         self._waiting.append(seq)
         self._arrival.set()
         if self._task is None or self._task.done():
@@ -165,7 +178,14 @@ class BatchEngine:
         try:
             return await asyncio.shield(seq.fut)
         except asyncio.CancelledError:
-            self._abort(seq)  # the client went away: the engine frees the sequence, as vLLM does
+            check = self.profile.abort_check_s
+            if check > 0 and not seq.fut.done():
+                # The engine looks for a gone client only every `check` engine seconds of waiting for the
+                # sequence's output (SGLang): until that tick the sequence keeps its place, queued or running.
+                waited = (self._clock() - seq.arrived) * self._speedup
+                loop.call_later((check - waited % check) / self._speedup, self._abort, seq)
+            else:
+                self._abort(seq)  # the client went away: the engine frees the sequence, as vLLM does
             raise
 
     async def close(self) -> None:
@@ -178,9 +198,24 @@ class BatchEngine:
                 seq.fut.cancel()
         self._waiting.clear()
         self._running.clear()
+        self._rids.clear()
         self._kv_used = 0
 
+    def abort(self, rid: str) -> bool:
+        """Drop the request with this id at once, queued or running (SGLang's /abort_request); its caller, if
+        still waiting, gets Aborted. False: no such request here (ended, or never came)."""
+        seq = self._rids.get(rid)
+        if seq is None:
+            return False
+        self._abort(seq)
+        if not seq.fut.done():
+            seq.fut.set_exception(Aborted(rid))
+            seq.fut.exception()  # (retrieved: a caller that went away does not leave it unread)
+        return True
+
     def _abort(self, seq: _Seq) -> None:
+        if seq.rid is not None and self._rids.get(seq.rid) is seq:
+            del self._rids[seq.rid]
         if seq in self._running:
             self._running.remove(seq)
             self._kv_used -= seq.context - seq.prefill_left
@@ -267,6 +302,8 @@ class BatchEngine:
             if seq.prefill_left == 0 and seq.decoded >= seq.out_tokens:
                 self._kv_used -= seq.context
                 self.counters.finished += 1
+                if seq.rid is not None and self._rids.get(seq.rid) is seq:
+                    del self._rids[seq.rid]
                 if not seq.fut.done():
                     queued = (seq.admitted_at or now) - seq.arrived
                     seq.fut.set_result(Generation(seq.prompt_tokens, seq.cached, seq.decoded, queued, seq.preempted))

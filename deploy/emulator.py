@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fedpool.deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
+from fedpool.deploy.batching import Aborted, BatchEngine, PromptTooLong, prompt_blocks
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa")
 
@@ -52,6 +52,11 @@ class EmulatorProfile:
     prefix_cache: bool = False
     output_spread: float = 0.0  # answers end early: length × (1 − spread × u), u ∈ [0,1) from the prompt hash
     request_overhead_s: float = 0.0  # API-server work per request outside engine steps (HTTP, tokenizing)
+    # How often the server looks for a client that went away, in engine seconds of waiting for a request's output
+    # (0: at once, as vLLM's API server cancels the handler). SGLang's tokenizer manager waits for each request's
+    # output with a 4 s timeout and aborts the request, queued or running, when on a timeout its client has gone
+    # (`_wait_one_response`); a non-streamed answer sends nothing before its end, so that is when it is noticed.
+    abort_check_s: float = 0.0
     source: str = ""  # where the figures come from
 
 
@@ -120,6 +125,7 @@ class EmulatedServer:
                 app.router.add_get(path, self._server_info)
             for path in ("/v1/loads", "/get_load"):
                 app.router.add_get(path, self._loads)
+            app.router.add_post("/abort_request", self._abort_request)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         return app
@@ -168,6 +174,20 @@ class EmulatedServer:
             "max_running_requests": self.profile.max_running, "enable_metrics": True, **kv,
             "version": "emulated", "internal_states": [{"max_running_requests": self.profile.max_running}],
         })
+
+    async def _abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's abort by request id (`{"rid": ...}`, the id a completion request carried as `rid`): the request
+        leaves the engine at once, queued or running. 200 whether or not it was still there, as SGLang answers."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str) or not rid:
+            return web.json_response({"error": {"message": "rid must be a non-empty string",
+                                                "type": "BadRequestError"}}, status=400)
+        self.engine.abort(rid)
+        return web.Response()
 
     async def _loads(self, request: web.Request) -> web.Response:
         s = self.stats
@@ -293,11 +313,17 @@ class EmulatedServer:
         prompt, words, prompt_tokens, out_tokens = request_shape(body, chat, self.profile, self._seed)
         if self.profile.request_overhead_s > 0:
             await asyncio.sleep(self.profile.request_overhead_s / self._speedup)
+        rid = body.get("rid") if self.profile.protocol == "sglang" else None
         try:
-            gen = await self.engine.generate(prompt_tokens, out_tokens, prompt_blocks(words))
+            gen = await self.engine.generate(prompt_tokens, out_tokens, prompt_blocks(words),
+                                             rid if isinstance(rid, str) else None)
         except PromptTooLong as exc:
             self._count("400")
             return web.json_response({"error": {"message": str(exc), "type": "BadRequestError"}}, status=400)
+        except Aborted:
+            self._count("400-aborted")
+            return web.json_response({"error": {"message": "Request aborted", "type": "BadRequestError"}},
+                                     status=400)
         self._stats.prompt_tokens += prompt_tokens
         self._stats.generation_tokens += out_tokens
         cached = gen.cached_tokens
@@ -403,6 +429,9 @@ _KV_BYTES_PER_TOKEN = 57_344  # 2 (K,V) × 28 layers × 4 heads × 128 dims × 2
 _FLOP_PER_TOKEN = 15.2e9  # 2 × params
 
 
+SGLANG_ABORT_CHECK_S = 4.0  # SGLang's tokenizer manager: the timeout of its wait for a request's output
+
+
 def _derived(name: str, *, hbm_gbs: float, bw_eff: float, tflops: float, mfu: float, mem_gb: float,
              util: float, protocol: str = "vllm", overhead: float = 1.0) -> EmulatorProfile:
     decode = _WEIGHTS_GB / (hbm_gbs * bw_eff) * overhead  # one step reads every weight once
@@ -417,6 +446,7 @@ def _derived(name: str, *, hbm_gbs: float, bw_eff: float, tflops: float, mfu: fl
     return EmulatorProfile(
         name, max_running=256, prefill_s_per_token=_FLOP_PER_TOKEN / (tflops * 1e12 * mfu), decode_s_per_token=decode,
         batch_slowdown=0.004, default_output_tokens=32768, protocol=protocol,
+        abort_check_s=SGLANG_ABORT_CHECK_S if protocol == "sglang" else 0.0,
         attn_s_per_ctx_token=_KV_BYTES_PER_TOKEN / (hbm_gbs * 1e9 * bw_eff), kv_cache_tokens=kv_tokens,
         max_batched_tokens=8192, prefix_cache=True, output_spread=0.0, source=source,
     )
@@ -433,7 +463,8 @@ PROFILES = {
                                          source="illustrative round numbers"),
     "sglang-a100-illustrative": EmulatorProfile(
         "sglang-a100-illustrative", max_running=32, prefill_s_per_token=0.0002, decode_s_per_token=0.011,
-        batch_slowdown=0.02, default_output_tokens=4096, protocol="sglang", source="illustrative round numbers"),
+        batch_slowdown=0.02, default_output_tokens=4096, protocol="sglang", abort_check_s=SGLANG_ABORT_CHECK_S,
+        source="illustrative round numbers"),
     "v100-illustrative": EmulatorProfile("v100-illustrative", max_running=16, prefill_s_per_token=0.0005,
                                          decode_s_per_token=0.024, batch_slowdown=0.03, default_output_tokens=4096,
                                          source="illustrative round numbers"),

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import random
 import time
 from collections import deque
@@ -219,9 +220,11 @@ class Dispatcher:
 
     def _take_back_queued(self, state: ServerState) -> None:
         """A scrape of the engine's queue shrank the server's window below what is in flight there (told by the
-        book during a sync): the youngest attempts beyond it give their slots back."""
+        book during a sync): the youngest attempts beyond it give their slots back, whatever their age — they are
+        the ones the engine has queued (a burst sent before any answer sat 25 s in an SGLang queue while the
+        servers the plan meant for it went on: attempts over a second old were not taken, and SGLang was not asked)."""
         if state.inflight > state.window:
-            self._preempt.over_limit(state.id, state.inflight - state.window, self._racers)
+            self._preempt.over_limit(state.id, state.inflight - state.window, self._racers, math.inf)
 
     # ---- the hot path -------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:

@@ -13,7 +13,8 @@ much engine time is lost per slot moved; older ones run to their end. An attempt
 is never taken.
 
 The same give-back serves a window shrunk by a scrape of the engine's queue (`DispatchConfig.give_back_queued`):
-the youngest attempts there are the ones the engine has queued, not started.
+the youngest attempts there are the ones the engine has queued, not started — of any age, as a queued request
+has used no engine time however long it waited (the engines admit first come, first served).
 
 Pure bookkeeping over the attempts' tasks; the dispatcher cancels nothing itself but through `over_limit`.
 """
@@ -35,9 +36,11 @@ PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back t
 # benchmarks/multiprocess.py) — but stops a streamed one at its next token, so the transport asks it for streams
 # (transport.STREAMED_ENGINES) and only those are given back. It notices the closed connection as it sends the
 # next token, after a prefill under way: released at once, three requests sent in place of given-back ones
-# waited in its queue for 0.3 s (benchmarks/multiprocess.py), so the slot stays counted half a second more. SGLang
-# and other servers are not checked: never asked to give a slot back.
-ENGINE_CANCEL_S = {"vllm": 0.0}
+# waited in its queue for 0.3 s (benchmarks/multiprocess.py), so the slot stays counted half a second more.
+# SGLang notices a closed connection only on the first 4 s timeout of its wait for the request's output
+# (`_wait_one_response`; deploy/emulator.py `abort_check_s`), but the transport aborts a cancelled attempt there at
+# once by its id (`HttpTransport`, /abort_request). Other servers are not checked: never asked to give a slot back.
+ENGINE_CANCEL_S = {"vllm": 0.0, "sglang": 0.0}
 STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.5}
 
 
@@ -74,9 +77,12 @@ class Preemptions:
         if running is not None and task is not None and running.pop(task, None) is not None and not running:
             del self.running[server_id]
 
-    def over_limit(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None) -> int:
+    def over_limit(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None,
+                   max_age_s: float | None = None) -> int:
         """Take up to `excess` attempts on the server (beyond those already taken), the youngest first and only
-        those younger than the age limit and racing no copy; returns how many were taken now."""
+        those younger than the age limit (`max_age_s`, else the one given at construction) and racing no copy;
+        returns how many were taken now."""
+        max_age = self._max_age_s if max_age_s is None else max_age_s
         for gone in [t for t in self._taken if t.done()]:  # (ended before it could see its cancel)
             del self._taken[gone]
         running = self.running.get(server_id)
@@ -85,8 +91,8 @@ class Preemptions:
         excess -= sum(1 for t in running if t in self._taken)
         now = self._clock()
         taken = 0
-        for task, started in sorted(running.items(), key=lambda kv: -kv[1]):
-            if taken >= excess or now - started >= self._max_age_s:
+        for task, started in reversed(running.items()):  # (noted as each attempt starts: the youngest last)
+            if taken >= excess or now - started >= max_age:
                 break
             racer = racers.get(task) if racers is not None else None
             if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):

@@ -20,7 +20,7 @@ from fedpool.federation.learning import LEARN_PERIOD_S, ServerLearning
 from fedpool.federation.ledger import InflightLedger, ServerSlots
 from fedpool.federation.routes import Route, RouteKey
 from fedpool.federation.transport import STREAMED_ENGINES
-from fedpool.registry import PoolSnapshot, ServerEntry
+from fedpool.registry import PoolSnapshot, ServerEntry, adapter_for
 
 log = logging.getLogger("fedpool.dispatcher")
 
@@ -50,7 +50,7 @@ class ServerState(ServerSlots):
     """One server as the dispatcher sees it. Policies read `id`, `inflight`, `window`, `capacity`, `weight`,
     `scraped_waiting`, `scraped_running` and `expected_wait`; only the book and the ledger change it."""
 
-    __slots__ = ("answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
+    __slots__ = ("abort_path", "answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
                  "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning", "lease", "open_until",
                  "present", "queue_clear", "queue_full", "routes", "scrape_at", "scraped_running", "scraped_waiting",
                  "streamed", "tokens", "trial", "url", "weight", "window")
@@ -60,6 +60,7 @@ class ServerState(ServerSlots):
         self.entry: ServerEntry | None = None
         self.url = ""
         self.streamed = False  # its engine is asked for streamed answers (transport.STREAMED_ENGINES)
+        self.abort_path: str | None = None  # its engine aborts a request by id there (EngineAdapter.abort_path)
         self.capacity = 1
         self.window = 0
         self.weight = 1.0
@@ -148,6 +149,7 @@ class ServerBook:
         state.entry = entry
         state.url = entry.record.url
         state.streamed = entry.record.engine in STREAMED_ENGINES
+        state.abort_path = adapter_for(entry.record.engine).abort_path
         state.present = entry.status.routable
         if state.learning is None or state.capacity != entry.capacity:
             state.capacity = entry.capacity

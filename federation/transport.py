@@ -4,9 +4,12 @@ same interface in process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import itertools
 import json
 import logging
+import secrets
 import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -24,6 +27,7 @@ MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024  # of an error answer: the engine's message is in its first few hundred bytes
 MAX_ERROR_MESSAGE_CHARS = 2000
 JSON_HEADERS = {"Content-Type": "application/json"}
+ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # an abort call to an engine (HttpTransport._abort)
 
 
 def loads(raw: bytes | str) -> Any:
@@ -92,8 +96,9 @@ class ReuseTrackingConnector(aiohttp.TCPConnector):
 
 
 class Target(Protocol):
-    """The server an attempt goes to (a dispatcher's ServerState): its id, base URL, and whether its engine is
-    asked for streamed answers (`STREAMED_ENGINES`)."""
+    """The server an attempt goes to (a dispatcher's ServerState): its id, base URL, whether its engine is
+    asked for streamed answers (`STREAMED_ENGINES`), and where it aborts a request by id (`abort_path`, from its
+    engine's adapter; None: it learns only from the closed connection)."""
 
     @property
     def id(self) -> str: ...
@@ -103,6 +108,9 @@ class Target(Protocol):
 
     @property
     def streamed(self) -> bool: ...
+
+    @property
+    def abort_path(self) -> str | None: ...
 
 
 class StreamBody(Protocol):
@@ -126,12 +134,21 @@ class Transport(Protocol):
 
 
 class HttpTransport:
-    """The Transport over one shared aiohttp session (no connection cap: admission windows bound the load)."""
+    """The Transport over one shared aiohttp session (no connection cap: admission windows bound the load).
+
+    On an engine that aborts a request by id (`Target.abort_path`: SGLang), each attempt carries an id of its own
+    (`rid`), and an attempt cancelled before its answer (a hedge's losing copy, a slot given back, a caller gone)
+    is aborted there at once: SGLang notices a closed connection only at its next 4 s check, running or queueing
+    the request until then."""
 
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts | None = None):
         self.session = session
         self.timeouts = timeouts or Timeouts()
         self._timeout = self.timeouts.client_timeout()
+        self._rid_prefix = f"fedpool-{secrets.token_hex(6)}-"  # ids unique across processes sharing an engine
+        self._rids = itertools.count()
+        self._aborts: set[asyncio.Task[None]] = set()  # abort calls under way (held until they end)
+        self.aborted = 0  # abort calls that reached the engine
 
     async def complete(self, server: Target, request: InferenceRequest) -> Completion:
         """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError. On a
@@ -142,6 +159,9 @@ class HttpTransport:
         if sends_stream(server, request):
             return await self._assembled(server, request, attempt)
         body = request_body(request)
+        abort_path = server.abort_path
+        if abort_path is not None:
+            body["rid"] = rid = f"{self._rid_prefix}{next(self._rids)}"
         try:
             data = orjson.dumps(body)
         except TypeError:  # what orjson refuses (integers past 64 bits, keys that are not strings)
@@ -156,9 +176,39 @@ class HttpTransport:
                        else await read_body(resp, MAX_RESPONSE_BYTES))
         except AttemptError:
             raise
+        except asyncio.CancelledError:
+            if abort_path is not None:
+                self._abort(server.url + abort_path, rid)
+            raise
         except Exception as exc:
+            if abort_path is not None:  # (a timeout, a reset: the engine may still be running it)
+                self._abort(server.url + abort_path, rid)
             raise transport_error(exc, attempt.reused) from exc
         return parse_completion(raw, request.endpoint)
+
+    async def settle(self) -> None:
+        """Wait for the abort calls under way to end."""
+        while self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)
+
+    def _abort(self, url: str, rid: str) -> None:
+        """Ask the engine to abort the request `rid` (off the caller's path: the call runs as a task of its own,
+        held until it ends; a failure is only logged — the engine's own check of the closed connection remains)."""
+        task = asyncio.get_running_loop().create_task(self._post_abort(url, rid))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _post_abort(self, url: str, rid: str) -> None:
+        try:
+            async with self.session.post(url, data=dumps({"rid": rid}), headers=JSON_HEADERS,
+                                         timeout=ABORT_TIMEOUT) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    self.aborted += 1
+                else:
+                    log.debug("abort of %s at %s: HTTP %s", rid, url, resp.status)
+        except Exception as exc:  # the session closing, the server gone: nothing is left to abort there
+            log.debug("abort of %s at %s failed: %r", rid, url, exc)
 
     async def _assembled(self, server: Target, request: InferenceRequest, attempt: SimpleNamespace) -> Completion:
         body = request_body(request, stream=True)
@@ -186,6 +236,7 @@ class UrlTarget:
     id: str
     url: str
     streamed: bool = False
+    abort_path: str | None = None
 
 
 def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
@@ -223,8 +274,9 @@ def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, A
 # pool's build) runs a non-streamed request to its end after its client has gone — four cancelled 200-token
 # requests kept all 4 slots busy 6 s later — but stops a streamed one at its next token (within 0.5 s). Streamed,
 # a request fedpool cancels (a hedge's losing copy, a slot given back to a shrunk lease, a gateway client that
-# went away) frees the engine's slot, not only fedpool's count of it. vLLM and SGLang abort a request whose
-# connection closed either way; a server of unknown kind is asked for what its caller asked.
+# went away) frees the engine's slot, not only fedpool's count of it. vLLM aborts a request whose connection
+# closed either way, SGLang at once by its id (`HttpTransport`, `Target.abort_path`); a server of unknown kind is
+# asked for what its caller asked.
 # llama.cpp's server also closes the connection after every stream though its head says keep-alive: a streamed
 # request to these engines asks for `Connection: close`, so no pooled connection is reused after the engine closed
 # it (the next request on it would fail as a reset).

@@ -124,18 +124,19 @@ class FakeServer:
         if self._closing is not None:
             await self._closing
 
-    async def complete(self, request: InferenceRequest) -> Completion:
-        """What the emulator's HTTP handler does with the request, as the transport would parse it."""
+    async def complete(self, request: InferenceRequest, rid: str | None = None) -> Completion:
+        """What the emulator's HTTP handler does with the request, as the transport would parse it (`rid`: the id
+        an SGLang-like engine may abort it by)."""
         if not self.accepting:
             raise AttemptError(FailureKind.CONNECT, "ClientConnectorError")
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
         try:
-            return await self._serve(request)
+            return await self._serve(request, rid)
         finally:
             self.inflight -= 1
 
-    async def _serve(self, request: InferenceRequest) -> Completion:
+    async def _serve(self, request: InferenceRequest, rid: str | None) -> Completion:
         body = request_body(request)
         if request.model != self.model:
             raise http_error(404, _error(f"model must be {self.model!r}"))
@@ -162,7 +163,7 @@ class FakeServer:
         out_tokens = max_tokens if body.get("ignore_eos") is True else min(max_tokens, stops_at)
         self.received += 1
         try:
-            generation = await self.engine.generate(prompt_tokens, out_tokens)
+            generation = await self.engine.generate(prompt_tokens, out_tokens, (), rid)
         except asyncio.CancelledError:
             self._dropped_or_raise()
             raise
@@ -227,11 +228,20 @@ class FakeTransport(Transport):
         fake = self.servers.get(server.url)
         if fake is None:
             raise AttemptError(FailureKind.CONNECT, "ClientConnectorError")
+        # On an engine that aborts by id (SGLang), the attempt carries one and a cancel aborts it at once, as the
+        # HTTP transport does.
+        rid = f"fake-{self.attempts}" if server.abort_path is not None else None
         try:
             async with asyncio.timeout(min(self.timeouts.first_byte_s, self.timeouts.total_s)):
-                return await fake.complete(request)
+                return await fake.complete(request, rid)
         except TimeoutError as exc:
+            if rid is not None:
+                fake.engine.abort(rid)
             raise transport_error(exc, reused_connection=False) from exc
+        except asyncio.CancelledError:
+            if rid is not None:
+                fake.engine.abort(rid)
+            raise
 
     async def open_stream(self, server: Target, request: InferenceRequest) -> FakeStream:
         """The stream's head comes once the whole answer is ready (no per-token timing)."""

@@ -53,9 +53,10 @@ class CountingEngine(BatchEngine):
 
     peak = 0
 
-    async def generate(self, prompt_tokens: int, out_tokens: int, blocks: tuple[int, ...] = ()) -> Generation:
+    async def generate(self, prompt_tokens: int, out_tokens: int, blocks: tuple[int, ...] = (),
+                       rid: str | None = None) -> Generation:
         self.peak = max(self.peak, self.running + self.waiting + 1)
-        return await super().generate(prompt_tokens, out_tokens, blocks)
+        return await super().generate(prompt_tokens, out_tokens, blocks, rid)
 
 
 def peak_of(server: EmulatedServer) -> int:

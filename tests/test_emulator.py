@@ -10,6 +10,9 @@ import pytest
 
 from fedpool.deploy.batching import BLOCK, BatchEngine, PromptTooLong, prompt_blocks
 from fedpool.deploy.emulator import PROFILES, EmulatedServer, EmulatorProfile, profile_from_json
+from fedpool.federation.transport import HttpTransport, UrlTarget, new_session
+from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.registry import adapter_for
 
 FAST = 10.0  # engine seconds per wall second in these tests (slow enough that timing is the model)
 
@@ -37,6 +40,73 @@ async def test_a_batch_costs_about_what_one_sequence_costs() -> None:
     assert one == pytest.approx(0.5, rel=0.3)  # 50 steps of 10 ms
     assert eight < 2 * one
     assert engine.counters.generation_tokens == 9 * 50 and engine.counters.finished == 9
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("check_s", [0.0, 4.0], ids=["vllm-at-once", "sglang-every-4s"])
+async def test_a_request_whose_client_went_is_dropped_at_the_engines_next_check(check_s: float) -> None:
+    """vLLM drops a sequence as its client goes; SGLang looks every 4 s of waiting for a request's output
+    (`abort_check_s`): until that tick a cancelled request keeps its place, queued or running."""
+    engine = BatchEngine(EmulatorProfile(max_running=1, decode_s_per_token=0.01, batch_slowdown=0.0,
+                                         abort_check_s=check_s), clock=asyncio.get_running_loop().time)
+    running = asyncio.create_task(engine.generate(10, 1000))  # 10 s of decoding
+    queued = asyncio.create_task(engine.generate(10, 10))
+    await asyncio.sleep(1.0)
+    assert engine.running == 1 and engine.waiting == 1
+    queued.cancel()
+    running.cancel()
+    await asyncio.sleep(0.1)
+    if check_s == 0:
+        assert engine.running == 0 and engine.waiting == 0
+    else:
+        assert engine.running == 1 and engine.waiting == 1  # both still there at 1.1 s
+        await asyncio.sleep(2.8)
+        assert engine.running == 1 and engine.waiting == 1  # 3.9 s
+        await asyncio.sleep(0.2)
+        assert engine.running == 0 and engine.waiting == 0  # dropped at the 4 s check
+    assert engine.counters.finished == 0
+    await engine.close()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_an_attempt_cancelled_on_sglang_is_aborted_there_by_its_id(engine: str) -> None:
+    """SGLang looks for a gone client only every 4 s (the emulator too, `abort_check_s`), so the transport names
+    each attempt (`rid`) and aborts a cancelled one by that id: both requests, one running and one queued, leave
+    the engine as soon as the abort calls return. On vLLM no id is sent and the closed connection is enough."""
+    profile = PROFILES["sglang-a100-illustrative" if engine == "sglang" else "a100-illustrative"]
+    server = EmulatedServer(model="m", profile=EmulatorProfile(
+        protocol=profile.protocol, abort_check_s=profile.abort_check_s, max_running=1, decode_s_per_token=0.01,
+        default_output_tokens=4096))  # speedup 1: SGLang's own check of the connection comes 4 s after
+    await server.start()
+    try:
+        async with new_session() as session:
+            transport = HttpTransport(session)
+            target = UrlTarget("s", server.url, abort_path=adapter_for(engine).abort_path)
+            attempts = [asyncio.create_task(transport.complete(target, InferenceRequest.from_body(
+                {"prompt": f"q{i}", "max_tokens": 4096}, request_id=f"r{i}", model="m",
+                endpoint=Endpoint.COMPLETIONS))) for i in range(2)]
+            for _ in range(500):  # until the engine holds both (one running, one queued)
+                if server.engine.running + server.engine.waiting == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.engine.running == 1 and server.engine.waiting == 1
+            for attempt in attempts:
+                attempt.cancel()
+            await asyncio.gather(*attempts, return_exceptions=True)
+            await transport.settle()
+            if engine == "sglang":
+                assert transport.aborted == 2
+                assert server.engine.running == 0 and server.engine.waiting == 0
+            else:
+                assert transport.aborted == 0
+                for _ in range(500):  # the handler is cancelled once aiohttp sees the connection closed
+                    if server.engine.running + server.engine.waiting == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert server.engine.running == 0 and server.engine.waiting == 0
+            assert server.engine.counters.finished == 0
+    finally:
+        await server.stop()
 
 
 async def test_beyond_max_running_requests_wait_in_the_engine_queue() -> None:

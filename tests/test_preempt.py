@@ -4,9 +4,11 @@ real dispatcher over a fake server, in simulated time."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
+from fedpool.deploy.emulator import SGLANG_ABORT_CHECK_S
 from fedpool.federation import DispatchConfig
 from fedpool.federation.dispatcher import PREEMPTED, Dispatcher
 from fedpool.federation.policies import make_policy
@@ -140,12 +142,15 @@ def queued_scrape(snap: PoolSnapshot, running: int, waiting: int, version: int =
     return PoolSnapshot(version=version, taken_at=0.0, entries=(scraped, *rest))
 
 
-def one_then_two(fakes: FakePool, give_back_queued: bool = True) -> tuple[Dispatcher, list[PoolSnapshot], PoolSnapshot]:
-    """A 2-slot engine (0.05 s a token) registered with 16 slots, the only server at first; a second one joins
+def one_then_two(fakes: FakePool, give_back_queued: bool = True,
+                 engine: str = "vllm") -> tuple[Dispatcher, list[PoolSnapshot], PoolSnapshot]:
+    """A 2-slot `engine` (0.05 s a token) registered with 16 slots, the only server at first; a vLLM one joins
     with the scrape that shows the first one's queue."""
-    fakes.start(max_running=2, decode_s=0.05)
+    slow = fakes.start(max_running=2, decode_s=0.05)
+    if engine == "sglang":  # looks for a gone client every 4 s of waiting, as SGLang's tokenizer manager does
+        slow.profile = replace(slow.profile, abort_check_s=SGLANG_ABORT_CHECK_S)
     fakes.start(max_running=16, decode_s=0.05)
-    both = snapshot_of(fakes.servers, capacity=16)
+    both = snapshot_of(fakes.servers, capacity=16, engines=[engine] + ["vllm"] * (len(fakes.servers) - 1))
     current = [PoolSnapshot(version=1, taken_at=0.0, entries=both.entries[:1])]
     dispatcher = fakes.dispatcher(lambda: current[0], make_policy("least_inflight"),
                                   config=DispatchConfig(give_back_queued=give_back_queued))
@@ -153,15 +158,17 @@ def one_then_two(fakes: FakePool, give_back_queued: bool = True) -> tuple[Dispat
     return dispatcher, current, both
 
 
-async def test_a_scrape_of_a_deep_engine_queue_takes_the_queued_attempts_back(fakes: FakePool) -> None:
+@pytest.mark.parametrize("age", [0.2, PREEMPT_MAX_AGE_S + 0.5], ids=["just-sent", "older-than-the-lease-limit"])
+async def test_a_scrape_of_a_deep_engine_queue_takes_the_queued_attempts_back(fakes: FakePool, age: float) -> None:
     """Sixteen attempts on an engine that runs two: its window was the registered 16, and no answer comes for
     2 s to shrink it. The next scrape shows 14 of them queued: the window shrinks at once, the attempts beyond it
     (the youngest, which the engine has not started) give their slots back and run on the server that has room,
-    each request answered exactly once."""
+    each request answered exactly once. A queued attempt has used no engine time however long it waited: those
+    sent over a second before the scrape are taken too (a lease's give-back is not)."""
     dispatcher, current, both = one_then_two(fakes)
     slow = fakes.servers[0]
     calls = submit(dispatcher, 16)
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(age)
     assert dispatcher.inflight() == {"s0": 16} and slow.running == 2
     current[0] = queued_scrape(both, running=2, waiting=14)
     dispatcher.notify_snapshot()
@@ -174,6 +181,27 @@ async def test_a_scrape_of_a_deep_engine_queue_takes_the_queued_attempts_back(fa
     given_back = [r for r in results if any(a.detail == PREEMPTED for a in r.attempts)]
     assert len(given_back) == 12 and all(r.server_id == "s1" for r in given_back)
     assert slow.cancelled >= 12 and dispatcher.inflight() == {}  # the engine dropped them; every slot came back
+
+
+async def test_on_sglang_queued_attempts_are_given_back_and_aborted_by_their_ids(fakes: FakePool) -> None:
+    """SGLang notices a closed connection only at its next 4 s check, but aborts a request by its id at once: the
+    queued attempts a scrape shows are taken back as on vLLM, leave the engine at once (none of them runs there),
+    and run on the other server, each answered once."""
+    assert engine_cancel_s("sglang") == 0.0
+    dispatcher, current, both = one_then_two(fakes, engine="sglang")
+    slow = fakes.servers[0]
+    calls = submit(dispatcher, 16)
+    await asyncio.sleep(0.2)
+    current[0] = queued_scrape(both, running=2, waiting=14)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    assert dispatcher.stats().preempted == 12 and dispatcher.inflight() == {"s0": 4, "s1": 12}
+    assert slow.engine.running == 2 and slow.engine.waiting == 2  # the 12 left the engine's queue at once
+    results = await asyncio.gather(*calls)
+    assert sorted(r.request_id for r in results) == sorted(f"r{i}" for i in range(16))
+    given_back = [r for r in results if any(a.detail == PREEMPTED for a in r.attempts)]
+    assert len(given_back) == 12 and all(r.server_id == "s1" for r in given_back)
+    assert slow.completed == 4 and slow.engine.counters.finished == 4 and dispatcher.inflight() == {}
 
 
 async def test_a_short_engine_queue_or_the_option_off_takes_nothing_back(fakes: FakePool) -> None:

@@ -56,6 +56,7 @@ class Target:
     id: str
     url: str
     streamed: bool = True
+    abort_path: str | None = None
 
 
 class ScriptedEngine:

@@ -82,6 +82,9 @@ class EngineAdapter(ABC):
     # A non-streamed request whose client hangs up is aborted (its slot freed) rather than run to the end. Copies
     # of a request (hedging, stealing) race only on engines that do: the losing copy is cancelled by hanging up.
     cancels_on_disconnect: ClassVar[bool] = False
+    # Where to POST `{"rid": id}` to abort a request the caller named with `rid` in its body (None: the engine
+    # learns only from the closed connection). A request fedpool gives up on is aborted there at once.
+    abort_path: ClassVar[str | None] = None
 
     def __init_subclass__(cls, *, engine: Engine | None = None, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

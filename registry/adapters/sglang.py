@@ -19,8 +19,11 @@ LOAD_PATHS = ("/v1/loads", "/get_load")
 class SglangAdapter(EngineAdapter, engine=Engine.SGLANG):
     health_path = "/health"
     default_capacity = 256
-    # SGLang's tokenizer manager checks `is_disconnected()` while a non-streamed request waits, and aborts it.
+    # SGLang's tokenizer manager checks `is_disconnected()` while a non-streamed request waits, and aborts it —
+    # on the first 4 s timeout of its wait for the request's output (`_wait_one_response`), queued or running.
     cancels_on_disconnect = True
+    # At once: the OpenAI endpoints take a request id (`rid`) and /abort_request aborts it by that id.
+    abort_path = "/abort_request"
     wanted_metrics = frozenset({RUNNING, WAITING, TOKEN_USAGE, GEN_THROUGHPUT})
 
     def load_from_samples(self, samples: MetricSamples, observed_at: float) -> LoadSample:
