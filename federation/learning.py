@@ -72,7 +72,7 @@ class WindowObservation:
     scraped_waiting: float  # the engine's own queue (all clients), from the registry
     rate_limited: int  # HTTP 429s this period
     window_was_full: bool  # this dispatcher used the whole window at some point
-    inflight: int | None = None  # what this dispatcher has on the server now
+    inflight: int | None = None  # what this dispatcher had on the server when its engine was last scraped
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +135,10 @@ class WindowController:
             decision = WindowDecision(max(1.0, self.window * self.shrink), f"{obs.rate_limited} × HTTP 429")
         elif obs.scraped_waiting >= self.queue_allowance:
             if obs.inflight is not None:
-                # What the engine is actually running for us, plus a short queue: one step to the right size,
-                # not a shrink per period while a queue we built earlier drains.
-                target = obs.inflight - obs.scraped_waiting + self.queue_allowance
+                # What the engine was running for us when the scrape was taken (`inflight`: ours there then; the
+                # queue counted at most what we had there), plus a short queue: one step to the right size, not a
+                # shrink per period while a queue we built earlier drains.
+                target = obs.inflight - min(obs.scraped_waiting, obs.inflight) + self.queue_allowance
                 new = max(1.0, min(self.window, target))
             else:
                 new = max(1.0, self.window * self.shrink)

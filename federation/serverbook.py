@@ -52,7 +52,8 @@ class ServerState(ServerSlots):
 
     __slots__ = ("abort_path", "answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
                  "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning", "lease", "open_until",
-                 "present", "queue_clear", "queue_full", "routes", "scrape_at", "scraped_running", "scraped_waiting",
+                 "present", "queue_clear", "queue_full", "routes", "scrape_at", "scrape_inflight", "scraped_running",
+                 "scraped_waiting",
                  "streamed", "tokens", "trial", "url", "weight", "window")
 
     def __init__(self, server_id: str):
@@ -78,6 +79,7 @@ class ServerState(ServerSlots):
         self.kv_inflight = 0.0
         self.kv_by_client: dict[str, float] = {}
         self.scrape_at = float("-inf")  # observed_at of the newest scrape seen
+        self.scrape_inflight = 0  # this dispatcher's attempts there when that scrape was taken (if it showed a queue)
         # Circuit breaker: open after consecutive failures, then one half-open trial after the cool-down.
         self.breaker_failures = 0
         self.open_until: float | None = None  # open (None: closed): no grants until then, then half-open
@@ -177,7 +179,7 @@ class ServerBook:
                 # Ours queued in the engine (at most what we had there then): the window shrinks now, not at the
                 # next answer; attempts beyond it that the engine has likely not started are the dispatcher's to
                 # take back (`on_queued`).
-                ours = state.at(load.observed_at)
+                ours = state.scrape_inflight = state.at(load.observed_at)
                 if state.learning.on_scrape(min(load.waiting, ours), ours) is not None:
                     self._rewindow(state)
                     if state.inflight > state.window and self.on_queued is not None:
@@ -388,7 +390,9 @@ class ServerBook:
             busy = state.busy_total + (at - state.busy_since if state.busy_since is not None else 0.0)
             occupancy = state.occupancy_total + (state.inflight * (at - state.occupancy_at)
                                                  if state.occupancy_at is not None else 0.0)
-            decision = learning.on_finish(tokens, latency_s, now, busy, state.scraped_waiting, state.inflight,
+            # The engine-queue rule compares the scrape's queue with what was in flight here when it was taken,
+            # not now: a scrape of 110 queued of 137, read after 100 answers, cut an SGLang A100's window to 1.
+            decision = learning.on_finish(tokens, latency_s, now, busy, state.scraped_waiting, state.scrape_inflight,
                                           occupancy, reference_s=reference)
             if decision is not None:
                 log.debug("window of %s now %.1f: %s", state.id, decision.window, decision.reason)
@@ -414,7 +418,7 @@ class ServerBook:
             if kind is FailureKind.RATE_LIMITED:
                 learning.on_rate_limited()
             decision = learning.on_finish(0, 0.0, now, self.ledger.busy_s(state.id), state.scraped_waiting,
-                                          state.inflight, self.ledger.occupancy_s(state.id))
+                                          state.scrape_inflight, self.ledger.occupancy_s(state.id))
             if decision is not None:
                 self._rewindow(state)
         state.failures[kind.value] = state.failures.get(kind.value, 0) + 1

@@ -204,6 +204,38 @@ async def test_on_sglang_queued_attempts_are_given_back_and_aborted_by_their_ids
     assert slow.completed == 4 and slow.engine.counters.finished == 4 and dispatcher.inflight() == {}
 
 
+async def test_a_scrapes_queue_is_read_against_what_was_in_flight_when_it_was_taken(fakes: FakePool) -> None:
+    """The answers' engine-queue rule compares the newest scrape's queue with this dispatcher's attempts there when
+    that scrape was taken, not with those in flight at the answer: a scrape of 12 queued of 16, read at the next
+    answer (15 left), cut the window to 15 − 12 + 2 = 5 where the engine had been running 4 of ours plus a short
+    queue (an SGLang A100 in a perturbed Table 7 world went from 137 to 1 this way and took 7 s to grow back)."""
+    server = fakes.start(max_running=4, decode_s=0.05)
+    snap = snapshot_of([server], capacity=16)
+    current = [snap]
+    dispatcher = fakes.dispatcher(lambda: current[0], make_policy("least_inflight"),
+                                  config=DispatchConfig(give_back_queued=False))
+    dispatcher.notify_snapshot()
+    calls = submit(dispatcher, 16)
+    await asyncio.sleep(0.2)
+    current[0] = queued_scrape(snap, running=4, waiting=12)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+
+    def window() -> tuple[int, str | None]:
+        stats = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+        return stats.window, stats.window_reason
+
+    assert window()[0] == 6  # the scrape's own rule: 4 running + 2
+    while server.completed < 4:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.01)
+    size, reason = window()
+    assert reason is not None and reason.startswith("engine queue 12") and "scrape" not in reason
+    assert size == 6 and dispatcher.inflight() == {"s0": 12}
+    await asyncio.gather(*calls)
+    assert dispatcher.inflight() == {}
+
+
 async def test_a_short_engine_queue_or_the_option_off_takes_nothing_back(fakes: FakePool) -> None:
     """A queue of fewer than three quarters of this dispatcher's attempts there keeps a KV-bound engine's batch
     full: no shrink between answers. With `give_back_queued` off, a deep queue shrinks the window (no more are
