@@ -213,9 +213,13 @@ class BatchEngine:
             seq.fut.exception()  # (retrieved: a caller that went away does not leave it unread)
         return True
 
-    def _abort(self, seq: _Seq) -> None:
+    def _forget_rid(self, seq: _Seq) -> None:
+        """The sequence left the engine: its id no longer aborts anything (another request may carry it next)."""
         if seq.rid is not None and self._rids.get(seq.rid) is seq:
             del self._rids[seq.rid]
+
+    def _abort(self, seq: _Seq) -> None:
+        self._forget_rid(seq)
         if seq in self._running:
             self._running.remove(seq)
             self._kv_used -= seq.context - seq.prefill_left
@@ -302,8 +306,7 @@ class BatchEngine:
             if seq.prefill_left == 0 and seq.decoded >= seq.out_tokens:
                 self._kv_used -= seq.context
                 self.counters.finished += 1
-                if seq.rid is not None and self._rids.get(seq.rid) is seq:
-                    del self._rids[seq.rid]
+                self._forget_rid(seq)
                 if not seq.fut.done():
                     queued = (seq.admitted_at or now) - seq.arrived
                     seq.fut.set_result(Generation(seq.prompt_tokens, seq.cached, seq.decoded, queued, seq.preempted))

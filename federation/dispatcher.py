@@ -241,7 +241,7 @@ class Dispatcher:
             cancel_s = None  # on an engine that drops the request once its client went: may be given back
             entry = state.entry
             if entry is not None and (self._give_back_queued or state.lease is not None):
-                # (engine_cancel_s and Preemptions.started, inlined: every attempt passes here)
+                # (engine_cancel_s and noting the attempt in Preemptions.running, inlined: every attempt passes here)
                 cancel_s = (STREAMED_CANCEL_S if sends_stream(state, request) else ENGINE_CANCEL_S).get(
                     entry.record.engine)
                 if cancel_s is not None:

@@ -62,15 +62,6 @@ class Preemptions:
         self.count = 0  # attempts given back
         self.lost_s = 0.0  # the engine time they had used
 
-    def started(self, server_id: str, task: Task | None, now: float) -> None:
-        """An attempt on a leased server began (its task is the request's)."""
-        if task is None:
-            return
-        running = self.running.get(server_id)
-        if running is None:
-            running = self.running[server_id] = {}
-        running[task] = now
-
     def ended(self, server_id: str, task: Task | None) -> None:
         """The attempt let its slot go (answered, failed, cancelled or taken)."""
         running = self.running.get(server_id)
