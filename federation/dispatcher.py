@@ -236,7 +236,9 @@ class Dispatcher:
             and not request.reproducible else None  # hedgeable (tail.hedgeable): a copy may race it at the tail
         retry: RetryState | None = None
         while True:
-            state, route = await self._acquire(request, retry.tried if retry is not None else NO_TRIED)
+            tried = retry.tried if retry is not None else NO_TRIED
+            granted = self._grant_now(request, tried)
+            state, route = granted if granted is not None else await self._acquire(request, tried)
             started = self._clock()
             cancel_s = None  # on an engine that drops the request once its client went: may be given back
             entry = state.entry
@@ -355,6 +357,51 @@ class Dispatcher:
         )
 
     # ---- waiting for a slot -------------------------------------------------------------------------
+    def _grant_now(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route] | None:
+        """The first request of a loop turn, on a route where nothing waits and where room is left after it, is
+        placed at once (None: it waits in `_acquire`). The grant pass that this turn schedules still runs (it
+        measures the loop's lag); the turn's later requests wait for it and are granted there in the client order,
+        and so is any request that would take the route's last slot. Placing the first at once saves the pass's
+        waiter, its future and a turn of the loop (one request at a time through `submit`: 35 to 25 µs of CPU).
+        It can take a slot a later request of the same turn comes before in the client order only when that turn
+        brings more requests than the route has room for."""
+        if self._grant_soon is not None:
+            return None
+        route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
+                                       request.pinned_servers))
+        if route is None or route.waiting or not route.free:
+            return None
+        began = time.perf_counter()
+        now = self._clock()
+        self._book.sync(self._snapshots())
+        if route.waiting or not route.free or self._book.routes.get(route.key) is not route:
+            return None
+        client = request.client_id
+        self._clients.note_request(client, request, now)  # (again in `_acquire` if it waits: it only sets)
+        route.memo.clear()
+        try:
+            placed = self._policy.place(route, request, tried)
+        except Exception:
+            return None  # (the grant pass asks again, and says what went wrong)
+        if placed.__class__ is Hold or route not in getattr(placed, "routes", ()):
+            return None
+        if len(route.free) < 2 and placed.inflight + 1 >= placed.window:
+            return None  # the route's last slot: the turn's requests compete for it in the client order
+        if not self._waiting and self.on_demand is not None and not self._ledger.total():
+            self.on_demand(True)  # idle until now
+        self._book.take(placed, client, now)
+        self._clients.started(client, now)
+        self._decisions += 1
+        loop = asyncio.get_running_loop()
+        self._grant_soon = loop.call_soon(self._grant_submitted)
+        self._grant_asked_at = loop.time()
+        if self._stalls is not None:
+            self._stalls.pending_since = self._grant_asked_at
+        if now - self._swept_at >= CLIENT_TTL_S / 10:
+            self._sweep(now)
+        self._decision_s += time.perf_counter() - began
+        return placed, route
+
     async def _acquire(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route]:
         """Wait for a slot, in the serving order (ClientBook.key, then arrival); a request that just finished
         cannot barge ahead of waiting ones."""

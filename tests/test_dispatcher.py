@@ -177,6 +177,7 @@ async def test_requests_submitted_together_are_granted_in_the_client_order(fakes
                                   config=DispatchConfig(client_order="shortest_first"))
     dispatcher.set_client_remaining("big", 1000.0)
     dispatcher.set_client_remaining("small", 10.0)
+    await dispatcher.submit(request(99, client_id="warm"))  # the route exists and nothing waits: as in a busy run
     done: list[str] = []
 
     async def one(client: str, i: int) -> None:
@@ -185,6 +186,34 @@ async def test_requests_submitted_together_are_granted_in_the_client_order(fakes
 
     await asyncio.gather(*(one(c, i) for i, c in enumerate(["big", "big", "small", "small"])))
     assert done == ["small", "small", "big", "big"], done
+
+
+async def test_a_request_alone_in_its_turn_is_placed_at_once_and_the_turns_others_in_the_client_order(
+        fakes: FakePool) -> None:
+    """Where nothing waits and room is left after it, the turn's first request takes its slot in its own step
+    (no grant pass, no turn of the loop); the turn's later ones wait for the pass and go in the client order."""
+    server = fakes.start(max_running=3, decode_s=0.01)
+    snap = snapshot_of([server], capacity=3)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("round_robin"),
+                                  config=DispatchConfig(client_order="shortest_first", adaptive_windows=False))
+    dispatcher.set_client_remaining("big", 1000.0)
+    dispatcher.set_client_remaining("small", 10.0)
+    await dispatcher.submit(request(99, client_id="warm"))
+    first = asyncio.create_task(dispatcher.submit(request(0, client_id="alone")))
+    await asyncio.sleep(0)  # the task's first step ran; a grant pass would run on a later turn
+    assert dispatcher.inflight() == {"s0": 1}
+    await first
+    done: list[str] = []
+
+    async def one(client: str, i: int) -> None:
+        await dispatcher.submit(request(i, client_id=client))
+        done.append(client)
+
+    # Three slots, four requests in one turn: "big" (first) is placed at once, as room is left after it; the
+    # two slots left go to "small" in the pass, and the other "big" waits for the first answer.
+    await asyncio.gather(*(one(c, i) for i, c in enumerate(["big", "big", "small", "small"])))
+    assert sorted(done[:3]) == ["big", "small", "small"], done  # (answered together: their order is the fakes')
+    assert done[3] == "big", done
 
 
 # ---- failures, in simulated time --------------------------------------------------------------------------
