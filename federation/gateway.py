@@ -241,73 +241,81 @@ class Gateway:
         return web.json_response(_model_object(model, served[model]))
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
-        """/v1/completions and /v1/chat/completions (the route is the endpoint: one coroutine less a request)."""
+        """/v1/completions and /v1/chat/completions (the route is the endpoint; one coroutine a request, not a
+        chain: a coroutine frame more is walked at every resumption of the request's task)."""
         started = time.perf_counter()
         endpoint = _ENDPOINTS[request.path]
         status = "500"
         try:
-            response, status = await self._answer(request, endpoint)
-            return response
+            if self.overload.check():  # before reading the body: refusing must cost as little as possible
+                self._metrics.shed.inc()
+                status = "503"
+                return _error(503, "the gateway is overloaded (its event loop is "
+                              f"{self.overload.lag_s() * 1000:.0f} ms behind); retry shortly", "service_unavailable",
+                              code="gateway_overloaded", headers={"Retry-After": "1"})
+            client = self._client(request)
+            if client.__class__ is not str:
+                status = str(client.status)  # type: ignore[union-attr]
+                return client  # type: ignore[return-value]
+            try:
+                body = loads(await request.read())
+            except web.HTTPRequestEntityTooLarge:
+                status = "413"
+                return _error(413, f"request body larger than {self._max_body} bytes", "invalid_request_error")
+            except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
+                status = "400"
+                return _error(400, "request body is not valid JSON", "invalid_request_error")
+            problem = _check_body(body, endpoint)
+            if problem is not None:
+                status = "400"
+                return problem
+            model = body["model"]
+            facts = self.facts()
+            if model not in facts.served:
+                status = "404"
+                return self._unknown_model(model, facts.served)
+            limit = self._max_inflight if self._max_inflight is not None else max(256, 2 * facts.capacity)
+            if self._inflight >= limit:
+                self._metrics.shed.inc()
+                status = "429"
+                return _error(429, "the gateway is at capacity; retry shortly", "rate_limit_error",
+                              code="gateway_overloaded", headers={"Retry-After": "1"})
+            try:
+                req = InferenceRequest.from_body(
+                    body, request_id=f"{self._id_prefix}{next(self._request_ids)}", model=model, endpoint=endpoint,
+                    client_id=client, revision=request.headers.get("X-Model-Revision") or None,
+                )
+            except ValueError as exc:
+                status = "400"
+                return _error(400, str(exc), "invalid_request_error")
+            self._inflight += 1
+            try:
+                if body.get("stream"):
+                    relay = StreamRelay(self._dispatcher, self._snapshot, request, req, model)
+                    response = await relay.run()
+                    self._metrics.migrations.inc(relay.outcome.migrations)
+                    status = ("client_closed" if relay.outcome.client_gone else
+                              "broken" if relay.outcome.broken else str(response.status))
+                    return response
+                result = await self._dispatcher.submit(req)
+            except NoServerError as exc:
+                status = "503"
+                return _error(503, str(exc), "service_unavailable", code="no_server",
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
+            except RequestFailed as exc:
+                failed, status = self._failed(exc)
+                return failed
+            finally:
+                self._inflight -= 1
+            status = "200"
+            return web.Response(body=_answer_bytes(result.completion, model, endpoint, req.request_id), headers={
+                "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
+                "X-Fedpool-Attempts": str(len(result.attempts))})
         except asyncio.CancelledError:
             status = "client_closed"  # the caller went away (handler cancellation): its slot is already back
             raise
         finally:
             self._metrics.observe(endpoint, status, time.perf_counter() - started)  # (a StrEnum: its own value)
-
-    async def _answer(self, request: web.Request, endpoint: Endpoint) -> tuple[web.StreamResponse, str]:
-        if self.overload.check():  # before reading the body: refusing must cost as little as possible
-            self._metrics.shed.inc()
-            return _error(503, f"the gateway is overloaded (its event loop is {self.overload.lag_s() * 1000:.0f} ms "
-                          "behind); retry shortly", "service_unavailable", code="gateway_overloaded",
-                          headers={"Retry-After": "1"}), "503"
-        client = self._client(request)
-        if isinstance(client, web.Response):
-            return client, str(client.status)
-        try:
-            body = loads(await request.read())
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body larger than {self._max_body} bytes", "invalid_request_error"), "413"
-        except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
-            return _error(400, "request body is not valid JSON", "invalid_request_error"), "400"
-        problem = _check_body(body, endpoint)
-        if problem is not None:
-            return problem, "400"
-        model = body["model"]
-        facts = self.facts()
-        if model not in facts.served:
-            return self._unknown_model(model, facts.served), "404"
-        limit = self._max_inflight if self._max_inflight is not None else max(256, 2 * facts.capacity)
-        if self._inflight >= limit:
-            self._metrics.shed.inc()
-            return _error(429, "the gateway is at capacity; retry shortly", "rate_limit_error",
-                          code="gateway_overloaded", headers={"Retry-After": "1"}), "429"
-        try:
-            req = InferenceRequest.from_body(
-                body, request_id=f"{self._id_prefix}{next(self._request_ids)}", model=model, endpoint=endpoint,
-                client_id=client, revision=request.headers.get("X-Model-Revision") or None,
-            )
-        except ValueError as exc:
-            return _error(400, str(exc), "invalid_request_error"), "400"
-        self._inflight += 1
-        try:
-            if body.get("stream"):
-                relay = StreamRelay(self._dispatcher, self._snapshot, request, req, model)
-                response = await relay.run()
-                self._metrics.migrations.inc(relay.outcome.migrations)
-                status = ("client_closed" if relay.outcome.client_gone else
-                          "broken" if relay.outcome.broken else str(response.status))
-                return response, status
-            result = await self._dispatcher.submit(req)
-        except NoServerError as exc:
-            return _error(503, str(exc), "service_unavailable", code="no_server",
-                          headers={"Retry-After": str(RETRY_AFTER_S)}), "503"
-        except RequestFailed as exc:
-            return self._failed(exc)
-        finally:
-            self._inflight -= 1
-        return web.Response(body=_answer_bytes(result.completion, model, endpoint, req.request_id), headers={
-            "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
-            "X-Fedpool-Attempts": str(len(result.attempts))}), "200"
 
     def _failed(self, exc: RequestFailed) -> tuple[web.Response, str]:
         """An upstream refusal keeps the engine's own status and message (its culprit field), attributed to the
