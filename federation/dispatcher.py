@@ -392,15 +392,18 @@ class Dispatcher:
         self._book.take(placed, client, now)
         self._clients.started(client, now)
         self._decisions += 1
-        loop = asyncio.get_running_loop()
-        self._grant_soon = loop.call_soon(self._grant_submitted)
-        self._grant_asked_at = loop.time()
-        if self._stalls is not None:
-            self._stalls.pending_since = self._grant_asked_at
+        self._ask_grant_pass(asyncio.get_running_loop())
         if now - self._swept_at >= CLIENT_TTL_S / 10:
             self._sweep(now)
         self._decision_s += time.perf_counter() - began
         return placed, route
+
+    def _ask_grant_pass(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The grant pass on the loop's next turn (how late it runs is the loop's lag)."""
+        self._grant_soon = loop.call_soon(self._grant_submitted)
+        self._grant_asked_at = loop.time()
+        if self._stalls is not None:
+            self._stalls.pending_since = self._grant_asked_at
 
     async def _acquire(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route]:
         """Wait for a slot, in the serving order (ClientBook.key, then arrival); a request that just finished
@@ -430,10 +433,7 @@ class Dispatcher:
         # order their coroutines happened to run.
         self._submitted_routes.add(route)
         if self._grant_soon is None:
-            self._grant_soon = loop.call_soon(self._grant_submitted)
-            self._grant_asked_at = loop.time()
-            if self._stalls is not None:
-                self._stalls.pending_since = self._grant_asked_at
+            self._ask_grant_pass(loop)
         try:
             return await waiter.future, route
         except asyncio.CancelledError:

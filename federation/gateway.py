@@ -254,9 +254,9 @@ class Gateway:
                               f"{self.overload.lag_s() * 1000:.0f} ms behind); retry shortly", "service_unavailable",
                               code="gateway_overloaded", headers={"Retry-After": "1"})
             client = self._client(request)
-            if client.__class__ is not str:
-                status = str(client.status)  # type: ignore[union-attr]
-                return client  # type: ignore[return-value]
+            if isinstance(client, web.Response):
+                status = str(client.status)
+                return client
             try:
                 body = loads(await request.read())
             except web.HTTPRequestEntityTooLarge:

@@ -53,8 +53,7 @@ class ServerState(ServerSlots):
     __slots__ = ("abort_path", "answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
                  "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning", "lease", "open_until",
                  "present", "queue_clear", "queue_full", "routes", "scrape_at", "scrape_inflight", "scraped_running",
-                 "scraped_waiting",
-                 "streamed", "tokens", "trial", "url", "weight", "window")
+                 "scraped_waiting", "streamed", "tokens", "trial", "url", "weight", "window")
 
     def __init__(self, server_id: str):
         super().__init__(server_id)
