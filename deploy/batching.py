@@ -86,6 +86,7 @@ class _Seq:
     admitted_at: float | None = None
     preempted: int = 0
     rid: str | None = None  # the caller's id for it, by which it may be aborted
+    on_first_token: Callable[[], None] | None = None  # called once, as the step that ends its prompt samples
 
     @property
     def context(self) -> int:
@@ -154,9 +155,10 @@ class BatchEngine:
 
     # ---- requests -----------------------------------------------------------------------------------
     async def generate(self, prompt_tokens: int, out_tokens: int, blocks: tuple[int, ...] = (),
-                       rid: str | None = None) -> Generation:
-        """Run one request to its end; `rid`: the caller's id for it (`abort`). Raises PromptTooLong, or Aborted
-        when aborted by its id."""
+                       rid: str | None = None, on_first_token: Callable[[], None] | None = None) -> Generation:
+        """Run one request to its end; `rid`: the caller's id for it (`abort`); `on_first_token`: called as its
+        prompt is done and its first token sampled (where a streamed answer's first event would go out). Raises
+        PromptTooLong, or Aborted when aborted by its id."""
         budget = self.profile.kv_cache_tokens
         if budget is not None and prompt_tokens + 1 > budget:
             raise PromptTooLong(f"prompt of {prompt_tokens} tokens exceeds the KV cache ({budget} tokens)")
@@ -166,9 +168,12 @@ class BatchEngine:
             self.counters.finished += 1
             self.counters.prompt_tokens += prompt_tokens
             self.counters.generation_tokens += max(1, out_tokens)
+            if on_first_token is not None:
+                on_first_token()
             return Generation(prompt_tokens, 0, max(1, out_tokens), 0.0, 0)
         loop = asyncio.get_running_loop()
-        seq = _Seq(prompt_tokens, max(1, out_tokens), blocks, loop.create_future(), self._clock(), rid=rid)
+        seq = _Seq(prompt_tokens, max(1, out_tokens), blocks, loop.create_future(), self._clock(), rid=rid,
+                   on_first_token=on_first_token)
         if rid is not None:
             self._rids[rid] = seq
         self._waiting.append(seq)
@@ -368,6 +373,9 @@ class BatchEngine:
                 if p.prefix_cache:
                     self._remember(seq)
                 seq.decoded += 1  # the step that completes a prompt samples its first token
+                if seq.on_first_token is not None:
+                    seq.on_first_token()
+                    seq.on_first_token = None
                 self._kv_used += 1
                 self.counters.generation_tokens += 1
         self._log(cost)

@@ -34,7 +34,7 @@ from fedpool.federation.retries import RetryState, backoff_s
 from fedpool.federation.routes import Route, Waiter
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
 from fedpool.federation.tail import Racer, TailRescue
-from fedpool.federation.transport import HttpTransport, Transport, sends_stream
+from fedpool.federation.transport import STREAM_PROGRESS, HttpTransport, StreamProgress, Transport, sends_stream
 from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
 from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 
@@ -244,13 +244,17 @@ class Dispatcher:
             entry = state.entry
             if entry is not None and (self._give_back_queued or state.lease is not None):
                 # (engine_cancel_s and noting the attempt in Preemptions.running, inlined: every attempt passes here)
-                cancel_s = (STREAMED_CANCEL_S if sends_stream(state, request) else ENGINE_CANCEL_S).get(
-                    entry.record.engine)
+                streamed = sends_stream(state, request)
+                cancel_s = (STREAMED_CANCEL_S if streamed else ENGINE_CANCEL_S).get(entry.record.engine)
                 if cancel_s is not None:
                     running = self._preempt.running.get(state.id)
                     if running is None:
                         running = self._preempt.running[state.id] = {}
-                    running[task or asyncio.current_task()] = started  # type: ignore[index]
+                    current_task = task or asyncio.current_task()
+                    running[current_task] = started  # type: ignore[index]
+                    if streamed:  # taken only once it decodes (preempt.py): the transport says when
+                        progress = self._preempt.streams[current_task] = StreamProgress()  # type: ignore[index]
+                        STREAM_PROGRESS.set(progress)
             racer = None
             if task is not None and racers is not None:
                 racer = racers[task] = Racer(request, state, route, started, task)
@@ -563,8 +567,12 @@ class Dispatcher:
         self._book.release(state, client)
         self._clients.ended(client)
         running = self._preempt.running.get(state.id)  # (Preemptions.ended, inlined: every release passes here)
-        if running is not None and running.pop(asyncio.current_task(), None) is not None and not running:  # type: ignore[arg-type]
-            del self._preempt.running[state.id]
+        if running is not None:
+            current = asyncio.current_task()
+            if running.pop(current, None) is not None and not running:  # type: ignore[arg-type]
+                del self._preempt.running[state.id]
+            if self._preempt.streams:
+                self._preempt.streams.pop(current, None)  # type: ignore[arg-type]
         if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
             self.on_over_lease_release()  # (it held one more than its lease there until now)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
@@ -636,6 +644,7 @@ class Dispatcher:
 
     async def _run_copy(self, racer: Racer, state: ServerState) -> None:
         racer.copy_ran = True
+        STREAM_PROGRESS.set(None)  # (the context it was created in may hold its first attempt's: copies are not taken)
         try:
             completion = await self._transport.complete(state, racer.request)
         except AttemptError as err:

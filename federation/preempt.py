@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fedpool.federation.tail import Racer
+from fedpool.federation.transport import StreamProgress
 
 PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
 # How long an engine goes on with a request whose connection closed, by engine: the slot stays counted that long
@@ -34,14 +35,18 @@ PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back t
 # runs a non-streamed request to its end after its client has gone — four cancelled 200-token requests kept all 4
 # slots busy 6 s later, and a give-back there queued the next requests in the engine (4 deep for 5 s,
 # benchmarks/multiprocess.py) — but stops a streamed one at its next token, so the transport asks it for streams
-# (transport.STREAMED_ENGINES) and only those are given back. It notices the closed connection as it sends the
-# next token, after a prefill under way: released at once, three requests sent in place of given-back ones
-# waited in its queue for 0.3 s (benchmarks/multiprocess.py), so the slot stays counted half a second more.
-# SGLang notices a closed connection only on the first 4 s timeout of its wait for the request's output
-# (`_wait_one_response`; deploy/emulator.py `abort_check_s`), but the transport aborts a cancelled attempt there at
-# once by its id (`HttpTransport`, /abort_request). Other servers are not checked: never asked to give a slot back.
+# (transport.STREAMED_ENGINES) and only those are given back, and only once they decode: llama.cpp reads a cancel
+# between its batches, and a prompt is one batch, so a stream cancelled in its prompt holds its slot to the
+# prompt's end — four streams of ~400 prompt tokens cancelled 0.1 s in (no token yet) kept all 4 slots 3.6–6.9 s,
+# where four decoding streams let go of theirs 0.06 s after the cancel (the engine's requests_processing, 50 ms
+# samples, 2 runs each; 0.5 s held here before, and the multiprocess run's engine queued 4 as leases settled).
+# So a streamed attempt is taken only once its engine has sent a byte (`transport.StreamProgress`), and its slot
+# stays counted 0.2 s more (over 3× what was measured). SGLang notices a closed connection only on the first 4 s
+# timeout of its wait for the request's output (`_wait_one_response`; deploy/emulator.py `abort_check_s`), but the
+# transport aborts a cancelled attempt there at once by its id (`HttpTransport`, /abort_request). Other servers
+# are not checked: never asked to give a slot back.
 ENGINE_CANCEL_S = {"vllm": 0.0, "sglang": 0.0}
-STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.5}
+STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.2}
 
 
 def engine_cancel_s(engine: str | None, streamed: bool = False) -> float | None:
@@ -59,6 +64,8 @@ class Preemptions:
         self._max_age_s = max_age_s
         self.running: dict[str, dict[Task, float]] = {}  # server id -> attempt's task -> when it started
         self._taken: dict[Task, str] = {}  # attempts cancelled to give their slot back -> their server
+        # Streamed attempts running: taken only once their engine sends (`StreamProgress.decoding`; see above).
+        self.streams: dict[Task, StreamProgress] = {}
         self.count = 0  # attempts given back
         self.lost_s = 0.0  # the engine time they had used
 
@@ -67,6 +74,8 @@ class Preemptions:
         running = self.running.get(server_id)
         if running is not None and task is not None and running.pop(task, None) is not None and not running:
             del self.running[server_id]
+        if self.streams and task is not None:
+            self.streams.pop(task, None)
 
     def over_limit(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None,
                    max_age_s: float | None = None) -> int:
@@ -88,6 +97,9 @@ class Preemptions:
             racer = racers.get(task) if racers is not None else None
             if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
                 continue
+            progress = self.streams.get(task)
+            if progress is not None and not progress.decoding:
+                continue  # still in its prompt: the engine would hold the slot to the prompt's end anyway
             if racer is not None:
                 racer.racing = False  # no copy may start for it now
             self._taken[task] = server_id

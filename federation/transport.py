@@ -70,6 +70,22 @@ class Timeouts:
 _ATTEMPT: contextvars.ContextVar[SimpleNamespace | None] = contextvars.ContextVar("fedpool_attempt", default=None)
 
 
+class StreamProgress:
+    """Whether a streamed attempt's engine has sent any of its answer yet: its prompt is done and it decodes. The
+    caller of `complete` that wants to know sets one in `STREAM_PROGRESS` (its task's context) before the call;
+    `assemble_stream` marks it at the body's first bytes (the dispatcher gives back only a streamed attempt that
+    decodes: preempt.py)."""
+
+    __slots__ = ("decoding",)
+
+    def __init__(self) -> None:
+        self.decoding = False
+
+
+STREAM_PROGRESS: contextvars.ContextVar[StreamProgress | None] = contextvars.ContextVar(
+    "fedpool_stream_progress", default=None)
+
+
 class ReuseTrackingConnector(aiohttp.TCPConnector):
     """aiohttp's connector, telling the attempt it connects for (`_ATTEMPT`, in the caller's context) whether the
     connection came from its pool: a reset there is a stale keep-alive connection's, not the server's. (An aiohttp
@@ -324,7 +340,11 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
     events = 0
     done = False
     buffer = b""
+    progress = STREAM_PROGRESS.get()
     async for chunk in content.iter_any():
+        if progress is not None:
+            progress.decoding = True
+            progress = None
         size += len(chunk)
         if size > MAX_RESPONSE_BYTES:
             raise AttemptError(FailureKind.BAD_RESPONSE,

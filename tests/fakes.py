@@ -23,6 +23,7 @@ import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from fedpool.deploy.batching import BatchEngine
@@ -39,7 +40,16 @@ from fedpool.federation import (
     Timeouts,
     Transport,
 )
-from fedpool.federation.transport import Target, http_error, parse_completion, request_body, transport_error
+from fedpool.federation.transport import (
+    STREAM_PROGRESS,
+    StreamProgress,
+    Target,
+    http_error,
+    parse_completion,
+    request_body,
+    sends_stream,
+    transport_error,
+)
 from fedpool.registry import PoolSnapshot
 
 WALL_EPOCH_S = 1_800_000_000.0  # the fake wall clock reads this plus the loop's time
@@ -124,19 +134,21 @@ class FakeServer:
         if self._closing is not None:
             await self._closing
 
-    async def complete(self, request: InferenceRequest, rid: str | None = None) -> Completion:
+    async def complete(self, request: InferenceRequest, rid: str | None = None,
+                       progress: StreamProgress | None = None) -> Completion:
         """What the emulator's HTTP handler does with the request, as the transport would parse it (`rid`: the id
-        an SGLang-like engine may abort it by)."""
+        an SGLang-like engine may abort it by; `progress`: marked decoding at its first token, as the transport
+        marks a streamed attempt at its first bytes)."""
         if not self.accepting:
             raise AttemptError(FailureKind.CONNECT, "ClientConnectorError")
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
         try:
-            return await self._serve(request, rid)
+            return await self._serve(request, rid, progress)
         finally:
             self.inflight -= 1
 
-    async def _serve(self, request: InferenceRequest, rid: str | None) -> Completion:
+    async def _serve(self, request: InferenceRequest, rid: str | None, progress: StreamProgress | None) -> Completion:
         body = request_body(request)
         if request.model != self.model:
             raise http_error(404, _error(f"model must be {self.model!r}"))
@@ -163,7 +175,8 @@ class FakeServer:
         out_tokens = max_tokens if body.get("ignore_eos") is True else min(max_tokens, stops_at)
         self.received += 1
         try:
-            generation = await self.engine.generate(prompt_tokens, out_tokens, (), rid)
+            first_token = None if progress is None else partial(setattr, progress, "decoding", True)
+            generation = await self.engine.generate(prompt_tokens, out_tokens, (), rid, first_token)
         except asyncio.CancelledError:
             self._dropped_or_raise()
             raise
@@ -231,9 +244,10 @@ class FakeTransport(Transport):
         # On an engine that aborts by id (SGLang), the attempt carries one and a cancel aborts it at once, as the
         # HTTP transport does.
         rid = f"fake-{self.attempts}" if server.abort_path is not None else None
+        progress = STREAM_PROGRESS.get() if sends_stream(server, request) else None
         try:
             async with asyncio.timeout(min(self.timeouts.first_byte_s, self.timeouts.total_s)):
-                return await fake.complete(request, rid)
+                return await fake.complete(request, rid, progress)
         except TimeoutError as exc:
             if rid is not None:
                 fake.engine.abort(rid)

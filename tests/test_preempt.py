@@ -133,6 +133,37 @@ async def test_on_llamacpp_streamed_attempts_give_their_slot_back(fakes: FakePoo
     assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
 
 
+async def test_on_llamacpp_a_streamed_attempt_still_in_its_prompt_is_not_given_back(fakes: FakePool) -> None:
+    """llama.cpp reads a cancel between its batches and a prompt is one batch, so a stream cancelled in its prompt
+    holds its slot to the prompt's end (preempt.py: 3.6-6.9 s on a real llama-server): giving it back would only
+    queue the request sent in its place in the engine. A streamed attempt is taken only once its engine has sent
+    its first token; then it lets go at its next token."""
+    server = fakes.start(decode_s=0.05, prefill_s=0.05)  # four 4-word prompts: one 0.8 s prefill step
+    snap = snapshot_of([server], capacity=4, engines=["llamacpp"])
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    dispatcher.apply_lease({"s0": 4})
+    calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
+        {"prompt": f"a b c q{i}", "max_tokens": 40, "ignore_eos": True}, request_id=f"r{i}", model="emu-model",
+        endpoint=Endpoint.COMPLETIONS))) for i in range(4)]
+    await asyncio.sleep(0.3)
+    dispatcher.apply_lease({"s0": 1})  # in their prompt: none taken
+    await asyncio.sleep(0.01)
+    assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 4}
+    await asyncio.sleep(0.6)  # the prompt step is done: each has its first token, under a second old
+    dispatcher.apply_lease({"s0": 1})  # (the lease as the broker renews it)
+    await asyncio.sleep(0.01)
+    assert dispatcher.stats().preempted == 3 and dispatcher.stats().waiting == 3
+    delay = engine_cancel_s("llamacpp", streamed=True)
+    assert delay is not None
+    await asyncio.sleep(delay)
+    assert dispatcher.inflight() == {"s0": 1}
+    dispatcher.apply_lease({"s0": 4})
+    results = await asyncio.gather(*calls)
+    assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
+    assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
+
+
 # ---- an engine queue seen by a scrape ------------------------------------------------------------------------
 def queued_scrape(snap: PoolSnapshot, running: int, waiting: int, version: int = 2) -> PoolSnapshot:
     """The same pool, with the first server's engine scraped now: `running` running, `waiting` in its queue."""

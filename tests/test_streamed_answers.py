@@ -20,8 +20,15 @@ from aiohttp import web
 from fedpool.federation import PoolConnection
 from fedpool.federation.errors import AttemptError, FailureKind
 from fedpool.federation.gateway import serving
-from fedpool.federation.transport import HttpTransport, assembles, new_session, parse_completion
-from fedpool.federation.types import Endpoint, InferenceRequest, SamplingParams
+from fedpool.federation.transport import (
+    STREAM_PROGRESS,
+    HttpTransport,
+    StreamProgress,
+    assembles,
+    new_session,
+    parse_completion,
+)
+from fedpool.federation.types import Completion, Endpoint, InferenceRequest, SamplingParams
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import LlamaServers
 
@@ -63,8 +70,11 @@ class ScriptedEngine:
     """An aiohttp app (served on loopback by `engine_with`) that streams `events` (then `tail`) and answers
     unstreamed requests with the same answer whole; it keeps each request's body and Connection header."""
 
-    def __init__(self, events: list[dict[str, Any]], tail: bytes = b"data: [DONE]\n\n"):
+    def __init__(self, events: list[dict[str, Any]], tail: bytes = b"data: [DONE]\n\n",
+                 prompt_done: asyncio.Event | None = None):
         self.events, self.tail = events, tail
+        self.prompt_done = prompt_done  # set: the stream's head goes out at once, its first event only then
+        self.head_sent = asyncio.Event()
         self.seen: list[tuple[dict[str, Any], str | None]] = []
         self.url = ""
 
@@ -81,6 +91,9 @@ class ScriptedEngine:
             return web.json_response(whole(self.events))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        self.head_sent.set()
+        if self.prompt_done is not None:
+            await self.prompt_done.wait()
         for event in self.events:  # split across writes mid-line, as TCP may deliver them
             line = b"data: " + json.dumps(event).encode() + b"\n\n"
             await response.write(line[:7])
@@ -145,6 +158,31 @@ async def test_the_assembled_stream_is_the_answer_the_engine_sends_whole(
         expected.text, expected.finish_reason, expected.prompt_tokens, expected.completion_tokens)
     assert assembled == unstreamed and assembled.model == "gemma3-270m"
     assert assembled.raw is None  # no engine body to pass through: the gateway writes the answer from its fields
+
+
+async def test_a_streamed_attempt_is_marked_decoding_at_its_first_bytes_not_its_head(
+        scripted: contextlib.AsyncExitStack) -> None:
+    """The dispatcher gives back a streamed attempt only once its engine decodes (federation/preempt.py): the
+    transport marks the attempt's StreamProgress at the body's first bytes. The head alone (sent before the prompt
+    is done) does not count."""
+    prompt_done = asyncio.Event()
+    engine = await engine_with(scripted, COMPLETION_EVENTS, prompt_done=prompt_done)
+    progress = StreamProgress()
+    async with new_session() as session:
+        transport = HttpTransport(session)
+
+        async def attempt() -> Completion:
+            STREAM_PROGRESS.set(progress)  # (this task's context, as the dispatcher sets it for its attempt)
+            return await transport.complete(Target("s", engine.url), completion_request())
+
+        call = asyncio.ensure_future(attempt())
+        await engine.head_sent.wait()
+        await asyncio.sleep(0.05)  # (the head has reached the transport, or soon will)
+        assert not progress.decoding
+        prompt_done.set()
+        completion = await call
+    assert progress.decoding and completion.text == whole(COMPLETION_EVENTS)["choices"][0]["text"]
+    assert STREAM_PROGRESS.get() is None  # (set in the attempt's task only)
 
 
 @pytest.mark.parametrize("extra", [{"logprobs": 2}, {"echo": True}, {"n": 3}, {"best_of": 2},
