@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -54,9 +55,9 @@ class CountingEngine(BatchEngine):
     peak = 0
 
     async def generate(self, prompt_tokens: int, out_tokens: int, blocks: tuple[int, ...] = (),
-                       rid: str | None = None) -> Generation:
+                       rid: str | None = None, on_first_token: Callable[[], None] | None = None) -> Generation:
         self.peak = max(self.peak, self.running + self.waiting + 1)
-        return await super().generate(prompt_tokens, out_tokens, blocks, rid)
+        return await super().generate(prompt_tokens, out_tokens, blocks, rid, on_first_token)
 
 
 def peak_of(server: EmulatedServer) -> int:
