@@ -22,6 +22,7 @@ stragglers, exist only at a tail.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ class TailRescue:
         self._start_copy = start_copy
         self._look: asyncio.TimerHandle | None = None
         self.hedges = 0
+        self._groups: dict[tuple[str, str, str], TailGroup] | None = None  # _tail_groups, and when grouped
+        self._grouped_at = 0.0
 
     def client_done(self) -> None:
         """A client has nothing left to send: look for its stragglers from now on."""
@@ -159,37 +162,98 @@ class TailRescue:
         entry = thief.entry
         if not self._racers or entry is None or self._waiting():
             return
+        record = entry.record
+        if (record.engine not in CANCELLING_ENGINES or record.revision == UNSPECIFIED_REVISION or thief.weight <= 0
+                or not self._book.has_room(thief)):
+            return  # (may_race: nothing may race onto it)
+        group = self._tail_groups().get((record.engine, record.model, record.revision))
+        if group:
+            for victim in self._stealable(thief, group):
+                self._start_copy(victim, thief)
+
+    def clients_changed(self) -> None:
+        """A client is done sending (or sends again): the tail's racers are grouped afresh at the next release."""
+        self._groups = None
+
+    def _tail_groups(self) -> dict[tuple[str, str, str], TailGroup]:
+        """The racers of clients done sending that may still be copied (racing, no copy yet), by replica class
+        (engine, model, revision: who may race whom) and server. Grouped at most every HEDGE_RECHECK_S, not at
+        every release: grouping every racer at every release at a tail was 99% of the 10,000-server simulation's
+        CPU (benchmarks/results/scale_sim_10000.md); a racer started since waits for the next grouping, and
+        one that stopped qualifying is skipped as it comes up."""
+        now = self._clock()
+        groups = self._groups
+        if groups is not None and now - self._grouped_at < HEDGE_RECHECK_S:
+            return groups
+        groups = {}
         done = self._clients.done_sending
-
-        def eligible(r: Racer) -> bool:  # the cheap tests first: it runs for every racer
-            return (r.racing and r.copy_server is None and r.request.client_id in done and r.server.entry is not None
-                    and may_race(r.server.entry, entry) and r.route in thief.routes)  # (thief.routes: its few routes)
-
-        for victim in self._stealable(thief, eligible):
-            self._start_copy(victim, thief)
-
-    def _stealable(self, thief: ServerState, eligible: Callable[[Racer], bool]) -> Iterator[Racer]:
-        """While the thief has room: the racer queued last on the server whose queue drains slowest (in flight
-        ÷ learned rate), if slower than the thief would drain with one more. The eligible racers are grouped by
-        server once per release (O(racers)), not once per copy started: at 1,024 simulated servers, grouping
-        every racer again for every copy was a third of the simulation's CPU."""
-        book = self._book
-        if thief.weight <= 0 or not book.has_room(thief):
-            return
-        by_server: dict[ServerState, list[Racer]] = {}
         for racer in self._racers.values():  # oldest first (insertion order)
-            if racer.server is not thief and eligible(racer):
-                by_server.setdefault(racer.server, []).append(racer)
-        while by_server and book.has_room(thief):
-            worst, victim_server = book.drain_s(thief, extra=1), None
-            for server in by_server:
+            if racer.racing and racer.copy_server is None and racer.request.client_id in done:
+                entry = racer.server.entry
+                if entry is None or entry.record.engine not in CANCELLING_ENGINES:
+                    continue
+                record = entry.record
+                key = (record.engine, record.model, record.revision)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = TailGroup()
+                queued = group.queued.get(racer.server)
+                if queued is None:
+                    queued = group.queued[racer.server] = []
+                queued.append(racer)
+        for group in groups.values():
+            group.order(self._book)
+        self._groups, self._grouped_at = groups, now
+        return groups
+
+    def _stealable(self, thief: ServerState, group: TailGroup) -> Iterator[Racer]:
+        """While the thief has room: the racer queued last on the server whose queue drains slowest (in flight
+        ÷ learned rate), if slower than the thief would drain with one more. The group's servers are in a heap by
+        their drain time when grouped, corrected as each comes to the top (drains change as attempts start and
+        end), so a release looks at the slowest few, not every server with stragglers (O(servers) at every
+        release was the next cost at 10,000 servers)."""
+        book = self._book
+        done = self._clients.done_sending
+        heap, queued_on = group.heap, group.queued
+        skipped: list[tuple[float, int, ServerState]] = []  # the thief itself, put back after
+        try:
+            while heap and book.has_room(thief):
+                neg_drain, serial, server = heap[0]
+                queued = queued_on.get(server)
+                if not queued or server.entry is None:
+                    heapq.heappop(heap)
+                    queued_on.pop(server, None)
+                    continue
+                if server is thief:
+                    skipped.append(heapq.heappop(heap))
+                    continue
                 drain = book.drain_s(server)
-                if drain > worst:
-                    worst, victim_server = drain, server
-            if victim_server is None:
-                return
-            queued = by_server[victim_server]
-            victim = queued.pop()
-            if not queued:
-                del by_server[victim_server]
-            yield victim
+                if drain != -neg_drain:
+                    heapq.heapreplace(heap, (-drain, serial, server))
+                    continue
+                if drain <= book.drain_s(thief, extra=1):
+                    return  # the slowest is no slower than the thief with one more
+                victim = queued.pop()
+                if not queued:
+                    del queued_on[server]
+                if (victim.racing and victim.copy_server is None and victim.route in thief.routes
+                        and victim.request.client_id in done):
+                    yield victim
+        finally:
+            for item in skipped:
+                heapq.heappush(heap, item)
+
+
+class TailGroup:
+    """The tail's racers of one replica class (TailRescue._tail_groups): by server, oldest first, and the servers
+    in a heap of (−drain seconds, serial, server), the slowest to drain on top."""
+
+    __slots__ = ("heap", "queued")
+
+    def __init__(self) -> None:
+        self.queued: dict[ServerState, list[Racer]] = {}
+        self.heap: list[tuple[float, int, ServerState]] = []
+
+    def order(self, book: ServerBook) -> None:
+        self.heap = [(-book.drain_s(server), serial, server) for serial, server in enumerate(self.queued)]
+        heapq.heapify(self.heap)
