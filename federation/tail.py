@@ -103,7 +103,9 @@ class TailRescue:
         self._grouped_at = 0.0
 
     def client_done(self) -> None:
-        """A client has nothing left to send: look for its stragglers from now on."""
+        """A client has nothing left to send (or a request of one that has started an attempt): look for its
+        stragglers from now on; the tail's racers are grouped afresh at the next release."""
+        self._groups = None
         if self.enabled and self._racers and self._look is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -180,9 +182,10 @@ class TailRescue:
     def _tail_groups(self) -> dict[TailKey, dict[ServerState, list[Racer]]]:
         """The racers of clients done sending that may still be copied (racing, no copy yet), by route and
         replica class (engine, model, revision: who may race whom), then by server, oldest first. Grouped at most
-        every HEDGE_RECHECK_S, not at every release: grouping every racer at every release at a tail was 99% of
-        the 10,000-server simulation's CPU (py-spy); a racer started since waits for the next grouping (a client
-        done sending starts a new grouping at once), and one that stopped qualifying is dropped as it comes up."""
+        every HEDGE_RECHECK_S, and when a client is done sending or a request of such a client starts an attempt
+        (a retry, a request given back by a shrunk lease), not at every release: grouping every racer at every
+        release at a tail was 99% of the 10,000-server simulation's CPU (py-spy). A racer that stopped qualifying
+        is dropped as it comes up."""
         now = self._clock()
         groups = self._groups
         if groups is not None and now - self._grouped_at < HEDGE_RECHECK_S:
