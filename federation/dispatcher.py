@@ -148,7 +148,7 @@ class Dispatcher:
             self._tail.client_done()
         else:
             self._clients.done_sending.discard(client_id)
-        self._tail.clients_changed()
+            self._tail.clients_changed()  # (client_done regroups too)
 
     def set_client_weight(self, client_id: str, weight: float) -> None:
         """Weighted fair share when the pool is saturated: a client of weight 2 gets twice the slots."""

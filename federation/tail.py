@@ -105,7 +105,7 @@ class TailRescue:
     def client_done(self) -> None:
         """A client has nothing left to send (or a request of one that has started an attempt): look for its
         stragglers from now on; the tail's racers are grouped afresh at the next release."""
-        self._groups = None
+        self.clients_changed()
         if self.enabled and self._racers and self._look is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -176,7 +176,7 @@ class TailRescue:
                     self._start_copy(victim, thief)
 
     def clients_changed(self) -> None:
-        """A client is done sending (or sends again): the tail's racers are grouped afresh at the next release."""
+        """The clients done sending changed: the tail's racers are grouped afresh at the next release."""
         self._groups = None
 
     def _tail_groups(self) -> dict[TailKey, dict[ServerState, list[Racer]]]:

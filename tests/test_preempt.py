@@ -21,9 +21,9 @@ from tests.test_dispatcher import snapshot_of
 pytestmark = pytest.mark.looptime
 
 
-def leased(fakes: FakePool, engine: str = "vllm") -> Dispatcher:
+def leased(fakes: FakePool, engine: str = "vllm", prefill_s: float = 0.0) -> Dispatcher:
     """A dispatcher over one fake 4-slot server (0.05 s a token), leased all 4 slots."""
-    server = fakes.start(decode_s=0.05)
+    server = fakes.start(decode_s=0.05, prefill_s=prefill_s)
     snap = snapshot_of([server], capacity=4, engines=[engine])
     dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
     dispatcher.notify_snapshot()
@@ -31,10 +31,24 @@ def leased(fakes: FakePool, engine: str = "vllm") -> Dispatcher:
     return dispatcher
 
 
-def submit(dispatcher: Dispatcher, n: int, **params: float) -> list[asyncio.Future[InferenceResult]]:
+def submit(dispatcher: Dispatcher, n: int, words: str = "", **params: float) -> list[asyncio.Future[InferenceResult]]:
     return [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
-        {"prompt": f"q{i}", "max_tokens": 40, "ignore_eos": True, **params}, request_id=f"r{i}", model="emu-model",
-        endpoint=Endpoint.COMPLETIONS))) for i in range(n)]
+        {"prompt": f"{words}q{i}", "max_tokens": 40, "ignore_eos": True, **params}, request_id=f"r{i}",
+        model="emu-model", endpoint=Endpoint.COMPLETIONS))) for i in range(n)]
+
+
+async def slots_come_back_as_the_engine_lets_go(dispatcher: Dispatcher,
+                                                calls: list[asyncio.Future[InferenceResult]]) -> None:
+    """Three streamed llama.cpp attempts were given back: their slots count until the engine has let them go, and
+    the requests run again, each answered once, when the lease grows."""
+    delay = engine_cancel_s("llamacpp", streamed=True)
+    assert delay is not None
+    await asyncio.sleep(delay)
+    assert dispatcher.inflight() == {"s0": 1}
+    dispatcher.apply_lease({"s0": 4})
+    results = await asyncio.gather(*calls)
+    assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
+    assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
 
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy-hedgeable"])
@@ -45,7 +59,7 @@ async def test_a_shrunk_lease_takes_back_slots_of_attempts_that_have_only_just_s
     the lease grows: every request answered exactly once, the give-back in its attempt log. Greedy requests may
     be raced by copies at a tail (hedgeable): they are given back the same way, and no copy starts for them."""
     dispatcher = leased(fakes)
-    calls = submit(dispatcher, 4, **({"temperature": 0.0} if greedy else {}))
+    calls = submit(dispatcher, 4, temperature=0.0) if greedy else submit(dispatcher, 4)
     await asyncio.sleep(0.3)
     assert dispatcher.inflight() == {"s0": 4}
     dispatcher.apply_lease({"s0": 1})
@@ -125,12 +139,7 @@ async def test_on_llamacpp_streamed_attempts_give_their_slot_back(fakes: FakePoo
     await asyncio.sleep(0.01)
     assert dispatcher.stats().preempted == 3 and dispatcher.stats().waiting == 3
     assert dispatcher.inflight() == {"s0": 4}  # given back, still counted while the engine lets them go
-    await asyncio.sleep(delay)
-    assert dispatcher.inflight() == {"s0": 1}
-    dispatcher.apply_lease({"s0": 4})
-    results = await asyncio.gather(*calls)
-    assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
-    assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
+    await slots_come_back_as_the_engine_lets_go(dispatcher, calls)
 
 
 async def test_on_llamacpp_a_streamed_attempt_still_in_its_prompt_is_not_given_back(fakes: FakePool) -> None:
@@ -138,14 +147,8 @@ async def test_on_llamacpp_a_streamed_attempt_still_in_its_prompt_is_not_given_b
     holds its slot to the prompt's end (preempt.py: 3.6-6.9 s on a real llama-server): giving it back would only
     queue the request sent in its place in the engine. A streamed attempt is taken only once its engine has sent
     its first token; then it lets go at its next token."""
-    server = fakes.start(decode_s=0.05, prefill_s=0.05)  # four 4-word prompts: one 0.8 s prefill step
-    snap = snapshot_of([server], capacity=4, engines=["llamacpp"])
-    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
-    dispatcher.notify_snapshot()
-    dispatcher.apply_lease({"s0": 4})
-    calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
-        {"prompt": f"a b c q{i}", "max_tokens": 40, "ignore_eos": True}, request_id=f"r{i}", model="emu-model",
-        endpoint=Endpoint.COMPLETIONS))) for i in range(4)]
+    dispatcher = leased(fakes, engine="llamacpp", prefill_s=0.05)
+    calls = submit(dispatcher, 4, words="a b c ")  # four 4-word prompts: one 0.8 s prefill step
     await asyncio.sleep(0.3)
     dispatcher.apply_lease({"s0": 1})  # in their prompt: none taken
     await asyncio.sleep(0.01)
@@ -154,14 +157,7 @@ async def test_on_llamacpp_a_streamed_attempt_still_in_its_prompt_is_not_given_b
     dispatcher.apply_lease({"s0": 1})  # (the lease as the broker renews it)
     await asyncio.sleep(0.01)
     assert dispatcher.stats().preempted == 3 and dispatcher.stats().waiting == 3
-    delay = engine_cancel_s("llamacpp", streamed=True)
-    assert delay is not None
-    await asyncio.sleep(delay)
-    assert dispatcher.inflight() == {"s0": 1}
-    dispatcher.apply_lease({"s0": 4})
-    results = await asyncio.gather(*calls)
-    assert sum(1 for r in results for a in r.attempts if a.detail == PREEMPTED) == 3
-    assert dispatcher.inflight() == {} and dispatcher.stats().completed == 4
+    await slots_come_back_as_the_engine_lets_go(dispatcher, calls)
 
 
 # ---- an engine queue seen by a scrape ------------------------------------------------------------------------
