@@ -634,15 +634,17 @@ def node_loss() -> Figure:
     its own process: it needs a multi-node cluster of its own)."""
     import json
     import subprocess
+    import tempfile
 
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, str(root / "tests" / "multinode" / "node_loss.py")], cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        return Figure("a Ray worker node hosting CPU actors removed at 50%", 135, 0, 0, 0, 0.0, None, False,
-                      f"did not complete: {done.stderr[-300:]}", completed=False)
-    # its last JSON line: Ray's raylet may print log lines after it
-    r = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
+    with tempfile.TemporaryDirectory(prefix="fedpool-node-loss-") as tmp:
+        out = Path(tmp) / "figure.json"  # the script's figure (its stdout is shared with Ray's log lines)
+        done = subprocess.run([sys.executable, str(root / "tests" / "multinode" / "node_loss.py"), str(out)],
+                              cwd=root, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0 or not out.exists():
+            return Figure("a Ray worker node hosting CPU actors removed at 50%", 135, 0, 0, 0, 0.0, None, False,
+                          f"did not complete: {done.stderr[-300:]}", completed=False)
+        r = json.loads(out.read_text())
     moved = r["worker_node"] not in r["stage_nodes_after"]
     return Figure("a Ray worker node hosting CPU actors removed at 50%", r["expected"], r["written"],
                   r["duplicated"], r["failed"], r["wall_s"], None, moved and r["removed"],

@@ -14,19 +14,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def last_json_line(stdout: str) -> dict[str, Any]:
-    """The script's report: its last JSON line (Ray's raylet may print log lines after it)."""
-    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+def run_script(name: str, out: Path) -> dict[str, Any]:
+    """Runs tests/multinode/<name> in its own process (a test session can be connected to one Ray cluster
+    only) and reads the JSON figure it writes to `out`."""
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / name), str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_registry_servers_and_cpu_actors_on_different_nodes() -> None:
-    # Its own process: a test session can be connected to one Ray cluster only.
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / "cluster_check.py")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=280)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = last_json_line(result.stdout)
+def test_registry_servers_and_cpu_actors_on_different_nodes(tmp_path: Path) -> None:
+    report = run_script("cluster_check.py", tmp_path / "report.json")
     nodes = report["server_nodes"]
     assert len({report["registry_node"], nodes["srv-1"], nodes["srv-2"]}) == 3  # three different nodes
     assert sorted(report["registered"]) == ["srv-1", "srv-2"]
@@ -37,11 +37,8 @@ def test_registry_servers_and_cpu_actors_on_different_nodes() -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_losing_the_node_of_the_cpu_actors_loses_no_record() -> None:
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "multinode" / "node_loss.py")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=280)
-    assert result.returncode == 0, result.stderr[-3000:]
-    figure = last_json_line(result.stdout)
+def test_losing_the_node_of_the_cpu_actors_loses_no_record(tmp_path: Path) -> None:
+    figure = run_script("node_loss.py", tmp_path / "figure.json")
     print(figure)
     assert figure["removed"] and figure["expected"] == 135
     assert figure["written"] == 135 and figure["duplicated"] == 0 and figure["failed"] == 0

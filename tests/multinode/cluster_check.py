@@ -1,6 +1,7 @@
 """Run by tests/test_multinode.py in its own process: a Ray cluster of three nodes on this machine
 (ray.cluster_utils.Cluster), the registry pinned to one node, servers registering from the two others, and
-a CPU actor scoring records on a node other than the registry's. Prints one JSON object."""
+a CPU actor scoring records on a node other than the registry's. Writes one JSON object to the file named by
+its one argument (not to stdout, where Ray's own threads print their log lines and can split a line of ours)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ if __name__ == "__main__":
         cluster.add_node(num_cpus=1, resources={f"server-node-{i}": 1})
     ray.init(address=cluster.address, namespace="fedpool", log_to_driver=False)
     try:
-        print(json.dumps(asyncio.run(main())))
+        Path(sys.argv[1]).write_text(json.dumps(asyncio.run(main())))
     finally:
         ray.shutdown()
         cluster.shutdown()

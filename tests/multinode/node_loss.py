@@ -2,7 +2,8 @@
 cluster on this machine (ray.cluster_utils.Cluster); the CPU stage actors of two evals start on the worker
 node; when half the records are written the worker node is removed. Ray starts the actors again on the
 head and retries the calls that were in flight; every record must still end in the artifact exactly once.
-Prints one JSON object (the scenario's figure)."""
+Writes one JSON object (the scenario's figure) to the file named by its one argument: not to stdout,
+where Ray's own threads print their log lines and can split a line of ours."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ if __name__ == "__main__":
     try:
         worker_id = next(n["NodeID"] for n in ray.nodes() if n["NodeManagerAddress"] and n["Alive"]
                          and n["NodeID"] != ray.get_runtime_context().get_node_id())
-        print(json.dumps(asyncio.run(main(cluster, worker, worker_id))))
+        figure = asyncio.run(main(cluster, worker, worker_id))
+        Path(sys.argv[1]).write_text(json.dumps(figure))
     finally:
         ray.shutdown()
         cluster.shutdown()
