@@ -34,12 +34,14 @@ import multiprocessing.synchronize
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from fedpool.benchmarks.assignment import Workload, ideal_makespan
-from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.assignment import Workload, ideal_makespan, saturated_cost
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 from fedpool.benchmarks.simulator import (
     MODEL,
     PROBE_S,
@@ -173,9 +175,14 @@ def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:
 
 
 def run_baseline(spec: Spec) -> SimResult:
+    prices: dict[tuple[str, int, int], float] = {}  # servers of a kind price alike: once per kind and shape
+
     def price(sim: SimServer, prompt: int, answer: int) -> float:
-        entry = ServerEntry(sim.record, ServerStatus.HEALTHY, sim.profile.max_running, prior_weight(sim.record))
-        return server_cost(entry).of(prompt, answer)
+        known = prices.get((sim.kind, prompt, answer))
+        if known is None:
+            entry = ServerEntry(sim.record, ServerStatus.HEALTHY, sim.profile.max_running, prior_weight(sim.record))
+            known = prices[sim.kind, prompt, answer] = server_cost(entry).of(prompt, answer)
+        return known
 
     kinds, profiles = spec.kind_table, spec.profiles()
     return least_work_baseline(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), price)
@@ -242,13 +249,38 @@ def run_wall(spec: Spec, speedup: float) -> float:
 
 
 # ---- the report -----------------------------------------------------------------------------------------
-def describe(result: SimResult, ideal: float) -> dict[str, Any]:
+def describe(result: SimResult, ideal: float, spec: Spec) -> dict[str, Any]:
     finished = sorted(o.finished_s for o in result.outcomes.values())
     return {"makespan_s": result.makespan_s, "vs_ideal": result.makespan_s / ideal,
             "decision_us": result.decision_cpu_s / result.decisions * 1e6 if result.decisions else 0.0,
             "first_s": finished[0], "median_s": statistics.median(finished), "completed": result.completed,
             "failed": result.failed, "inflight_end": result.inflight_end, "wall_s": result.wall_s,
-            "cpu_s": result.process_cpu_s}
+            "cpu_s": result.process_cpu_s, "kinds": by_kind(result, spec)}
+
+
+def by_kind(result: SimResult, spec: Spec) -> dict[str, dict[str, Any]]:
+    """Where the time went, per server kind: its servers, the requests it answered per modality, the work that
+    is at saturated cost (engine seconds per server: what the ideal charges), that work ÷ the makespan, and when
+    its servers answered their last request (median and latest)."""
+    profiles = spec.profiles()
+    shape = {e.name: (e.prompt_tokens, e.answer_tokens) for e in spec.eval_list()}
+    modality = {e.name: e.name.rsplit("-", 1)[-1] for e in spec.eval_list()}
+    out: dict[str, dict[str, Any]] = {}
+    for server in result.servers:
+        row = out.setdefault(server.kind, {"servers": 0, "requests": Counter(), "work_s": 0.0, "last": []})
+        row["servers"] += 1
+        row["last"].append(server.last_answer_s)
+        for client, n in server.answered_by.items():
+            row["requests"][modality.get(client, client)] += n
+            if client in shape and server.kind in profiles:
+                row["work_s"] += n * saturated_cost(profiles[server.kind], *shape[client])
+    for row in out.values():
+        last = sorted(row.pop("last"))
+        row["work_per_server_s"] = row.pop("work_s") / row["servers"]
+        row["busy_share"] = row["work_per_server_s"] / result.makespan_s if result.makespan_s > 0 else 0.0
+        row["last_median_s"], row["last_max_s"] = statistics.median(last), last[-1]
+        row["requests"] = dict(row["requests"])
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -272,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="also compare simulated and wall-clock makespans at 32 servers × 8 evals")
     parser.add_argument("--speedup", type=float, default=2.0, help="wall mode: engine seconds per wall second")
     parser.add_argument("--name", default="scale_sim", help="report name: results/NAME.md")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the report is written")
     args = parser.parse_args(argv)
     seeds = [int(x) for x in args.seeds.split(",")]
     base = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
@@ -285,11 +318,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         requests = sum(e.size for e in spec.eval_list())
         print(f"world {seed}: {spec.servers} servers ({counts}), {spec.evals} evals, {requests} requests; ideal "
               f"{ideal:.1f} s", flush=True)
-        fedpool = describe(run_virtual(spec), ideal)
-        print(f"  fedpool: {fedpool}", flush=True)
-        baseline = describe(run_baseline(spec), ideal) if not args.no_baseline else None
+        fedpool = describe(run_virtual(spec), ideal, spec)
+        print(f"  fedpool: { {k: v for k, v in fedpool.items() if k != 'kinds'} }", flush=True)
+        baseline = describe(run_baseline(spec), ideal, spec) if not args.no_baseline else None
         if baseline is not None:
-            print(f"  least outstanding work: {baseline}", flush=True)
+            print(f"  least outstanding work: { {k: v for k, v in baseline.items() if k != 'kinds'} }",
+                  flush=True)
         worlds.append(WorldOutcome(seed, requests, ideal, lp, longest, fedpool, baseline))
     agreement = None
     if args.agreement:
@@ -299,7 +333,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         agreement = (simulated, walled, abs(simulated - walled) / walled * 100)
         print(f"agreement at 32 × 8: simulated {simulated:.1f} s, wall-clock {walled:.1f} s", flush=True)
     write_report(args.name, f"The scheduler at scale, in simulated time: {base.servers} servers, {base.evals} evals",
-                 _body(base, counts, worlds, agreement, args.speedup), _result(base, worlds, agreement))
+                 _body(base, counts, worlds, agreement, args.speedup), _result(base, worlds, agreement),
+                 results_dir=args.results_dir)
 
 
 @dataclass(frozen=True)
@@ -355,12 +390,34 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
             + (f"; least outstanding work: {_spread([w.baseline['vs_ideal'] for w in worlds if w.baseline])}"
                if all(w.baseline for w in worlds) else "")
             + f". Decision cost: {_spread([w.fedpool['decision_us'] for w in worlds], '{:.0f}')} µs per grant.")
+    text += "\n\n" + _where_time_goes(worlds)
     if agreement is not None:
         simulated, walled, pct = agreement
         text += (f"\n\nAgreement with the wall clock (world {worlds[0].seed}'s shapes at 32 servers × 8 evals, "
                  f"emulated HTTP servers in another process at {speedup:g}× real time, both without the probe "
                  f"cycle): simulated {simulated:.1f} s, wall-clock {walled:.1f} s (engine seconds): {pct:.1f}% apart.")
     return text
+
+
+def _where_time_goes(worlds: list[WorldOutcome]) -> str:
+    """Per world and server kind: what fedpool (and the baseline) gave it, and when its servers went idle."""
+    rows = []
+    for w in worlds:
+        for kind, f in sorted(w.fedpool["kinds"].items()):
+            b = w.baseline["kinds"].get(kind) if w.baseline is not None else None
+            requests = ", ".join(f"{m} {n}" for m, n in sorted(f["requests"].items())) or "none"
+            rows.append((w.seed, kind, f["servers"], requests,
+                         f"{f['work_per_server_s']:.1f} s ({f['busy_share']:.0%})",
+                         f"{f['last_median_s']:.1f} / {f['last_max_s']:.1f} s",
+                         f"{b['work_per_server_s']:.1f} s ({b['busy_share']:.0%})" if b is not None else "—",
+                         f"{b['last_median_s']:.1f} / {b['last_max_s']:.1f} s" if b is not None else "—"))
+    return ("Where the time goes, per server kind: the requests fedpool sent there by modality; the work they are, "
+            "priced at saturated cost, per server (as the ideal prices it; in brackets its share of the makespan: "
+            "the ideal keeps every kind at 100% to its end); and when the kind's servers answered their last "
+            "request (median / latest).\n\n"
+            + markdown_table(("world", "kind", "servers", "fedpool: requests", "fedpool: work per server",
+                              "fedpool: last answer", "least outstanding work: work per server",
+                              "least outstanding work: last answer"), rows))
 
 
 def _result(spec: Spec, worlds: list[WorldOutcome], agreement: tuple[float, float, float] | None) -> dict[str, object]:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,8 @@ class SimServer:
     alive: bool = True
     answered: int = 0
     load: LoadSample | None = None  # the latest scrape
+    answered_by: Counter[str] = field(default_factory=Counter)  # client -> requests it answered
+    last_answer_s: float = 0.0  # when it answered its last request (simulated seconds)
 
 
 class SimTransport:
@@ -112,6 +115,8 @@ class SimTransport:
         if not sim.alive:
             raise AttemptError(FailureKind.CONNECT, "server died mid-request")
         sim.answered += 1
+        sim.answered_by[request.client_id] += 1
+        sim.last_answer_s = asyncio.get_running_loop().time()
         return Completion(text=" x" * out_tokens, finish_reason="length", prompt_tokens=prompt_tokens,
                           completion_tokens=out_tokens)
 
@@ -278,6 +283,17 @@ async def run_eval(dispatcher: Dispatcher, eval_: Eval, clock: Callable[[], floa
     outcome.finished_s = clock()
 
 
+@dataclass(frozen=True, slots=True)
+class ServerOutcome:
+    """What one server of the pool at the end did: its requests answered per client, and when its last one was."""
+
+    id: str
+    kind: str
+    answered_by: Mapping[str, int]
+    last_answer_s: float
+    busy_s: float
+
+
 @dataclass
 class SimResult:
     makespan_s: float
@@ -291,6 +307,7 @@ class SimResult:
     failed: int
     attempts: int
     busy_s: dict[str, float]  # server kind -> engine busy seconds
+    servers: tuple[ServerOutcome, ...] = ()  # the pool at the end, server by server
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -351,10 +368,15 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         decision_cpu_s=sum(s.decision_s for s in stats), process_cpu_s=time.process_time() - cpu0,
         wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
-        attempts=transport.attempts, busy_s=busy)
+        attempts=transport.attempts, busy_s=busy, servers=_outcomes(world))
     await world.close()
     return result
 
+
+
+def _outcomes(world: World) -> tuple[ServerOutcome, ...]:
+    return tuple(ServerOutcome(sim.id, sim.kind, dict(sim.answered_by), sim.last_answer_s, sim.engine.counters.busy_s)
+                 for sim in world.servers.values())
 
 
 def least_work_baseline(world_of: Callable[[Callable[[], float]], World], evals: Sequence[Eval],
@@ -410,7 +432,7 @@ async def _least_work(clock: Callable[[], float], world_of: Callable[[Callable[[
     result = SimResult(makespan_s=clock(), outcomes=outcomes, decisions=0, decision_cpu_s=0.0,
                        process_cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - wall0, inflight_end=0,
                        completed=sum(o.answered for o in outcomes.values()), failed=0, attempts=transport.attempts,
-                       busy_s=busy)
+                       busy_s=busy, servers=_outcomes(world))
     await world.close()
     return result
 

@@ -1,0 +1,33 @@
+"""The scale simulator (benchmarks/scale_sim.py): a small world end to end in simulated time, its report and the
+per-kind account of where the time went, for fedpool and the least-outstanding-work baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedpool.benchmarks.scale_sim import Spec, by_kind, main, run_baseline, run_virtual
+from fedpool.benchmarks.simulator import kind_counts
+
+
+def test_a_small_world_answers_everything_and_accounts_for_every_request_by_kind() -> None:
+    spec = Spec(servers=8, evals=4, seed=5)
+    requests = sum(e.size for e in spec.eval_list())
+    counts = kind_counts(spec.kind_table, spec.servers)
+    for result in (run_virtual(spec), run_baseline(spec)):
+        assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
+        kinds = by_kind(result, spec)
+        assert {k: row["servers"] for k, row in kinds.items()} == counts
+        assert sum(n for row in kinds.values() for n in row["requests"].values()) == requests
+        for row in kinds.values():
+            assert 0 <= row["last_median_s"] <= row["last_max_s"] <= result.makespan_s
+            assert 0 <= row["busy_share"] <= 1.5  # saturated-cost work ÷ makespan: near 1 when a kind is kept busy
+        assert max(row["last_max_s"] for row in kinds.values()) == result.makespan_s  # the last answer ends the run
+
+
+def test_the_report_ends_with_its_result_line_and_shows_where_the_time_goes(tmp_path: Path) -> None:
+    main(["--servers", "8", "--evals", "4", "--seeds", "5", "--name", "small", "--results-dir", str(tmp_path)])
+    text = (tmp_path / "small.md").read_text()
+    assert "Where the time goes, per server kind" in text
+    assert "| 5 | vllm-v100-32gb-7b | 4 |" in text
+    last = text.rstrip().splitlines()[-1]
+    assert last.startswith("result: mode=virtual servers=8 evals=4 vs_ideal=") and "worlds=1" in last
