@@ -54,7 +54,6 @@ class ClientBook:
         # shortest_first: per client, attempts in flight and the sum of when they took their slots (the service
         # they have had so far, for the lease broker's ranks across processes; see `served_s`)
         self._running: dict[str, tuple[int, float]] = {}
-        self.keep_start_times = False  # a policy reads `mean_age` (the planner: what in-flight work has left)
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._shapes: dict[str, ClientShape] = {}
@@ -108,9 +107,8 @@ class ClientBook:
         self._all_s += slot_s
 
     def started(self, client_id: str, now: float) -> None:
-        """An attempt of the client's took a slot at `now` (counted under shortest_first, or when a policy reads
-        their ages: `keep_start_times`)."""
-        if self.order == "shortest_first" or self.keep_start_times:
+        """An attempt of the client's took a slot at `now` (counted under shortest_first only)."""
+        if self.order == "shortest_first":
             n, since = self._running.get(client_id, (0, 0.0))
             self._running[client_id] = (n + 1, since + now)
 
@@ -124,14 +122,6 @@ class ClientBook:
                 del self._running[client_id]
             else:
                 self._running[client_id] = (n - 1, since - since / n)
-
-    def mean_age(self, client_id: str, now: float) -> float:
-        """Mean seconds the client's attempts in flight have held their slots (0 when none, or not kept)."""
-        running = self._running.get(client_id)
-        if running is None:
-            return 0.0
-        n, since = running
-        return max(0.0, now - since / n)
 
     def served_s(self, client_id: str, now: float) -> float | None:
         """The service a client ranked by its service (shortest_first, no work left reported) has attained by

@@ -47,7 +47,6 @@ FORBIDDEN_COST = 1e9  # a cost no LP solution pays
 TIEBREAK = 1e-3  # weight of the server time a plan spends, beside its makespan (plan_lp.solve_plan)
 MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
-HELD_LEFT_MIN = 0.05  # a request in flight past its priced latency still holds this share of its work
 
 
 @dataclass(slots=True)
@@ -84,11 +83,6 @@ class _RoutePlan:
 
 
 _NO_TRIED: set[str] = set()
-
-
-def _latency(shape: tuple[float, float], cost: Any, capacity: int) -> float:
-    """One request's priced seconds on a kind: its prefill, and its answer's decode steps at a full batch."""
-    return shape[0] * cost.prefill_s_per_token + shape[1] * cost.decode_s_per_token * max(1, capacity)
 
 
 def _kind_of_state(server: Any) -> str:
@@ -142,7 +136,6 @@ class PlannedRouting(Policy, name="planned"):
 
     def attach(self, state: DispatchState) -> None:
         self._state = state
-        state.clients.keep_start_times = True  # what in-flight work has left (`_held`) reads its age
         self._speed = SpeedCalibration(state.ledger, state.clock, tau_s=20 * self.period_s,
                                        min_answers=self._calibration_answers, enabled=self._calibrate)
         self._fit = CostFit(state.ledger, state.clock, tau_s=20 * self.period_s, enabled=self._calibrate)
@@ -444,6 +437,8 @@ class PlannedRouting(Policy, name="planned"):
         # unsent work (without it, short evals' last requests started on V100s full of long answers, 7 s each,
         # and finished seconds after everything else: 1.53× the ideal against 1.18 in the simulator). The
         # tie-break keeps the plan from piling the rest on one kind when one kind's held work sets T.
+        held = self._held(columns, shapes, kind_cost)
+        makespan, by_kind = solve_plan(clients, ids, counts, cost, held, weight, tiebreak=TIEBREAK)
         # The per-request latency bound: one request of a client alone takes its prefill plus its answer's decode
         # steps at a full batch there. No client's requests go to a kind where one of them would outlast the
         # plan's makespan (its fastest kind is always allowed): at a run's end, the last requests of a short
@@ -452,10 +447,9 @@ class PlannedRouting(Policy, name="planned"):
         # bounds from measured latencies (where a client had run, or the price scaled by what answers on a kind
         # took against theirs) moved work onto kinds whose busy engines then stretched it far more: 2.4× the ideal
         # over six simulated worlds, against 1.21 priced.
-        latency = {(c, col): _latency(shapes[c], kind_cost[col], columns[col][0].capacity)
+        latency = {(c, col): shapes[c][0] * kind_cost[col].prefill_s_per_token
+                   + shapes[c][1] * kind_cost[col].decode_s_per_token * max(1, columns[col][0].capacity)
                    for col in columns for c in clients}
-        held = self._held(columns, shapes, kind_cost, now)
-        makespan, by_kind = solve_plan(clients, ids, counts, cost, held, weight, tiebreak=TIEBREAK)
         fastest = {c: min(latency[c, col] for col in columns) for c in clients}
         for _ in range(LATENCY_ROUNDS):
             late = [(c, col) for c, quotas in by_kind.items() for col in quotas
@@ -481,35 +475,17 @@ class PlannedRouting(Policy, name="planned"):
 
 
     def _held(self, columns: Mapping[str, Sequence[Any]], shapes: Mapping[str, tuple[float, float]],
-              kind_cost: Mapping[str, Any], now: float) -> dict[str, float]:
-        """Work each kind holds now: its requests in flight, priced by their clients' shapes, each less the part
-        its age says is done once some kind's cost is fitted (the client's mean age in flight against the
-        request's priced latency there; at least HELD_LEFT_MIN of it; the prior's prices are nominal until then,
-        so its latencies say nothing of ages). Counting each request whole however long it had run held V100s
-        busy for the plan's whole makespan while their long answers were landing: the captions waited for the
-        A100s while the V100s idled, then all went to the V100s at once. The plan's makespan counts from when each
-        kind will have drained it. O(servers), once per plan."""
-        book = self._st.clients
-        aged = self._fit is not None and bool(self._fit.fitted_kinds())
+              kind_cost: Mapping[str, Any]) -> dict[str, float]:
+        """Work each kind holds now (its requests in flight, priced by their clients' shapes): the plan's
+        makespan counts from when each kind will have drained it. O(servers), once per plan."""
         held: dict[str, float] = {}
         for col, members in columns.items():
-            per_request: dict[str, float] = {}  # client -> one of its requests' work left on this kind
             total = 0.0
             for server in members:
                 for client, n in self._st.ledger.clients_on(server.id).items():
-                    work = per_request.get(client)
-                    if work is None:
-                        shape = shapes.get(client) or self.shape(client)
-                        work = 0.0
-                        if shape is not None:
-                            cost = kind_cost[col]
-                            work = cost.of(*shape)
-                            if aged:
-                                done = book.mean_age(client, now) / max(1e-9, _latency(shape, cost,
-                                                                                         members[0].capacity))
-                                work *= max(HELD_LEFT_MIN, 1.0 - done)
-                        per_request[client] = work
-                    total += n * work
+                    shape = shapes.get(client) or self.shape(client)
+                    if shape is not None:
+                        total += n * kind_cost[col].of(*shape)
             held[col] = total
         return held
 

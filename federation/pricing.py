@@ -130,8 +130,9 @@ class CostFit:
         busy = self._ledger.busy_s(server.id)
         occupancy = self._ledger.occupancy_s(server.id)
         window = self._windows.get(server.id)
-        if window is None:  # the first window reaches back to when the server first had work: its answers' time
-            window = self._windows[server.id] = _Window(now, 0.0, 0.0)
+        if window is None:  # the first answer's busy time is already behind `busy`: windows start after it
+            self._windows[server.id] = _Window(now, busy, occupancy)
+            return
         window.prompt += prompt_tokens
         window.completion += completion_tokens
         if now - window.started >= self._window_s:
