@@ -271,9 +271,8 @@ def by_kind(result: SimResult, spec: Spec) -> dict[str, dict[str, Any]]:
         row["servers"] += 1
         row["last"].append(server.last_answer_s)
         for client, n in server.answered_by.items():
-            row["requests"][modality.get(client, client)] += n
-            if client in shape and server.kind in profiles:
-                row["work_s"] += n * saturated_cost(profiles[server.kind], *shape[client])
+            row["requests"][modality[client]] += n
+            row["work_s"] += n * saturated_cost(profiles[server.kind], *shape[client])
     for row in out.values():
         last = sorted(row.pop("last"))
         row["work_per_server_s"] = row.pop("work_s") / row["servers"]
@@ -319,11 +318,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"world {seed}: {spec.servers} servers ({counts}), {spec.evals} evals, {requests} requests; ideal "
               f"{ideal:.1f} s", flush=True)
         fedpool = describe(run_virtual(spec), ideal, spec)
-        print(f"  fedpool: { {k: v for k, v in fedpool.items() if k != 'kinds'} }", flush=True)
         baseline = describe(run_baseline(spec), ideal, spec) if not args.no_baseline else None
-        if baseline is not None:
-            print(f"  least outstanding work: { {k: v for k, v in baseline.items() if k != 'kinds'} }",
-                  flush=True)
+        for name, described in (("fedpool", fedpool), ("least outstanding work", baseline)):
+            if described is not None:  # (the per-kind table goes to the report)
+                print(f"  {name}: { {k: v for k, v in described.items() if k != 'kinds'} }", flush=True)
         worlds.append(WorldOutcome(seed, requests, ideal, lp, longest, fedpool, baseline))
     agreement = None
     if args.agreement:

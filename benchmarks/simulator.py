@@ -77,7 +77,6 @@ class SimServer:
     record: ServerRecord
     engine: BatchEngine
     alive: bool = True
-    answered: int = 0
     load: LoadSample | None = None  # the latest scrape
     answered_by: Counter[str] = field(default_factory=Counter)  # client -> requests it answered
     last_answer_s: float = 0.0  # when it answered its last request (simulated seconds)
@@ -114,7 +113,6 @@ class SimTransport:
             raise
         if not sim.alive:
             raise AttemptError(FailureKind.CONNECT, "server died mid-request")
-        sim.answered += 1
         sim.answered_by[request.client_id] += 1
         sim.last_answer_s = asyncio.get_running_loop().time()
         return Completion(text=" x" * out_tokens, finish_reason="length", prompt_tokens=prompt_tokens,
@@ -306,9 +304,16 @@ class SimResult:
     completed: int
     failed: int
     attempts: int
-    busy_s: dict[str, float]  # server kind -> engine busy seconds
     servers: tuple[ServerOutcome, ...] = ()  # the pool at the end, server by server
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def busy_s(self) -> dict[str, float]:
+        """Server kind -> its engines' busy seconds."""
+        busy: dict[str, float] = {}
+        for server in self.servers:
+            busy[server.kind] = busy.get(server.kind, 0.0) + server.busy_s
+        return busy
 
 
 def make_dispatcher(transport: SimTransport, world: World, policy: Policy, config: DispatchConfig,
@@ -360,18 +365,14 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         await asyncio.gather(*background, return_exceptions=True)
     makespan = clock()
     stats = [d.stats() for d in dispatchers]
-    busy: dict[str, float] = {}
-    for sim in world.servers.values():
-        busy[sim.kind] = busy.get(sim.kind, 0.0) + sim.engine.counters.busy_s
     result = SimResult(
         makespan_s=makespan, outcomes=outcomes, decisions=sum(s.decisions for s in stats),
         decision_cpu_s=sum(s.decision_s for s in stats), process_cpu_s=time.process_time() - cpu0,
         wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
-        attempts=transport.attempts, busy_s=busy, servers=_outcomes(world))
+        attempts=transport.attempts, servers=_outcomes(world))
     await world.close()
     return result
-
 
 
 def _outcomes(world: World) -> tuple[ServerOutcome, ...]:
@@ -426,13 +427,10 @@ async def _least_work(clock: Callable[[], float], world_of: Callable[[Callable[[
         outcomes[eval_.name].finished_s = clock()
 
     await asyncio.gather(*(run(e) for e in evals))
-    busy: dict[str, float] = {}
-    for sim in world.servers.values():
-        busy[sim.kind] = busy.get(sim.kind, 0.0) + sim.engine.counters.busy_s
     result = SimResult(makespan_s=clock(), outcomes=outcomes, decisions=0, decision_cpu_s=0.0,
                        process_cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - wall0, inflight_end=0,
                        completed=sum(o.answered for o in outcomes.values()), failed=0, attempts=transport.attempts,
-                       busy_s=busy, servers=_outcomes(world))
+                       servers=_outcomes(world))
     await world.close()
     return result
 
