@@ -29,6 +29,12 @@ state dir) and are no Ray drivers; the gateways join Ray.
 The engines' queue beyond their slots is each llama-server's own `llamacpp:requests_deferred`, sampled every 100 ms;
 the machine's load (`os.getloadavg()`) is recorded at the start and end of every arm.
 
+Cores (`--engine-cpus`, benchmarks/cores.py): by default the engines keep half the machine's cores (one of two) and
+every other process — Ray, the registry, the eval processes, the gateways, lm-eval, this script — the rest, in both
+arms alike: with every process on every core, what four client processes use beyond one's is taken from the CPU
+engines, and the arms compare the machine's cores rather than the coordination between processes. `--engine-cpus 0`
+shares every core. The report gives the engines' CPU seconds, their wait for a core and everyone else's CPU per arm.
+
 Writes benchmarks/results/multiprocess.md, ending with
 `result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X max_engine_queue=N replicas_busier_share=X
 lease_calls_per_s=X` (ratios: medians over repeats).
@@ -56,7 +62,10 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedpool.benchmarks.cores import CoreSplit, kept_to, pin, split
 from fedpool.benchmarks.realtool_speedup import (
+    CpuMeter,
+    CpuUse,
     StartGate,
     Workload,
     _child_env,
@@ -98,11 +107,25 @@ class Pool:
     ray_address: str
     state_dir: Path
     registry: RegistryClient
+    engine_pids: tuple[int, ...] = ()  # the llama.cpp servers' processes (CPU accounting)
+    cores: CoreSplit | None = None  # engines and everything else on cores of their own (None: shared)
 
 
 @contextlib.asynccontextmanager
-async def local_pool(work: Path, servers: int, slots: int, threads: int) -> AsyncIterator[Pool]:
-    """`fedpool up`'s pool without its gateway: loopback Ray, the registry, the servers (deploy/localpool.py)."""
+async def local_pool(work: Path, servers: int, slots: int, threads: int,
+                     cores: CoreSplit | None = None) -> AsyncIterator[Pool]:
+    """`fedpool up`'s pool without its gateway: loopback Ray, the registry, the servers (deploy/localpool.py).
+    With `cores`, this process (and so Ray, the registry and every client it starts) keeps to `cores.others` and
+    every thread of each server to `cores.engines` once it is up (benchmarks/cores.py); this process back on its
+    cores after."""
+    with kept_to(cores.others) if cores is not None else contextlib.nullcontext():
+        async with _local_pool(work, servers, slots, threads, cores) as pool:
+            yield pool
+
+
+@contextlib.asynccontextmanager
+async def _local_pool(work: Path, servers: int, slots: int, threads: int,
+                      cores: CoreSplit | None) -> AsyncIterator[Pool]:
     import ray
 
     from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
@@ -124,8 +147,12 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
     registry = await RegistryClient.start(work / "registry", probe_interval_s=PROBE_INTERVAL_S)
     try:
         async with local_servers(registry, spec, work / "logs") as launchers:
+            pids = tuple(pid for lr in launchers if (pid := lr.process.pid) is not None)
+            if cores is not None:
+                for pid in pids:
+                    pin(pid, cores.engines)
             yield Pool(spec.served_model(), {lr.record.id: lr.record.url for lr in launchers}, slots,
-                       ray.get_runtime_context().gcs_address, work / "registry", registry)
+                       ray.get_runtime_context().gcs_address, work / "registry", registry, pids, cores)
     finally:
         await registry.terminate()
         if not joined:
@@ -290,6 +317,7 @@ class EvalArm:
     # need, what the clients burn the engines lose.
     client_cpu_s: float = 0.0
     machine_busy: float = 0.0
+    cpu: CpuUse | None = None  # the engines' CPU and run-queue wait, everything else's CPU, over the arm
 
     @property
     def makespan_s(self) -> float:
@@ -373,17 +401,20 @@ async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, 
                                                                                                    strict=True)]
     pids: dict[str, int] = {}
     async with watching(pool) as watch:
+        meter = CpuMeter(pool.engine_pids)
+        await meter.start()
         launch = time.time()
         cpu, ticks = _children_cpu_s(), await asyncio.to_thread(_machine_ticks)
         walls = await asyncio.gather(*(_process(argv, work / f"process-{i}.log", pids, ok=(0, 4))
                                        for i, argv in enumerate(argvs)))
         client_cpu, (busy, total) = _children_cpu_s() - cpu, await asyncio.to_thread(_machine_ticks, ticks)
+        use = await meter.stop()
     evals = {}
     for out in outs:
         for bench_dir in sorted(p.parent for p in out.glob("*/summary.json")):
             evals[bench_dir.name] = _eval_timing(bench_dir, launch)
     watch.lease_lapses = await asyncio.to_thread(_lease_lapses, work)
-    run = EvalArm(arm, evals, list(walls), watch, pids, client_cpu, busy / total if total else 0.0)
+    run = EvalArm(arm, evals, list(walls), watch, pids, client_cpu, busy / total if total else 0.0, use)
     await asyncio.to_thread(_dump, work / "arm.json", run)
     return run
 
@@ -602,7 +633,7 @@ def _orders(arms: Sequence[str], repeats: int) -> list[list[str]]:
 
 async def run_all(args: argparse.Namespace, work: Path) -> tuple[Results, Pool]:
     results = Results()
-    async with local_pool(work, args.servers, args.slots, args.threads) as pool:
+    async with local_pool(work, args.servers, args.slots, args.threads, split(args.engine_cpus)) as pool:
         if "evals" in args.parts:
             specs = write_specs(work / "specs", args.long_prompts, args.long_tokens)
             for r, order in enumerate(_orders(EVAL_ARMS, args.repeats)):
@@ -732,10 +763,29 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
             f"highest): one process {_spread([r['one'].client_cpu_s for r in results.evals], ' s', 1)}, four "
             f"{_spread([r['multi'].client_cpu_s for r in results.evals], ' s', 1)}; the machine's CPU busy over the "
             f"arm: one {_spread([r['one'].machine_busy * 100 for r in results.evals], '%', 0)}, four "
-            f"{_spread([r['multi'].machine_busy * 100 for r in results.evals], '%', 0)}. The llama.cpp servers "
-            "compute on the same 2 cores: what the clients use beyond one process's, the engines lose while the "
-            "machine is busy.", ""]
+            f"{_spread([r['multi'].machine_busy * 100 for r in results.evals], '%', 0)}.", ""]
+    if all(r[arm].cpu is not None for r in results.evals for arm in EVAL_ARMS):
+        lines += [
+            "The cores during each arm (median (lowest–highest) over repeats): the engines' CPU seconds, the seconds "
+            "their threads were runnable but waited for a core (the kernel's run-queue delay, "
+            "/proc/<pid>/task/*/schedstat), and every other process's CPU seconds (the eval processes, the registry, "
+            "Ray, this script):", "",
+            markdown_table(["arm", "engines CPU s", "engines waited for a core s", "everything else CPU s"], [
+                [arm, *(_spread([getattr(r[arm].cpu, key) for r in results.evals], " s", 1)
+                        for key in ("engines_cpu_s", "engines_wait_s", "other_cpu_s"))] for arm in EVAL_ARMS]), ""]
     return lines
+
+
+def _cores_sentence(cores: CoreSplit | None) -> str:
+    if cores is None:
+        return ("Cores: shared. The engines, the eval processes, the gateways, the registry and Ray all run on every "
+                f"core of this {os.cpu_count()}-core machine: what the clients use beyond one process's, the CPU "
+                "engines beside them lose (`--engine-cpus` keeps cores for the engines).")
+    return (f"Cores: {cores.describe()} (`--engine-cpus`; benchmarks/cores.py). In the deployments fedpool is for, "
+            "the engines compute on accelerators of their own and the eval processes on other CPUs; on one small "
+            "machine the CPU engines would otherwise lose to four client processes what one process does not use, "
+            "and the arms would compare the machine's cores, not the coordination between processes. Both arms "
+            "run under the same split.")
 
 
 def _tools_section(results: Results, servers: Sequence[str]) -> list[str]:
@@ -811,8 +861,9 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                 + ", ".join(str(sum(t.given_back for t in r["multi"].evals.values())) for r in results.evals)
                 + ". Load (1-minute) at the start of the multi arms: "
                 + ", ".join(f"{r['multi'].watch.load_start[0]:.1f}" for r in results.evals)
-                + f" on {os.cpu_count()} cores; each process imports fedpool and Ray, joins the cluster and starts a "
-                "Ray CPU actor for its summaries before its eval starts."]
+                + f" on {os.cpu_count()} cores; before its eval starts, each process imports fedpool, reads its specs, "
+                "reaches the registry over its HTTP API and takes its first capacity lease (it starts no Ray CPU "
+                "actor for evals of this size)."]
     queued = [(f"evals repeat {r + 1} {arm}", run[arm].watch,
                [c for t in run[arm].evals.values() for c in t.lost_copies])
               for r, run in enumerate(results.evals) for arm in EVAL_ARMS]
@@ -881,6 +932,8 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
         f"(no Ray driver), the gateways through Ray. {len(results.evals)} alternating repeats of part 1, "
         f"{len(results.tools)} of part 2; ratios are medians with the (lowest–highest) over repeats.",
         "",
+        _cores_sentence(split(args.engine_cpus)),
+        "",
         f"Evals: `long_a`, `long_b` ({args.long_prompts} prompts x {args.long_tokens} tokens each, no stop), the "
         f"bundled `arith` and `capitals`" + (f", each limited to {args.limit} samples" if args.limit else "")
         + f". lm-eval: `arith` ({args.tool_arith} samples) and `long` ({args.long_prompts} x {args.long_tokens}), "
@@ -890,7 +943,7 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
         f"{ENGINE_SAMPLE_S * 1000:.0f} ms. Lease calls: the registry's `lease` calls over the arm's wall time "
         "(`RegistryClient.leases()[\"calls\"]`); holders and slots leased: the broker's view every "
         f"{LEASE_SAMPLE_S:g} s. Load: `os.getloadavg()` 1-minute, at the start and end of each arm, on "
-        f"{os.cpu_count()} cores shared with other work.",
+        f"{os.cpu_count()} cores.",
         "",
     ]
     if results.evals:
@@ -912,6 +965,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=48)
     parser.add_argument("--limit", type=int, help="only the first N samples of each eval in part 1 (development)")
     parser.add_argument("--tool-arith", type=int, default=60, help="arith samples of the lm-eval part")
+    parser.add_argument("--engine-cpus", type=int, help="cores kept for the engines, every other process on the "
+                        "rest (default: half the cores, at least one; 0: everything shares every core)")
     parser.add_argument("--name", default="multiprocess")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, help="keep every arm's logs, artifacts and arm.json here")
@@ -921,7 +976,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 TITLE = "Many processes, one pool: N eval processes and gateway replicas sharing the servers' slots"
-RUN_SETTINGS = ("repeats", "servers", "slots", "threads", "long_prompts", "long_tokens", "limit", "tool_arith")
+RUN_SETTINGS = ("repeats", "servers", "slots", "threads", "long_prompts", "long_tokens", "limit", "tool_arith",
+                "engine_cpus")
 
 
 def execute(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]:
@@ -978,7 +1034,8 @@ def load_results(work: Path) -> Results:
             evals = {n: EvalTiming(**{**t, "lost_copies": [tuple(c) for c in t["lost_copies"]]})
                      for n, t in raw["evals"].items()}
             runs[arm] = EvalArm(arm, evals, raw["process_s"], _load_watch(raw["watch"], work / f"evals-{r}" / arm),
-                                raw["pids"], raw.get("client_cpu_s", 0.0), raw.get("machine_busy", 0.0))
+                                raw["pids"], raw.get("client_cpu_s", 0.0), raw.get("machine_busy", 0.0),
+                                CpuUse(**raw["cpu"]) if raw.get("cpu") else None)
         results.evals.append(runs)
         r += 1
     r = 1

@@ -7,6 +7,7 @@ shared cores start-up alone moves by seconds between runs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,10 @@ def test_multiprocess_benchmark_small(tmp_path: Path) -> None:
     args = multiprocess.parse_args([
         "--repeats", "1", "--limit", str(LIMIT), "--long-prompts", str(LONG_PROMPTS), "--long-tokens", "8",
         "--tool-arith", str(TOOL_ARITH), "--results-dir", str(tmp_path / "results"),
-        "--work-dir", str(tmp_path / "work")])
+        "--work-dir", str(tmp_path / "work"), "--engine-cpus", "1"])
+    cores_before = os.sched_getaffinity(0)
     results, path, line = multiprocess.execute(args)
+    assert os.sched_getaffinity(0) == cores_before  # the engines' core given back to this process
     assert line["processes"] == 4 and line["repeats"] == 1, line
     assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
     (evals,) = results.evals
@@ -38,6 +41,7 @@ def test_multiprocess_benchmark_small(tmp_path: Path) -> None:
             assert 0 < timing.started_s < timing.done_s, (arm, name, timing)
             assert sum(timing.by_server.values()) == LIMIT, (arm, name, timing)
         assert run.watch.lease_calls > 0 and run.watch.samples > 0, arm
+        assert run.cpu is not None and run.cpu.engines_cpu_s > 0, (arm, run.cpu)  # the engines' cores, measured
     assert len(evals["multi"].process_s) == 4 and len(evals["one"].process_s) == 1
     (tools,) = results.tools
     for arm in multiprocess.TOOL_ARMS:
