@@ -29,11 +29,13 @@ state dir) and are no Ray drivers; the gateways join Ray.
 The engines' queue beyond their slots is each llama-server's own `llamacpp:requests_deferred`, sampled every 100 ms;
 the machine's load (`os.getloadavg()`) is recorded at the start and end of every arm.
 
-Cores (`--engine-cpus`, benchmarks/cores.py): by default the engines keep half the machine's cores (one of two) and
-every other process — Ray, the registry, the eval processes, the gateways, lm-eval, this script — the rest, in both
-arms alike: with every process on every core, what four client processes use beyond one's is taken from the CPU
-engines, and the arms compare the machine's cores rather than the coordination between processes. `--engine-cpus 0`
-shares every core. The report gives the engines' CPU seconds, their wait for a core and everyone else's CPU per arm.
+Cores: every process shares every core by default, as on a machine a user runs everything on. `--engine-cpus N`
+(benchmarks/cores.py) keeps N cores for the engines and every other process — Ray, the registry, the eval processes,
+the gateways, lm-eval, this script — on the rest, in both arms alike. On this project's 2-core machine that split
+does not isolate the coordination: the clients then share one core, four processes start and refill their slots
+slower on it than one, and the short evals finish later (3 repeats, engines on one core: makespan 4 processes ÷ 1
+1.09×, the latest eval 1.30×, against 1.11× and 1.11× shared). The report gives, per arm, the engines' CPU seconds,
+their wait for a core and everyone else's CPU, and the engines' prompt and generation counters.
 
 Writes benchmarks/results/multiprocess.md, ending with
 `result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X max_engine_queue=N replicas_busier_share=X
@@ -91,7 +93,11 @@ LOST_COPY_WINDOW_S = 15.0  # a deferred request is set beside the straggler copi
 STARVED_S = 5.0  # a replica without slots this long while its client sends is reported
 SETTLE_S = 4.0  # between arms: every holder of the last arm has released or expired (the broker's TTL is 3 s)
 PROCESS_TIMEOUT_S = 900.0
-ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", "llamacpp:tokens_predicted_total")
+ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", "llamacpp:tokens_predicted_total",
+                  # where the engines' time went: prompt tokens evaluated (those its prompt cache did not hold) and
+                  # the seconds spent on them, and on generating
+                  "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total",
+                  "llamacpp:tokens_predicted_seconds_total")
 EVAL_ARMS = ("one", "multi")
 TOOL_ARMS = ("one-gateway", "two-replicas")
 TARGETS = {"processes": 4, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
@@ -208,6 +214,15 @@ class ArmWatch:
 
     def load(self) -> str:
         return f"{self.load_start[0]:.1f} → {self.load_end[0]:.1f}"
+
+    def counted(self, metric: str) -> float | None:
+        """How much an engine counter grew over the arm, summed over the servers (None where it was not sampled)."""
+        if not self.engine_series:
+            return None
+        first, last = self.engine_series[0][1], self.engine_series[-1][1]
+        grown = [last[sid][metric] - first[sid][metric] for sid in first
+                 if sid in last and metric in first[sid] and metric in last[sid]]
+        return sum(grown) if grown else None
 
 
 async def _engine_sample(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -773,6 +788,17 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
             markdown_table(["arm", "engines CPU s", "engines waited for a core s", "everything else CPU s"], [
                 [arm, *(_spread([getattr(r[arm].cpu, key) for r in results.evals], " s", 1)
                         for key in ("engines_cpu_s", "engines_wait_s", "other_cpu_s"))] for arm in EVAL_ARMS]), ""]
+    counters = [(name, f"llamacpp:{name}") for name in ("prompt_tokens_total", "prompt_seconds_total",
+                                                          "tokens_predicted_total", "tokens_predicted_seconds_total")]
+    if all(r[arm].watch.counted(key) is not None for r in results.evals for arm in EVAL_ARMS for _, key in counters):
+        lines += [
+            "The engines' own counters over each arm, all servers (median (lowest–highest) over repeats): prompt "
+            "tokens evaluated (those the prompt cache did not hold) and the request-seconds spent on them, tokens "
+            "generated and the request-seconds spent generating (llama.cpp sums each request's time: requests "
+            "batched together each count the step):", "",
+            markdown_table(["arm", "prompt tokens", "prompt s", "generated tokens", "generating s"], [
+                [arm, *(_spread([float(r[arm].watch.counted(key) or 0.0) for r in results.evals], "", 0 if "tokens" in
+                                name else 1) for name, key in counters)] for arm in EVAL_ARMS]), ""]
     return lines
 
 
@@ -780,12 +806,12 @@ def _cores_sentence(cores: CoreSplit | None) -> str:
     if cores is None:
         return ("Cores: shared. The engines, the eval processes, the gateways, the registry and Ray all run on every "
                 f"core of this {os.cpu_count()}-core machine: what the clients use beyond one process's, the CPU "
-                "engines beside them lose (`--engine-cpus` keeps cores for the engines).")
+                "engines beside them lose (`--engine-cpus N` keeps N cores for the engines).")
     return (f"Cores: {cores.describe()} (`--engine-cpus`; benchmarks/cores.py). In the deployments fedpool is for, "
             "the engines compute on accelerators of their own and the eval processes on other CPUs; on one small "
             "machine the CPU engines would otherwise lose to four client processes what one process does not use, "
             "and the arms would compare the machine's cores, not the coordination between processes. Both arms "
-            "run under the same split.")
+            "run under the same split; the clients share what is left.")
 
 
 def _tools_section(results: Results, servers: Sequence[str]) -> list[str]:
@@ -965,8 +991,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=48)
     parser.add_argument("--limit", type=int, help="only the first N samples of each eval in part 1 (development)")
     parser.add_argument("--tool-arith", type=int, default=60, help="arith samples of the lm-eval part")
-    parser.add_argument("--engine-cpus", type=int, help="cores kept for the engines, every other process on the "
-                        "rest (default: half the cores, at least one; 0: everything shares every core)")
+    parser.add_argument("--engine-cpus", type=int, default=0, help="cores kept for the engines, every other "
+                        "process on the rest (default 0: every process shares every core)")
     parser.add_argument("--name", default="multiprocess")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path, help="keep every arm's logs, artifacts and arm.json here")
