@@ -28,6 +28,7 @@ from fedpool.cli_support import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
+    command_stdout,
     pool_page,
     pool_registry,
     ray_token_auth_if_available,
@@ -344,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     logging.basicConfig(level=logging.DEBUG if settings.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return _run(chosen.leaf, settings)
+    with command_stdout():  # stdout is the command's: what Ray's driver prints about the cluster goes to stderr
+        return _run(chosen.leaf, settings)
 
 
 def _run(leaf: Leaf, settings: Options) -> int:

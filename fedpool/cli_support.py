@@ -4,14 +4,17 @@ printing --json or a table."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+import threading
+from collections.abc import Callable, Coroutine, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 from fedpool.options import Options, PoolApiOptions, RayOptions
 
@@ -36,6 +39,70 @@ def run_server(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+# The thread every Ray driver runs (ray._private.worker.listen_error_messages) to print what the cluster reports
+# about its tasks and workers ("(raylet) Task ... failed"), to sys.stdout whatever `log_to_driver` says.
+RAY_MESSAGE_THREADS = frozenset({"ray_listen_error_messages"})
+
+
+class CommandStdout(io.TextIOBase):
+    """sys.stdout while a command runs: the command's own output goes to the process's stdout, and what Ray's
+    driver thread prints about the cluster goes to stderr, so `--json` piped to a parser reads JSON only (a raylet
+    line written between a print's text and its newline put the figure in the middle of its line)."""
+
+    def __init__(self, out: TextIO):
+        self._out = out
+
+    @property
+    def stream(self) -> TextIO:
+        return self._out
+
+    def _sink(self) -> TextIO:
+        return sys.stderr if threading.current_thread().name in RAY_MESSAGE_THREADS else self._out
+
+    def write(self, text: str) -> int:
+        return self._sink().write(text)
+
+    def flush(self) -> None:
+        self._sink().flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return self._out.isatty()
+
+    def fileno(self) -> int:
+        return self._out.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._out.encoding
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return self._out.errors
+
+    @property
+    def buffer(self) -> Any:
+        return self._out.buffer
+
+
+@contextlib.contextmanager
+def command_stdout() -> Iterator[None]:
+    """`CommandStdout` over sys.stdout while inside (sys.stdout as it was, after)."""
+    saved = sys.stdout
+    if isinstance(saved, CommandStdout):
+        yield
+        return
+    wrapper = CommandStdout(saved)
+    sys.stdout = wrapper
+    try:
+        yield
+    finally:
+        if sys.stdout is wrapper:
+            sys.stdout = saved
 
 
 class CliError(Exception):

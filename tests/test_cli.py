@@ -416,3 +416,32 @@ async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
                                       cwd=ROOT, env=wrong)
     assert refused.returncode == 3 and "refused this process's token" in refused.stderr, refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_ray_driver_messages_go_to_stderr_and_the_commands_output_to_stdout(
+        ray_cluster: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """What Ray's driver thread prints about the cluster ("(raylet) Task ... failed") goes to stderr while a command
+    runs, so `--json` piped to a parser reads only JSON; the thread is the one this Ray's drivers start."""
+    import threading
+
+    from fedpool.cli_support import RAY_MESSAGE_THREADS, command_stdout
+
+    # this Ray's drivers run the thread by that name (a Ray that renamed it would print to stdout again)
+    assert ray.is_initialized()
+    assert RAY_MESSAGE_THREADS & {t.name for t in threading.enumerate()}
+    (name,) = RAY_MESSAGE_THREADS
+    before = sys.stdout
+    with command_stdout():
+        print(json.dumps({"figure": 1}), end="")  # the command's output, its text and newline in two writes
+        raylet = threading.Thread(target=print, args=("(raylet) Task failed",), name=name)
+        raylet.start()
+        raylet.join()
+        other = threading.Thread(target=print, args=("from a thread of ours",))
+        other.start()
+        other.join()
+        print()
+        assert sys.stdout.isatty() == before.isatty() and sys.stdout.encoding == before.encoding
+    assert sys.stdout is before
+    out, err = capsys.readouterr()
+    assert out == '{"figure": 1}from a thread of ours\n\n'  # only Ray's thread is sent elsewhere
+    assert err.endswith("(raylet) Task failed\n")
