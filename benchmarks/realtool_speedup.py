@@ -18,6 +18,9 @@ same lm-eval start-up (imports, task building: a few seconds per process, in eve
 counted; process wall times, start-up included, are in the report beside them. Answers are compared record by
 record (lm-eval's `--log_samples`) between the conventional and the federated arm.
 
+With `--work-dir`, each lm-eval arm leaves `ARM-timeline.json` beside its logs: every request as [eval, sent,
+answered (seconds from the start gate's release), the server that answered (the gateway's `X-Fedpool-Server`)].
+
 Writes benchmarks/results/realtool_speedup.md, ending with
 `result: tool=lm-eval processes=N repeats=N speedup_makespan=X vs_balanced=X answers_same_pct=X`
 (the unequal pair at the first gateway concurrency).
@@ -179,6 +182,8 @@ class StartGate:
         self._seen: set[str] = set()
         self.released_at: float | None = None
         self.last_answer: dict[str, float] = {}
+        # every request answered: (API key, sent, answered (monotonic s), the server that answered or "")
+        self.timeline: list[tuple[str, float, float, str]] = []
         self.url = ""
         self._runner: Any = None
 
@@ -189,6 +194,7 @@ class StartGate:
         self._seen = set()
         self.released_at = None
         self.last_answer = {}
+        self.timeline = []
 
     async def start(self) -> None:
         from aiohttp import web
@@ -222,13 +228,16 @@ class StartGate:
                 self._open.set()
             await self._open.wait()
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        sent = time.monotonic()
         async with self._session.request(request.method, target + request.path_qs, data=body,
                                          headers=headers) as resp:
             payload = await resp.read()
             out = web.Response(body=payload, status=resp.status,
                                content_type=resp.content_type or "application/json")
+            server = resp.headers.get("X-Fedpool-Server", "")
         if request.method == "POST":
-            self.last_answer[key] = time.monotonic()
+            self.last_answer[key] = answered = time.monotonic()
+            self.timeline.append((key, sent, answered, server))
         return out
 
     def durations(self) -> dict[str, float]:
@@ -379,6 +388,11 @@ async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: s
     answers = {w.name: _lm_eval_answers(outs[w.name], w.name) for w in pair.workloads}
     by_key = gate.durations()
     evals = {w.name: by_key.get(keys[w.name], 0.0) for w in pair.workloads}
+    if gate.released_at is not None:  # every request's times from the release, beside the arm's logs
+        names, zero = {keys[w.name]: w.name for w in pair.workloads}, gate.released_at
+        await asyncio.to_thread((work / f"{arm}-timeline.json").write_text, json.dumps(
+            [[names.get(k, k), round(a - zero, 4), round(b - zero, 4), server] for k, a, b, server in gate.timeline]),
+            encoding="utf-8")
     return ArmRun(arm, max(evals.values()), dict(zip(outs, walls, strict=True)), evals, watch.busy.busy_s,
                   watch.busy.running_s, answers, watch.cpu)
 
