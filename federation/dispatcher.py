@@ -6,7 +6,9 @@ One request, start to end: `submit` → `_acquire` (the request joins its route'
 next turn, together with every request submitted in the same turn, in the client order) → `_grant` (the
 policy places the head: `ServerBook.take` counts the slot and updates the index) → the transport's
 `complete` → `_release` (the slot back; waiting requests on that server's routes granted) → `_answered`
-(learning, client service, result). Hedging and stealing at a client's tail are `federation/tail.py`.
+(learning, client service, result). Waiting, granting and giving back are the grant pass
+(`federation/grants.py`, which `Dispatcher` extends); hedging and stealing at a client's tail are
+`federation/tail.py`.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import aiohttp
 
 from fedpool.federation.clientbook import ClientBook
 from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
-from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed
+from fedpool.federation.grants import CLIENT_TTL_S, GrantPass
 from fedpool.federation.learning import HedgeTimer
 from fedpool.federation.ledger import InflightLedger, StallClock
-from fedpool.federation.policies import DispatchState, Hold, Policy
+from fedpool.federation.policies import DispatchState, Policy
 from fedpool.federation.preempt import ENGINE_CANCEL_S, STREAMED_CANCEL_S, Preemptions
 from fedpool.federation.retries import RetryState, backoff_s
-from fedpool.federation.routes import Route, Waiter
+from fedpool.federation.routes import Route
 from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
 from fedpool.federation.tail import Racer, TailRescue
 from fedpool.federation.transport import STREAM_PROGRESS, HttpTransport, StreamProgress, Transport, sends_stream
@@ -40,20 +43,13 @@ from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 
 log = logging.getLogger("fedpool.dispatcher")
 
-WAIT_POLL_S = 0.25  # while requests wait: breakers half-open, deadlines pass, snapshots are looked at again
 PREEMPTED = ("gave its slot back: this process's capacity lease shrank (another process's client comes first), "
              "or a scrape found most of its attempts on the server queued in the engine")
 STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing since it started: `stalled`
-CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
-MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
 NO_TRIED: set[str] = set()  # shared, never mutated: a request that has failed nowhere yet
-NO_SKIP: set[str] = set()  # shared, never mutated: a grant pass that holds no client
-LAG_SMOOTHING = 0.1  # weight of one grant pass's lateness in the smoothed loop lag
-LAG_STALE_S = 1.0  # a smoothed loop lag with no grant pass for longer than this fades ...
-LAG_HALF_LIFE_S = 0.5  # ... by half every this many seconds beyond it
 
 
-class Dispatcher:
+class Dispatcher(GrantPass):
     """Spreads requests over the servers of the current snapshot. One per client process; shareable by
     any number of concurrent evaluations in it, so their requests merge in each engine's batch."""
 
@@ -361,237 +357,6 @@ class Dispatcher:
             attempts=tuple(attempts), hedged=hedged,
         )
 
-    # ---- waiting for a slot -------------------------------------------------------------------------
-    def _grant_now(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route] | None:
-        """The first request of a loop turn, on a route where nothing waits and where room is left after it, is
-        placed at once (None: it waits in `_acquire`). The grant pass that this turn schedules still runs (it
-        measures the loop's lag); the turn's later requests wait for it and are granted there in the client order,
-        and so is any request that would take the route's last slot. Placing the first at once saves the pass's
-        waiter, its future and a turn of the loop (one request at a time through `submit`: 35 to 25 µs of CPU).
-        It can take a slot a later request of the same turn comes before in the client order only when that turn
-        brings more requests than the route has room for."""
-        if self._grant_soon is not None:
-            return None
-        route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
-                                       request.pinned_servers))
-        if route is None or route.waiting or not route.free:
-            return None
-        began = time.perf_counter()
-        now = self._clock()
-        self._book.sync(self._snapshots())
-        if route.waiting or not route.free or self._book.routes.get(route.key) is not route:
-            return None
-        client = request.client_id
-        self._clients.note_request(client, request, now)  # (again in `_acquire` if it waits: it only sets)
-        route.memo.clear()
-        try:
-            placed = self._policy.place(route, request, tried)
-        except Exception:
-            return None  # (the grant pass asks again, and says what went wrong)
-        if placed.__class__ is Hold or route not in getattr(placed, "routes", ()):
-            return None
-        if len(route.free) < 2 and placed.inflight + 1 >= placed.window:
-            return None  # the route's last slot: the turn's requests compete for it in the client order
-        if not self._waiting and self.on_demand is not None and not self._ledger.total():
-            self.on_demand(True)  # idle until now
-        self._book.take(placed, client, now)
-        self._clients.started(client, now)
-        self._decisions += 1
-        self._ask_grant_pass(asyncio.get_running_loop())
-        if now - self._swept_at >= CLIENT_TTL_S / 10:
-            self._sweep(now)
-        self._decision_s += time.perf_counter() - began
-        return placed, route
-
-    def _ask_grant_pass(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The grant pass on the loop's next turn (how late it runs is the loop's lag)."""
-        self._grant_soon = loop.call_soon(self._grant_submitted)
-        self._grant_asked_at = loop.time()
-        if self._stalls is not None:
-            self._stalls.pending_since = self._grant_asked_at
-
-    async def _acquire(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route]:
-        """Wait for a slot, in the serving order (ClientBook.key, then arrival); a request that just finished
-        cannot barge ahead of waiting ones."""
-        loop = asyncio.get_running_loop()
-        client = request.client_id
-        clients = self._clients
-        now = self._clock()
-        clients.note_request(client, request, now)
-        route = self._book.routes.get((request.model, request.revision, request.pinned_engines,
-                                       request.pinned_servers))
-        if route is None:
-            self._book.sync(self._snapshots())
-            route = self._book.route((request.model, request.revision, request.pinned_engines,
-                                      request.pinned_servers), request.model, request.revision,
-                                     request.pinned_engines, request.pinned_servers)
-        waiter = Waiter(request, tried, loop.create_future(), next(self._seq),
-                        now + self._config.no_server_timeout_s, route)
-        route.join(waiter, clients.key(client))
-        clients.waiting[client] += 1
-        if not self._waiting and self.on_demand is not None and not self._ledger.total():
-            self.on_demand(True)  # idle until now
-        self._waiting += 1
-        self._waiting_routes.add(route)
-        # Granted on the loop's next turn, not here: requests that arrive together (evals starting at once,
-        # a client refilling its workers) are granted in one pass, in the client order, instead of in the
-        # order their coroutines happened to run.
-        self._submitted_routes.add(route)
-        if self._grant_soon is None:
-            self._ask_grant_pass(loop)
-        try:
-            return await waiter.future, route
-        except asyncio.CancelledError:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self._release(future.result(), client)  # granted in the same turn as the cancellation
-            raise
-        finally:
-            if not waiter.future.done():
-                waiter.future.cancel()
-            route.waiting -= 1
-            self._waiting -= 1
-            left = clients.waiting[client] - 1
-            if left:
-                clients.waiting[client] = left
-            else:
-                del clients.waiting[client]
-            if not route.waiting:
-                self._waiting_routes.discard(route)
-                if len(self._book.routes) > MAX_IDLE_ROUTES:
-                    self._book.drop_route(route)
-
-    def _grant_submitted(self) -> None:
-        self._grant_soon = None
-        # How late this pass runs is the loop's lag: a stall for the ledger's clock, overload for the gateway.
-        now = asyncio.get_running_loop().time()
-        lag = self._stalls.ran(now) if self._stalls is not None else now - self._grant_asked_at
-        # What was smoothed before fades once older than LAG_STALE_S: after a quiet spell (a gateway refusing
-        # everything runs no grant passes) the first pass is not judged by the overload before it (the gateway
-        # refused again at once, for as long as that took to average out).
-        previous, age = self.loop_lag_s, now - self.loop_lag_at
-        if age > LAG_STALE_S:
-            previous *= 0.5 ** ((age - LAG_STALE_S) / LAG_HALF_LIFE_S)
-        self.loop_lag_s = previous + LAG_SMOOTHING * (lag - previous)
-        self.loop_lag_at = now
-        self._book.sync(self._snapshots())
-        routes, self._submitted_routes = self._submitted_routes, set()
-        for route in routes:
-            self._grant(route)
-
-    def _grant(self, route: Route) -> None:
-        """Grant free slots of the route to its waiters, in the serving order (synchronous: the choice and the
-        count happen in one step)."""
-        if not route.waiting:
-            route.unpark_all()  # (nothing is parked, as a rule)
-            return
-        # perf_counter, not process_time: the CPU clock of a process with Ray's threads is a syscall that cost ~10%
-        # of the gateway's time here (py-spy); the pass is synchronous, so its wall time is its CPU time.
-        began = time.perf_counter()
-        now = self._clock()
-        key, policy, book = self._clients.key, self._policy, self._book
-        held: set[str] = set()
-        route.memo.clear()
-        while route.waiting and route.free:
-            head = route.head(key, held)
-            if head is None:
-                # Room left over that a parked client waits for (a freed server woke only its group's first):
-                # wake the next of each such group rather than leave the slot idle until the tick.
-                if route.parked and route.unpark_ready():
-                    continue
-                break
-            try:
-                placed = policy.place(route, head.request, head.tried)
-            except Exception:
-                placed = self._misplaced(route, head, None)
-            else:
-                if placed.__class__ is not Hold and route not in getattr(placed, "routes", ()):
-                    placed = self._misplaced(route, head, placed)
-            if placed is Hold.ROUTE_FULL:
-                break
-            if placed is Hold.CLIENT_HELD:
-                held.add(head.request.client_id)
-                continue
-            route.granted(head)
-            book.take(placed, head.request.client_id, now)
-            self._clients.started(head.request.client_id, now)
-            head.future.set_result(placed)
-            self._decisions += 1
-        if held:
-            route.unskip(held, key)
-        # The tick only for requests still ungranted (`waiting` counts the granted ones until they resume): a
-        # request that found room arms no timer.
-        if self._tick_handle is None and route.waiting and (route.parked or route.head(key, NO_SKIP) is not None):
-            self._arm_tick()
-        if now - self._swept_at >= CLIENT_TTL_S / 10:  # (every grant pass, so a pool that never waits sweeps too)
-            self._sweep(now)
-        self._decision_s += time.perf_counter() - began
-
-    def _misplaced(self, route: Route, head: Waiter, placed: object) -> ServerState | Hold:
-        """A policy's bug (it raised: `placed` None; or it answered with a server outside the route) costs that one
-        decision, not the grant pass, which stopped there and never re-armed its timer, leaving every waiter
-        waiting: logged, and a sampled server with room answers instead."""
-        name, request_id = type(self._policy).__name__, head.request.request_id
-        if placed is None:
-            log.exception("policy %s failed placing request %s", name, request_id)
-        else:
-            log.error("policy %s placed request %s on %r, outside its route", name, request_id,
-                      getattr(placed, "id", placed))
-        free = route.free_candidates(1, head.tried, self._rng)
-        return free[0] if free else Hold.ROUTE_FULL
-
-    def _arm_tick(self) -> None:
-        delay = min(WAIT_POLL_S, self._policy.recheck_s() or WAIT_POLL_S)
-        cooldown = self._book.next_cooldown()
-        if cooldown is not None:
-            delay = max(0.0, min(delay, cooldown - self._clock()))
-        self._tick_handle = asyncio.get_running_loop().call_later(delay, self._tick)
-
-    def _tick(self) -> None:
-        """While anyone waits: new snapshots, breakers half-open, no-server deadlines, a policy's own times."""
-        self._tick_handle = None
-        now = self._clock()
-        self._book.sync(self._snapshots())
-        self._book.tick(now)
-        for route in list(self._waiting_routes):
-            if not route.servers:
-                for waiter in route.waiters():
-                    if now >= waiter.deadline:
-                        waiter.future.set_exception(NoServerError(
-                            f"no routable server serves model {waiter.request.model!r}"
-                            + (f" revision {waiter.request.revision!r}" if waiter.request.revision else "")
-                            + f" (waited {self._config.no_server_timeout_s:g}s)"))
-            route.unpark_all()  # a policy's reasons to hold a client are looked at again every tick
-            self._grant(route)  # (re-arms the tick while requests there are still ungranted)
-
-    def _release(self, state: ServerState, client: str) -> None:
-        self._book.release(state, client)
-        self._clients.ended(client)
-        running = self._preempt.running.get(state.id)  # (Preemptions.ended, inlined: every release passes here)
-        if running is not None:
-            current = asyncio.current_task()
-            if running.pop(current, None) is not None and not running:  # type: ignore[arg-type]
-                del self._preempt.running[state.id]
-            if self._preempt.streams:
-                self._preempt.streams.pop(current, None)  # type: ignore[arg-type]
-        if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
-            self.on_over_lease_release()  # (it held one more than its lease there until now)
-        if not self._waiting and self.on_demand is not None and not self._ledger.total():
-            self.on_demand(False)  # idle from now: the lease can go back
-        if self._racers and self._clients.done_sending:
-            self._tail.on_release(state)  # before waiters: it only takes stragglers of clients done sending
-        for route in state.routes:
-            if route.waiting:
-                route.touch(client, self._clients.key(client))
-                self._grant(route)
-
-    def _touch(self, client: str) -> None:
-        """The client's serving key moved: its waiting requests take their new place."""
-        if self._waiting_routes:
-            key = self._clients.key(client)
-            for route in self._waiting_routes:
-                route.touch(client, key)
-
     # ---- failures -----------------------------------------------------------------------------------
     def _record_failure(self, state: ServerState, started: float, err: AttemptError, retry: RetryState) -> None:
         retry.record(state.id, started, self._clock(), err)
@@ -744,14 +509,6 @@ class Dispatcher:
             self._failed += 1
 
     # ---- bounded state and figures ---------------------------------------------------------------------
-    def _sweep(self, now: float) -> None:
-        """Forget clients gone for CLIENT_TTL_S (nothing in flight or waiting): their service, shapes, latency."""
-        self._swept_at = now
-        for client in self._clients.idle(now, CLIENT_TTL_S):
-            self._clients.forget(client)
-            self._book.forget_client(client)
-            self._policy.forget_client(client)
-
     def forget_idle_clients(self, ttl_s: float = CLIENT_TTL_S) -> int:
         """Forget clients idle for `ttl_s` now (the gateway calls this when it has many); returns how many."""
         idle = self._clients.idle(self._clock(), ttl_s)
