@@ -370,12 +370,12 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         decision_cpu_s=sum(s.decision_s for s in stats), process_cpu_s=time.process_time() - cpu0,
         wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
-        attempts=transport.attempts, servers=_outcomes(world))
+        attempts=transport.attempts, servers=server_outcomes(world))
     await world.close()
     return result
 
 
-def _outcomes(world: World) -> tuple[ServerOutcome, ...]:
+def server_outcomes(world: World) -> tuple[ServerOutcome, ...]:
     return tuple(ServerOutcome(sim.id, sim.kind, dict(sim.answered_by), sim.last_answer_s, sim.engine.counters.busy_s)
                  for sim in world.servers.values())
 
@@ -430,7 +430,7 @@ async def _least_work(clock: Callable[[], float], world_of: Callable[[Callable[[
     result = SimResult(makespan_s=clock(), outcomes=outcomes, decisions=0, decision_cpu_s=0.0,
                        process_cpu_s=time.process_time() - cpu0, wall_s=time.perf_counter() - wall0, inflight_end=0,
                        completed=sum(o.answered for o in outcomes.values()), failed=0, attempts=transport.attempts,
-                       servers=_outcomes(world))
+                       servers=server_outcomes(world))
     await world.close()
     return result
 

@@ -1,0 +1,284 @@
+"""A clairvoyant placement in the scale simulator: what placing every request well could reach, beside the ideal.
+
+    python -m fedpool.benchmarks.scale_oracle [--servers 256] [--evals 64] [--seeds 1,2,3] [--name scale_oracle]
+
+Not a policy and not fedpool: an upper bound on what placement alone can do, to tell a schedule's gap from the
+ideal's looseness. It knows every request of every eval before the start, prices each on each server with the
+engine model's own costs (which routing never sees), assigns every request to one server, and sends them all at
+once to the simulated engines of `benchmarks/simulator.py` (their queues hold what a server's slots do not), in
+simulated time. The worlds are `scale_sim`'s (the same `Spec`, seeds and ideal).
+
+The assignment models a server's completion as its prompt tokens' prefill, one after another, plus its decode
+chain: the longest answer's steps, or the steps its answers need at a full batch, whichever is more (a step that
+carries a prefill chunk takes the chunk's time, so the answers' steps wait for the prompts:
+`deploy/batching.py`). Three roles, the structure the diagnosis in docs/speedup.md ("the one-wave worlds")
+pointed at:
+
+- long answers (≥ `LONG_ANSWER_TOKENS`) go only to the kinds that decode them fastest, packed a full batch to a
+  server before the next is opened (once every server of the kind has one, a next batch where the least is):
+  their decode chain is paid once per server, not once per request;
+- a request whose decode chain on a kind is more than `CHAIN_TOLERANCE` × its chain on its fastest kind, and
+  longer than `SHORT_CHAIN_S`, is kept off that kind (a caption's 96 tokens take 2.4 s on a V100, 1.0 s on an
+  A100);
+- the rest, longest first (by its time alone on its fastest kind), go where the modelled completion ends
+  soonest: the least loaded server of each allowed kind, or the least loaded of it that runs no long answers.
+
+Writes benchmarks/results/NAME.md, ending with
+`result: mode=oracle servers=N evals=N worlds=N oracle_vs_ideal=X oracle_vs_ideal_max=X`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import looptime
+
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+from fedpool.benchmarks.scale_sim import SHAPES, Spec, by_kind, ideal_s
+from fedpool.benchmarks.simulator import (
+    MODEL,
+    EvalOutcome,
+    SimResult,
+    SimTransport,
+    build_world,
+    kind_counts,
+    prompt_of,
+    server_outcomes,
+)
+from fedpool.deploy.emulator import EmulatorProfile
+from fedpool.federation.transport import UrlTarget
+from fedpool.federation.types import Endpoint, InferenceRequest
+
+LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of their fastest kinds
+CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its fastest kind's may take it
+SHORT_CHAIN_S = 1.0  # a decode chain this short (engine seconds) is no reason to keep a request off a kind
+
+
+@dataclass(frozen=True)
+class KindModel:
+    """One server kind's costs in the engine model: prefill seconds per prompt token, a full batch's step."""
+
+    prefill_s: float
+    step_s: float
+    batch: int
+
+    @classmethod
+    def of(cls, profile: EmulatorProfile) -> KindModel:
+        batch = max(1, profile.max_running)
+        return cls(profile.prefill_s_per_token, profile.decode_s_per_token * (1 + profile.batch_slowdown * (batch - 1)),
+                   batch)
+
+    def alone(self, prompt: int, answer: int) -> float:
+        return prompt * self.prefill_s + answer * self.step_s
+
+
+@dataclass
+class Load:
+    """What is assigned to one server: its prefill seconds, its longest answer and its answers' tokens."""
+
+    kind: str
+    prefill_s: float = 0.0
+    longest: int = 0
+    answers: int = 0
+    long_answers: int = 0  # of them, answers of at least LONG_ANSWER_TOKENS
+
+    def completion(self, model: KindModel, prompt: int = 0, answer: int = 0) -> float:
+        """Modelled completion with one more request of this shape (none: as it is)."""
+        steps = max(max(self.longest, answer), (self.answers + answer) / model.batch)
+        return self.prefill_s + prompt * model.prefill_s + steps * model.step_s
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Every request's server, in the order it was assigned, and the modelled makespan."""
+
+    order: tuple[tuple[int, int, str], ...]  # (eval index, request index, server id)
+    predicted_s: float
+
+
+def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
+    """Place every request of the spec's evals on one of `servers` ((id, kind)); see the module docstring."""
+    models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
+    loads = {sid: Load(kind) for sid, kind in servers}
+    index = {sid: i for i, (sid, _) in enumerate(servers)}
+    current = dict.fromkeys(loads, 0.0)  # server -> its modelled completion now (heap entries that differ are stale)
+    heaps: dict[str, list[tuple[float, int, str]]] = {}  # kind -> its servers, least loaded first
+    short: dict[str, list[tuple[float, int, str]]] = {}  # kind -> its servers that run no long answers
+    for sid, kind in servers:
+        heaps.setdefault(kind, []).append((0.0, index[sid], sid))
+        short.setdefault(kind, []).append((0.0, index[sid], sid))
+    long_servers: set[str] = set()
+
+    def least(heap: list[tuple[float, int, str]], skip_long: bool) -> str | None:
+        while heap and (heap[0][0] != current[heap[0][2]] or (skip_long and heap[0][2] in long_servers)):
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+    evals = spec.eval_list()
+
+    def allowed(prompt: int, answer: int) -> list[str]:
+        chains = {kind: answer * m.step_s for kind, m in models.items() if kind in heaps}
+        if answer >= LONG_ANSWER_TOKENS:
+            fastest = min(chains.values())
+            return [k for k, c in chains.items() if c <= fastest * CHAIN_TOLERANCE]
+        fastest = min(chains.values())
+        return [k for k, c in chains.items() if c <= max(fastest * CHAIN_TOLERANCE, SHORT_CHAIN_S)]
+
+    requests = [(e, k) for e, ev in enumerate(evals) for k in range(ev.size)]
+    requests.sort(key=lambda r: -min(m.alone(evals[r[0]].prompt_tokens, evals[r[0]].answer_tokens)
+                                     for m in models.values()))
+    packing: dict[str, str] = {}  # kind -> the server its long answers fill now
+    order = []
+    for e, k in requests:
+        prompt, answer = evals[e].prompt_tokens, evals[e].answer_tokens
+        best: tuple[float, str, str] | None = None
+        for kind in allowed(prompt, answer):
+            model = models[kind]
+            if answer >= LONG_ANSWER_TOKENS:
+                open_one = packing.get(kind)
+                if open_one is None or loads[open_one].long_answers % model.batch == 0:
+                    # a fresh server; with none left, a second batch where the least is (the engine queues it)
+                    open_one = least(short[kind], True) or least(heaps[kind], False)
+                candidates = [open_one]
+            else:
+                candidates = [least(heaps[kind], False), least(short[kind], True)]
+            for candidate in candidates:
+                if candidate is None:
+                    continue
+                t = loads[candidate].completion(model, prompt, answer)
+                if best is None or t < best[0]:
+                    best = (t, kind, candidate)
+        if best is None:
+            raise RuntimeError(f"no kind may take {evals[e].name}'s requests")
+        _, kind, sid = best
+        load, model = loads[sid], models[kind]
+        load.prefill_s += prompt * model.prefill_s
+        load.longest = max(load.longest, answer)
+        load.answers += answer
+        if answer >= LONG_ANSWER_TOKENS:
+            load.long_answers += 1
+            packing[kind] = sid
+            long_servers.add(sid)
+        current[sid] = now = load.completion(model)
+        heapq.heappush(heaps[kind], (now, index[sid], sid))
+        if sid not in long_servers:
+            heapq.heappush(short[kind], (now, index[sid], sid))
+        order.append((e, k, sid))
+    predicted = max(load.completion(models[load.kind]) for load in loads.values())
+    return Assignment(tuple(order), predicted)
+
+
+def run_oracle(spec: Spec) -> tuple[SimResult, float]:
+    """(the simulated run of the assignment, its modelled makespan)."""
+    loop = looptime.new_event_loop(start=0.0)
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(_run(loop.time, spec))
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+async def _run(clock: Any, spec: Spec) -> tuple[SimResult, float]:
+    world = build_world(spec.kind_table, spec.profiles(), spec.servers, clock)
+    assignment = assign(spec, [(sim.id, sim.kind) for sim in world.servers.values()])
+    evals = spec.eval_list()
+    transport = SimTransport(world.servers)
+    outcomes = {ev.name: EvalOutcome() for ev in evals}
+
+    async def one(e: int, k: int, sid: str) -> None:
+        ev, sim = evals[e], world.servers[sid]
+        request = InferenceRequest.from_body(
+            {"prompt": prompt_of(ev, k), "max_tokens": ev.answer_tokens, "ignore_eos": True},
+            request_id=f"{ev.name}/{k}", model=MODEL, endpoint=Endpoint.COMPLETIONS, client_id=ev.name)
+        await transport.complete(UrlTarget(sim.id, sim.record.url), request)
+        outcome = outcomes[ev.name]
+        outcome.answered += 1
+        outcome.finished_s = clock()
+
+    await asyncio.gather(*(one(e, k, sid) for e, k, sid in assignment.order))
+    result = SimResult(makespan_s=clock(), outcomes=outcomes, decisions=0, decision_cpu_s=0.0, process_cpu_s=0.0,
+                       wall_s=0.0, inflight_end=0, completed=sum(o.answered for o in outcomes.values()), failed=0,
+                       attempts=transport.attempts, servers=server_outcomes(world))
+    await world.close()
+    return result, assignment.predicted_s
+
+
+@dataclass(frozen=True)
+class OracleWorld:
+    seed: int
+    requests: int
+    ideal: float
+    makespan: float
+    predicted: float
+    kinds: dict[str, dict[str, Any]]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedpool.benchmarks.scale_oracle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", type=int, default=256)
+    parser.add_argument("--evals", type=int, default=64)
+    parser.add_argument("--kinds", type=int, choices=(3, 5), default=3)
+    parser.add_argument("--seeds", default="1,2,3", help="worlds to run (eval sizes drawn from each seed)")
+    parser.add_argument("--name", default="scale_oracle", help="report name: results/NAME.md")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the report is written")
+    args = parser.parse_args(argv)
+    base = Spec(args.servers, args.evals, args.kinds)
+    worlds = []
+    for seed in (int(x) for x in args.seeds.split(",")):
+        spec = replace(base, seed=seed)
+        ideal = ideal_s(spec)[0]
+        result, predicted = run_oracle(spec)
+        requests = sum(e.size for e in spec.eval_list())
+        worlds.append(OracleWorld(seed, requests, ideal, result.makespan_s, predicted, by_kind(result, spec)))
+        print(f"world {seed}: {requests} requests, ideal {ideal:.2f} s, oracle {result.makespan_s:.2f} s "
+              f"({result.makespan_s / ideal:.3f}), modelled {predicted:.2f} s", flush=True)
+    write_report(args.name, f"A clairvoyant placement at scale, in simulated time: {base.servers} servers, "
+                 f"{base.evals} evals", _body(base, worlds), _result(base, worlds), results_dir=args.results_dir)
+
+
+def _body(spec: Spec, worlds: list[OracleWorld]) -> str:
+    counts = kind_counts(spec.kind_table, spec.servers)
+    shapes = ", ".join(f"{m} {p}/{a}" for m, (p, a) in SHAPES.items())
+    ratios = [w.makespan / w.ideal for w in worlds]
+    rows = [(w.seed, w.requests, f"{w.ideal:.2f} s", f"{w.makespan:.2f} s ({w.makespan / w.ideal:.3f})",
+             f"{w.predicted:.2f} s") for w in worlds]
+    kinds = []
+    for w in worlds:
+        for kind, row in sorted(w.kinds.items()):
+            requests = ", ".join(f"{m} {n}" for m, n in sorted(row["requests"].items())) or "none"
+            kinds.append((w.seed, kind, row["servers"], requests,
+                          f"{row['work_per_server_s']:.1f} s ({row['busy_share']:.0%})",
+                          f"{row['last_median_s']:.1f} / {row['last_max_s']:.1f} s"))
+    return (f"World: the `scale_sim` world of the same size and seeds: {spec.servers} servers "
+            f"({', '.join(f'{n} × {k}' for k, n in counts.items())}), max running {spec.max_running} each; "
+            f"{spec.evals} evals of {spec.min_size}–{spec.max_size} requests (prompt/answer tokens: {shapes}). "
+            "The oracle (see the module docstring) knows every request up front and prices it with the engine "
+            "model's own costs, which routing never sees: it is an upper bound on what placement can do, not a "
+            "policy. The ideal is `scale_sim`'s (the LP bound at saturated cost; no request faster than alone on "
+            "the fastest server).\n\n"
+            + markdown_table(("world", "requests", "ideal", "oracle (÷ ideal)", "oracle's own model"), rows)
+            + f"\n\nOracle ÷ ideal over the worlds: {statistics.mean(ratios):.3f} ({min(ratios):.3f}–"
+            f"{max(ratios):.3f}) (mean, then the lowest and highest world).\n\n"
+            "Per server kind: the requests placed there by modality, their work at saturated cost per server (in "
+            "brackets its share of the makespan) and when the kind's servers answered their last request (median "
+            "/ latest).\n\n"
+            + markdown_table(("world", "kind", "servers", "requests", "work per server", "last answer"), kinds))
+
+
+def _result(spec: Spec, worlds: list[OracleWorld]) -> dict[str, object]:
+    ratios = [w.makespan / w.ideal for w in worlds]
+    return {"mode": "oracle", "servers": spec.servers, "evals": spec.evals, "worlds": len(worlds),
+            "oracle_vs_ideal": f"{statistics.mean(ratios):.3f}", "oracle_vs_ideal_max": f"{max(ratios):.3f}"}
+
+
+if __name__ == "__main__":
+    main()

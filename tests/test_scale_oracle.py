@@ -1,0 +1,62 @@
+"""The clairvoyant placement (benchmarks/scale_oracle.py): every request placed once, in its roles, in a small
+simulated world, and its report."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from fedpool.benchmarks.scale_oracle import LONG_ANSWER_TOKENS, KindModel, assign, main, run_oracle
+from fedpool.benchmarks.scale_sim import Spec, ideal_s
+from fedpool.benchmarks.simulator import kind_counts
+
+
+def servers_of(spec: Spec) -> list[tuple[str, str]]:
+    return [(f"{kind}-{i}", kind) for kind, n in kind_counts(spec.kind_table, spec.servers).items() for i in range(n)]
+
+
+def test_every_request_is_placed_once_long_answers_packed_on_their_fastest_kind() -> None:
+    spec = Spec(servers=16, evals=8, seed=3)
+    servers = servers_of(spec)
+    kind_of = dict(servers)
+    evals = spec.eval_list()
+    assignment = assign(spec, servers)
+    placed = Counter((e, k) for e, k, _ in assignment.order)
+    assert sorted(placed) == sorted((e, k) for e, ev in enumerate(evals) for k in range(ev.size))
+    assert set(placed.values()) == {1}
+    models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
+    fastest = min(m.step_s for m in models.values())
+    long_on: Counter[str] = Counter()
+    for e, _, sid in assignment.order:
+        if evals[e].answer_tokens >= LONG_ANSWER_TOKENS:
+            assert models[kind_of[sid]].step_s <= fastest * 1.1  # only where long answers decode fastest
+            long_on[sid] += 1
+    batch = spec.max_running
+    assert long_on
+    # packed a full batch to a server: per kind, at most one server holds a part of a batch
+    partial = Counter(kind_of[sid] for sid, n in long_on.items() if n % batch)
+    assert all(n <= 1 for n in partial.values())
+    # a second batch on a server only once every server of those kinds has one
+    fast = [sid for sid, kind in servers if models[kind].step_s <= fastest * 1.1]
+    if max(long_on.values()) > batch:
+        assert all(long_on[sid] >= batch for sid in fast)
+    # the longest first: the order's first requests are the long answers
+    firsts = [evals[e].answer_tokens for e, _, _ in assignment.order[:len(long_on)]]
+    assert min(firsts) >= LONG_ANSWER_TOKENS
+
+
+def test_the_simulated_run_answers_everything_and_is_no_faster_than_the_ideal() -> None:
+    spec = Spec(servers=16, evals=8, seed=3)
+    result, predicted = run_oracle(spec)
+    assert result.completed == sum(e.size for e in spec.eval_list()) and result.failed == 0
+    ideal = ideal_s(spec)[0]
+    assert result.makespan_s >= ideal * 0.999  # the ideal is a bound
+    assert predicted > 0
+
+
+def test_the_report_ends_with_its_result_line(tmp_path: Path) -> None:
+    main(["--servers", "16", "--evals", "8", "--seeds", "3", "--name", "oracle", "--results-dir", str(tmp_path)])
+    text = (tmp_path / "oracle.md").read_text()
+    assert "| 3 | vllm-a100-80gb-7b |" in text
+    last = text.rstrip().splitlines()[-1]
+    assert last.startswith("result: mode=oracle servers=16 evals=8 worlds=1 oracle_vs_ideal=")
