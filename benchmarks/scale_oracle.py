@@ -123,13 +123,13 @@ def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
 
     evals = spec.eval_list()
 
-    def allowed(prompt: int, answer: int) -> list[str]:
+    def allowed(answer: int) -> list[str]:
+        """The kinds that may take a request with this answer (its decode chain there against its fastest)."""
         chains = {kind: answer * m.step_s for kind, m in models.items() if kind in heaps}
-        if answer >= LONG_ANSWER_TOKENS:
-            fastest = min(chains.values())
-            return [k for k, c in chains.items() if c <= fastest * CHAIN_TOLERANCE]
-        fastest = min(chains.values())
-        return [k for k, c in chains.items() if c <= max(fastest * CHAIN_TOLERANCE, SHORT_CHAIN_S)]
+        limit = min(chains.values()) * CHAIN_TOLERANCE
+        if answer < LONG_ANSWER_TOKENS:
+            limit = max(limit, SHORT_CHAIN_S)
+        return [k for k, c in chains.items() if c <= limit]
 
     requests = [(e, k) for e, ev in enumerate(evals) for k in range(ev.size)]
     requests.sort(key=lambda r: -min(m.alone(evals[r[0]].prompt_tokens, evals[r[0]].answer_tokens)
@@ -139,7 +139,7 @@ def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
     for e, k in requests:
         prompt, answer = evals[e].prompt_tokens, evals[e].answer_tokens
         best: tuple[float, str, str] | None = None
-        for kind in allowed(prompt, answer):
+        for kind in allowed(answer):
             model = models[kind]
             if answer >= LONG_ANSWER_TOKENS:
                 open_one = packing.get(kind)
