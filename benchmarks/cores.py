@@ -70,8 +70,3 @@ def kept_to(cpus: frozenset[int]) -> Iterator[None]:
         yield
     finally:
         pin(os.getpid(), before)
-
-
-def affinity(pid: int) -> frozenset[int]:
-    """The cores process `pid`'s main thread may run on."""
-    return frozenset(os.sched_getaffinity(pid))

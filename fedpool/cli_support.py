@@ -54,10 +54,6 @@ class CommandStdout(io.TextIOBase):
     def __init__(self, out: TextIO):
         self._out = out
 
-    @property
-    def stream(self) -> TextIO:
-        return self._out
-
     def _sink(self) -> TextIO:
         return sys.stderr if threading.current_thread().name in RAY_MESSAGE_THREADS else self._out
 
