@@ -1,6 +1,7 @@
 """A clairvoyant placement in the scale simulator: what placing every request well could reach, beside the ideal.
 
-    python -m fedpool.benchmarks.scale_oracle [--servers 256] [--evals 64] [--seeds 1,2,3] [--name scale_oracle]
+    python -m fedpool.benchmarks.scale_oracle [--servers 256] [--evals 64] [--seeds 1,2,3]
+        [--dispatch-orders longest_answers_first,fair | none] [--name scale_oracle]
 
 Not a policy and not fedpool: an upper bound on what placement alone can do, to tell a schedule's gap from the
 ideal's looseness. It knows every request of every eval before the start, prices each on each server with the
@@ -23,8 +24,17 @@ pointed at:
 - the rest, longest first (by its time alone on its fastest kind), go where the modelled completion ends
   soonest: the least loaded server of each allowed kind, or the least loaded of it that runs no long answers.
 
+The same knowledge handed to the real dispatcher instead (`FinishOracle`, a policy that only this benchmark uses):
+each request, in the dispatcher's client order, goes to the server where the same model says it finishes
+earliest — a server's prompts prefill one after another, its answers decode beside each other, and a prompt
+placed there stalls the answers decoding there by its prefill — and it waits instead when a server without room
+would finish it more than `HOLD_FACTOR` × sooner (plus `HOLD_SLACK_S`). Run under `longest_answers_first` (the
+longest answers decided first, as the assignment decides them) and under `fair`: what the dispatcher's grant
+passes, windows and client order reach when the costs and shapes are known, apart from learning them.
+
 Writes benchmarks/results/NAME.md, ending with
-`result: mode=oracle servers=N evals=N worlds=N oracle_vs_ideal=X oracle_vs_ideal_max=X`.
+`result: mode=oracle servers=N evals=N worlds=N oracle_vs_ideal=X oracle_vs_ideal_max=X dispatch_vs_ideal=X
+dispatch_fair_vs_ideal=X` (the last two: the dispatcher arm under each order; absent with `--dispatch-orders none`).
 """
 
 from __future__ import annotations
@@ -47,18 +57,27 @@ from fedpool.benchmarks.simulator import (
     EvalOutcome,
     SimResult,
     SimTransport,
+    World,
     build_world,
     kind_counts,
+    make_dispatcher,
     prompt_of,
     server_outcomes,
+    simulate,
 )
 from fedpool.deploy.emulator import EmulatorProfile
+from fedpool.federation.dispatch_types import DispatchConfig
+from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
 from fedpool.federation.transport import UrlTarget
 from fedpool.federation.types import Endpoint, InferenceRequest
 
 LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of their fastest kinds
 CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its fastest kind's may take it
 SHORT_CHAIN_S = 1.0  # a decode chain this short (engine seconds) is no reason to keep a request off a kind
+HOLD_FACTOR = 2.0  # FinishOracle: a request waits when a server without room finishes it this many times sooner ...
+HOLD_SLACK_S = 0.5  # ... and by more than this (seconds from now)
+DISPATCH_ORDERS = ("longest_answers_first", "fair")  # the client orders the dispatcher arm runs under
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,75 @@ def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
     return Assignment(tuple(order), predicted)
 
 
+class FinishOracle(Policy):
+    """Earliest modelled finish, with the engine model's costs and every eval's shape known (see the module
+    docstring). Per server it keeps when its placed prompts will have prefilled and when its answers will have
+    decoded; a server with nothing in flight starts from now. O(servers) a decision: a benchmark, not a policy."""
+
+    name = "finish_oracle"
+    plans_the_tail = True  # (copies at the tail would run against the model: no hedging or stealing)
+
+    def __init__(self, models: dict[str, KindModel], kind_of: dict[str, str], shapes: dict[str, tuple[int, int]]):
+        super().__init__()
+        self._models, self._kind_of, self._shapes = models, kind_of, shapes
+        self._prefilled: dict[str, float] = {}  # server -> when the prompts placed there are prefilled
+        self._decoded: dict[str, float] = {}  # server -> when the answers placed there are decoded
+        self._state: DispatchState | None = None
+
+    def attach(self, state: DispatchState) -> None:
+        self._state = state
+
+    def choose(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
+        return candidates[0]  # (place decides; choose is the interface's fallback)
+
+    def _finish(self, server: Any, prompt: int, answer: int, now: float) -> tuple[float, float, float]:
+        """(the request's modelled finish there, when its prompt is prefilled, when the server's answers are)."""
+        model = self._models[self._kind_of[server.id]]
+        idle = server.inflight == 0
+        prefilled = now if idle else max(now, self._prefilled.get(server.id, now))
+        decoded = now if idle else max(now, self._decoded.get(server.id, now))
+        prefill = prompt * model.prefill_s
+        own = prefilled + prefill
+        finish = max(decoded + prefill, own + answer * model.step_s)  # its prompt stalls the answers decoding there
+        return finish, own, finish
+
+    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
+        assert self._state is not None
+        now = self._state.clock()
+        prompt, answer = self._shapes[request.client_id]
+        best: tuple[float, Any, float, float] | None = None
+        best_anywhere = float("inf")
+        for server in route.servers:
+            if server.id in tried:
+                continue
+            finish, own, decoded = self._finish(server, prompt, answer, now)
+            best_anywhere = min(best_anywhere, finish)
+            if (best is None or finish < best[0]) and route.usable(server, tried):
+                best = (finish, server, own, decoded)
+        if best is None:
+            return Hold.ROUTE_FULL if not tried else Hold.CLIENT_HELD
+        finish, server, own, decoded = best
+        if finish - now > (best_anywhere - now) * HOLD_FACTOR + HOLD_SLACK_S:
+            return Hold.CLIENT_HELD  # a server without room finishes it far sooner: wait for it
+        self._prefilled[server.id] = own
+        self._decoded[server.id] = decoded
+        return server
+
+
+def run_dispatch(spec: Spec) -> SimResult:
+    """The real dispatcher with `FinishOracle` placing, under the spec's client order, in simulated time."""
+    models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
+    shapes = {e.name: (e.prompt_tokens, e.answer_tokens) for e in spec.eval_list()}
+
+    def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
+        policy = FinishOracle(models, {sim.id: sim.kind for sim in world.servers.values()}, shapes)
+        return [make_dispatcher(transport, world, policy, DispatchConfig(client_order=spec.client_order), clock,
+                                seed=spec.seed)]
+
+    return simulate(lambda clock: build_world(spec.kind_table, spec.profiles(), spec.servers, clock),
+                    spec.eval_list(), dispatchers)
+
+
 def run_oracle(spec: Spec) -> tuple[SimResult, float]:
     """(the simulated run of the assignment, its modelled makespan)."""
     loop = looptime.new_event_loop(start=0.0)
@@ -219,6 +307,7 @@ class OracleWorld:
     makespan: float
     predicted: float
     kinds: dict[str, dict[str, Any]]
+    dispatch: dict[str, float]  # client order -> the dispatcher arm's makespan
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -228,29 +317,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--evals", type=int, default=64)
     parser.add_argument("--kinds", type=int, choices=(3, 5), default=3)
     parser.add_argument("--seeds", default="1,2,3", help="worlds to run (eval sizes drawn from each seed)")
+    parser.add_argument("--dispatch-orders", default=",".join(DISPATCH_ORDERS),
+                        help="client orders the dispatcher arm runs under ('none': no dispatcher arm; it decides in "
+                             "O(servers), minutes a world at 256 servers)")
     parser.add_argument("--name", default="scale_oracle", help="report name: results/NAME.md")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the report is written")
     args = parser.parse_args(argv)
     base = Spec(args.servers, args.evals, args.kinds)
+    orders = () if args.dispatch_orders == "none" else tuple(o for o in args.dispatch_orders.split(",") if o)
     worlds = []
     for seed in (int(x) for x in args.seeds.split(",")):
         spec = replace(base, seed=seed)
         ideal = ideal_s(spec)[0]
         result, predicted = run_oracle(spec)
         requests = sum(e.size for e in spec.eval_list())
-        worlds.append(OracleWorld(seed, requests, ideal, result.makespan_s, predicted, by_kind(result, spec)))
+        dispatch = {}
+        for order in orders:
+            run = run_dispatch(replace(spec, client_order=order))
+            if run.completed != requests or run.failed:
+                raise RuntimeError(f"world {seed}, {order}: {run.completed} of {requests} answered, {run.failed} "
+                                   "failed")
+            dispatch[order] = run.makespan_s
+        worlds.append(OracleWorld(seed, requests, ideal, result.makespan_s, predicted, by_kind(result, spec),
+                                  dispatch))
         print(f"world {seed}: {requests} requests, ideal {ideal:.2f} s, oracle {result.makespan_s:.2f} s "
-              f"({result.makespan_s / ideal:.3f}), modelled {predicted:.2f} s", flush=True)
+              f"({result.makespan_s / ideal:.3f}), modelled {predicted:.2f} s; dispatcher "
+              + ", ".join(f"{o} {m:.2f} s ({m / ideal:.3f})" for o, m in dispatch.items()), flush=True)
     write_report(args.name, f"A clairvoyant placement at scale, in simulated time: {base.servers} servers, "
-                 f"{base.evals} evals", _body(base, worlds), _result(base, worlds), results_dir=args.results_dir)
+                 f"{base.evals} evals", _body(base, worlds, orders), _result(base, worlds, orders),
+                 results_dir=args.results_dir)
 
 
-def _body(spec: Spec, worlds: list[OracleWorld]) -> str:
+def _body(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str]) -> str:
     counts = kind_counts(spec.kind_table, spec.servers)
     shapes = ", ".join(f"{m} {p}/{a}" for m, (p, a) in SHAPES.items())
     ratios = [w.makespan / w.ideal for w in worlds]
     rows = [(w.seed, w.requests, f"{w.ideal:.2f} s", f"{w.makespan:.2f} s ({w.makespan / w.ideal:.3f})",
-             f"{w.predicted:.2f} s") for w in worlds]
+             f"{w.predicted:.2f} s",
+             *(f"{w.dispatch[o]:.2f} s ({w.dispatch[o] / w.ideal:.3f})" for o in orders)) for w in worlds]
+    spread = {o: [w.dispatch[o] / w.ideal for w in worlds] for o in orders}
     kinds = []
     for w in worlds:
         for kind, row in sorted(w.kinds.items()):
@@ -265,19 +370,32 @@ def _body(spec: Spec, worlds: list[OracleWorld]) -> str:
             "model's own costs, which routing never sees: it is an upper bound on what placement can do, not a "
             "policy. The ideal is `scale_sim`'s (the LP bound at saturated cost; no request faster than alone on "
             "the fastest server).\n\n"
-            + markdown_table(("world", "requests", "ideal", "oracle (÷ ideal)", "oracle's own model"), rows)
+            + ("The dispatcher arms run the real dispatcher (grant passes, windows, client order) with `FinishOracle` "
+            "placing: the same costs and shapes, decided one request at a time as slots free, in the client order "
+            f"named; a request waits when a server without room would finish it over {HOLD_FACTOR:g}× sooner "
+            "(module docstring).\n\n" if orders else "No dispatcher arm in this run (`--dispatch-orders none`).\n\n")
+            + markdown_table(("world", "requests", "ideal", "oracle (÷ ideal)", "oracle's own model",
+                              *(f"dispatcher, {o} (÷ ideal)" for o in orders)), rows)
             + f"\n\nOracle ÷ ideal over the worlds: {statistics.mean(ratios):.3f} ({min(ratios):.3f}–"
-            f"{max(ratios):.3f}) (mean, then the lowest and highest world).\n\n"
+            f"{max(ratios):.3f}) (mean, then the lowest and highest world)"
+            + "".join(f"; the dispatcher under `{o}`: {statistics.mean(v):.3f} ({min(v):.3f}–{max(v):.3f})"
+                      for o, v in spread.items()) + ".\n\n"
             "Per server kind: the requests placed there by modality, their work at saturated cost per server (in "
             "brackets its share of the makespan) and when the kind's servers answered their last request (median "
             "/ latest).\n\n"
             + markdown_table(("world", "kind", "servers", "requests", "work per server", "last answer"), kinds))
 
 
-def _result(spec: Spec, worlds: list[OracleWorld]) -> dict[str, object]:
+def _result(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str]) -> dict[str, object]:
     ratios = [w.makespan / w.ideal for w in worlds]
-    return {"mode": "oracle", "servers": spec.servers, "evals": spec.evals, "worlds": len(worlds),
-            "oracle_vs_ideal": f"{statistics.mean(ratios):.3f}", "oracle_vs_ideal_max": f"{max(ratios):.3f}"}
+    out: dict[str, object] = {"mode": "oracle", "servers": spec.servers, "evals": spec.evals, "worlds": len(worlds),
+                              "oracle_vs_ideal": f"{statistics.mean(ratios):.3f}",
+                              "oracle_vs_ideal_max": f"{max(ratios):.3f}"}
+    keys = {"longest_answers_first": "dispatch_vs_ideal", "fair": "dispatch_fair_vs_ideal"}
+    for order in orders:
+        out[keys.get(order, f"dispatch_{order}_vs_ideal")] = \
+            f"{statistics.mean(w.dispatch[order] / w.ideal for w in worlds):.3f}"
+    return out
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from fedpool.benchmarks.scale_oracle import LONG_ANSWER_TOKENS, KindModel, assign, main, run_oracle
+from fedpool.benchmarks.scale_oracle import LONG_ANSWER_TOKENS, KindModel, assign, main, run_dispatch, run_oracle
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import kind_counts
 
@@ -55,8 +55,22 @@ def test_the_simulated_run_answers_everything_and_is_no_faster_than_the_ideal() 
 
 
 def test_the_report_ends_with_its_result_line(tmp_path: Path) -> None:
-    main(["--servers", "16", "--evals", "8", "--seeds", "3", "--name", "oracle", "--results-dir", str(tmp_path)])
+    main(["--servers", "16", "--evals", "8", "--seeds", "3", "--dispatch-orders", "fair", "--name", "oracle",
+          "--results-dir", str(tmp_path)])
     text = (tmp_path / "oracle.md").read_text()
     assert "| 3 | vllm-a100-80gb-7b |" in text
     last = text.rstrip().splitlines()[-1]
     assert last.startswith("result: mode=oracle servers=16 evals=8 worlds=1 oracle_vs_ideal=")
+    assert " dispatch_fair_vs_ideal=" in last and " dispatch_vs_ideal=" not in last
+
+
+def test_the_dispatcher_arm_answers_everything_and_waits_for_a_far_sooner_server() -> None:
+    spec = Spec(servers=16, evals=8, seed=3, client_order="longest_answers_first")
+    result = run_dispatch(spec)
+    assert result.completed == sum(e.size for e in spec.eval_list()) and result.failed == 0
+    assert result.inflight_end == 0
+    assert result.makespan_s >= ideal_s(spec)[0] * 0.999
+    # long answers only where they decode fastest: the V100s answered none of the text evals
+    text = {e.name for e in spec.eval_list() if e.answer_tokens >= LONG_ANSWER_TOKENS}
+    on_slow = sum(n for s in result.servers if "v100" in s.kind for c, n in s.answered_by.items() if c in text)
+    assert on_slow == 0
