@@ -341,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         worlds.append(OracleWorld(seed, requests, ideal, result.makespan_s, predicted, by_kind(result, spec),
                                   dispatch))
         print(f"world {seed}: {requests} requests, ideal {ideal:.2f} s, oracle {result.makespan_s:.2f} s "
-              f"({result.makespan_s / ideal:.3f}), modelled {predicted:.2f} s; dispatcher "
-              + ", ".join(f"{o} {m:.2f} s ({m / ideal:.3f})" for o, m in dispatch.items()), flush=True)
+              f"({result.makespan_s / ideal:.3f}), modelled {predicted:.2f} s"
+              + "".join(f"; dispatcher, {o} {m:.2f} s ({m / ideal:.3f})" for o, m in dispatch.items()), flush=True)
     write_report(args.name, f"A clairvoyant placement at scale, in simulated time: {base.servers} servers, "
                  f"{base.evals} evals", _body(base, worlds, orders), _result(base, worlds, orders),
                  results_dir=args.results_dir)
