@@ -1,7 +1,8 @@
 """A clairvoyant placement in the scale simulator: what placing every request well could reach, beside the ideal.
 
     python -m fedpool.benchmarks.scale_oracle [--servers 256] [--evals 64] [--seeds 1,2,3]
-        [--dispatch-orders longest_answers_first,fair | none] [--name scale_oracle]
+        [--dispatch-orders longest_answers_first,fair | none] [--timed-order longest_answers_first | none]
+        [--name scale_oracle]
 
 Not a policy and not fedpool: an upper bound on what placement alone can do, to tell a schedule's gap from the
 ideal's looseness. It knows every request of every eval before the start, prices each on each server with the
@@ -30,11 +31,17 @@ earliest — a server's prompts prefill one after another, its answers decode be
 placed there stalls the answers decoding there by its prefill — and it waits instead when a server without room
 would finish it more than `HOLD_FACTOR` × sooner (plus `HOLD_SLACK_S`). Run under `longest_answers_first` (the
 longest answers decided first, as the assignment decides them) and under `fair`: what the dispatcher's grant
-passes, windows and client order reach when the costs and shapes are known, apart from learning them.
+passes, windows and client order reach when the costs and shapes are known, apart from learning them. A third
+arm (`--timed-order`) learns the costs instead: it starts from the data-sheet priors (`pricing`, × the model's
+`MODEL_BILLIONS`) and reads each kind's from every answer's own engine times (its prefill — admission to first
+token — and its decode, what vLLM's per-request metrics and llama.cpp's `timings` report): the prefill cost a low
+quantile of prefill seconds per prompt token, the step the least decode seconds per token (stalls by other prompts
+only lengthen them).
 
 Writes benchmarks/results/NAME.md, ending with
 `result: mode=oracle servers=N evals=N worlds=N oracle_vs_ideal=X oracle_vs_ideal_max=X dispatch_vs_ideal=X
-dispatch_fair_vs_ideal=X` (the last two: the dispatcher arm under each order; absent with `--dispatch-orders none`).
+dispatch_fair_vs_ideal=X dispatch_timed_vs_ideal=X` (the dispatcher arms: at the engine model's costs under each order,
+absent with `--dispatch-orders none`; at timed costs, absent with `--timed-order none`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import argparse
 import asyncio
 import heapq
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,15 +77,27 @@ from fedpool.deploy.emulator import EmulatorProfile
 from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
+from fedpool.federation.pricing import server_cost, step_cost
 from fedpool.federation.transport import UrlTarget
 from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.registry import ServerEntry, ServerStatus
+from fedpool.registry.weights import prior_weight
 
 LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of their fastest kinds
 CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its fastest kind's may take it
 SHORT_CHAIN_S = 1.0  # a decode chain this short (engine seconds) is no reason to keep a request off a kind
+TIMED_PROMPT_TOKENS = 200  # timed costs: answers with prompts this long measure a kind's prefill ...
+TIMED_ANSWER_TOKENS = 8  # ... and with answers this long its decode step
+TIMED_PREFILL_QUANTILE = 0.1  # the prefill cost: this quantile of prefill seconds per prompt token ...
+TIMED_PREFILL_ROWS = 200  # ... over the kind's latest answers
+TIMED_STEP_ROWS = 1000  # the step: the least decode seconds per token over the kind's latest answers
+TIMED_REFIT = 10  # answers between refits of a kind
+MODEL_BILLIONS = 7.0  # the simulated model's size: the data-sheet priors are for 1 B parameters
 HOLD_FACTOR = 2.0  # FinishOracle: a request waits when a server without room finishes it this many times sooner ...
 HOLD_SLACK_S = 0.5  # ... and by more than this (seconds from now)
 DISPATCH_ORDERS = ("longest_answers_first", "fair")  # the client orders the dispatcher arm runs under
+TIMED = "timed"  # (the timed-costs arm's key among a world's dispatcher makespans)
+TIMED_ORDER = "longest_answers_first"  # the order the timed-costs arm runs under
 
 
 @dataclass(frozen=True)
@@ -204,7 +224,10 @@ class FinishOracle(Policy):
 
     def __init__(self, models: dict[str, KindModel], kind_of: dict[str, str], shapes: dict[str, tuple[int, int]]):
         super().__init__()
-        self._models, self._kind_of, self._shapes = models, kind_of, shapes
+        self._models, self._kind_of, self._shapes = dict(models), kind_of, shapes
+        self._prior = dict(models)  # (what `timing` starts from)
+        self._timed: dict[str, tuple[deque[float], deque[float]]] = {}  # kind -> prefill s/token, decode s/token
+        self._timed_n: dict[str, int] = {}
         self._prefilled: dict[str, float] = {}  # server -> when the prompts placed there are prefilled
         self._decoded: dict[str, float] = {}  # server -> when the answers placed there are decoded
         self._state: DispatchState | None = None
@@ -214,6 +237,35 @@ class FinishOracle(Policy):
 
     def choose(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
         return candidates[0]  # (place decides; choose is the interface's fallback)
+
+    def costs(self, kind: str) -> KindModel:
+        """The kind's costs as the policy has them now."""
+        return self._models[kind]
+
+    def timing(self, server_id: str, prompt: int, output: int, prefill_s: float, decode_s: float) -> None:
+        """An answer's own engine times (`SimTransport.on_timing`): the kind's costs learned from them (see the
+        module docstring); until a kind has both, the other keeps the prior's ratio to it."""
+        kind = self._kind_of[server_id]
+        rows = self._timed.get(kind)
+        if rows is None:
+            rows = self._timed[kind] = (deque(maxlen=TIMED_PREFILL_ROWS), deque(maxlen=TIMED_STEP_ROWS))
+        if prompt >= TIMED_PROMPT_TOKENS and prefill_s > 0:
+            rows[0].append(prefill_s / prompt)
+        if output >= TIMED_ANSWER_TOKENS and decode_s > 0:
+            rows[1].append(decode_s / (output - 1))
+        n = self._timed_n[kind] = self._timed_n.get(kind, 0) + 1
+        if n % TIMED_REFIT:
+            return
+        prior = self._prior[kind]
+        prefill = sorted(rows[0])[int(TIMED_PREFILL_QUANTILE * (len(rows[0]) - 1))] if rows[0] else None
+        step = min(rows[1]) if rows[1] else None
+        if prefill is None and step is None:
+            return
+        if prefill is None:
+            prefill = step * prior.prefill_s / prior.step_s  # type: ignore[operator]
+        if step is None:
+            step = prefill * prior.step_s / prior.prefill_s
+        self._models[kind] = KindModel(prefill, step, prior.batch)
 
     def _finish(self, server: Any, prompt: int, answer: int, now: float) -> tuple[float, float, float]:
         """(the request's modelled finish there, when its prompt is prefilled, when the server's answers are)."""
@@ -249,13 +301,28 @@ class FinishOracle(Policy):
         return server
 
 
-def run_dispatch(spec: Spec) -> SimResult:
-    """The real dispatcher with `FinishOracle` placing, under the spec's client order, in simulated time."""
-    models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
+def prior_models(world: World) -> dict[str, KindModel]:
+    """Each kind's costs by the data-sheet priors (`pricing`), for the simulated model's size."""
+    models = {}
+    for sim in world.servers.values():
+        if sim.kind not in models:
+            entry = ServerEntry(sim.record, ServerStatus.HEALTHY, sim.profile.max_running, prior_weight(sim.record))
+            batch = max(1, sim.profile.max_running)
+            models[sim.kind] = KindModel(server_cost(entry).prefill_s_per_token * MODEL_BILLIONS,
+                                         step_cost(entry, batch) * MODEL_BILLIONS, batch)
+    return models
+
+
+def run_dispatch(spec: Spec, *, timed: bool = False) -> SimResult:
+    """The real dispatcher with `FinishOracle` placing, under the spec's client order, in simulated time: at the
+    engine model's costs, or (`timed`) at costs learned from each answer's engine times."""
     shapes = {e.name: (e.prompt_tokens, e.answer_tokens) for e in spec.eval_list()}
 
     def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
+        models = prior_models(world) if timed else {kind: KindModel.of(p) for kind, p in spec.profiles().items()}
         policy = FinishOracle(models, {sim.id: sim.kind for sim in world.servers.values()}, shapes)
+        if timed:
+            transport.on_timing = policy.timing
         return [make_dispatcher(transport, world, policy, DispatchConfig(client_order=spec.client_order), clock,
                                 seed=spec.seed)]
 
@@ -320,11 +387,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dispatch-orders", default=",".join(DISPATCH_ORDERS),
                         help="client orders the dispatcher arm runs under ('none': no dispatcher arm; it decides in "
                              "O(servers), minutes a world at 256 servers)")
+    parser.add_argument("--timed-order", default=TIMED_ORDER,
+                        help="client order the timed-costs dispatcher arm runs under ('none', or --dispatch-orders "
+                             "none: no such arm)")
     parser.add_argument("--name", default="scale_oracle", help="report name: results/NAME.md")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the report is written")
     args = parser.parse_args(argv)
     base = Spec(args.servers, args.evals, args.kinds)
     orders = () if args.dispatch_orders == "none" else tuple(o for o in args.dispatch_orders.split(",") if o)
+    timed = None if args.timed_order == "none" or not orders else args.timed_order
     worlds = []
     for seed in (int(x) for x in args.seeds.split(",")):
         spec = replace(base, seed=seed)
@@ -338,24 +409,31 @@ def main(argv: Sequence[str] | None = None) -> None:
                 raise RuntimeError(f"world {seed}, {order}: {run.completed} of {requests} answered, {run.failed} "
                                    "failed")
             dispatch[order] = run.makespan_s
+        if timed is not None:
+            run = run_dispatch(replace(spec, client_order=timed), timed=True)
+            if run.completed != requests or run.failed:
+                raise RuntimeError(f"world {seed}, timed: {run.completed} of {requests} answered, {run.failed} failed")
+            dispatch[TIMED] = run.makespan_s
         worlds.append(OracleWorld(seed, requests, ideal, result.makespan_s, predicted, by_kind(result, spec),
                                   dispatch))
         print(f"world {seed}: {requests} requests, ideal {ideal:.2f} s, oracle {result.makespan_s:.2f} s "
               f"({result.makespan_s / ideal:.3f}), modelled {predicted:.2f} s"
               + "".join(f"; dispatcher, {o} {m:.2f} s ({m / ideal:.3f})" for o, m in dispatch.items()), flush=True)
     write_report(args.name, f"A clairvoyant placement at scale, in simulated time: {base.servers} servers, "
-                 f"{base.evals} evals", _body(base, worlds, orders), _result(base, worlds, orders),
+                 f"{base.evals} evals", _body(base, worlds, orders, timed), _result(base, worlds, orders, timed),
                  results_dir=args.results_dir)
 
 
-def _body(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str]) -> str:
+def _body(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str], timed: str | None) -> str:
+    arms = [*orders, *([TIMED] if timed is not None else [])]
+    label = {**{o: f"dispatcher, {o}" for o in orders}, TIMED: f"dispatcher, timed costs, {timed}"}
     counts = kind_counts(spec.kind_table, spec.servers)
     shapes = ", ".join(f"{m} {p}/{a}" for m, (p, a) in SHAPES.items())
     ratios = [w.makespan / w.ideal for w in worlds]
     rows = [(w.seed, w.requests, f"{w.ideal:.2f} s", f"{w.makespan:.2f} s ({w.makespan / w.ideal:.3f})",
              f"{w.predicted:.2f} s",
-             *(f"{w.dispatch[o]:.2f} s ({w.dispatch[o] / w.ideal:.3f})" for o in orders)) for w in worlds]
-    spread = {o: [w.dispatch[o] / w.ideal for w in worlds] for o in orders}
+             *(f"{w.dispatch[o]:.2f} s ({w.dispatch[o] / w.ideal:.3f})" for o in arms)) for w in worlds]
+    spread = {label[o]: [w.dispatch[o] / w.ideal for w in worlds] for o in arms}
     kinds = []
     for w in worlds:
         for kind, row in sorted(w.kinds.items()):
@@ -373,20 +451,21 @@ def _body(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str]) -> str:
             + ("The dispatcher arms run the real dispatcher (grant passes, windows, client order) with `FinishOracle` "
             "placing: the same costs and shapes, decided one request at a time as slots free, in the client order "
             f"named; a request waits when a server without room would finish it over {HOLD_FACTOR:g}× sooner "
-            "(module docstring).\n\n" if orders else "No dispatcher arm in this run (`--dispatch-orders none`).\n\n")
+            "(module docstring). The timed-costs arm learns the costs from each answer's engine times, starting "
+            "from the data-sheet priors (module docstring).\n\n" if arms else "No dispatcher arm in this run.\n\n")
             + markdown_table(("world", "requests", "ideal", "oracle (÷ ideal)", "oracle's own model",
-                              *(f"dispatcher, {o} (÷ ideal)" for o in orders)), rows)
+                              *(f"{label[o]} (÷ ideal)" for o in arms)), rows)
             + f"\n\nOracle ÷ ideal over the worlds: {statistics.mean(ratios):.3f} ({min(ratios):.3f}–"
             f"{max(ratios):.3f}) (mean, then the lowest and highest world)"
-            + "".join(f"; the dispatcher under `{o}`: {statistics.mean(v):.3f} ({min(v):.3f}–{max(v):.3f})"
-                      for o, v in spread.items()) + ".\n\n"
+            + "".join(f"; {name}: {statistics.mean(v):.3f} ({min(v):.3f}–{max(v):.3f})"
+                      for name, v in spread.items()) + ".\n\n"
             "Per server kind: the requests placed there by modality, their work at saturated cost per server (in "
             "brackets its share of the makespan) and when the kind's servers answered their last request (median "
             "/ latest).\n\n"
             + markdown_table(("world", "kind", "servers", "requests", "work per server", "last answer"), kinds))
 
 
-def _result(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str]) -> dict[str, object]:
+def _result(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str], timed: str | None) -> dict[str, object]:
     ratios = [w.makespan / w.ideal for w in worlds]
     out: dict[str, object] = {"mode": "oracle", "servers": spec.servers, "evals": spec.evals, "worlds": len(worlds),
                               "oracle_vs_ideal": f"{statistics.mean(ratios):.3f}",
@@ -395,6 +474,8 @@ def _result(spec: Spec, worlds: list[OracleWorld], orders: Sequence[str]) -> dic
     for order in orders:
         out[keys.get(order, f"dispatch_{order}_vs_ideal")] = \
             f"{statistics.mean(w.dispatch[order] / w.ideal for w in worlds):.3f}"
+    if timed is not None:
+        out["dispatch_timed_vs_ideal"] = f"{statistics.mean(w.dispatch[TIMED] / w.ideal for w in worlds):.3f}"
     return out
 
 

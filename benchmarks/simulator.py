@@ -88,6 +88,10 @@ class SimTransport:
     def __init__(self, servers: Mapping[str, SimServer]):
         self.servers = servers
         self.attempts = 0
+        # Told of each answer's own engine times (server id, prompt and output tokens, prefill seconds — from its
+        # admission to its first token — and decode seconds), as vLLM's per-request metrics and llama.cpp's
+        # `timings` report them; None: not asked.
+        self.on_timing: Callable[[str, int, int, float, float], None] | None = None
 
     async def complete(self, server: Target, request: InferenceRequest) -> Completion:
         self.attempts += 1
@@ -100,8 +104,16 @@ class SimTransport:
         # On an engine that aborts by id (SGLang), the attempt carries one and a cancel aborts it at once, as the
         # HTTP transport does.
         rid = f"sim-{self.attempts}" if server.abort_path is not None else None
+        loop = asyncio.get_running_loop()
+        asked, began = self.on_timing, loop.time()
+        first: list[float] = []  # when its first token came (asked only)
+
+        def first_token() -> None:
+            first.append(loop.time())
+
         try:
-            await sim.engine.generate(prompt_tokens, out_tokens, blocks, rid)
+            generation = await sim.engine.generate(prompt_tokens, out_tokens, blocks, rid,
+                                                   None if asked is None else first_token)
         except PromptTooLong as exc:
             raise AttemptError(FailureKind.REQUEST_ERROR, "HTTP 400", status=400, upstream_message=str(exc)) from None
         except asyncio.CancelledError:
@@ -114,7 +126,10 @@ class SimTransport:
         if not sim.alive:
             raise AttemptError(FailureKind.CONNECT, "server died mid-request")
         sim.answered_by[request.client_id] += 1
-        sim.last_answer_s = asyncio.get_running_loop().time()
+        sim.last_answer_s = ended = loop.time()
+        if asked is not None and first:
+            asked(sim.id, generation.prompt_tokens, generation.output_tokens,
+                  first[0] - began - generation.queued_s, ended - first[0])
         return Completion(text=" x" * out_tokens, finish_reason="length", prompt_tokens=prompt_tokens,
                           completion_tokens=out_tokens)
 

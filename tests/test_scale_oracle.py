@@ -6,7 +6,18 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from fedpool.benchmarks.scale_oracle import LONG_ANSWER_TOKENS, KindModel, assign, main, run_dispatch, run_oracle
+import pytest
+
+from fedpool.benchmarks.scale_oracle import (
+    LONG_ANSWER_TOKENS,
+    TIMED_REFIT,
+    FinishOracle,
+    KindModel,
+    assign,
+    main,
+    run_dispatch,
+    run_oracle,
+)
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import kind_counts
 
@@ -62,6 +73,7 @@ def test_the_report_ends_with_its_result_line(tmp_path: Path) -> None:
     last = text.rstrip().splitlines()[-1]
     assert last.startswith("result: mode=oracle servers=16 evals=8 worlds=1 oracle_vs_ideal=")
     assert " dispatch_fair_vs_ideal=" in last and " dispatch_vs_ideal=" not in last
+    assert " dispatch_timed_vs_ideal=" in last
 
 
 def test_the_dispatcher_arm_answers_everything_and_waits_for_a_far_sooner_server() -> None:
@@ -74,3 +86,24 @@ def test_the_dispatcher_arm_answers_everything_and_waits_for_a_far_sooner_server
     text = {e.name for e in spec.eval_list() if e.answer_tokens >= LONG_ANSWER_TOKENS}
     on_slow = sum(n for s in result.servers if "v100" in s.kind for c, n in s.answered_by.items() if c in text)
     assert on_slow == 0
+
+
+def test_the_timed_arm_learns_each_kinds_costs_from_the_answers_engine_times() -> None:
+    spec = Spec(servers=16, evals=8, seed=3, client_order="longest_answers_first")
+    models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
+    kind_of = {f"{kind}-{i}": kind for kind in models for i in range(2)}
+    policy = FinishOracle({k: KindModel(m.prefill_s * 3, m.step_s * 3, m.batch) for k, m in models.items()}, kind_of,
+                          {})
+    server, kind = next(iter(kind_of.items()))
+    truth = models[kind]
+    for i in range(TIMED_REFIT * 3):  # prompts alone, then answers alone; stalls (i % 3) only lengthen them
+        stall = 1 + (i % 3)
+        policy.timing(server, 1000, 1, 1000 * truth.prefill_s * stall, 0.0)
+        policy.timing(server, 10, 64, 0.0, 63 * truth.step_s * stall)
+    learned = policy.costs(kind)
+    assert learned.prefill_s == pytest.approx(truth.prefill_s) and learned.step_s == pytest.approx(truth.step_s)
+    assert policy.costs(next(k for k in models if k != kind)).step_s == pytest.approx(
+        3 * models[next(k for k in models if k != kind)].step_s)  # a kind with no answers keeps what it had
+    result = run_dispatch(spec, timed=True)
+    assert result.completed == sum(e.size for e in spec.eval_list()) and result.failed == 0
+    assert result.inflight_end == 0 and result.makespan_s >= ideal_s(spec)[0] * 0.999
