@@ -80,8 +80,6 @@ from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
 from fedpool.federation.pricing import server_cost, step_cost
 from fedpool.federation.transport import UrlTarget
 from fedpool.federation.types import Endpoint, InferenceRequest
-from fedpool.registry import ServerEntry, ServerStatus
-from fedpool.registry.weights import prior_weight
 
 LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of their fastest kinds
 CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its fastest kind's may take it
@@ -267,8 +265,9 @@ class FinishOracle(Policy):
             step = prefill * prior.step_s / prior.prefill_s
         self._models[kind] = KindModel(prefill, step, prior.batch)
 
-    def _finish(self, server: Any, prompt: int, answer: int, now: float) -> tuple[float, float, float]:
-        """(the request's modelled finish there, when its prompt is prefilled, when the server's answers are)."""
+    def _finish(self, server: Any, prompt: int, answer: int, now: float) -> tuple[float, float]:
+        """(the request's modelled finish there — when the server's answers are decoded, its own with them — and
+        when its prompt is prefilled)."""
         model = self._models[self._kind_of[server.id]]
         idle = server.inflight == 0
         prefilled = now if idle else max(now, self._prefilled.get(server.id, now))
@@ -276,28 +275,28 @@ class FinishOracle(Policy):
         prefill = prompt * model.prefill_s
         own = prefilled + prefill
         finish = max(decoded + prefill, own + answer * model.step_s)  # its prompt stalls the answers decoding there
-        return finish, own, finish
+        return finish, own
 
     def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
         assert self._state is not None
         now = self._state.clock()
         prompt, answer = self._shapes[request.client_id]
-        best: tuple[float, Any, float, float] | None = None
+        best: tuple[float, Any, float] | None = None
         best_anywhere = float("inf")
         for server in route.servers:
             if server.id in tried:
                 continue
-            finish, own, decoded = self._finish(server, prompt, answer, now)
+            finish, own = self._finish(server, prompt, answer, now)
             best_anywhere = min(best_anywhere, finish)
             if (best is None or finish < best[0]) and route.usable(server, tried):
-                best = (finish, server, own, decoded)
+                best = (finish, server, own)
         if best is None:
             return Hold.ROUTE_FULL if not tried else Hold.CLIENT_HELD
-        finish, server, own, decoded = best
+        finish, server, own = best
         if finish - now > (best_anywhere - now) * HOLD_FACTOR + HOLD_SLACK_S:
             return Hold.CLIENT_HELD  # a server without room finishes it far sooner: wait for it
         self._prefilled[server.id] = own
-        self._decoded[server.id] = decoded
+        self._decoded[server.id] = finish
         return server
 
 
@@ -306,7 +305,7 @@ def prior_models(world: World) -> dict[str, KindModel]:
     models = {}
     for sim in world.servers.values():
         if sim.kind not in models:
-            entry = ServerEntry(sim.record, ServerStatus.HEALTHY, sim.profile.max_running, prior_weight(sim.record))
+            entry = sim.healthy_entry()
             batch = max(1, sim.profile.max_running)
             models[sim.kind] = KindModel(server_cost(entry).prefill_s_per_token * MODEL_BILLIONS,
                                          step_cost(entry, batch) * MODEL_BILLIONS, batch)
@@ -403,17 +402,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         result, predicted = run_oracle(spec)
         requests = sum(e.size for e in spec.eval_list())
         dispatch = {}
-        for order in orders:
-            run = run_dispatch(replace(spec, client_order=order))
+        arms = [(order, order, False) for order in orders] + ([(TIMED, timed, True)] if timed is not None else [])
+        for arm, order, learns in arms:
+            run = run_dispatch(replace(spec, client_order=order), timed=learns)
             if run.completed != requests or run.failed:
-                raise RuntimeError(f"world {seed}, {order}: {run.completed} of {requests} answered, {run.failed} "
+                raise RuntimeError(f"world {seed}, {arm}: {run.completed} of {requests} answered, {run.failed} "
                                    "failed")
-            dispatch[order] = run.makespan_s
-        if timed is not None:
-            run = run_dispatch(replace(spec, client_order=timed), timed=True)
-            if run.completed != requests or run.failed:
-                raise RuntimeError(f"world {seed}, timed: {run.completed} of {requests} answered, {run.failed} failed")
-            dispatch[TIMED] = run.makespan_s
+            dispatch[arm] = run.makespan_s
         worlds.append(OracleWorld(seed, requests, ideal, result.makespan_s, predicted, by_kind(result, spec),
                                   dispatch))
         print(f"world {seed}: {requests} requests, ideal {ideal:.2f} s, oracle {result.makespan_s:.2f} s "

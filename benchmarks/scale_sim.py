@@ -180,8 +180,7 @@ def run_baseline(spec: Spec) -> SimResult:
     def price(sim: SimServer, prompt: int, answer: int) -> float:
         known = prices.get((sim.kind, prompt, answer))
         if known is None:
-            entry = ServerEntry(sim.record, ServerStatus.HEALTHY, sim.profile.max_running, prior_weight(sim.record))
-            known = prices[sim.kind, prompt, answer] = server_cost(entry).of(prompt, answer)
+            known = prices[sim.kind, prompt, answer] = server_cost(sim.healthy_entry()).of(prompt, answer)
         return known
 
     kinds, profiles = spec.kind_table, spec.profiles()

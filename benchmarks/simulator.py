@@ -81,6 +81,10 @@ class SimServer:
     answered_by: Counter[str] = field(default_factory=Counter)  # client -> requests it answered
     last_answer_s: float = 0.0  # when it answered its last request (simulated seconds)
 
+    def healthy_entry(self) -> ServerEntry:
+        """The server as the registry lists it while healthy, at its prior weight (what routing knows up front)."""
+        return ServerEntry(self.record, ServerStatus.HEALTHY, self.profile.max_running, prior_weight(self.record))
+
 
 class SimTransport:
     """The dispatcher's `Transport`, in process: a request goes straight to its server's engine model."""
