@@ -34,7 +34,7 @@ longest answers decided first, as the assignment decides them) and under `fair`:
 passes, windows and client order reach when the costs and shapes are known, apart from learning them. A third
 arm (`--timed-order`) learns the costs instead: it starts from the data-sheet priors (`pricing`, × the model's
 `MODEL_BILLIONS`) and reads each kind's from every answer's own engine times (its prefill — admission to first
-token — and its decode, what vLLM's per-request metrics and llama.cpp's `timings` report): the prefill cost a low
+token — and its decode, what llama.cpp's `timings` report): the prefill cost a low
 quantile of prefill seconds per prompt token, the step the least decode seconds per token (stalls by other prompts
 only lengthen them).
 

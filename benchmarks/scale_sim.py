@@ -99,6 +99,7 @@ class Spec:
     client_order: str = "fair"
     churn: bool = False
     leases: bool = False
+    engine_times: bool = False  # answers carry the engine's own prefill and decode times (llama.cpp's `timings`)
     seed: int = 7
 
     @property
@@ -166,6 +167,7 @@ def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:
     policy_name = spec.policy
 
     def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
+        transport.engine_times = spec.engine_times
         return [make_dispatcher(transport, world, make_policy(policy_name, random.Random(p)), spec.config(), clock,
                                 seed=p) for p in range(spec.processes)]
 
@@ -296,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--client-order", default="fair")
     parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
     parser.add_argument("--churn", action="store_true", help="servers fail, rejoin, join and leave as it runs")
+    parser.add_argument("--engine-times", action="store_true",
+                        help="each answer carries its engine's own prefill and decode times, as llama.cpp's `timings` "
+                             "do (off: vLLM and SGLang answers, which carry none)")
     parser.add_argument("--seeds", default="1,2,3", help="worlds to run (eval sizes drawn from each seed)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the least-outstanding-work baseline")
     parser.add_argument("--agreement", action="store_true",
@@ -307,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     base = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
                 processes=args.processes, policy="planned" if args.planned else args.policy,
-                client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases)
+                client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases,
+                engine_times=args.engine_times)
     counts = kind_counts(base.kind_table, base.servers)
     worlds = []
     for seed in seeds:

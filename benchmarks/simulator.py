@@ -40,6 +40,7 @@ from fedpool.federation import (
 )
 from fedpool.federation.leases import LeaseClient
 from fedpool.federation.transport import Target, UrlTarget, request_body
+from fedpool.federation.types import EngineTimes
 from fedpool.registry import (
     DemandReport,
     Engine,
@@ -55,6 +56,7 @@ from fedpool.registry import (
     prior_weight,
 )
 
+TIMED_ENGINES = (Engine.VLLM, Engine.LLAMACPP)  # engines whose answers can carry their own times
 MODEL = "sim-7b"
 PROBE_S = 2.0  # the registry's default probe interval: each engine's load is scraped this often
 
@@ -89,12 +91,14 @@ class SimServer:
 class SimTransport:
     """The dispatcher's `Transport`, in process: a request goes straight to its server's engine model."""
 
-    def __init__(self, servers: Mapping[str, SimServer]):
+    def __init__(self, servers: Mapping[str, SimServer], *, engine_times: bool = False):
         self.servers = servers
         self.attempts = 0
+        # Answers carry their own engine times where the engine reports them: vLLM with `--enable-per-request-metrics`
+        # and llama.cpp (`timings`); SGLang's do not.
+        self.engine_times = engine_times
         # Told of each answer's own engine times (server id, prompt and output tokens, prefill seconds — from its
-        # admission to its first token — and decode seconds), as vLLM's per-request metrics and llama.cpp's
-        # `timings` report them; None: not asked.
+        # admission to its first token — and decode seconds), as llama.cpp's `timings` report them; None: not asked.
         self.on_timing: Callable[[str, int, int, float, float], None] | None = None
 
     async def complete(self, server: Target, request: InferenceRequest) -> Completion:
@@ -110,14 +114,15 @@ class SimTransport:
         rid = f"sim-{self.attempts}" if server.abort_path is not None else None
         loop = asyncio.get_running_loop()
         asked, began = self.on_timing, loop.time()
-        first: list[float] = []  # when its first token came (asked only)
+        timed = asked is not None or self.engine_times
+        first: list[float] = []  # when its first token came (timed only)
 
         def first_token() -> None:
             first.append(loop.time())
 
         try:
             generation = await sim.engine.generate(prompt_tokens, out_tokens, blocks, rid,
-                                                   None if asked is None else first_token)
+                                                   first_token if timed else None)
         except PromptTooLong as exc:
             raise AttemptError(FailureKind.REQUEST_ERROR, "HTTP 400", status=400, upstream_message=str(exc)) from None
         except asyncio.CancelledError:
@@ -131,11 +136,15 @@ class SimTransport:
             raise AttemptError(FailureKind.CONNECT, "server died mid-request")
         sim.answered_by[request.client_id] += 1
         sim.last_answer_s = ended = loop.time()
-        if asked is not None and first:
-            asked(sim.id, generation.prompt_tokens, generation.output_tokens,
-                  first[0] - began - generation.queued_s, ended - first[0])
+        times = None
+        if timed and first:
+            prefill_s, decode_s = first[0] - began - generation.queued_s, ended - first[0]
+            if asked is not None:
+                asked(sim.id, generation.prompt_tokens, generation.output_tokens, prefill_s, decode_s)
+            if self.engine_times and sim.record.engine in TIMED_ENGINES:
+                times = EngineTimes(prefill_s, decode_s, generation.prompt_tokens)
         return Completion(text=" x" * out_tokens, finish_reason="length", prompt_tokens=prompt_tokens,
-                          completion_tokens=out_tokens)
+                          completion_tokens=out_tokens, engine_times=times)
 
     async def open_stream(self, server: Target, request: InferenceRequest) -> Any:
         raise NotImplementedError("streams are not simulated")
@@ -389,7 +398,8 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         decision_cpu_s=sum(s.decision_s for s in stats), process_cpu_s=time.process_time() - cpu0,
         wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
-        attempts=transport.attempts, servers=server_outcomes(world))
+        attempts=transport.attempts, servers=server_outcomes(world),
+        extra={"preempted": sum(s.preempted for s in stats)})
     await world.close()
     return result
 

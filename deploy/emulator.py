@@ -83,8 +83,12 @@ class EmulatedServer:
         speedup: float = 1.0,
         host: str = "127.0.0.1",
         port: int = 0,
+        per_request_metrics: bool = False,
     ):
         self.model = model
+        # vLLM's `--enable-per-request-metrics` (a vllm-protocol profile): each non-streamed answer carries a `metrics`
+        # object — time to first token from its scheduling, generation time after it, and queue time, in ms
+        self.per_request_metrics = per_request_metrics
         self._profile = profile or EmulatorProfile()
         self.faults = faults or Faults()
         self._rng = random.Random(seed)
@@ -314,9 +318,13 @@ class EmulatedServer:
         if self.profile.request_overhead_s > 0:
             await asyncio.sleep(self.profile.request_overhead_s / self._speedup)
         rid = body.get("rid") if self.profile.protocol == "sglang" else None
+        timed = self.per_request_metrics and self.profile.protocol == "vllm"
+        loop = asyncio.get_running_loop()
+        began, first = loop.time(), []
         try:
             gen = await self.engine.generate(prompt_tokens, out_tokens, prompt_blocks(words),
-                                             rid if isinstance(rid, str) else None)
+                                             rid if isinstance(rid, str) else None,
+                                             (lambda: first.append(loop.time())) if timed else None)
         except PromptTooLong as exc:
             self._count("400")
             return web.json_response({"error": {"message": str(exc), "type": "BadRequestError"}}, status=400)
@@ -350,10 +358,13 @@ class EmulatedServer:
         else:
             choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
             obj = "text_completion"
-        return web.json_response(
-            {"id": f"cmpl-{self._stats.completed}", "object": obj, "created": created, "model": self.model,
-             "choices": [choice], "usage": usage}
-        )
+        answer: dict[str, Any] = {"id": f"cmpl-{self._stats.completed}", "object": obj, "created": created,
+                                  "model": self.model, "choices": [choice], "usage": usage}
+        if timed and first:
+            queued = gen.queued_s / self._speedup
+            answer["metrics"] = {"time_to_first_token_ms": max(0.0, first[0] - began - queued) * 1000,
+                                 "generation_time_ms": (loop.time() - first[0]) * 1000, "queue_time_ms": queued * 1000}
+        return web.json_response(answer)
 
     async def _stream(self, request: web.Request, text: str, chat: bool,
                       usage: dict[str, Any] | None) -> web.StreamResponse:
@@ -530,6 +541,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--malformed-rate", type=float, default=0.0)
     parser.add_argument("--hang", action="store_true")
     parser.add_argument("--crash-after", type=int)
+    parser.add_argument("--enable-per-request-metrics", action="store_true",
+                        help="as vLLM's flag: each answer carries its own timings (`metrics`)")
     args = parser.parse_args(argv)
     try:
         profile = profile_from_json(args.profile_json) if args.profile_json else PROFILES[args.profile]
@@ -539,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         server = EmulatedServer(
             model=args.model, profile=profile, seed=args.seed, speedup=args.speedup,
-            host=args.host, port=args.port,
+            host=args.host, port=args.port, per_request_metrics=args.enable_per_request_metrics,
             faults=Faults(error_rate=args.error_rate, malformed_rate=args.malformed_rate, hang=args.hang,
                           crash_after=args.crash_after),
         )

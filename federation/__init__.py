@@ -3,6 +3,7 @@
 from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
 from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from fedpool.federation.finish import EarliestFinish  # registers the `earliest_finish` policy
 from fedpool.federation.planner import PlannedRouting  # registers the `planned` policy
 from fedpool.federation.policies import Candidate, Hold, Policy, ServerView, make_policy, policy_names
 from fedpool.federation.pool import PoolConnection
@@ -24,6 +25,7 @@ __all__ = [
     "DispatchConfig",
     "Dispatcher",
     "DispatcherStats",
+    "EarliestFinish",
     "Endpoint",
     "FailureKind",
     "Hold",

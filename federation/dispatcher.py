@@ -339,7 +339,8 @@ class Dispatcher(GrantPass):
         self._book.note_success(state, completion.completion_tokens or 0, latency, client)
         entry = state.entry
         if self._observes and entry is not None:
-            self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens, latency)
+            self._policy.observe_answer(client, entry, completion.prompt_tokens, completion.completion_tokens, latency,
+                                        completion.engine_times)
         self._clients.note_served(client, completion.prompt_tokens, completion.completion_tokens, latency)
         seen = self._hedge_timer.latencies.get(request.model)  # (HedgeTimer.observe, inlined: every answer)
         if seen is None:

@@ -109,6 +109,12 @@ class Horizons:
             kinds = horizon.allowed[client] = self._allowed(horizon, shape(client))
         return kinds
 
+    def cached(self, horizon: RouteHorizon, client: str, now: float) -> tuple[str, ...] | None:
+        """The client's kinds as last estimated, while that estimate is still current (else None: ask `allowed`)."""
+        if now - horizon.refreshed_at >= self._refresh_s:
+            return None
+        return horizon.allowed.get(client)
+
     def forget_client(self, client: str) -> None:
         for horizon in self.routes.values():
             horizon.allowed.pop(client, None)

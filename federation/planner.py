@@ -34,7 +34,7 @@ from typing import Any
 from fedpool.federation.plan_lp import MIN_SHARE, solve_phased_plan, solve_plan
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.pricing import CostFit, SpeedCalibration, kind_key
-from fedpool.federation.types import InferenceRequest
+from fedpool.federation.types import EngineTimes, InferenceRequest
 from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.planner")
@@ -196,7 +196,7 @@ class PlannedRouting(Policy, name="planned"):
         return pick
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
-                       completion_tokens: int | None, latency_s: float = 0.0) -> None:
+                       completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
         if prompt_tokens is None or completion_tokens is None:
             return
         shape = self._shapes.setdefault(client_id, _Shape())

@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from fedpool.federation.horizon import HORIZON_MARGIN, Horizons, client_size, demand_on, free_in_kinds
-from fedpool.federation.types import InferenceRequest
+from fedpool.federation.types import EngineTimes, InferenceRequest
 from fedpool.registry import ServerEntry
 
 if TYPE_CHECKING:
@@ -111,9 +111,10 @@ class RouteView(Protocol):
     def queues(self) -> Mapping[str, Sized]:
         """Client -> its requests waiting on this route."""
 
-    def park(self, client: str, groups: tuple[str, ...], key: Any) -> None:
+    def park(self, client: str, groups: tuple[str, ...], key: Any, *, until_freed: bool = False) -> None:
         """The client's requests wait until a server in one of `groups` (of `group_by`) has room: grant passes skip
-        it until then, or until the dispatcher's next periodic look (`key`: its place in the serving order)."""
+        it until then, or until the dispatcher's next periodic look (`key`: its place in the serving order).
+        `until_freed`: until a server there that had none gets room (the group's room is no use to it)."""
 
     def unpark_all(self) -> None:
         """Every parked client back in the order (the policy's reasons changed: a new plan, say)."""
@@ -152,8 +153,9 @@ class Policy(ABC):
         return self.choose(free, request)
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
-                       completion_tokens: int | None, latency_s: float = 0.0) -> None:
-        """An answer came back (usage as the engine reported it, and how long the attempt took). Default: nothing
+                       completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
+        """An answer came back (usage and, where it says them, its own times as the engine reported them; how long
+        the attempt took). Default: nothing
         to learn (the dispatcher calls it only for policies that set `observes_answers`)."""
         return None
 

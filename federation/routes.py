@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 RouteKey = tuple[object, ...]
 ClientKey = tuple[float, float]
 SAMPLE_TRIES = 4  # random draws per wanted candidate that avoids a request's tried servers, before a scan
+FREED = "\x00freed:"  # (the parking name of a group parked on `until_freed`: no server group is named so)
 
 
 @dataclass(eq=False, slots=True)
@@ -102,6 +103,9 @@ class Route:
                     group.append(state)
                     if name in self._parked_on:
                         self._unpark_first(name)
+                    freed = FREED + name
+                    if freed in self._parked_on:
+                        self._unpark_first(freed)
             return
         index = pos.pop(state, None)
         if index is not None:
@@ -159,11 +163,15 @@ class Route:
         return state in self._pos and (not tried or state.id not in tried)
 
     # ---- waiting ---------------------------------------------------------------------------------
-    def park(self, client: str, groups: tuple[str, ...], key: ClientKey) -> None:
+    def park(self, client: str, groups: tuple[str, ...], key: ClientKey, *, until_freed: bool = False) -> None:
         """`client` waits until a server in one of `groups` (see `group_by`) has room: grant passes skip it until
-        then (a policy that held it for those groups says so; O(groups))."""
+        then (a policy that held it for those groups says so; O(groups)). `until_freed`: until a server there that
+        had no room gets some (a group with room already: the policy waits for one of its full servers), not woken
+        after a pass by the room the group has."""
         if self._group_of is None or not groups or client in self.parked:
             return
+        if until_freed:
+            groups = tuple(FREED + g for g in groups)
         self._park_serial += 1
         serial = self._park_serial
         self.parked[client] = (groups, key, serial)
@@ -185,7 +193,7 @@ class Route:
         may have gone elsewhere or been held again while the group's room stayed free). Whether any woke."""
         woke = False
         for group in list(self._parked_on):
-            if self._groups.get(group):
+            if self._groups.get(group):  # (a group parked `until_freed` has no servers under its name)
                 woke = self._unpark_first(group) or woke
         return woke
 

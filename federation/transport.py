@@ -9,6 +9,7 @@ import contextvars
 import itertools
 import json
 import logging
+import math
 import secrets
 import weakref
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import aiohttp
 import orjson
 
 from fedpool.federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
-from fedpool.federation.types import TYPED_FIELDS, Completion, Endpoint, InferenceRequest
+from fedpool.federation.types import TYPED_FIELDS, Completion, Endpoint, EngineTimes, InferenceRequest
 
 log = logging.getLogger("fedpool.transport")
 
@@ -335,7 +336,7 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
     chat = endpoint is Endpoint.CHAT
     parts: list[str] = []
     thoughts: list[str] = []
-    finish = usage = model = None
+    finish = usage = model = timings = None
     size = 0
     events = 0
     done = False
@@ -371,6 +372,8 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
                 model = event["model"]
             if type(event.get("usage")) is dict:
                 usage = event["usage"]
+            if type(event.get("timings")) is dict:
+                timings = event["timings"]
             choices = event.get("choices")
             if not choices:
                 continue  # the usage event has none
@@ -402,7 +405,7 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
         prompt_tokens = usage.get("prompt_tokens") if type(usage.get("prompt_tokens")) is int else None
         completion_tokens = usage.get("completion_tokens") if type(usage.get("completion_tokens")) is int else events
     return Completion("".join(parts), finish, prompt_tokens, completion_tokens,
-                      "".join(thoughts) if thoughts else None, None, model)
+                      "".join(thoughts) if thoughts else None, None, model, engine_times(timings))
 
 
 def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError:
@@ -529,4 +532,26 @@ def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
     finish = choice.get("finish_reason")
     model = body.get("model")
     return Completion(text, finish if type(finish) is str else None, prompt_tokens, completion_tokens,
-                      reasoning if type(reasoning) is str else None, raw, model if type(model) is str else None)
+                      reasoning if type(reasoning) is str else None, raw, model if type(model) is str else None,
+                      engine_times(body.get("timings"), body.get("metrics")))
+
+
+def engine_times(timings: Any, metrics: Any = None) -> EngineTimes | None:
+    """An answer's own prefill and decode times as its engine reported them: llama.cpp's `timings` (`prompt_ms`,
+    `predicted_ms`, and `prompt_n`: the prompt tokens it prefilled), or vLLM's per-request `metrics` (with
+    `--enable-per-request-metrics`: `time_to_first_token_ms` from its scheduling, `generation_time_ms` after the first
+    token). None where a body carries neither, or carries them malformed."""
+    if type(timings) is dict:
+        prefill, decode, tokens = timings.get("prompt_ms"), timings.get("predicted_ms"), timings.get("prompt_n")
+    elif type(metrics) is dict:
+        prefill, decode, tokens = metrics.get("time_to_first_token_ms"), metrics.get("generation_time_ms"), None
+    else:
+        return None
+    if not (isinstance(prefill, int | float) and isinstance(decode, int | float)) or type(prefill) is bool or \
+            type(decode) is bool:
+        return None
+    prefill_ms, decode_ms = float(prefill), float(decode)
+    if not (math.isfinite(prefill_ms) and math.isfinite(decode_ms)) or prefill_ms < 0 or decode_ms < 0:
+        return None
+    return EngineTimes(prefill_ms / 1000.0, decode_ms / 1000.0,
+                       tokens if type(tokens) is int and tokens >= 0 else None)

@@ -139,6 +139,17 @@ class Attempt:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineTimes:
+    """An answer's own times as its engine reported them (llama.cpp's `timings`): seconds prefilling its prompt and
+    seconds decoding its answer after the first token, and how many prompt tokens it prefilled (a prefix cache hit
+    prefills fewer than the prompt has; None: not said)."""
+
+    prefill_s: float
+    decode_s: float
+    prefill_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """One answer, read from the engine's body. The body itself is kept as the engine sent it (`raw`, with its
     `model` field beside it), so a proxy passes the bytes through instead of re-encoding them."""
@@ -150,6 +161,7 @@ class Completion:
     reasoning_content: str | None = None
     raw: bytes | None = field(default=None, compare=False, repr=False)  # the engine's JSON body, as sent
     model: str | None = field(default=None, compare=False, repr=False)  # that body's `model` field
+    engine_times: EngineTimes | None = field(default=None, compare=False, repr=False)  # where the engine said them
 
 
 @dataclass(frozen=True, slots=True)

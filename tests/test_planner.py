@@ -64,7 +64,7 @@ class View:
     def queues(self) -> dict[str, list[object]]:
         return {}
 
-    def park(self, client: str, groups: tuple[str, ...], key: object) -> None:
+    def park(self, client: str, groups: tuple[str, ...], key: object, *, until_freed: bool = False) -> None:
         pass  # parking only spares grant passes a look at held clients: here every client is asked each time
 
     def unpark_all(self) -> None:

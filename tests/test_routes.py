@@ -98,3 +98,24 @@ def test_the_parked_client_woken_is_first_by_its_key_now_not_when_it_parked() ->
         assert set(route.parked) == {"a"}
     finally:
         loop.close()
+
+
+def test_a_client_parked_until_freed_wakes_on_a_full_server_getting_room_not_on_the_groups_room() -> None:
+    """A policy that waits for one of a group's full servers (its servers with room are no use to the request)
+    parks `until_freed`: the room the group already has wakes nobody after a pass; a server of it that had none
+    getting some does."""
+    loop = asyncio.new_event_loop()
+    try:
+        busy, idle = ServerState("fast-0"), ServerState("fast-1")
+        route = grouped_route([busy, idle], {"text": KEY}, loop)
+        route.set_free(idle, True)  # the group has room all along
+        route.park("text", ("fast",), KEY, until_freed=True)
+        assert route.head(lambda c: KEY, set()) is None
+        assert not route.unpark_ready()  # the group's standing room is no reason to look again
+        assert set(route.parked) == {"text"}
+        route.set_free(busy, True)  # a full server frees a slot
+        assert not route.parked
+        back = route.head(lambda c: KEY, set())
+        assert back is not None and back.request.client_id == "text"
+    finally:
+        loop.close()

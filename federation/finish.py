@@ -1,0 +1,378 @@
+"""Earliest modelled finish: each request goes to the server where it is expected to be answered soonest, and waits
+when a server without room would answer it far sooner.
+
+Why. On a pool of mixed accelerators the schedule is decided by where each request lands: a long answer on a
+slow server can outlast the rest of the run, a long prompt on a server decoding long answers stalls all of them.
+`capacity_weighted` spreads requests by throughput and keeps them off kinds where they could outlast the run; in
+the simulated 256-server pool it ends 1.28–1.32× the ideal. A clairvoyant policy that places each request, in the
+dispatcher's own client order, where a simple engine model says it finishes earliest ends 1.08× the ideal there
+(`benchmarks/scale_oracle.py`); this is that policy with costs it learns and shapes it is told or measures.
+
+The model, per server: its placed prompts prefill one after another (`prefilled`: when they will have), its
+answers decode beside each other at one step a token (`decoded`: when the last will be done), and a prompt placed
+there stalls the answers decoding there by its prefill (continuous batching with chunked prefill puts the
+prompt's chunks into the running batch's steps). A request of P prompt and C answer tokens placed on a server at
+`now` is prefilled at `max(now, prefilled) + P·prefill` and finishes at `max(that + C·step, max(now, decoded) +
+P·prefill)`; a server with nothing of ours in flight starts from `now`.
+
+A decision, among the kinds the request may use (`federation/horizon.py`: none where it could outlast the run):
+per kind, `sample` servers with room drawn at random and the kind's two best members — the least `prefilled` and
+the least `decoded`, kept in lazy heaps — are priced; the earliest finish on a server with room wins. The request
+waits instead (held) when
+
+- a server without room would finish it more than `hold_factor` × sooner, counted from now, plus `hold_slack_steps`
+  decode steps: parked until its kind has room, or — when the kind has room, only on servers far worse — until
+  one of the kind's full servers frees a slot (`Route.park(until_freed=True)`);
+- the servers that would finish it soonest are still prefilling more than `queue_tokens` prompt tokens placed
+  earlier: vLLM keeps a request waiting until its first chunk is scheduled, and a request found waiting in the
+  engine shrinks the server's window and is taken back (the simulated 256-server pool took ~900 back a world
+  before this rule); parked until a server frees a slot;
+
+and every held client is looked at again every `RECHECK_S` (the dispatcher's tick). O(kinds × (sample + 2)) a
+decision, plus heap pops; no copies at the tail (the model places the tail: `plans_the_tail`).
+
+Costs, per server kind (`pricing.kind_key`): prefill seconds a prompt token and seconds a decode step of a full
+batch. They start at the data-sheet priors (`pricing`, for 1 B parameters: only their ratios matter, every
+threshold is in tokens or steps) and are replaced from the answers: where the engine reports each answer's own
+prefill and decode times (`types.EngineTimes`: llama.cpp's `timings`, vLLM's per-request `metrics` with
+`--enable-per-request-metrics`), prefill is a low quantile of its prefill seconds a prompt token and the step the
+least decode seconds a token seen (stalls only lengthen them); where no member of the kind reports them (SGLang;
+vLLM without the flag), a low quantile of each answer's latency against its priced time scales both priors of its
+kind. Shapes: the request's prompt tokens as its client's answers counted them (before any, as the client
+announced or its characters suggest), its answer tokens as its client's answers averaged (before any, its
+`max_tokens`). No I/O, no clock of its own; every table is bounded (per client, per server, per route).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedpool.federation.horizon import (
+    DEFAULT_ANSWER_TOKENS,
+    MAX_ROUTES,
+    Horizons,
+    RouteHorizon,
+    client_size,
+    demand_on,
+)
+from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.pricing import kind_key, server_cost, step_cost
+from fedpool.federation.types import EngineTimes, InferenceRequest
+from fedpool.registry import ServerEntry
+
+HOLD_FACTOR = 2.0  # a request waits when a kind without room would finish it this many times sooner ...
+HOLD_SLACK_STEPS = 50.0  # ... and by more than this many decode steps of that kind (about 0.5 s on an A100, 7 B)
+PREFILL_QUEUE_TOKENS = 1024.0  # a server whose placed prompts keep it prefilling more tokens than this takes no
+# other now: vLLM keeps a request waiting until its first chunk is scheduled (`max_num_batched_tokens` a step), and
+# a request found waiting shrinks the server's window and is taken back
+RECHECK_S = 0.05  # held clients are looked at again this often (a server's backlog drains as time passes)
+SAMPLE = 2  # servers with room looked at per kind and decision
+PREFILL_MIN_TOKENS = 32  # answers whose engine prefilled at least this many prompt tokens measure prefill ...
+DECODE_MIN_TOKENS = 8  # ... and at least this many answer tokens the decode step
+PREFILL_QUANTILE = 0.1  # prefill cost: this quantile of prefill seconds a token, over the kind's latest rows
+LATENCY_QUANTILE = 0.1  # no engine times: this quantile of latency ÷ priced time scales the kind's priors
+PREFILL_ROWS = 200
+DECODE_ROWS = 1000
+LATENCY_ROWS = 200
+REFIT_EVERY = 10  # answers of a kind between refits of its costs
+SHAPE_ALPHA = 0.2  # one answer's weight in its client's mean prompt and answer tokens
+_NO_TRIED: set[str] = set()  # (shared, never changed)
+
+
+@dataclass(frozen=True, slots=True)
+class KindCosts:
+    """One kind's costs: prefill seconds a prompt token; seconds a decode step takes at a full batch."""
+
+    prefill_s: float
+    step_s: float
+    source: str  # "prior", "engine" (the engine's own times), or "latency"
+
+
+@dataclass
+class _Rows:
+    """What one kind's answers showed, newest last."""
+
+    prefill: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_ROWS))  # s a prompt token
+    decode: deque[float] = field(default_factory=lambda: deque(maxlen=DECODE_ROWS))  # s a token after the first
+    latency: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_ROWS))  # latency ÷ priced time
+    answers: int = 0
+
+
+@dataclass
+class _RouteState:
+    """A route's kinds, and per kind the lazy heaps of its members' `prefilled` and `decoded` times."""
+
+    horizon: RouteHorizon
+    members: dict[str, dict[str, Any]]  # kind -> server id -> its route state
+    heaps: dict[str, tuple[list[tuple[float, str]], list[tuple[float, str]]]]
+
+
+class EarliestFinish(Policy, name="earliest_finish"):
+    """Earliest modelled finish (see the module docstring)."""
+
+    plans_the_tail = True  # (a copy at the tail would run against the model's placement: no hedging or stealing)
+    observes_answers = True
+
+    def __init__(self, rng: random.Random | None = None, sample: int = SAMPLE, hold_factor: float = HOLD_FACTOR,
+                 hold_slack_steps: float = HOLD_SLACK_STEPS, horizon: bool = True,
+                 queue_tokens: float = PREFILL_QUEUE_TOKENS):
+        super().__init__(rng)
+        self._queue_tokens = queue_tokens
+        self._horizon = horizon
+        self.candidate_limit = sample
+        self._sample = sample
+        self._hold_factor = hold_factor
+        self._hold_slack = hold_slack_steps
+        self._state: DispatchState | None = None
+        self._horizons = Horizons()  # (only its grouping of a route's servers by kind)
+        self._routes: dict[Any, _RouteState] = {}
+        self._priors: dict[str, KindCosts] = {}
+        self._costs: dict[str, KindCosts] = {}
+        self._rows: dict[str, _Rows] = {}
+        self._prefilled: dict[str, float] = {}  # server -> when the prompts placed there will have prefilled
+        self._decoded: dict[str, float] = {}  # server -> when the answers placed there will have decoded
+        self._shapes: dict[str, tuple[float, float]] = {}  # client -> mean (prompt, answer) tokens of its answers
+
+    def attach(self, state: DispatchState) -> None:
+        self._state = state
+
+    # ---- placing ----------------------------------------------------------------------------------
+    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        """(The interface's fallback: `place` decides; without a dispatcher's state, the least loaded.)"""
+        return self._least(candidates, lambda c: c.expected_wait)
+
+    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
+        state = self._state
+        if state is None:
+            return super().place(route, request, tried)
+        now = state.clock()
+        client = request.client_id
+        known = self._route(route)
+        prompt, answer = self._shape(request)
+        kinds = known.members
+        allowed: tuple[str, ...] | None = None
+        if self._horizon and len(kinds) > 1:
+            allowed = self._horizons.cached(known.horizon, client, now)
+            if allowed is None:
+                clients, inflight = state.clients, state.ledger.clients
+                allowed = self._horizons.allowed(known.horizon, client, lambda c: client_size(clients.shape(c)), now,
+                                                 lambda: demand_on(route, inflight))
+        best = best_own = float("inf")  # the earliest finish on a server that may take it now, its prompt's prefill
+        pick, pick_kind = None, ""
+        anywhere, anywhere_kind, anywhere_full = float("inf"), "", False  # the earliest seen anywhere, its kind
+        backlogged = False  # a server with room was passed over: its placed prompts keep it prefilling
+        prefilled, decoded, queue_tokens = self._prefilled, self._decoded, self._queue_tokens
+        slack = 0.0
+        for kind in (kinds if allowed is None else allowed):
+            members = kinds.get(kind)
+            if members is None:
+                continue
+            costs = self._costs.get(kind) or self._prior(kind, members)
+            prefill, chain = prompt * costs.prefill_s, answer * costs.step_s
+            queue_s = queue_tokens * costs.prefill_s
+            free = route.free_in(kind) if len(kinds) > 1 else route.free_candidates(None, _NO_TRIED, self._rng)
+            looked: Sequence[Any] = free
+            if len(free) > self._sample:  # (drawn with replacement: O(sample), a repeat only costs a look)
+                n_free, draw = len(free), self._rng.random
+                looked = [free[int(draw() * n_free)] for _ in range(self._sample)]
+            sampled = len(looked)
+            for n, server in enumerate((*looked, *self._tops(known, kind, members))):
+                sid = server.id
+                if server.inflight == 0:
+                    start = done = now
+                else:
+                    start, done = prefilled.get(sid, now), decoded.get(sid, now)
+                    if start < now:
+                        start = now
+                    if done < now:
+                        done = now
+                own = start + prefill
+                finish = own + chain
+                if done + prefill > finish:  # its prompt stalls the answers decoding there
+                    finish = done + prefill
+                if finish < anywhere:
+                    anywhere, anywhere_kind, anywhere_full = finish, kind, not free
+                    slack = self._hold_slack * costs.step_s
+                if finish < best and (n < sampled or route.usable(server)) and not (tried and sid in tried):
+                    if start - now > queue_s:
+                        backlogged = True
+                    else:
+                        best, best_own, pick, pick_kind = finish, own, server, kind
+        if pick is None:
+            if tried:  # (only servers it failed on looked good, or none had room: the interface's way)
+                return super().place(route, request, tried)
+            if backlogged:  # until a server frees a slot, or the next look (their prompts prefill meanwhile)
+                route.park(client, allowed or tuple(kinds), state.clients.key(client), until_freed=True)
+                return Hold.CLIENT_HELD
+            if allowed is not None and route.free_candidates(1, _NO_TRIED, self._rng):
+                route.park(client, allowed, state.clients.key(client))
+                return Hold.CLIENT_HELD  # the kinds it may use are full; others have room for other clients
+            return Hold.ROUTE_FULL
+        if best - now > (anywhere - now) * self._hold_factor + slack:
+            # A server without room finishes it far sooner: wait for it (parked until its kind has room, when the
+            # whole kind is full; else until one of its full servers frees a slot, or the next look).
+            route.park(client, (anywhere_kind,), state.clients.key(client), until_freed=not anywhere_full)
+            return Hold.CLIENT_HELD
+        sid = pick.id
+        prefilled[sid] = best_own
+        decoded[sid] = best
+        self._push(known, pick_kind, sid, best_own, best)
+        return pick
+
+    def recheck_s(self) -> float | None:
+        return RECHECK_S
+
+    def _tops(self, known: _RouteState, kind: str, members: dict[str, Any]) -> list[Any]:
+        """The kind's member whose placed prompts prefill soonest and the one whose answers decode soonest (stale
+        heap entries, departed servers and ones that cannot take a request soon are dropped on the way)."""
+        heaps = known.heaps.get(kind)
+        if heaps is None:
+            heaps = self._rebuild(known, kind)
+        out: list[Any] = []
+        for heap, table in ((heaps[0], self._prefilled), (heaps[1], self._decoded)):
+            while heap:
+                t, sid = heap[0]
+                server = members.get(sid)
+                if table.get(sid) == t and server is not None and server.window > 0 and server.admits:
+                    if not out or out[0] is not server:
+                        out.append(server)
+                    break
+                heapq.heappop(heap)
+        return out
+
+    def _push(self, known: _RouteState, kind: str, sid: str, prefilled: float, decoded: float) -> None:
+        heaps = known.heaps.get(kind)
+        if heaps is None:
+            return  # (built from the tables when first read)
+        heapq.heappush(heaps[0], (prefilled, sid))
+        heapq.heappush(heaps[1], (decoded, sid))
+        if len(heaps[0]) > 4 * len(known.members[kind]) + 64:
+            self._rebuild(known, kind)
+
+    def _rebuild(self, known: _RouteState, kind: str) -> tuple[list[tuple[float, str]], list[tuple[float, str]]]:
+        members = known.members[kind]
+        heaps = ([(self._prefilled[s], s) for s in members if s in self._prefilled],
+                 [(self._decoded[s], s) for s in members if s in self._decoded])
+        heapq.heapify(heaps[0])
+        heapq.heapify(heaps[1])
+        known.heaps[kind] = heaps
+        return heaps
+
+    def _route(self, route: RouteView) -> _RouteState:
+        known = self._routes.get(route.key)
+        if known is not None and known.horizon.current(route.servers):
+            return known
+        horizon = self._horizons.of(route)  # (groups the route's servers with room by kind)
+        if route.key not in self._routes and len(self._routes) >= MAX_ROUTES:
+            del self._routes[next(iter(self._routes))]
+        members = {name: {s.id: s for s in kind.members} for name, kind in horizon.kinds.items()}
+        known = self._routes[route.key] = _RouteState(horizon, members, {})
+        return known
+
+    def _prior(self, kind: str, members: dict[str, Any]) -> KindCosts:
+        prior = self._priors.get(kind)
+        if prior is None:
+            entry: ServerEntry = next(iter(members.values())).entry
+            batch = max(1, entry.capacity)
+            prior = self._priors[kind] = KindCosts(server_cost(entry).prefill_s_per_token, step_cost(entry, batch),
+                                                   "prior")
+            self._costs.setdefault(kind, prior)
+        return prior
+
+    def _shape(self, request: InferenceRequest) -> tuple[float, float]:
+        """(prompt tokens, answer tokens) expected of the request (see the module docstring)."""
+        seen = self._shapes.get(request.client_id)
+        if seen is not None:
+            return seen
+        assert self._state is not None
+        shape = self._state.clients.shape(request.client_id)
+        prompt = shape.prompt_tokens if shape is not None else max(1.0, request.prompt_chars() / 4.0)
+        asked = request.params.max_tokens
+        if asked is not None:
+            return prompt, float(asked)
+        return prompt, (shape.max_tokens if shape is not None and shape.max_tokens is not None
+                        else DEFAULT_ANSWER_TOKENS)
+
+    # ---- learning ---------------------------------------------------------------------------------
+    def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
+                       completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
+        if prompt_tokens is not None and completion_tokens is not None:
+            seen = self._shapes.get(client_id)
+            if seen is None:
+                self._shapes[client_id] = (float(prompt_tokens), float(completion_tokens))
+            else:
+                self._shapes[client_id] = (seen[0] + SHAPE_ALPHA * (prompt_tokens - seen[0]),
+                                           seen[1] + SHAPE_ALPHA * (completion_tokens - seen[1]))
+        state = self._state
+        if state is not None and state.ledger.on_server(server.id) == 0 and server.id in self._decoded:
+            now = state.clock()  # nothing of ours there now: whatever the model still had running is done
+            self._prefilled[server.id] = self._decoded[server.id] = now
+            for known in self._routes.values():
+                members = known.members.get(kind_key(server))
+                if members is not None and server.id in members:
+                    self._push(known, kind_key(server), server.id, now, now)
+        kind = kind_key(server)
+        rows = self._rows.get(kind)
+        if rows is None:
+            rows = self._rows[kind] = _Rows()
+        if times is not None:
+            prefilled = times.prefill_tokens if times.prefill_tokens is not None else prompt_tokens
+            if prefilled is not None and prefilled >= PREFILL_MIN_TOKENS and times.prefill_s > 0:
+                rows.prefill.append(times.prefill_s / prefilled)
+            if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and times.decode_s > 0:
+                rows.decode.append(times.decode_s / (completion_tokens - 1))
+        elif prompt_tokens is not None and completion_tokens is not None and latency_s > 0:
+            prior = self._priors.get(kind)
+            if prior is not None:
+                priced = prompt_tokens * prior.prefill_s + completion_tokens * prior.step_s
+                if priced > 0:
+                    rows.latency.append(latency_s / priced)
+        rows.answers += 1
+        if rows.answers % REFIT_EVERY == 0:
+            self._refit(kind, rows)
+
+    def _refit(self, kind: str, rows: _Rows) -> None:
+        prior = self._priors.get(kind)
+        if prior is None:
+            return
+        if rows.prefill or rows.decode:
+            prefill = _quantile(rows.prefill, PREFILL_QUANTILE) if rows.prefill else None
+            step = min(rows.decode) if rows.decode else None
+            if prefill is None:
+                prefill = step * prior.prefill_s / prior.step_s  # type: ignore[operator]
+            if step is None:
+                step = prefill * prior.step_s / prior.prefill_s
+            self._costs[kind] = KindCosts(prefill, step, "engine")
+        elif rows.latency:
+            factor = _quantile(rows.latency, LATENCY_QUANTILE)
+            self._costs[kind] = KindCosts(prior.prefill_s * factor, prior.step_s * factor, "latency")
+
+    def costs(self) -> dict[str, KindCosts]:
+        """Each kind's costs as the policy has them now."""
+        return dict(self._costs)
+
+    def describe(self) -> dict[str, Any] | None:
+        return {"costs": {k: {"prefill_s_per_token": c.prefill_s, "step_s": c.step_s, "source": c.source}
+                          for k, c in self._costs.items()}}
+
+    def known(self) -> tuple[int, int]:
+        """(clients, servers) the policy keeps anything for."""
+        return len(self._shapes), len(self._prefilled.keys() | self._decoded.keys())
+
+    # ---- forgetting -------------------------------------------------------------------------------
+    def forget_server(self, server_id: str) -> None:
+        self._prefilled.pop(server_id, None)
+        self._decoded.pop(server_id, None)
+
+    def forget_client(self, client_id: str) -> None:
+        self._shapes.pop(client_id, None)
+
+
+def _quantile(values: Sequence[float] | deque[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]

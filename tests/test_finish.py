@@ -1,0 +1,134 @@
+"""The earliest-finish policy (federation/finish.py) and the engine times it learns from: each answer's own prefill
+and decode times read from llama.cpp's `timings` and vLLM's per-request `metrics`, served by the emulator and by a
+real llama-server; the policy driving the real dispatcher in simulated time (benchmarks/simulator.py)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from fedpool.benchmarks.scale_oracle import KindModel
+from fedpool.benchmarks.scale_sim import Spec, ideal_s
+from fedpool.benchmarks.simulator import SimTransport, World, build_world, make_dispatcher, simulate
+from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
+from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
+from fedpool.federation.transport import HttpTransport, UrlTarget, engine_times, new_session
+from fedpool.federation.types import Endpoint, EngineTimes, InferenceRequest
+from tests.conftest import LlamaServers
+
+
+def test_engine_times_are_read_from_llamacpp_timings_and_vllm_metrics() -> None:
+    assert engine_times({"prompt_n": 120, "prompt_ms": 30.0, "predicted_n": 9, "predicted_ms": 80}) == \
+        EngineTimes(0.03, 0.08, 120)
+    assert engine_times(None, {"time_to_first_token_ms": 85.2, "generation_time_ms": 1240.5,
+                               "queue_time_ms": 12.3}) == EngineTimes(0.0852, 1.2405, None)
+    for malformed in ({"prompt_ms": "30", "predicted_ms": 80}, {"prompt_ms": -1.0, "predicted_ms": 80},
+                      {"prompt_ms": float("nan"), "predicted_ms": 80}, {"prompt_ms": 3.0}, [1, 2]):
+        assert engine_times(malformed) is None
+    assert engine_times(None, None) is None
+    assert engine_times(None, {"time_to_first_token_ms": True, "generation_time_ms": 1.0}) is None  # (a bool)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_the_emulator_serves_vllms_per_request_metrics_when_asked(enabled: bool) -> None:
+    """As `vllm serve --enable-per-request-metrics`: the answer carries its time to first token (its prompt's
+    prefill, from its scheduling) and its generation time; without the flag, none."""
+    server = EmulatedServer(model="m", profile=EmulatorProfile(prefill_s_per_token=0.001, decode_s_per_token=0.002,
+                                                               default_output_tokens=64), per_request_metrics=enabled)
+    await server.start()
+    try:
+        async with new_session() as session:
+            completion = await HttpTransport(session).complete(UrlTarget("s", server.url), InferenceRequest.from_body(
+                {"prompt": "word " * 100, "max_tokens": 20}, request_id="r", model="m", endpoint=Endpoint.COMPLETIONS))
+    finally:
+        await server.stop()
+    if not enabled:
+        assert completion.engine_times is None
+        return
+    times = completion.engine_times
+    assert times is not None and times.prefill_tokens is None
+    assert times.prefill_s > 0 and times.decode_s > 0  # (20 tokens: 19 steps after the first)
+
+
+@pytest.mark.llamacpp
+async def test_a_real_llama_server_reports_each_answers_own_times(llama_servers: LlamaServers) -> None:
+    """llama-server's answers carry `timings` (asked for a stream, as fedpool asks it, and not): prompt and predicted
+    milliseconds and the prompt tokens it prefilled."""
+    async with new_session() as session:
+        transport = HttpTransport(session)
+        for stream in (False, True):
+            completion = await transport.complete(
+                UrlTarget("llama", llama_servers.urls[0], streamed=stream), InferenceRequest.from_body(
+                    {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.0},
+                    request_id=f"r-{stream}", model=llama_servers.alias, endpoint=Endpoint.COMPLETIONS))
+            times = completion.engine_times
+            assert times is not None, f"no timings (stream={stream})"
+            assert times.prefill_s >= 0 and times.decode_s > 0
+            assert times.prefill_tokens is not None and times.prefill_tokens <= (completion.prompt_tokens or 0)
+
+
+def run(spec: Spec, *, engine_times: bool = True) -> tuple[Any, EarliestFinish]:
+    policies: list[EarliestFinish] = []
+
+    def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
+        transport.engine_times = engine_times
+        policy = make_policy("earliest_finish", random.Random(0))
+        assert isinstance(policy, EarliestFinish)
+        policies.append(policy)
+        return [make_dispatcher(transport, world, policy, DispatchConfig(client_order=spec.client_order), clock,
+                                seed=0)]
+
+    result = simulate(lambda clock: build_world(spec.kind_table, spec.profiles(), spec.servers, clock),
+                      spec.eval_list(), dispatchers)
+    return result, policies[0]
+
+
+def test_earliest_finish_answers_everything_keeps_long_answers_off_the_slow_kind_and_learns_engine_costs() -> None:
+    """A small mixed pool (A100s and V100s) in simulated time: every request answered once, nothing in flight at
+    the end, no copies (the policy places the tail itself); the long answers (text, 384 tokens: 2.4× longer to
+    decode on a V100) go to the A100s; each kind's costs come from its answers' engine times, within a factor of
+    the engine model's own (which routing never sees); and the run ends within 1.5× the ideal."""
+    spec = Spec(servers=24, evals=8, seed=3, client_order="longest_answers_first")
+    result, policy = run(spec)
+    requests = sum(e.size for e in spec.eval_list())
+    assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
+    assert result.attempts == requests  # no copies, no retries
+    texts: Counter[str] = Counter()
+    for server in result.servers:
+        for client, n in server.answered_by.items():
+            if client.endswith("text"):
+                texts["V100" if "v100" in server.kind else "A100"] += n
+    assert texts["V100"] <= 0.1 * sum(texts.values())
+    costs = policy.costs()
+    assert {c.source for c in costs.values()} == {"engine"}
+    a100 = KindModel.of(spec.profiles()["vllm-a100-80gb-7b"])
+    learned = costs["A100x1/16"]
+    assert a100.prefill_s / 3 < learned.prefill_s < a100.prefill_s * 3
+    assert a100.step_s / 3 < learned.step_s < a100.step_s * 3
+    ideal = ideal_s(spec)[0]
+    assert ideal <= result.makespan_s <= 1.5 * ideal
+
+
+def test_without_engine_times_the_costs_come_from_latencies() -> None:
+    """SGLang's answers (and vLLM's without its flag) carry no times: each kind's priors are scaled by a low quantile
+    of its answers' latency against their priced time, and the run still answers everything."""
+    spec = Spec(servers=24, evals=8, seed=3, client_order="longest_answers_first")
+    result, policy = run(spec, engine_times=False)
+    assert result.completed == sum(e.size for e in spec.eval_list()) and result.failed == 0
+    assert {c.source for c in policy.costs().values()} == {"latency"}
+
+
+def test_what_it_keeps_is_forgotten_with_its_clients_and_servers() -> None:
+    spec = Spec(servers=16, evals=4, seed=5, client_order="longest_answers_first")
+    _, policy = run(spec)
+    clients, servers = policy.known()
+    assert clients == 4 and servers > 0
+    for e in spec.eval_list():
+        policy.forget_client(e.name)
+    for i in range(spec.servers):
+        for kind in spec.kind_table:
+            policy.forget_server(f"{kind}-{i}")
+    assert policy.known() == (0, 0)
