@@ -191,13 +191,14 @@ def run_baseline(spec: Spec) -> SimResult:
 
 # ---- wall clock: the same world against real emulated HTTP servers ---------------------------------------
 def _farm(counts: dict[str, int], profiles_json: str, speedup: float, out: mp.Queue[list[tuple[str, str]]],
-          stop: multiprocessing.synchronize.Event) -> None:
+          stop: multiprocessing.synchronize.Event, per_request_metrics: bool = False) -> None:
     from fedpool.deploy.emulator import EmulatedServer
 
     profiles = {k: EmulatorProfile(**v) for k, v in json.loads(profiles_json).items()}
 
     async def main() -> None:
-        servers = [(name, EmulatedServer(model=MODEL, profile=profiles[name], speedup=speedup, seed=i))
+        servers = [(name, EmulatedServer(model=MODEL, profile=profiles[name], speedup=speedup, seed=i,
+                                         per_request_metrics=per_request_metrics))
                    for name, n in counts.items() for i in range(n)]
         for _, server in servers:
             await server.start()
@@ -221,7 +222,7 @@ def run_wall(spec: Spec, speedup: float) -> float:
     out: mp.Queue[list[tuple[str, str]]] = ctx.Queue()
     stop = ctx.Event()
     farm = ctx.Process(target=_farm, args=(counts, json.dumps({k: asdict(v) for k, v in profiles.items()}), speedup,
-                                           out, stop), daemon=True)
+                                           out, stop, spec.engine_times), daemon=True)
     farm.start()
     try:
         urls = out.get(timeout=300)
@@ -366,7 +367,10 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
            f"{'es' if spec.processes != 1 else ''}"
            + (" sharing each server's slots by capacity leases" if spec.leases else
               " each filling every window (no leases)" if spec.processes > 1 else "")
-           + f", {spec.concurrency} requests in flight per eval, the dispatcher's defaults otherwise (hedging on)"
+           + f", {spec.concurrency} requests in flight per eval, the dispatcher's defaults otherwise (hedging on, "
+           "where the policy does not place the tail itself)"
+           + ("; answers carry their engine's own prefill and decode times where the engine reports them (vLLM with "
+              "`--enable-per-request-metrics`, llama.cpp's `timings`; SGLang's do not)" if spec.engine_times else "")
            + ("; servers fail, rejoin, join and leave every 2 s" if spec.churn else ""))
     rows = []
     for w in worlds:
