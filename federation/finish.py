@@ -70,7 +70,7 @@ HOLD_SLACK_STEPS = 50.0  # ... and by more than this many decode steps of that k
 PREFILL_QUEUE_TOKENS = 1024.0  # a server whose placed prompts keep it prefilling more tokens than this takes no
 # other now: vLLM keeps a request waiting until its first chunk is scheduled (`max_num_batched_tokens` a step), and
 # a request found waiting shrinks the server's window and is taken back
-RECHECK_S = 0.05  # held clients are looked at again this often (a server's backlog drains as time passes)
+RECHECK_S = 0.1  # held clients are looked at again this often (a server's backlog drains as time passes)
 SAMPLE = 2  # servers with room looked at per kind and decision
 PREFILL_MIN_TOKENS = 32  # answers whose engine prefilled at least this many prompt tokens measure prefill ...
 DECODE_MIN_TOKENS = 8  # ... and at least this many answer tokens the decode step
@@ -168,6 +168,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
         backlogged = False  # a server with room was passed over: its placed prompts keep it prefilling
         prefilled, decoded, queue_tokens = self._prefilled, self._decoded, self._queue_tokens
         slack = 0.0
+        sample, draw, heaps_of = self._sample, self._rng.random, known.heaps
         for kind in (kinds if allowed is None else allowed):
             members = kinds.get(kind)
             if members is None:
@@ -176,12 +177,21 @@ class EarliestFinish(Policy, name="earliest_finish"):
             prefill, chain = prompt * costs.prefill_s, answer * costs.step_s
             queue_s = queue_tokens * costs.prefill_s
             free = route.free_in(kind) if len(kinds) > 1 else route.free_candidates(None, _NO_TRIED, self._rng)
-            looked: Sequence[Any] = free
-            if len(free) > self._sample:  # (drawn with replacement: O(sample), a repeat only costs a look)
-                n_free, draw = len(free), self._rng.random
-                looked = [free[int(draw() * n_free)] for _ in range(self._sample)]
+            n_free = len(free)
+            # `sample` servers with room (drawn with replacement: a repeat only costs a look), then the kind's members
+            # that prefill and decode soonest (the heaps' tops, checked for room)
+            looked: list[Any] = list(free) if n_free <= sample else [free[int(draw() * n_free)] for _ in range(sample)]
             sampled = len(looked)
-            for n, server in enumerate((*looked, *self._tops(known, kind, members))):
+            heaps = heaps_of.get(kind) or self._rebuild(known, kind)
+            for heap, table in ((heaps[0], prefilled), (heaps[1], decoded)):
+                while heap:
+                    t, sid = heap[0]
+                    top = members.get(sid)
+                    if top is not None and table.get(sid) == t and top.window > 0 and top.open_until is None:
+                        looked.append(top)
+                        break
+                    heapq.heappop(heap)  # stale, departed, or not taking requests
+            for n, server in enumerate(looked):
                 sid = server.id
                 if server.inflight == 0:
                     start = done = now
@@ -196,7 +206,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
                 if done + prefill > finish:  # its prompt stalls the answers decoding there
                     finish = done + prefill
                 if finish < anywhere:
-                    anywhere, anywhere_kind, anywhere_full = finish, kind, not free
+                    anywhere, anywhere_kind, anywhere_full = finish, kind, not n_free
                     slack = self._hold_slack * costs.step_s
                 if finish < best and (n < sampled or route.usable(server)) and not (tried and sid in tried):
                     if start - now > queue_s:
@@ -226,24 +236,6 @@ class EarliestFinish(Policy, name="earliest_finish"):
 
     def recheck_s(self) -> float | None:
         return RECHECK_S
-
-    def _tops(self, known: _RouteState, kind: str, members: dict[str, Any]) -> list[Any]:
-        """The kind's member whose placed prompts prefill soonest and the one whose answers decode soonest (stale
-        heap entries, departed servers and ones that cannot take a request soon are dropped on the way)."""
-        heaps = known.heaps.get(kind)
-        if heaps is None:
-            heaps = self._rebuild(known, kind)
-        out: list[Any] = []
-        for heap, table in ((heaps[0], self._prefilled), (heaps[1], self._decoded)):
-            while heap:
-                t, sid = heap[0]
-                server = members.get(sid)
-                if table.get(sid) == t and server is not None and server.window > 0 and server.admits:
-                    if not out or out[0] is not server:
-                        out.append(server)
-                    break
-                heapq.heappop(heap)
-        return out
 
     def _push(self, known: _RouteState, kind: str, sid: str, prefilled: float, decoded: float) -> None:
         heaps = known.heaps.get(kind)
