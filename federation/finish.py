@@ -15,7 +15,8 @@ prompt's chunks into the running batch's steps). A request of P prompt and C ans
 `now` is prefilled at `max(now, prefilled) + P·prefill` and finishes at `max(that + C·step, max(now, decoded) +
 P·prefill)`; a server with nothing of ours in flight starts from `now`.
 
-A decision, among the kinds the request may use (`federation/horizon.py`: none where it could outlast the run):
+A decision, among the kinds the request may use (`federation/horizon.py`, at `horizon_margin`: none where it alone
+would outlast the run):
 per kind, `sample` servers with room drawn at random and the kind's two best members — the least `prefilled` and
 the least `decoded`, kept in lazy heaps — are priced; the earliest finish on a server with room wins. The request
 waits instead (held) when
@@ -70,6 +71,8 @@ HOLD_SLACK_STEPS = 50.0  # ... and by more than this many decode steps of that k
 PREFILL_QUEUE_TOKENS = 1024.0  # a server whose placed prompts keep it prefilling more tokens than this takes no
 # other now: vLLM keeps a request waiting until its first chunk is scheduled (`max_num_batched_tokens` a step), and
 # a request found waiting shrinks the server's window and is taken back
+HORIZON_MARGIN = 0.0  # a request may use a kind where it alone takes up to the route's fluid horizon (the hold
+# rule does the rest: capacity_weighted's 0.2 kept captions and videos off the V100s of the 4,096-server pool)
 RECHECK_S = 0.1  # held clients are looked at again this often (a server's backlog drains as time passes)
 SAMPLE = 2  # servers with room looked at per kind and decision
 PREFILL_MIN_TOKENS = 32  # answers whose engine prefilled at least this many prompt tokens measure prefill ...
@@ -120,7 +123,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
 
     def __init__(self, rng: random.Random | None = None, sample: int = SAMPLE, hold_factor: float = HOLD_FACTOR,
                  hold_slack_steps: float = HOLD_SLACK_STEPS, horizon: bool = True,
-                 queue_tokens: float = PREFILL_QUEUE_TOKENS):
+                 horizon_margin: float = HORIZON_MARGIN, queue_tokens: float = PREFILL_QUEUE_TOKENS):
         super().__init__(rng)
         self._queue_tokens = queue_tokens
         self._horizon = horizon
@@ -129,7 +132,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
         self._hold_factor = hold_factor
         self._hold_slack = hold_slack_steps
         self._state: DispatchState | None = None
-        self._horizons = Horizons()  # (only its grouping of a route's servers by kind)
+        self._horizons = Horizons(margin=horizon_margin)  # (and its grouping of a route's servers by kind)
         self._routes: dict[Any, _RouteState] = {}
         self._priors: dict[str, KindCosts] = {}
         self._costs: dict[str, KindCosts] = {}
