@@ -171,7 +171,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
         backlogged = False  # a server with room was passed over: its placed prompts keep it prefilling
         prefilled, decoded, queue_tokens = self._prefilled, self._decoded, self._queue_tokens
         slack = 0.0
-        sample, draw, heaps_of = self._sample, self._rng.random, known.heaps
+        sample, draw, heaps_of, heappop = self._sample, self._rng.random, known.heaps, heapq.heappop
         for kind in (kinds if allowed is None else allowed):
             members = kinds.get(kind)
             if members is None:
@@ -186,14 +186,22 @@ class EarliestFinish(Policy, name="earliest_finish"):
             looked: list[Any] = list(free) if n_free <= sample else [free[int(draw() * n_free)] for _ in range(sample)]
             sampled = len(looked)
             heaps = heaps_of.get(kind) or self._rebuild(known, kind)
-            for heap, table in ((heaps[0], prefilled), (heaps[1], decoded)):
-                while heap:
-                    t, sid = heap[0]
-                    top = members.get(sid)
-                    if top is not None and table.get(sid) == t and top.window > 0 and top.open_until is None:
-                        looked.append(top)
-                        break
-                    heapq.heappop(heap)  # stale, departed, or not taking requests
+            heap = heaps[0]
+            while heap:  # (stale entries, departed servers and ones not taking requests are dropped on the way)
+                t, sid = heap[0]
+                top = members.get(sid)
+                if top is not None and prefilled.get(sid) == t and top.window > 0 and top.open_until is None:
+                    looked.append(top)
+                    break
+                heappop(heap)
+            heap = heaps[1]
+            while heap:
+                t, sid = heap[0]
+                top = members.get(sid)
+                if top is not None and decoded.get(sid) == t and top.window > 0 and top.open_until is None:
+                    looked.append(top)
+                    break
+                heappop(heap)
             for n, server in enumerate(looked):
                 sid = server.id
                 if server.inflight == 0:
