@@ -32,8 +32,8 @@ waits instead (held) when
 and every held client is looked at again every `RECHECK_S` (the dispatcher's tick). O(kinds × (sample + 2)) a
 decision, plus heap pops; no copies at the tail (the model places the tail: `plans_the_tail`).
 
-Costs, per server kind (`pricing.kind_key`): prefill seconds a prompt token and seconds a decode step of a full
-batch. They start at the data-sheet priors (`pricing`, for 1 B parameters: only their ratios matter, every
+Costs, per model and server kind (`pricing.kind_key`): prefill seconds a prompt token and seconds a decode step of a
+full batch. They start at the data-sheet priors (`pricing`, for 1 B parameters: only their ratios matter, every
 threshold is in tokens or steps) and are replaced from the answers: where the engine reports each answer's own
 prefill and decode times (`types.EngineTimes`: llama.cpp's `timings`, vLLM's per-request `metrics` with
 `--enable-per-request-metrics`), prefill is a low quantile of its prefill seconds a prompt token and the step the
@@ -135,8 +135,9 @@ class EarliestFinish(Policy, name="earliest_finish"):
         self._horizons = Horizons(margin=horizon_margin)  # (and its grouping of a route's servers by kind)
         self._routes: dict[Any, _RouteState] = {}
         self._priors: dict[str, KindCosts] = {}
-        self._costs: dict[str, KindCosts] = {}
-        self._rows: dict[str, _Rows] = {}
+        # (model, kind) -> its learned costs and what its answers showed (the registry's models and kinds: bounded)
+        self._costs: dict[tuple[str, str], KindCosts] = {}
+        self._rows: dict[tuple[str, str], _Rows] = {}
         self._prefilled: dict[str, float] = {}  # server -> when the prompts placed there will have prefilled
         self._decoded: dict[str, float] = {}  # server -> when the answers placed there will have decoded
         self._shapes: dict[str, tuple[float, float]] = {}  # client -> mean (prompt, answer) tokens of its answers
@@ -154,7 +155,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
         if state is None:
             return super().place(route, request, tried)
         now = state.clock()
-        client = request.client_id
+        client, model = request.client_id, request.model
         known = self._route(route)
         prompt, answer = self._shape(request)
         kinds = known.members
@@ -176,7 +177,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
             members = kinds.get(kind)
             if members is None:
                 continue
-            costs = self._costs.get(kind) or self._prior(kind, members)
+            costs = self._costs.get((model, kind)) or self._prior(kind, members)
             prefill, chain = prompt * costs.prefill_s, answer * costs.step_s
             queue_s = queue_tokens * costs.prefill_s
             free = route.free_in(kind) if len(kinds) > 1 else route.free_candidates(None, _NO_TRIED, self._rng)
@@ -280,11 +281,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
     def _prior(self, kind: str, members: dict[str, Any]) -> KindCosts:
         prior = self._priors.get(kind)
         if prior is None:
-            entry: ServerEntry = next(iter(members.values())).entry
-            batch = max(1, entry.capacity)
-            prior = self._priors[kind] = KindCosts(server_cost(entry).prefill_s_per_token, step_cost(entry, batch),
-                                                   "prior")
-            self._costs.setdefault(kind, prior)
+            prior = self._priors[kind] = _prior_of(next(iter(members.values())).entry)
         return prior
 
     def _shape(self, request: InferenceRequest) -> tuple[float, float]:
@@ -320,9 +317,11 @@ class EarliestFinish(Policy, name="earliest_finish"):
                 if members is not None and server.id in members:
                     self._push(known, kind_key(server), server.id, now, now)
         kind = kind_key(server)
-        rows = self._rows.get(kind)
+        if kind not in self._priors:
+            self._priors[kind] = _prior_of(server)
+        rows = self._rows.get((server.record.model, kind))
         if rows is None:
-            rows = self._rows[kind] = _Rows()
+            rows = self._rows[(server.record.model, kind)] = _Rows()
         if times is not None:
             prefilled = times.prefill_tokens if times.prefill_tokens is not None else prompt_tokens
             if prefilled is not None and prefilled >= PREFILL_MIN_TOKENS and times.prefill_s > 0:
@@ -330,16 +329,15 @@ class EarliestFinish(Policy, name="earliest_finish"):
             if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and times.decode_s > 0:
                 rows.decode.append(times.decode_s / (completion_tokens - 1))
         elif prompt_tokens is not None and completion_tokens is not None and latency_s > 0:
-            prior = self._priors.get(kind)
-            if prior is not None:
-                priced = prompt_tokens * prior.prefill_s + completion_tokens * prior.step_s
-                if priced > 0:
-                    rows.latency.append(latency_s / priced)
+            prior = self._priors[kind]
+            priced = prompt_tokens * prior.prefill_s + completion_tokens * prior.step_s
+            if priced > 0:
+                rows.latency.append(latency_s / priced)
         rows.answers += 1
         if rows.answers % REFIT_EVERY == 0:
-            self._refit(kind, rows)
+            self._refit(server.record.model, kind, rows)
 
-    def _refit(self, kind: str, rows: _Rows) -> None:
+    def _refit(self, model: str, kind: str, rows: _Rows) -> None:
         prior = self._priors.get(kind)
         if prior is None:
             return
@@ -350,18 +348,18 @@ class EarliestFinish(Policy, name="earliest_finish"):
                 prefill = step * prior.prefill_s / prior.step_s  # type: ignore[operator]
             if step is None:
                 step = prefill * prior.step_s / prior.prefill_s
-            self._costs[kind] = KindCosts(prefill, step, "engine")
+            self._costs[(model, kind)] = KindCosts(prefill, step, "engine")
         elif rows.latency:
             factor = _quantile(rows.latency, LATENCY_QUANTILE)
-            self._costs[kind] = KindCosts(prior.prefill_s * factor, prior.step_s * factor, "latency")
+            self._costs[(model, kind)] = KindCosts(prior.prefill_s * factor, prior.step_s * factor, "latency")
 
-    def costs(self) -> dict[str, KindCosts]:
-        """Each kind's costs as the policy has them now."""
+    def costs(self) -> dict[tuple[str, str], KindCosts]:
+        """Each (model, kind)'s costs as learned so far (a pair not here is priced at its kind's data-sheet prior)."""
         return dict(self._costs)
 
     def describe(self) -> dict[str, Any] | None:
-        return {"costs": {k: {"prefill_s_per_token": c.prefill_s, "step_s": c.step_s, "source": c.source}
-                          for k, c in self._costs.items()}}
+        return {"costs": {f"{m} on {k}": {"prefill_s_per_token": c.prefill_s, "step_s": c.step_s, "source": c.source}
+                          for (m, k), c in self._costs.items()}}
 
     def known(self) -> tuple[int, int]:
         """(clients, servers) the policy keeps anything for."""
@@ -374,6 +372,11 @@ class EarliestFinish(Policy, name="earliest_finish"):
 
     def forget_client(self, client_id: str) -> None:
         self._shapes.pop(client_id, None)
+
+
+def _prior_of(entry: ServerEntry) -> KindCosts:
+    """A server's kind's costs by the data-sheet priors (`pricing`): prefill a token, a full batch's step."""
+    return KindCosts(server_cost(entry).prefill_s_per_token, step_cost(entry, max(1, entry.capacity)), "prior")
 
 
 def _quantile(values: Sequence[float] | deque[float], q: float) -> float:

@@ -12,11 +12,13 @@ import pytest
 
 from fedpool.benchmarks.scale_oracle import KindModel
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
-from fedpool.benchmarks.simulator import SimTransport, World, build_world, make_dispatcher, simulate
+from fedpool.benchmarks.simulator import MODEL, SimTransport, World, build_world, make_dispatcher, simulate
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
+from fedpool.federation.finish import REFIT_EVERY
 from fedpool.federation.transport import HttpTransport, UrlTarget, engine_times, new_session
 from fedpool.federation.types import Endpoint, EngineTimes, InferenceRequest
+from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import LlamaServers
 
 
@@ -105,7 +107,7 @@ def test_earliest_finish_answers_everything_keeps_long_answers_off_the_slow_kind
     costs = policy.costs()
     assert {c.source for c in costs.values()} == {"engine"}
     a100 = KindModel.of(spec.profiles()["vllm-a100-80gb-7b"])
-    learned = costs["A100x1/16"]
+    learned = costs[(MODEL, "A100x1/16")]
     assert a100.prefill_s / 3 < learned.prefill_s < a100.prefill_s * 3
     assert a100.step_s / 3 < learned.step_s < a100.step_s * 3
     ideal = ideal_s(spec)[0]
@@ -132,3 +134,23 @@ def test_what_it_keeps_is_forgotten_with_its_clients_and_servers() -> None:
         for kind in spec.kind_table:
             policy.forget_server(f"{kind}-{i}")
     assert policy.known() == (0, 0)
+
+
+def test_each_model_on_a_kind_learns_its_own_costs() -> None:
+    """A 7 B and a 70 B model on the same A100s are not one cost: each (model, kind) learns from its own answers."""
+    policy = EarliestFinish()
+
+    def entry(model: str, i: int) -> ServerEntry:
+        record = ServerRecord(id=f"{model}-{i}", url=f"http://127.0.0.1:{9000 + i}", engine=Engine.VLLM, model=model,
+                              accelerator="A100", gpu_count=1, capacity=16)
+        return ServerEntry(record, ServerStatus.HEALTHY, 16, prior_weight(record))
+
+    for model, prefill_ms, decode_ms in (("small", 10.0, 100.0), ("large", 100.0, 1000.0)):
+        for i in range(REFIT_EVERY):
+            policy.observe_answer("c", entry(model, i), 1000, 101, 1.0, EngineTimes(prefill_ms / 1000, decode_ms / 1000,
+                                                                                   1000))
+    costs = policy.costs()
+    assert set(costs) == {("small", "A100x1/16"), ("large", "A100x1/16")}
+    assert costs[("small", "A100x1/16")].prefill_s == pytest.approx(1e-5)
+    assert costs[("large", "A100x1/16")].step_s == pytest.approx(0.01)
+    assert {c.source for c in costs.values()} == {"engine"}
