@@ -135,6 +135,8 @@ class PoolConfig(BaseModel):
     output_spread: float | None = Field(default=None, ge=0, lt=1)
     perturb_seed: int | None = Field(default=None, description="emulated: scale each server's prefill and decode "
                                      "costs by seeded factors in [0.7, 1.3] that routing never sees")
+    per_request_metrics: bool = Field(default=False, description="emulated: vLLM servers answer with their own "
+                                      "per-request times, as with vLLM's --enable-per-request-metrics")
     emulated: list[EmulatedServerConfig] = Field(default_factory=list)
     servers: list[RealServerConfig] = Field(default_factory=list)
     local_llamacpp: LocalLlamaConfig | None = None
@@ -386,7 +388,8 @@ async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClie
             profile = emulated.resolved(config.output_spread, config.perturb_seed)
             port = free_port()
             argv = [sys.executable, "-m", "fedpool.deploy.emulator", "--model", config.model, "--port", str(port),
-                    "--profile-json", json.dumps(asdict(profile)), "--speedup", str(config.time_scale)]
+                    "--profile-json", json.dumps(asdict(profile)), "--speedup", str(config.time_scale),
+                    *(["--enable-per-request-metrics"] if config.per_request_metrics else [])]
             process = EngineProcess(name=emulated.id, argv=argv, log_path=log_dir / f"{emulated.id}.log")
             await process.start()
             processes.append(process)
