@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import heapq
 import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -76,6 +75,7 @@ from fedpool.benchmarks.simulator import (
 from fedpool.deploy.emulator import EmulatorProfile
 from fedpool.federation.dispatch_types import DispatchConfig
 from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.finish import REFIT_EVERY, EngineTimedCosts
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
 from fedpool.federation.pricing import server_cost, step_cost
 from fedpool.federation.transport import UrlTarget
@@ -84,12 +84,9 @@ from fedpool.federation.types import Endpoint, InferenceRequest
 LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of their fastest kinds
 CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its fastest kind's may take it
 SHORT_CHAIN_S = 1.0  # a decode chain this short (engine seconds) is no reason to keep a request off a kind
-TIMED_PROMPT_TOKENS = 200  # timed costs: answers with prompts this long measure a kind's prefill ...
-TIMED_ANSWER_TOKENS = 8  # ... and with answers this long its decode step
-TIMED_PREFILL_QUANTILE = 0.1  # the prefill cost: this quantile of prefill seconds per prompt token ...
-TIMED_PREFILL_ROWS = 200  # ... over the kind's latest answers
-TIMED_STEP_ROWS = 1000  # the step: the least decode seconds per token over the kind's latest answers
-TIMED_REFIT = 10  # answers between refits of a kind
+TIMED_PROMPT_TOKENS = 200  # timed costs: answers with prompts this long measure a kind's prefill (the rest as
+# `earliest_finish` learns them: federation/finish.py's EngineTimedCosts)
+TIMED_REFIT = REFIT_EVERY  # answers between refits of a kind
 MODEL_BILLIONS = 7.0  # the simulated model's size: the data-sheet priors are for 1 B parameters
 HOLD_FACTOR = 2.0  # FinishOracle: a request waits when a server without room finishes it this many times sooner ...
 HOLD_SLACK_S = 0.5  # ... and by more than this (seconds from now)
@@ -224,7 +221,7 @@ class FinishOracle(Policy):
         super().__init__()
         self._models, self._kind_of, self._shapes = dict(models), kind_of, shapes
         self._prior = dict(models)  # (what `timing` starts from)
-        self._timed: dict[str, tuple[deque[float], deque[float]]] = {}  # kind -> prefill s/token, decode s/token
+        self._timed: dict[str, EngineTimedCosts] = {}
         self._timed_n: dict[str, int] = {}
         self._prefilled: dict[str, float] = {}  # server -> when the prompts placed there are prefilled
         self._decoded: dict[str, float] = {}  # server -> when the answers placed there are decoded
@@ -246,23 +243,16 @@ class FinishOracle(Policy):
         kind = self._kind_of[server_id]
         rows = self._timed.get(kind)
         if rows is None:
-            rows = self._timed[kind] = (deque(maxlen=TIMED_PREFILL_ROWS), deque(maxlen=TIMED_STEP_ROWS))
-        if prompt >= TIMED_PROMPT_TOKENS and prefill_s > 0:
-            rows[0].append(prefill_s / prompt)
-        if output >= TIMED_ANSWER_TOKENS and decode_s > 0:
-            rows[1].append(decode_s / (output - 1))
+            rows = self._timed[kind] = EngineTimedCosts(TIMED_PROMPT_TOKENS)
+        rows.add(prompt, output, prefill_s, decode_s)
         n = self._timed_n[kind] = self._timed_n.get(kind, 0) + 1
         if n % TIMED_REFIT:
             return
         prior = self._prior[kind]
-        prefill = sorted(rows[0])[int(TIMED_PREFILL_QUANTILE * (len(rows[0]) - 1))] if rows[0] else None
-        step = min(rows[1]) if rows[1] else None
-        if prefill is None and step is None:
+        fitted = rows.fit(prior.prefill_s, prior.step_s)
+        if fitted is None:
             return
-        if prefill is None:
-            prefill = step * prior.prefill_s / prior.step_s  # type: ignore[operator]
-        if step is None:
-            step = prefill * prior.step_s / prior.prefill_s
+        prefill, step = fitted
         self._models[kind] = KindModel(prefill, step, prior.batch)
 
     def _finish(self, server: Any, prompt: int, answer: int, now: float) -> tuple[float, float]:

@@ -97,11 +97,37 @@ class KindCosts:
 
 
 @dataclass
-class _Rows:
-    """What one kind's answers showed, newest last."""
+class EngineTimedCosts:
+    """A kind's prefill and step costs read from its answers' own engine times (newest rows last): prefill the
+    `PREFILL_QUANTILE` of prefill seconds a prompt token (answers that prefilled at least `min_prompt_tokens`), the
+    step the least decode seconds a token after the first (answers of at least `DECODE_MIN_TOKENS`): stalls by other
+    prompts only lengthen them."""
 
+    min_prompt_tokens: int = PREFILL_MIN_TOKENS
     prefill: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_ROWS))  # s a prompt token
     decode: deque[float] = field(default_factory=lambda: deque(maxlen=DECODE_ROWS))  # s a token after the first
+
+    def add(self, prefilled_tokens: int | None, completion_tokens: int | None, prefill_s: float,
+            decode_s: float) -> None:
+        if prefilled_tokens is not None and prefilled_tokens >= self.min_prompt_tokens and prefill_s > 0:
+            self.prefill.append(prefill_s / prefilled_tokens)
+        if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and decode_s > 0:
+            self.decode.append(decode_s / (completion_tokens - 1))
+
+    def fit(self, prior_prefill_s: float, prior_step_s: float) -> tuple[float, float] | None:
+        """(prefill, step) now; a cost not measured yet keeps the prior's ratio to the other (None: neither is)."""
+        prefill = _quantile(self.prefill, PREFILL_QUANTILE) if self.prefill else None
+        step = min(self.decode) if self.decode else None
+        if prefill is None:
+            return None if step is None else (step * prior_prefill_s / prior_step_s, step)
+        return prefill, (prefill * prior_step_s / prior_prefill_s if step is None else step)
+
+
+@dataclass
+class _Rows:
+    """What one (model, kind)'s answers showed, newest last."""
+
+    timed: EngineTimedCosts = field(default_factory=EngineTimedCosts)
     latency: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_ROWS))  # latency ÷ priced time
     answers: int = 0
 
@@ -308,26 +334,23 @@ class EarliestFinish(Policy, name="earliest_finish"):
             else:
                 self._shapes[client_id] = (seen[0] + SHAPE_ALPHA * (prompt_tokens - seen[0]),
                                            seen[1] + SHAPE_ALPHA * (completion_tokens - seen[1]))
+        kind = kind_key(server)
         state = self._state
         if state is not None and state.ledger.on_server(server.id) == 0 and server.id in self._decoded:
             now = state.clock()  # nothing of ours there now: whatever the model still had running is done
             self._prefilled[server.id] = self._decoded[server.id] = now
             for known in self._routes.values():
-                members = known.members.get(kind_key(server))
+                members = known.members.get(kind)
                 if members is not None and server.id in members:
-                    self._push(known, kind_key(server), server.id, now, now)
-        kind = kind_key(server)
+                    self._push(known, kind, server.id, now, now)
         if kind not in self._priors:
             self._priors[kind] = _prior_of(server)
         rows = self._rows.get((server.record.model, kind))
         if rows is None:
             rows = self._rows[(server.record.model, kind)] = _Rows()
         if times is not None:
-            prefilled = times.prefill_tokens if times.prefill_tokens is not None else prompt_tokens
-            if prefilled is not None and prefilled >= PREFILL_MIN_TOKENS and times.prefill_s > 0:
-                rows.prefill.append(times.prefill_s / prefilled)
-            if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and times.decode_s > 0:
-                rows.decode.append(times.decode_s / (completion_tokens - 1))
+            rows.timed.add(times.prefill_tokens if times.prefill_tokens is not None else prompt_tokens,
+                           completion_tokens, times.prefill_s, times.decode_s)
         elif prompt_tokens is not None and completion_tokens is not None and latency_s > 0:
             prior = self._priors[kind]
             priced = prompt_tokens * prior.prefill_s + completion_tokens * prior.step_s
@@ -341,14 +364,9 @@ class EarliestFinish(Policy, name="earliest_finish"):
         prior = self._priors.get(kind)
         if prior is None:
             return
-        if rows.prefill or rows.decode:
-            prefill = _quantile(rows.prefill, PREFILL_QUANTILE) if rows.prefill else None
-            step = min(rows.decode) if rows.decode else None
-            if prefill is None:
-                prefill = step * prior.prefill_s / prior.step_s  # type: ignore[operator]
-            if step is None:
-                step = prefill * prior.step_s / prior.prefill_s
-            self._costs[(model, kind)] = KindCosts(prefill, step, "engine")
+        fitted = rows.timed.fit(prior.prefill_s, prior.step_s)
+        if fitted is not None:
+            self._costs[(model, kind)] = KindCosts(*fitted, "engine")
         elif rows.latency:
             factor = _quantile(rows.latency, LATENCY_QUANTILE)
             self._costs[(model, kind)] = KindCosts(prior.prefill_s * factor, prior.step_s * factor, "latency")
