@@ -93,7 +93,7 @@ class KindCosts:
 
     prefill_s: float
     step_s: float
-    source: str  # "prior", "engine" (the engine's own times), or "latency"
+    source: str  # "prior", "engine" (the engine's own times), "latency", or "scaled" (the prior on a learned scale)
 
 
 @dataclass
@@ -181,17 +181,32 @@ class EarliestFinish(Policy, name="earliest_finish"):
         if state is None:
             return super().place(route, request, tried)
         now = state.clock()
-        client, model = request.client_id, request.model
+        client = request.client_id
         known = self._route(route)
-        prompt, answer = self._shape(request)
-        kinds = known.members
         allowed: tuple[str, ...] | None = None
-        if self._horizon and len(kinds) > 1:
+        if self._horizon and len(known.members) > 1:
             allowed = self._horizons.cached(known.horizon, client, now)
             if allowed is None:
                 clients, inflight = state.clients, state.ledger.clients
                 allowed = self._horizons.allowed(known.horizon, client, lambda c: client_size(clients.shape(c)), now,
                                                  lambda: demand_on(route, inflight))
+        return self._place(route, request, tried, known, allowed, now)
+
+    def place_within(self, route: RouteView, request: InferenceRequest, tried: set[str],
+                     kinds: tuple[str, ...]) -> Any:
+        """`place`, among the given server kinds of the route only (a plan's: `planned` with `pick="finish"`)."""
+        state = self._state
+        assert state is not None, "place_within is used by a policy attached to a dispatcher"
+        known = self._route(route)
+        return self._place(route, request, tried, known, kinds if len(known.members) > 1 else None, state.clock())
+
+    def _place(self, route: RouteView, request: InferenceRequest, tried: set[str], known: _RouteState,
+               allowed: tuple[str, ...] | None, now: float) -> Any:
+        state = self._state
+        assert state is not None
+        client, model = request.client_id, request.model
+        prompt, answer = self._shape(request)
+        kinds = known.members
         best = best_own = float("inf")  # the earliest finish on a server that may take it now, its prompt's prefill
         pick, pick_kind = None, ""
         anywhere, anywhere_kind, anywhere_full = float("inf"), "", False  # the earliest seen anywhere, its kind
@@ -203,7 +218,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
             members = kinds.get(kind)
             if members is None:
                 continue
-            costs = self._costs.get((model, kind)) or self._prior(kind, members)
+            costs = self._costs.get((model, kind)) or self._unlearned(model, kind, members)
             prefill, chain = prompt * costs.prefill_s, answer * costs.step_s
             queue_s = queue_tokens * costs.prefill_s
             free = route.free_in(kind) if len(kinds) > 1 else route.free_candidates(None, _NO_TRIED, self._rng)
@@ -310,6 +325,42 @@ class EarliestFinish(Policy, name="earliest_finish"):
             prior = self._priors[kind] = _prior_of(next(iter(members.values())).entry)
         return prior
 
+    def _unlearned(self, model: str, kind: str, members: dict[str, Any]) -> KindCosts:
+        """A kind none of whose answers has priced it yet for the model: its data-sheet prior, on the scale of the
+        model's learned kinds (the prior × their mean learned ÷ prior ratio). The priors are for 1 B parameters:
+        unscaled beside a 7 B model's learned costs, a kind not heard from yet looked ~7× faster than it is, and
+        took every request until its own answers came back."""
+        prior = self._prior(kind, members)
+        ratio = self._ratio(model)
+        if ratio is None:
+            return prior  # (nothing learned for the model: every kind on the priors' one scale)
+        scaled = self._costs[(model, kind)] = KindCosts(prior.prefill_s * ratio[0], prior.step_s * ratio[1], "scaled")
+        return scaled
+
+    def _ratio(self, model: str) -> tuple[float, float] | None:
+        """The model's learned kinds' mean (prefill, step) cost ÷ their priors' (None: none learned yet)."""
+        prefill = step = 0.0
+        n = 0
+        for (m, kind), costs in self._costs.items():
+            prior = self._priors.get(kind)
+            if m == model and costs.source != "scaled" and prior is not None:
+                prefill += costs.prefill_s / prior.prefill_s
+                step += costs.step_s / prior.step_s
+                n += 1
+        return (prefill / n, step / n) if n else None
+
+    def kind_costs(self, model: str, server: ServerEntry) -> KindCosts:
+        """The costs a decision uses for the model on the server's kind: learned, else the prior on the learned
+        scale."""
+        kind = kind_key(server)
+        learned = self._costs.get((model, kind))
+        if learned is not None:
+            return learned
+        if kind not in self._priors:
+            self._priors[kind] = _prior_of(server)
+        prior, ratio = self._priors[kind], self._ratio(model)
+        return prior if ratio is None else KindCosts(prior.prefill_s * ratio[0], prior.step_s * ratio[1], "scaled")
+
     def _shape(self, request: InferenceRequest) -> tuple[float, float]:
         """(prompt tokens, answer tokens) expected of the request (see the module docstring)."""
         seen = self._shapes.get(request.client_id)
@@ -370,10 +421,15 @@ class EarliestFinish(Policy, name="earliest_finish"):
         elif rows.latency:
             factor = _quantile(rows.latency, LATENCY_QUANTILE)
             self._costs[(model, kind)] = KindCosts(prior.prefill_s * factor, prior.step_s * factor, "latency")
+        else:
+            return
+        for key in [k for k, c in self._costs.items() if k[0] == model and c.source == "scaled"]:
+            del self._costs[key]  # (rescaled when next read: the learned scale moved)
 
     def costs(self) -> dict[tuple[str, str], KindCosts]:
-        """Each (model, kind)'s costs as learned so far (a pair not here is priced at its kind's data-sheet prior)."""
-        return dict(self._costs)
+        """Each (model, kind)'s costs as learned so far (a pair not here is priced at its kind's data-sheet prior, on
+        the scale of the model's learned kinds: `kind_costs`)."""
+        return {key: c for key, c in self._costs.items() if c.source != "scaled"}
 
     def describe(self) -> dict[str, Any] | None:
         return {"costs": {f"{m} on {k}": {"prefill_s_per_token": c.prefill_s, "step_s": c.step_s, "source": c.source}

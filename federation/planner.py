@@ -31,9 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedpool.federation.finish import RECHECK_S, EarliestFinish
 from fedpool.federation.plan_lp import MIN_SHARE, solve_phased_plan, solve_plan
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
-from fedpool.federation.pricing import CostFit, SpeedCalibration, kind_key
+from fedpool.federation.pricing import CostFit, ServerCost, SpeedCalibration, kind_key
 from fedpool.federation.types import EngineTimes, InferenceRequest
 from fedpool.registry import ServerEntry
 
@@ -106,8 +107,15 @@ class PlannedRouting(Policy, name="planned"):
 
     def __init__(self, rng: random.Random | None = None, *, period_s: float = 1.0, warmup_periods: float = 5.0,
                  makespan_slack: float = 0.02, long_answer_tokens: float | None = 128.0,
-                 long_prompt_tokens: float = 512.0, calibrate: bool = True, calibration_answers: int = 20):
+                 long_prompt_tokens: float = 512.0, calibrate: bool = True, calibration_answers: int = 20,
+                 pick: str = "quota"):
         super().__init__(rng)
+        if pick not in ("quota", "finish"):
+            raise ValueError(f"planned: pick must be 'quota' or 'finish', not {pick!r}")
+        # Within a client's planned kinds, which server: "quota" — the kind with the most of its quota left, the
+        # server with the least priced work there; "finish" — where `earliest_finish`'s engine model answers it
+        # soonest (and its hold rules: it waits for a far better full server, or a server's prompt backlog).
+        self._finish = EarliestFinish(self._rng, horizon=False) if pick == "finish" else None
         self.period_s = period_s
         # The first plan waits (at most warmup_s after the first request) for every client that said how
         # much it has to say its shape or send: a plan made for the first client alone hands it every server.
@@ -136,6 +144,8 @@ class PlannedRouting(Policy, name="planned"):
 
     def attach(self, state: DispatchState) -> None:
         self._state = state
+        if self._finish is not None:
+            self._finish.attach(state)
         self._speed = SpeedCalibration(state.ledger, state.clock, tau_s=20 * self.period_s,
                                        min_answers=self._calibration_answers, enabled=self._calibrate)
         self._fit = CostFit(state.ledger, state.clock, tau_s=20 * self.period_s, enabled=self._calibrate)
@@ -183,6 +193,12 @@ class PlannedRouting(Policy, name="planned"):
         quotas = plan.kind_quotas.get(client_id)
         if not quotas:
             return Hold.CLIENT_HELD
+        if self._finish is not None:
+            placed = self._finish.place_within(route, request, tried,
+                                               tuple(k for k, q in quotas.items() if q > MIN_SHARE))
+            if not isinstance(placed, Hold):
+                plans.sent.setdefault(client_id, Counter())[plan.kind_of[placed.id]] += 1
+            return placed
         pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
         if pick is None and tried:
             pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=False)
@@ -197,6 +213,8 @@ class PlannedRouting(Policy, name="planned"):
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
                        completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
+        if self._finish is not None:
+            self._finish.observe_answer(client_id, server, prompt_tokens, completion_tokens, latency_s, times)
         if prompt_tokens is None or completion_tokens is None:
             return
         shape = self._shapes.setdefault(client_id, _Shape())
@@ -212,7 +230,7 @@ class PlannedRouting(Policy, name="planned"):
         """Quotas move with time (a new plan every period), and the first plan waits for the warm-up."""
         if self.warming_up():
             return min(self.wait_s() + 1e-3, self.period_s / 5)
-        return self.period_s / 2
+        return self.period_s / 2 if self._finish is None else min(self.period_s / 2, RECHECK_S)
 
     def describe(self) -> dict[str, Any] | None:
         """The current plan (client -> server -> requests to send there) and the fitted speed factor per server
@@ -220,9 +238,13 @@ class PlannedRouting(Policy, name="planned"):
         if self._plan is None:
             return None
         fitted = self._fit.fitted_kinds() if self._fit is not None else {}
-        return {"plans_made": self.plans_made,
-                "quotas": {c: {s: round(n, 1) for s, n in q.items()} for c, q in self._plan.quotas.items()},
-                "fitted": {k: round(f, 3) for k, f in fitted.items()}}
+        described: dict[str, Any] = {
+            "plans_made": self.plans_made,
+            "quotas": {c: {s: round(n, 1) for s, n in q.items()} for c, q in self._plan.quotas.items()},
+            "fitted": {k: round(f, 3) for k, f in fitted.items()}}
+        if self._finish is not None:
+            described["finish"] = (self._finish.describe() or {}).get("costs", {})
+        return described
 
     # ---- shapes and state ---------------------------------------------------------------------------
     def shape(self, client_id: str) -> tuple[float, float] | None:
@@ -429,6 +451,12 @@ class PlannedRouting(Policy, name="planned"):
             within.update({m.id: speed[m.id] / mean for m in members})
         weight = {col: float(len(members)) for col, members in columns.items()}
         kind_cost = self._fit.costs(entries)
+        if self._finish is not None:  # the costs its picks use (learned from the answers' engine times or latencies)
+            model = servers[0].entry.record.model
+            timed = {col: self._finish.kind_costs(model, members[0].entry) for col, members in columns.items()}
+            if any(c.source != "prior" and c.source != "scaled" for c in timed.values()):
+                kind_cost = {col: ServerCost(c.prefill_s, c.step_s / max(1, columns[col][0].capacity))
+                             for col, c in timed.items()}
         cost = {(c, col): max(1e-12, kind_cost[col].of(*shapes[c])) for col in columns for c in clients}
         price = dict(cost)  # (the latency bound below forbids pairs by raising their cost)
         ids = sorted(columns)
@@ -490,7 +518,13 @@ class PlannedRouting(Policy, name="planned"):
         return held
 
     # ---- bounded state --------------------------------------------------------------------------------
+    def forget_server(self, server_id: str) -> None:
+        if self._finish is not None:
+            self._finish.forget_server(server_id)
+
     def forget_client(self, client_id: str) -> None:
+        if self._finish is not None:
+            self._finish.forget_client(client_id)
         self._shapes.pop(client_id, None)
         self._placed.discard(client_id)
         self._long_prompts.discard(client_id)

@@ -72,13 +72,13 @@ async def test_a_real_llama_server_reports_each_answers_own_times(llama_servers:
             assert times.prefill_tokens is not None and times.prefill_tokens <= (completion.prompt_tokens or 0)
 
 
-def run(spec: Spec, *, engine_times: bool = True) -> tuple[Any, EarliestFinish]:
-    policies: list[EarliestFinish] = []
+def run(spec: Spec, *, engine_times: bool = True, policy_name: str = "earliest_finish",
+        **options: Any) -> tuple[Any, Any]:
+    policies: list[Any] = []
 
     def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
         transport.engine_times = engine_times
-        policy = make_policy("earliest_finish", random.Random(0))
-        assert isinstance(policy, EarliestFinish)
+        policy = make_policy(policy_name, random.Random(0), **options)
         policies.append(policy)
         return [make_dispatcher(transport, world, policy, DispatchConfig(client_order=spec.client_order), clock,
                                 seed=0)]
@@ -95,6 +95,7 @@ def test_earliest_finish_answers_everything_keeps_long_answers_off_the_slow_kind
     the engine model's own (which routing never sees); and the run ends within 1.5× the ideal."""
     spec = Spec(servers=24, evals=8, seed=3, client_order="longest_answers_first")
     result, policy = run(spec)
+    assert isinstance(policy, EarliestFinish)
     requests = sum(e.size for e in spec.eval_list())
     assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
     assert result.attempts == requests  # no copies, no retries
@@ -154,3 +155,56 @@ def test_each_model_on_a_kind_learns_its_own_costs() -> None:
     assert costs[("small", "A100x1/16")].prefill_s == pytest.approx(1e-5)
     assert costs[("large", "A100x1/16")].step_s == pytest.approx(0.01)
     assert {c.source for c in costs.values()} == {"engine"}
+
+
+def entry_on(accelerator: str, i: int, model: str = "m") -> ServerEntry:
+    record = ServerRecord(id=f"{accelerator}-{i}", url=f"http://127.0.0.1:{9100 + i}", engine=Engine.VLLM, model=model,
+                          accelerator=accelerator, gpu_count=1, capacity=16)
+    return ServerEntry(record, ServerStatus.HEALTHY, 16, prior_weight(record))
+
+
+def test_a_kind_not_heard_from_is_priced_on_the_learned_scale() -> None:
+    """The data-sheet priors are for 1 B parameters: once a 7 B model's A100 costs are learned (~7× their prior), a
+    V100 none of whose answers has come back is priced on that scale (its prior × the A100's learned ÷ prior), not at
+    its bare prior, which made it look ~7× faster than it is and drew every request until its own answers came."""
+    policy = EarliestFinish()
+    a100, v100 = entry_on("A100", 0), entry_on("V100", 1)
+    bare, prior_a100 = policy.kind_costs("m", v100), policy.kind_costs("m", a100)
+    assert bare.source == prior_a100.source == "prior"
+    for _ in range(REFIT_EVERY):
+        policy.observe_answer("c", a100, 1000, 101, 1.0,
+                              EngineTimes(7 * prior_a100.prefill_s * 1000, 7 * prior_a100.step_s * 100, 1000))
+    learned = policy.kind_costs("m", a100)
+    assert learned.source == "engine" and learned.prefill_s == pytest.approx(7 * prior_a100.prefill_s)
+    scaled = policy.kind_costs("m", v100)
+    assert scaled.source == "scaled"
+    assert scaled.prefill_s == pytest.approx(7 * bare.prefill_s) and scaled.step_s == pytest.approx(7 * bare.step_s)
+    assert policy.kind_costs("other", v100).source == "prior"  # (another model's scale is its own)
+    assert set(policy.costs()) == {("m", "A100x1/16")}  # (what was learned, not what was scaled)
+
+
+def test_planned_routing_picking_by_finish_keeps_to_the_plan_and_answers_everything() -> None:
+    """`planned` with `pick="finish"`: the plan chooses each client's kinds, the engine model the server among them.
+    Every request is answered once with nothing left in flight; the long answers stay off the V100s (the plan keeps
+    them on the A100s, where they decode 2.4× faster); the picker learns each kind's costs from the engine times; the
+    run ends within 1.5× the ideal."""
+    spec = Spec(servers=24, evals=8, seed=3, client_order="longest_answers_first")
+    result, policy = run(spec, policy_name="planned", pick="finish", period_s=1.0)
+    requests = sum(e.size for e in spec.eval_list())
+    assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
+    assert result.attempts == requests
+    texts: Counter[str] = Counter()
+    for server in result.servers:
+        for client, n in server.answered_by.items():
+            if client.endswith("text"):
+                texts["V100" if "v100" in server.kind else "A100"] += n
+    assert texts["V100"] <= 0.1 * sum(texts.values())
+    assert policy.plans_made > 1
+    assert {c["source"] for c in policy.describe()["finish"].values()} == {"engine"}
+    ideal = ideal_s(spec)[0]
+    assert ideal <= result.makespan_s <= 1.5 * ideal
+
+
+def test_planned_rejects_an_unknown_pick() -> None:
+    with pytest.raises(ValueError, match="pick"):
+        make_policy("planned", pick="closest")
