@@ -59,7 +59,7 @@ from fedpool.benchmarks.simulator import (
     simulate,
 )
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
-from fedpool.federation import DispatchConfig, Dispatcher, make_policy
+from fedpool.federation import DispatchConfig, Dispatcher, Policy, make_policy
 from fedpool.federation.pricing import server_cost
 from fedpool.registry import Engine, ServerEntry, ServerStatus, prior_weight
 
@@ -100,7 +100,11 @@ class Spec:
     churn: bool = False
     leases: bool = False
     engine_times: bool = False  # answers carry the engine's own prefill and decode times (llama.cpp's `timings`)
+    planned_pick: str = "quota"  # policy `planned`: which server within a client's planned kinds
     seed: int = 7
+
+    def make_policy(self, rng: random.Random) -> Policy:
+        return make_policy(self.policy, rng, **({"pick": self.planned_pick} if self.policy == "planned" else {}))
 
     @property
     def kind_table(self) -> dict[str, Kind]:
@@ -164,11 +168,10 @@ def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:
     """`scrapes`: the registry's probe cycle publishes each engine's load every 2 s (off: a static snapshot, as
     the wall-clock arm runs)."""
     kinds, profiles = spec.kind_table, spec.profiles()
-    policy_name = spec.policy
 
     def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
         transport.engine_times = spec.engine_times
-        return [make_dispatcher(transport, world, make_policy(policy_name, random.Random(p)), spec.config(), clock,
+        return [make_dispatcher(transport, world, spec.make_policy(random.Random(p)), spec.config(), clock,
                                 seed=p) for p in range(spec.processes)]
 
     return simulate(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), dispatchers,
@@ -237,7 +240,7 @@ def run_wall(spec: Spec, speedup: float) -> float:
             loop = asyncio.get_running_loop()
             started = loop.time()
             async with new_session() as session:
-                dispatchers = [Dispatcher(session, lambda: snapshot, make_policy(spec.policy, random.Random(p)),
+                dispatchers = [Dispatcher(session, lambda: snapshot, spec.make_policy(random.Random(p)),
                                           config=spec.config(), rng=random.Random(p)) for p in range(spec.processes)]
                 outcomes = {e.name: EvalOutcome() for e in spec.eval_list()}
                 await asyncio.gather(*(run_eval(dispatchers[e.process], e, loop.time, outcomes[e.name])
@@ -298,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policy", default="capacity_weighted")
     parser.add_argument("--client-order", default="fair")
     parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
+    parser.add_argument("--planned-pick", choices=("quota", "finish"), default="quota",
+                        help="--planned: within a client's planned kinds, the server with the most quota left (quota) "
+                             "or where earliest_finish's engine model answers it soonest (finish)")
     parser.add_argument("--churn", action="store_true", help="servers fail, rejoin, join and leave as it runs")
     parser.add_argument("--engine-times", action="store_true",
                         help="each answer carries its engine's own prefill and decode times, as llama.cpp's `timings` "
@@ -314,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
                 processes=args.processes, policy="planned" if args.planned else args.policy,
                 client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases,
-                engine_times=args.engine_times)
+                engine_times=args.engine_times, planned_pick=args.planned_pick)
     counts = kind_counts(base.kind_table, base.servers)
     worlds = []
     for seed in seeds:
@@ -363,7 +369,8 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
 
 def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreement: tuple[float, float, float] | None,
           speedup: float) -> str:
-    how = (f"policy `{spec.policy}`, client order `{spec.client_order}`, {spec.processes} client process"
+    how = (f"policy `{spec.policy}`" + (f" (pick `{spec.planned_pick}`)" if spec.policy == "planned" else "")
+           + f", client order `{spec.client_order}`, {spec.processes} client process"
            f"{'es' if spec.processes != 1 else ''}"
            + (" sharing each server's slots by capacity leases" if spec.leases else
               " each filling every window (no leases)" if spec.processes > 1 else "")

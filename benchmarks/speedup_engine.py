@@ -226,6 +226,9 @@ class EvalsConfig(BaseModel):
     policy: str = "capacity_weighted"
     client_order: Literal["fair", "shortest_first", "longest_answers_first"] = "fair"
     planned: bool = Field(default=False, description="federated arm: route by the dispatcher's makespan plan")
+    planned_pick: Literal["quota", "finish"] = Field(
+        default="quota", description="planned: within a client's planned kinds, the server with the most quota left "
+                                     "(quota) or where the engine model answers it soonest (finish)")
     window_factor: float = Field(default=1.0, gt=0, le=64,
                                  description="federated arm: admission window ceiling = engine capacity × this")
     adaptive_windows: bool = Field(default=True, description="federated arm: windows follow the engine queue")
@@ -624,7 +627,8 @@ async def run_federated(
                                               client_order=config.client_order,
                                               window_factor=config.window_factor,
                                               adaptive_windows=config.adaptive_windows)
-                    policy, options = ((("planned", {"period_s": max(0.05, 1.0 / pool.time_scale)}))
+                    policy, options = ((("planned", {"period_s": max(0.05, 1.0 / pool.time_scale),
+                                                      "pick": config.planned_pick}))
                                        if config.planned else (config.policy, {}))
                     async with PoolConnection(registry, policy=policy, policy_options=options, config=dispatch,
                                               seed=config.seed) as conn:
