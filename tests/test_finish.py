@@ -184,12 +184,12 @@ def test_a_kind_not_heard_from_is_priced_on_the_learned_scale() -> None:
 
 
 def test_planned_routing_picking_by_finish_keeps_to_the_plan_and_answers_everything() -> None:
-    """`planned` with `pick="finish"`: the plan chooses each client's kinds, the engine model the server among them.
-    Every request is answered once with nothing left in flight; the long answers stay off the V100s (the plan keeps
-    them on the A100s, where they decode 2.4× faster); the picker learns each kind's costs from the engine times; the
-    run ends within 1.5× the ideal."""
+    """`planned_finish` (`planned` with `pick="finish"`): the plan chooses each client's kinds, the engine model
+    the server among them. Every request is answered once with nothing left in flight; the long answers stay off the
+    V100s (the plan keeps them on the A100s, where they decode 2.4× faster); the picker learns each kind's costs from
+    the engine times; the run ends within 1.5× the ideal."""
     spec = Spec(servers=24, evals=8, seed=3, client_order="longest_answers_first")
-    result, policy = run(spec, policy_name="planned", pick="finish", period_s=1.0)
+    result, policy = run(spec, policy_name="planned_finish", period_s=1.0)
     requests = sum(e.size for e in spec.eval_list())
     assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
     assert result.attempts == requests
