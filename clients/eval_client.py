@@ -155,6 +155,11 @@ class EvalRun:
             asyncio.Queue(maxsize=2 * concurrency) if self._verifier is not None else None
         )
 
+    def _open_writer(self, data_hash: str) -> ArtifactWriter:
+        """The artifact's writer, its config recorded (blocking: package metadata and files; run in a thread)."""
+        return ArtifactWriter(self._dir, self._config(data_hash), secrets=self._secrets,
+                              retry_failed=self._retry_failed, purpose=f"eval of {self.spec.name}")
+
     def _config(self, data_hash: str) -> dict[str, Any]:
         return {
             "fingerprint": f"{self.spec.fingerprint()}-{data_hash[:16]}-{self._target.model}-{self._target.revision}",
@@ -178,9 +183,7 @@ class EvalRun:
         try:
             samples = await asyncio.to_thread(load_samples, self.spec)
             data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())
-            writer = await asyncio.to_thread(ArtifactWriter, self._dir, self._config(data_hash),
-                                             secrets=self._secrets, retry_failed=self._retry_failed,
-                                             purpose=f"eval of {self.spec.name}")
+            writer = await asyncio.to_thread(self._open_writer, data_hash)
             todo = [s for s in samples if s.sample_id not in writer.done_ids]
             total = len(samples)
             self._counters.done = total - len(todo)

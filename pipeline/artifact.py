@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -41,13 +42,21 @@ PACKAGES = (
 
 
 def package_versions(names: Iterable[str] = PACKAGES) -> dict[str, str]:
-    versions = {"python": platform.python_version()}
+    """The installed version of each package that is installed, and Python's. Blocking (it reads each package's
+    metadata from disk: ~10 ms for the default list): call it off the event loop. Read once per process and names
+    (a process's installed packages are those it imported)."""
+    return dict(_versions(tuple(names)))
+
+
+@functools.cache
+def _versions(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    versions = [("python", platform.python_version())]
     for name in names:
         try:
-            versions[name] = metadata.version(name)
+            versions.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
             continue
-    return versions
+    return tuple(versions)
 
 
 def secrets_from_env(environ: Mapping[str, str] | None = None) -> set[str]:
