@@ -196,8 +196,8 @@ class PlannedRouting(Policy, name="planned"):
         if self._finish is not None:
             placed = self._finish.place_within(route, request, tried,
                                                tuple(k for k, q in quotas.items() if q > MIN_SHARE))
-            if not isinstance(placed, Hold):
-                plans.sent.setdefault(client_id, Counter())[plan.kind_of[placed.id]] += 1
+            if not isinstance(placed, Hold) and (kind := plan.kind_of.get(placed.id)) is not None:
+                plans.sent.setdefault(client_id, Counter())[kind] += 1
             return placed
         pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
         if pick is None and tried:
