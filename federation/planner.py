@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpool.federation.finish import RECHECK_S, EarliestFinish
-from fedpool.federation.plan_lp import MIN_SHARE, solve_phased_plan, solve_plan
+from fedpool.federation.plan_lp import MIN_SHARE, preload_solver, solve_phased_plan, solve_plan
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.pricing import CostFit, ServerCost, SpeedCalibration, kind_key
 from fedpool.federation.types import EngineTimes, InferenceRequest
@@ -144,6 +144,7 @@ class PlannedRouting(Policy, name="planned"):
 
     def attach(self, state: DispatchState) -> None:
         self._state = state
+        preload_solver()  # (the first plan is made on the grant path: the solver is imported by then)
         if self._finish is not None:
             self._finish.attach(state)
         self._speed = SpeedCalibration(state.ledger, state.clock, tau_s=20 * self.period_s,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 
@@ -310,3 +312,17 @@ async def test_two_models_under_planned_routing_make_at_most_one_plan_per_route_
     assert policy.plans_made <= 2 * (elapsed / period + 1) + 2, (policy.plans_made, elapsed)
     served = {r.request_id.split("-")[0]: r.server_id[0] for r in results}
     assert served == {"ca": "a", "cb": "b"}  # each model's requests on its own servers
+
+
+def test_the_solver_is_imported_off_the_grant_path() -> None:
+    """The first plan is made on the grant path: importing SciPy's solver there (~0.5 s) held the event loop just as
+    the evals started sending. A planning policy imports it in a background thread when attached; importing fedpool's
+    federation room alone still does not import it (every eval process and gateway would pay for it)."""
+    code = ("import sys\n"
+            "from fedpool.federation import make_policy\n"
+            "from fedpool.federation.plan_lp import preload_solver\n"
+            "make_policy('planned')\n"
+            "assert 'scipy.optimize' not in sys.modules\n"
+            "preload_solver().join(120)\n"
+            "assert 'scipy.optimize' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
