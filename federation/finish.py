@@ -228,22 +228,14 @@ class EarliestFinish(Policy, name="earliest_finish"):
             looked: list[Any] = list(free) if n_free <= sample else [free[int(draw() * n_free)] for _ in range(sample)]
             sampled = len(looked)
             heaps = heaps_of.get(kind) or self._rebuild(known, kind)
-            heap = heaps[0]
-            while heap:  # (stale entries, departed servers and ones not taking requests are dropped on the way)
-                t, sid = heap[0]
-                top = members.get(sid)
-                if top is not None and prefilled.get(sid) == t and top.window > 0 and top.open_until is None:
-                    looked.append(top)
-                    break
-                heappop(heap)
-            heap = heaps[1]
-            while heap:
-                t, sid = heap[0]
-                top = members.get(sid)
-                if top is not None and decoded.get(sid) == t and top.window > 0 and top.open_until is None:
-                    looked.append(top)
-                    break
-                heappop(heap)
+            for heap, times in ((heaps[0], prefilled), (heaps[1], decoded)):
+                while heap:  # (stale entries, departed servers and ones not taking requests are dropped on the way)
+                    t, sid = heap[0]
+                    top = members.get(sid)
+                    if top is not None and times.get(sid) == t and top.window > 0 and top.open_until is None:
+                        looked.append(top)
+                        break
+                    heappop(heap)
             for n, server in enumerate(looked):
                 sid = server.id
                 if server.inflight == 0:
@@ -330,12 +322,16 @@ class EarliestFinish(Policy, name="earliest_finish"):
         model's learned kinds (the prior × their mean learned ÷ prior ratio). The priors are for 1 B parameters:
         unscaled beside a 7 B model's learned costs, a kind not heard from yet looked ~7× faster than it is, and
         took every request until its own answers came back."""
-        prior = self._prior(kind, members)
+        costs = self._on_learned_scale(model, self._prior(kind, members))
+        if costs.source == "scaled":
+            self._costs[(model, kind)] = costs  # (until the learned scale moves: `_refit`)
+        return costs
+
+    def _on_learned_scale(self, model: str, prior: KindCosts) -> KindCosts:
         ratio = self._ratio(model)
         if ratio is None:
             return prior  # (nothing learned for the model: every kind on the priors' one scale)
-        scaled = self._costs[(model, kind)] = KindCosts(prior.prefill_s * ratio[0], prior.step_s * ratio[1], "scaled")
-        return scaled
+        return KindCosts(prior.prefill_s * ratio[0], prior.step_s * ratio[1], "scaled")
 
     def _ratio(self, model: str) -> tuple[float, float] | None:
         """The model's learned kinds' mean (prefill, step) cost ÷ their priors' (None: none learned yet)."""
@@ -358,8 +354,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
             return learned
         if kind not in self._priors:
             self._priors[kind] = _prior_of(server)
-        prior, ratio = self._priors[kind], self._ratio(model)
-        return prior if ratio is None else KindCosts(prior.prefill_s * ratio[0], prior.step_s * ratio[1], "scaled")
+        return self._on_learned_scale(model, self._priors[kind])
 
     def _shape(self, request: InferenceRequest) -> tuple[float, float]:
         """(prompt tokens, answer tokens) expected of the request (see the module docstring)."""

@@ -88,6 +88,16 @@ def run(spec: Spec, *, engine_times: bool = True, policy_name: str = "earliest_f
     return result, policies[0]
 
 
+def texts_by_accelerator(result: Any) -> Counter[str]:
+    """The long answers (text evals) each accelerator answered."""
+    texts: Counter[str] = Counter()
+    for server in result.servers:
+        for client, n in server.answered_by.items():
+            if client.endswith("text"):
+                texts["V100" if "v100" in server.kind else "A100"] += n
+    return texts
+
+
 def test_earliest_finish_answers_everything_keeps_long_answers_off_the_slow_kind_and_learns_engine_costs() -> None:
     """A small mixed pool (A100s and V100s) in simulated time: every request answered once, nothing in flight at
     the end, no copies (the policy places the tail itself); the long answers (text, 384 tokens: 2.4× longer to
@@ -99,11 +109,7 @@ def test_earliest_finish_answers_everything_keeps_long_answers_off_the_slow_kind
     requests = sum(e.size for e in spec.eval_list())
     assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
     assert result.attempts == requests  # no copies, no retries
-    texts: Counter[str] = Counter()
-    for server in result.servers:
-        for client, n in server.answered_by.items():
-            if client.endswith("text"):
-                texts["V100" if "v100" in server.kind else "A100"] += n
+    texts = texts_by_accelerator(result)
     assert texts["V100"] <= 0.1 * sum(texts.values())
     costs = policy.costs()
     assert {c.source for c in costs.values()} == {"engine"}
@@ -193,11 +199,7 @@ def test_planned_routing_picking_by_finish_keeps_to_the_plan_and_answers_everyth
     requests = sum(e.size for e in spec.eval_list())
     assert result.completed == requests and result.failed == 0 and result.inflight_end == 0
     assert result.attempts == requests
-    texts: Counter[str] = Counter()
-    for server in result.servers:
-        for client, n in server.answered_by.items():
-            if client.endswith("text"):
-                texts["V100" if "v100" in server.kind else "A100"] += n
+    texts = texts_by_accelerator(result)
     assert texts["V100"] <= 0.1 * sum(texts.values())
     assert policy.plans_made > 1
     assert {c["source"] for c in policy.describe()["finish"].values()} == {"engine"}
