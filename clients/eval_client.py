@@ -194,6 +194,9 @@ class EvalRun:
             # The planner's first guess at this eval's shape, before any answer reports real token counts.
             self._dispatcher.set_client_shape(self.spec.name, words, self.spec.generation.max_tokens)
             self._report_remaining(len(todo))
+            # About to send: the capacity lease is asked for now, while the other evals load, not at the first
+            # request (each worker's first request then finds its slots already leased).
+            self._dispatcher.expect(self.spec.name, self._target.model, min(self._concurrency, len(todo)))
         finally:
             if start_line is not None:
                 start_line.arrive()  # an eval that failed to load must not hold the others back

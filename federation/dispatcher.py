@@ -45,6 +45,10 @@ log = logging.getLogger("fedpool.dispatcher")
 
 PREEMPTED = ("gave its slot back: this process's capacity lease shrank (another process's client comes first), "
              "or a scrape found most of its attempts on the server queued in the engine")
+# A client that said it is about to send (`expect`: an eval that has loaded its samples) counts as demand for the
+# capacity lease until its requests arrive, or this long: the lease is asked for while the client gets ready, not
+# at its first request (the 19-eval suite's first lease came 0.38 s after its first request).
+EXPECT_HOLD_S = 2.0
 STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing since it started: `stalled`
 NO_TRIED: set[str] = set()  # shared, never mutated: a request that has failed nowhere yet
 
@@ -111,6 +115,7 @@ class Dispatcher(GrantPass):
         # gives that slot to another process once it hears of it, so the lease client reports now, not at its
         # next renewal (up to half a second later for every slot that moves).
         self.on_over_lease_release: Callable[[], None] | None = None
+        self._expected: dict[str, tuple[str, int, float]] = {}  # client -> (model, requests, since): see expect
         self._seq = itertools.count()
         self._waiting = 0  # requests waiting for a slot, every route
         self._waiting_routes: set[Route] = set()
@@ -162,6 +167,18 @@ class Dispatcher(GrantPass):
         policy's prior; answers' usage replaces it), so a first plan need not wait for this client to send."""
         self._clients.announce_shape(client_id, prompt_tokens, max_tokens)
 
+    def expect(self, client_id: str, model: str, requests: int) -> None:
+        """The client is about to send `requests` requests for `model` (an eval that has loaded its samples and
+        waits for the others to load): counted as demand until its requests arrive, or for EXPECT_HOLD_S, so a
+        capacity lease is asked for now and is in hand at its first request. `requests` 0 takes it back."""
+        if requests <= 0 or self.on_demand is None:  # (no lease to ask for: nothing to count)
+            self._expected.pop(client_id, None)
+            return
+        idle = not self._waiting and not self._ledger.total() and not self._expected
+        self._expected[client_id] = (model, requests, self._clock())
+        if idle and self.on_demand is not None:
+            self.on_demand(True)
+
     def registered_models(self) -> dict[str, set[str]]:
         """Model -> revisions of every registered server (routable or not) in the current snapshot."""
         snapshot = self._snapshots()
@@ -169,8 +186,9 @@ class Dispatcher(GrantPass):
 
     # ---- capacity leases (federation/leases.py renews them; the dispatcher decides within them) ---------
     def demand(self) -> tuple[ModelDemand, ...]:
-        """What this process wants, per model: each client with requests waiting or in flight, how many slots it
-        could use now, its rank in the client order (smaller first) and its weight. O(waiting + busy servers)."""
+        """What this process wants, per model: each client with requests waiting or in flight (or about to send
+        them: `expect`), how many slots it could use now, its rank in the client order (smaller first) and its
+        weight. O(waiting + busy servers + clients expected)."""
         wanted: dict[str, dict[str, int]] = {}
         for route in self._waiting_routes:
             per = wanted.setdefault(route.model, {})
@@ -184,6 +202,12 @@ class Dispatcher(GrantPass):
                 for client, n in state.by_client.items():
                     per[client] = per.get(client, 0) + n
         clients, now = self._clients, self._clock()
+        for client, (model, n, since) in list(self._expected.items()):
+            per = wanted.setdefault(model, {})
+            if client in per or now - since >= EXPECT_HOLD_S:  # its requests speak for it now, or never came
+                del self._expected[client]
+            else:
+                per[client] = n
         return tuple(ModelDemand(model=model, clients=tuple(
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
                          served_s=clients.served_s(c, now))
@@ -514,6 +538,7 @@ class Dispatcher(GrantPass):
         """Forget clients idle for `ttl_s` now (the gateway calls this when it has many); returns how many."""
         idle = self._clients.idle(self._clock(), ttl_s)
         for client in idle:
+            self._expected.pop(client, None)
             self._clients.forget(client)
             self._book.forget_client(client)
             self._policy.forget_client(client)

@@ -4,16 +4,18 @@ time: when a lease runs out, what the process may keep in flight, and when."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
 from fedpool.federation.dispatch_types import DispatchConfig
-from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.dispatcher import EXPECT_HOLD_S, Dispatcher
 from fedpool.federation.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.policies import make_policy
 from fedpool.federation.preempt import PREEMPT_MAX_AGE_S
 from fedpool.federation.types import Endpoint, InferenceRequest
 from fedpool.registry import DemandReport, Lease
+from fedpool.registry.leases import LeaseBroker, LeaseServer, LeaseService
 from tests.fakes import FakePool
 from tests.test_dispatcher import request, snapshot_of
 
@@ -200,3 +202,54 @@ async def test_a_client_ranked_by_service_reports_its_requests_in_flight_as_they
     await asyncio.sleep(0.01)
     assert served() == pytest.approx(held, abs=0.02)
     await asyncio.gather(*calls)
+
+
+class SlowBroker:
+    """The real broker (registry/leases.py) behind a registry call that takes `trip_s` each way."""
+
+    def __init__(self, clock: Callable[[], float], servers: list[LeaseServer], trip_s: float):
+        self.service = LeaseService(LeaseBroker(clock))
+        self.service.set_servers(servers)
+        self.trip_s = trip_s
+
+    async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
+        await asyncio.sleep(self.trip_s)
+        lease = await self.service.lease(report, known_version, wait_s)
+        await asyncio.sleep(self.trip_s)
+        return lease
+
+    async def release_lease(self, holder: str) -> None:
+        await self.service.release(holder)
+
+
+async def test_an_eval_about_to_send_is_leased_its_slots_before_its_first_request(fakes: FakePool) -> None:
+    """An eval that has loaded its samples says so (`expect`) while the others load: the lease is asked for then,
+    so its first requests are granted at once instead of a registry round trip later; a client that says so and
+    never sends is demand for EXPECT_HOLD_S only (an idle process holds nothing)."""
+    server = fakes.start(decode_s=0.01)
+    snap = snapshot_of([server], capacity=4)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    loop = asyncio.get_running_loop()
+    registry = SlowBroker(loop.time, [LeaseServer("s0", "emu-model", 4)], trip_s=0.1)
+    client = LeaseClient(registry, dispatcher, holder="h", clock=loop.time)
+    await client.start()
+    try:
+        await asyncio.sleep(TTL_S + 1.0)  # (a broker just started learns who holds what for a TTL first)
+        assert dispatcher.held() == {}  # nothing wanted, nothing held
+        dispatcher.expect("eval-a", "emu-model", 3)
+        await asyncio.sleep(0.3)  # the poked report's round trip (0.2 s), not a renewal (0.5 s) later
+        assert dispatcher.held() == {"s0": 4}  # (the slot nobody wants goes to whoever wants something)
+        sent = loop.time()
+        results = await asyncio.gather(*(dispatcher.submit(request(i, client_id="eval-a")) for i in range(3)))
+        assert all(r.server_id == "s0" for r in results)
+        assert loop.time() - sent < 0.1  # 4 tokens × 10 ms each, no lease round trip (0.2 s) before them
+
+        dispatcher.expect("eval-b", "emu-model", 2)  # says it will send, never does
+        await asyncio.sleep(0.3)
+        assert dispatcher.held() == {"s0": 4}
+        await asyncio.sleep(EXPECT_HOLD_S + IDLE_HOLD_S + 1.0)
+        assert dispatcher.held() == {} and dispatcher.demand() == ()
+        assert client.report().models == ()
+    finally:
+        await client.stop()
