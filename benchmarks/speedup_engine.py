@@ -50,7 +50,7 @@ from fedpool.clients import EvalTarget, run_evals
 from fedpool.deploy import EngineProcess, free_port
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
-from fedpool.federation import DispatchConfig, PoolConnection, new_session
+from fedpool.federation import DispatchConfig, PoolConnection, new_session, prepare_policy
 from fedpool.pipeline import BenchmarkSpec, load_spec, read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.pipeline.stages import StagePool
@@ -603,6 +603,7 @@ async def run_federated(
     inline_cpu: bool = False,
 ) -> ArmResult:
     dispatch_log: list[dict[str, Any]] = []
+    prepare_policy("planned" if config.planned else config.policy)  # (as `fedpool eval run` does)
     with tempfile.TemporaryDirectory(prefix="fedpool-bench-registry-") as state_dir:
         # The control loops run on engine time: an emulated pool at time scale k makes decisions k× as often.
         # A registry of its own (own namespace): joined to an operator's running cluster, the bench must

@@ -13,7 +13,7 @@ from typing import Any
 from fedpool.clients.eval_client import EvalSummary, EvalTarget
 from fedpool.clients.progress import ProgressView
 from fedpool.clients.runner import run_evals
-from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation import DispatchConfig, PoolConnection, prepare_policy
 from fedpool.pipeline import BenchmarkSpec
 from fedpool.pipeline.media import MediaPool
 from fedpool.pipeline.stages import StagePool
@@ -30,6 +30,7 @@ async def run_evals_through_pool(
     asks for judgments; `metric_actors=0` scores on a thread of this process; `progress` is ProgressView's mode.
     `join_ray` joins the Ray cluster (blocking) before the first CPU actor is made, for a process that reached the
     registry without Ray (its HTTP API): called only when a spec needs actors, or a large eval its scoring actors."""
+    prepare_policy(policy)  # (its solver, if it plans, loads while Ray and the actors start)
     needs_actors_now = any(s.verifier or s.prompt.media for s in specs)
     if join_ray is not None and needs_actors_now:
         await asyncio.to_thread(join_ray)

@@ -5,7 +5,15 @@ from fedpool.federation.dispatcher import Dispatcher
 from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from fedpool.federation.finish import EarliestFinish  # registers the `earliest_finish` policy
 from fedpool.federation.planner import PlannedRouting  # registers the `planned` policy
-from fedpool.federation.policies import Candidate, Hold, Policy, ServerView, make_policy, policy_names
+from fedpool.federation.policies import (
+    Candidate,
+    Hold,
+    Policy,
+    ServerView,
+    make_policy,
+    policy_names,
+    prepare_policy,
+)
 from fedpool.federation.pool import PoolConnection
 from fedpool.federation.transport import HttpTransport, Timeouts, Transport, new_session, post_completion
 from fedpool.federation.types import (
@@ -46,4 +54,5 @@ __all__ = [
     "new_session",
     "policy_names",
     "post_completion",
+    "prepare_policy",
 ]

@@ -18,15 +18,23 @@ else:
         return solve(*args, **kwargs)
 
 
+_LOADER = "fedpool-import-scipy"
+
+
 def preload_solver() -> threading.Thread:
-    """Import SciPy's solver in a background thread (a policy that will plan calls this when it is attached): the
-    first plan is made on the grant path, and an import there held the event loop ~0.5 s just as the evals started
-    sending (the 19-benchmark suite's engines got their first request 1 s after launch)."""
+    """Import SciPy's solver in a background thread, once per process (a policy that plans calls this when it is
+    made, and `prepare_policy` earlier still): the first plan is made on the grant path, and an import there held
+    the event loop ~0.5 s just as the evals started sending (the 19-benchmark suite's engines got their first
+    request 1 s after launch); begun only when the policy was attached, the import (~0.45 s of CPU, sharing the
+    GIL with a busy loop) was still running at the first plan, which waited 0.18 s for it."""
+    for thread in threading.enumerate():
+        if thread.name == _LOADER:
+            return thread  # (already loading)
 
     def load() -> None:
         import scipy.optimize  # noqa: F401  (the import is the point)
 
-    thread = threading.Thread(target=load, name="fedpool-import-scipy", daemon=True)
+    thread = threading.Thread(target=load, name=_LOADER, daemon=True)
     thread.start()
     return thread
 

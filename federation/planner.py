@@ -142,6 +142,10 @@ class PlannedRouting(Policy, name="planned"):
         self.plans_made = 0
         self.solve_s = 0.0  # CPU seconds spent making plans off the grant path
 
+    @classmethod
+    def prepare(cls) -> None:
+        preload_solver()
+
     def attach(self, state: DispatchState) -> None:
         self._state = state
         preload_solver()  # (the first plan is made on the grant path: the solver is imported by then)

@@ -139,6 +139,12 @@ class Policy(ABC):
     plans_the_tail: ClassVar[bool] = False
     observes_answers: ClassVar[bool] = False  # whether the dispatcher tells it of every answer (observe_answer)
 
+    @classmethod
+    def prepare(cls) -> None:
+        """Start loading, in the background, what this policy's first decision needs (the planner: SciPy's
+        solver); `prepare_policy` calls it as early as a process knows its policy. Default: nothing."""
+        return None
+
     def attach(self, state: DispatchState) -> None:
         """Called once by the dispatcher that uses this policy. Policies that need more than the candidates
         (the planner) keep the state."""
@@ -387,6 +393,15 @@ def make_policy(name: str, rng: random.Random | None = None, **options: Any) -> 
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_POLICIES))}") from None
     return cls(rng, **options)
+
+
+def prepare_policy(name: str) -> None:
+    """What the named policy's first decision needs, loading in the background from now (a process that will
+    route by it calls this before its slower start-up steps: joining Ray, starting its CPU actors). Unknown
+    names are left to `make_policy` to refuse."""
+    cls = _POLICIES.get(name)
+    if cls is not None:
+        cls.prepare()
 
 
 def policy_names() -> list[str]:

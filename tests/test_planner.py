@@ -316,13 +316,19 @@ async def test_two_models_under_planned_routing_make_at_most_one_plan_per_route_
 
 def test_the_solver_is_imported_off_the_grant_path() -> None:
     """The first plan is made on the grant path: importing SciPy's solver there (~0.5 s) held the event loop just as
-    the evals started sending. A planning policy imports it in a background thread when attached; importing fedpool's
-    federation room alone still does not import it (every eval process and gateway would pay for it)."""
-    code = ("import sys\n"
-            "from fedpool.federation import make_policy\n"
+    the evals started sending. A process that will plan starts importing it in a background thread as soon as it knows
+    its policy (`prepare_policy`, before joining Ray and starting actors), once; importing fedpool's federation room
+    or making another policy does not import it (every eval process and gateway would pay for it)."""
+    code = ("import sys, threading\n"
+            "from fedpool.federation import make_policy, prepare_policy\n"
             "from fedpool.federation.plan_lp import preload_solver\n"
             "make_policy('planned')\n"
+            "prepare_policy('capacity_weighted')  # (plans nothing: loads nothing)\n"
             "assert 'scipy.optimize' not in sys.modules\n"
-            "preload_solver().join(120)\n"
+            "assert not [t for t in threading.enumerate() if t.name == 'fedpool-import-scipy']\n"
+            "prepare_policy('planned')  # a process that will plan: loading from now\n"
+            "[first] = [t for t in threading.enumerate() if t.name == 'fedpool-import-scipy']\n"
+            "assert preload_solver() is first  # (attaching the policy later joins the same load)\n"
+            "first.join(120)\n"
             "assert 'scipy.optimize' in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
