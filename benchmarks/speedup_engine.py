@@ -603,7 +603,8 @@ async def run_federated(
     inline_cpu: bool = False,
 ) -> ArmResult:
     dispatch_log: list[dict[str, Any]] = []
-    prepare_policy("planned" if config.planned else config.policy)  # (as `fedpool eval run` does)
+    policy = "planned" if config.planned else config.policy
+    prepare_policy(policy)  # (as `fedpool eval run` does)
     with tempfile.TemporaryDirectory(prefix="fedpool-bench-registry-") as state_dir:
         # The control loops run on engine time: an emulated pool at time scale k makes decisions k× as often.
         # A registry of its own (own namespace): joined to an operator's running cluster, the bench must
@@ -628,9 +629,8 @@ async def run_federated(
                                               client_order=config.client_order,
                                               window_factor=config.window_factor,
                                               adaptive_windows=config.adaptive_windows)
-                    policy, options = ((("planned", {"period_s": max(0.05, 1.0 / pool.time_scale),
-                                                      "pick": config.planned_pick}))
-                                       if config.planned else (config.policy, {}))
+                    options = ({"period_s": max(0.05, 1.0 / pool.time_scale), "pick": config.planned_pick}
+                               if config.planned else {})
                     async with PoolConnection(registry, policy=policy, policy_options=options, config=dispatch,
                                               seed=config.seed) as conn:
                         await conn.refresh()

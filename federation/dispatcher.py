@@ -176,7 +176,7 @@ class Dispatcher(GrantPass):
             return
         idle = not self._waiting and not self._ledger.total() and not self._expected
         self._expected[client_id] = (model, requests, self._clock())
-        if idle and self.on_demand is not None:
+        if idle:
             self.on_demand(True)
 
     def registered_models(self) -> dict[str, set[str]]:

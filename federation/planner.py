@@ -148,7 +148,7 @@ class PlannedRouting(Policy, name="planned"):
 
     def attach(self, state: DispatchState) -> None:
         self._state = state
-        preload_solver()  # (the first plan is made on the grant path: the solver is imported by then)
+        self.prepare()  # (the first plan is made on the grant path: the solver is imported by then)
         if self._finish is not None:
             self._finish.attach(state)
         self._speed = SpeedCalibration(state.ledger, state.clock, tau_s=20 * self.period_s,
