@@ -10,6 +10,9 @@ one thread, 16 connections, POST /v1/completions with a small body. Paths (each 
 - direct: wrk against one nginx port;
 - bare, bare+uvloop: `aiohttp` pass-through proxy (read the body, POST it round-robin to a backend on one shared
   session, answer its bytes), on asyncio's loop and on uvloop's;
+- bare+keepalive: the same proxy on uvloop relaying through fedpool's own HTTP client (federation/upstream.py,
+  which the gateway's plain answers take) instead of aiohttp's: the floor of fedpool's data path, shown beside
+  the headline's bare proxy (the issue's floor, aiohttp's client);
 - fedpool: `fedpool gateway` (the CLI, as an operator runs it) over the registry;
 - fedpool+asyncio, fedpool+uvloop: the same composition (registry client, PoolConnection, Gateway) started by
   this module, on asyncio's loop and on uvloop's (the CLI's loop is the CLI's choice);
@@ -66,18 +69,23 @@ ANSWER = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 170
                      "choices": [{"index": 0, "text": " one two three four", "logprobs": None,
                                   "finish_reason": "length"}],
                      "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}, separators=(",", ":"))
-PATHS = ("direct", "bare", "bare+uvloop", "fedpool", "fedpool+asyncio", "fedpool+uvloop", "fedpool-noleases",
-         "haproxy")
+PATHS = ("direct", "bare", "bare+uvloop", "bare+keepalive", "fedpool", "fedpool+asyncio", "fedpool+uvloop",
+         "fedpool-noleases", "haproxy")
 
 
 # ---- the proxies this module starts itself (each in its own process) ----------------------------------------
-def serve_bare(port: int, backends: Sequence[str], loop: str, cprofile: Path | None = None) -> None:
-    """A bare aiohttp pass-through proxy: what any Python proxy of this shape costs at the least."""
+def serve_bare(port: int, backends: Sequence[str], loop: str, cprofile: Path | None = None,
+               client: str = "aiohttp") -> None:
+    """A bare aiohttp pass-through proxy: what any Python proxy of this shape costs at the least. `client`:
+    aiohttp's, or fedpool's keep-alive pool (federation/upstream.py)."""
     import aiohttp
     from aiohttp import web
 
+    from fedpool.federation.upstream import KeepAlivePool
+
     async def main() -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        pool = KeepAlivePool()
         rotation = itertools.cycle(backends)
         headers = {"Content-Type": "application/json"}
 
@@ -87,14 +95,23 @@ def serve_bare(port: int, backends: Sequence[str], loop: str, cprofile: Path | N
                 answer = await upstream.read()
                 return web.Response(body=answer, status=upstream.status, content_type=upstream.content_type)
 
+        async def forward_pooled(request: web.Request) -> web.Response:
+            body = await request.read()
+            upstream = await pool.post(next(rotation) + request.path, body, timeout_s=120.0, connect_s=5.0,
+                                       limit=16 * 1024 * 1024)
+            return web.Response(body=upstream.body, status=upstream.status, content_type="application/json")
+
+        handler = forward_pooled if client == "keepalive" else forward
+
         app = web.Application()
-        app.router.add_post("/v1/completions", forward)
-        app.router.add_post("/v1/chat/completions", forward)
+        app.router.add_post("/v1/completions", handler)
+        app.router.add_post("/v1/chat/completions", handler)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
         await _until_terminated()
         await runner.cleanup()
+        pool.close()
         await session.close()
 
     _run(main(), loop, cprofile)
@@ -335,10 +352,11 @@ def load_average() -> str:
 COMPONENTS = (  # (name, what a profiled function's file path contains), first match wins
     ("gateway (gateway.py, gatewaystate.py, streams.py, httpauth.py)", ("federation/gateway", "federation/streams",
                                                                          "federation/httpauth")),
-    ("transport and request types (transport.py, types.py)", ("federation/transport", "federation/types")),
+    ("transport, HTTP client and request types (transport.py, upstream.py, types.py)",
+     ("federation/transport", "federation/upstream", "federation/types")),
     ("dispatcher and its books (dispatcher, routes, serverbook, ledger, policies, ...)", ("federation/",)),
     ("prometheus_client", ("prometheus_client",)),
-    ("aiohttp (server and client)", ("aiohttp", "multidict", "yarl")),
+    ("aiohttp (the server; the bare proxy's client too)", ("aiohttp", "multidict", "yarl")),
     ("asyncio (loop, handles, futures)", ("asyncio", "selectors.py")),
 )
 
@@ -407,9 +425,11 @@ def run(args: argparse.Namespace, work: Path) -> Measured:
             url = f"http://127.0.0.1:{port}"
             ready = url + "/health"
             if name.startswith("bare"):
-                loop = "uvloop" if name.endswith("uvloop") else "asyncio"
+                loop = "asyncio" if name == "bare" else "uvloop"
+                client = "keepalive" if name == "bare+keepalive" else "aiohttp"
                 proc = stack.enter_context(process([*me, "bare", "--port", str(port), "--backends", *backends,
-                                                    "--loop", loop], work / f"{name}.log", url + "/nothing"))
+                                                    "--loop", loop, "--client", client], work / f"{name}.log",
+                                                   url + "/nothing"))
             elif name == "fedpool":
                 proc = stack.enter_context(process(
                     [sys.executable, "-m", "fedpool.cli", "gateway", "--address", address, "--state-dir", str(state),
@@ -567,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     bare.add_argument("--backends", nargs="+", required=True)
     bare.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     bare.add_argument("--cprofile", type=Path)
+    bare.add_argument("--client", choices=("aiohttp", "keepalive"), default="aiohttp")
     fed = sub.add_parser("fedpool", help="(internal) run fedpool's gateway on a chosen loop")
     fed.add_argument("--port", type=int, required=True)
     fed.add_argument("--address", required=True)
@@ -582,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path)
     args = parser.parse_args(argv)
     if args.role == "bare":
-        serve_bare(args.port, args.backends, args.loop, args.cprofile)
+        serve_bare(args.port, args.backends, args.loop, args.cprofile, args.client)
         return 0
     if args.role == "fedpool":
         serve_fedpool(args.port, args.address, args.state_dir, args.loop, args.leases, args.cprofile)

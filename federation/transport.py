@@ -21,6 +21,7 @@ import orjson
 
 from fedpool.federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
 from fedpool.federation.types import TYPED_FIELDS, Completion, Endpoint, EngineTimes, InferenceRequest
+from fedpool.federation.upstream import KeepAlivePool, pool_of
 
 log = logging.getLogger("fedpool.transport")
 
@@ -29,6 +30,8 @@ MAX_ERROR_BODY_BYTES = 64 * 1024  # of an error answer: the engine's message is 
 MAX_ERROR_MESSAGE_CHARS = 2000
 JSON_HEADERS = {"Content-Type": "application/json"}
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # an abort call to an engine (HttpTransport._abort)
+# Failures after which the engine may still be running the request (so an engine that aborts by id is asked to)
+ABORTED_AFTER = frozenset({FailureKind.TIMEOUT, FailureKind.RESET, FailureKind.CONNECT})
 
 
 def loads(raw: bytes | str) -> Any:
@@ -95,11 +98,19 @@ class ReuseTrackingConnector(aiohttp.TCPConnector):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
+        # The dispatcher's plain answers go over this leaner pool instead (federation/upstream.py); it closes
+        # with the connector, so with the session. A capped connector keeps every request on aiohttp's.
+        self.keepalive: KeepAlivePool | None = KeepAlivePool() if not kwargs.get("limit") else None
         # Connections that carried a request already, as weak references without callbacks (CPython shares one
         # such reference per object, and a set of them is all C; a WeakSet costs Python calls per lookup). The
         # references of closed connections are pruned as the set doubles.
         self._used: set[weakref.ref[Any]] = set()
         self._prune_at = 1024
+
+    async def close(self, *, abort_ssl: bool = False) -> None:
+        if self.keepalive is not None:
+            self.keepalive.close()
+        await super().close(abort_ssl=abort_ssl)
 
     async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:  # noqa: ASYNC109 (its signature)
         connection = await super().connect(req, traces, timeout)
@@ -169,6 +180,8 @@ class HttpTransport:
         self.timeouts = timeouts or Timeouts()
         self._timeout = self.timeouts.client_timeout()
         self._whole_timeout = self.timeouts.whole_answer_timeout()
+        self._whole_s = min(self.timeouts.first_byte_s, self.timeouts.total_s)
+        self._keepalive = pool_of(session)
         self._rid_prefix = f"fedpool-{secrets.token_hex(6)}-"  # ids unique across processes sharing an engine
         self._rids = itertools.count()
         self._aborts: set[asyncio.Task[None]] = set()  # abort calls under way (held until they end)
@@ -178,10 +191,8 @@ class HttpTransport:
         """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError. On a
         server whose engine is asked for streams, a request a stream can carry whole (`sends_stream`) is sent
         with stream=true and its events assembled into the completion."""
-        attempt = SimpleNamespace(reused=False)
-        _ATTEMPT.set(attempt)  # this task's context: the connector notes there whether it reused a connection
         if sends_stream(server, request):
-            return await self._assembled(server, request, attempt)
+            return await self._assembled(server, request)
         body = request_body(request)
         abort_path = server.abort_path
         if abort_path is not None:
@@ -190,9 +201,27 @@ class HttpTransport:
             data = orjson.dumps(body)
         except TypeError:  # what orjson refuses (integers past 64 bits, keys that are not strings)
             data = json.dumps(body).encode()
+        url = server.url + request.endpoint
+        pool = self._keepalive
+        if pool is not None and (destination := pool.destination(url)) is not None:
+            try:
+                answer = await pool.post(destination, data, timeout_s=self._whole_s, connect_s=self.timeouts.connect_s,
+                                         limit=MAX_RESPONSE_BYTES)
+            except AttemptError as exc:
+                if abort_path is not None and exc.kind in ABORTED_AFTER:
+                    self._abort(server.url + abort_path, rid)
+                raise
+            except asyncio.CancelledError:
+                if abort_path is not None:
+                    self._abort(server.url + abort_path, rid)
+                raise
+            if answer.status != 200:
+                raise http_error(answer.status, answer.body[:MAX_ERROR_BODY_BYTES])
+            return parse_completion(answer.body, request.endpoint)
+        attempt = SimpleNamespace(reused=False)
+        _ATTEMPT.set(attempt)  # this task's context: the connector notes there whether it reused a connection
         try:
-            async with self.session.post(server.url + request.endpoint, data=data, headers=JSON_HEADERS,
-                                         timeout=self._whole_timeout) as resp:
+            async with self.session.post(url, data=data, headers=JSON_HEADERS, timeout=self._whole_timeout) as resp:
                 if resp.status != 200:
                     raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
                 length = resp.content_length
@@ -234,7 +263,9 @@ class HttpTransport:
         except Exception as exc:  # the session closing, the server gone: nothing is left to abort there
             log.debug("abort of %s at %s failed: %r", rid, url, exc)
 
-    async def _assembled(self, server: Target, request: InferenceRequest, attempt: SimpleNamespace) -> Completion:
+    async def _assembled(self, server: Target, request: InferenceRequest) -> Completion:
+        attempt = SimpleNamespace(reused=False)
+        _ATTEMPT.set(attempt)
         body = request_body(request, stream=True)
         body["stream_options"] = STREAM_USAGE
         try:
