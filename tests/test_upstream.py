@@ -275,6 +275,29 @@ async def test_closing_the_pool_closes_everything_and_refuses_more() -> None:
             await post(pool, url)
 
 
+async def test_closing_under_load_closes_every_connection_even_one_just_passed_on() -> None:
+    """Workers post back to back, so an answered connection is often taken by the next request before the task it
+    answered resumes; closing the pool then must still reach it (it is busy again, not forgotten)."""
+    pool = KeepAlivePool()
+    async with server(keep_alive(b"{}")) as (url, seen):
+        async def worker() -> int:
+            done = 0
+            while True:
+                try:
+                    await post(pool, url)
+                except AttemptError:
+                    return done
+                done += 1
+
+        workers = [asyncio.create_task(worker()) for _ in range(8)]
+        await until(lambda: len(seen.requests) >= 400)
+        pool.close()
+        counts = await asyncio.gather(*workers)
+        assert sum(counts) >= 400
+        await until(lambda: seen.ended == seen.connections)  # nothing left open
+        assert pool.connections() == 0
+
+
 def test_only_plain_http_urls_without_credentials_are_served() -> None:
     pool = KeepAlivePool()
     assert pool.serves("http://127.0.0.1:8000/v1/completions")
