@@ -313,7 +313,7 @@ class BatchEngine:
                 self.counters.finished += 1
                 self._forget_rid(seq)
                 if not seq.fut.done():
-                    queued = (seq.admitted_at or now) - seq.arrived
+                    queued = (now if seq.admitted_at is None else seq.admitted_at) - seq.arrived
                     seq.fut.set_result(Generation(seq.prompt_tokens, seq.cached, seq.decoded, queued, seq.preempted))
             else:
                 keep.append(seq)
