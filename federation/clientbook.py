@@ -170,6 +170,10 @@ class ClientBook:
         """Clients that said how many requests they have still to complete."""
         return dict(self._requests_left)
 
+    def requests_left_of(self, client_id: str) -> int | None:
+        """The requests the client said it has still to complete (None: it said nothing)."""
+        return self._requests_left.get(client_id)
+
     def shape(self, client_id: str) -> ClientShape | None:
         return self._shapes.get(client_id)
 

@@ -46,10 +46,11 @@ announced or its characters suggest), its answer tokens as its client's answers 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ from fedpool.federation.horizon import (
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.pricing import kind_key, server_cost, step_cost
 from fedpool.federation.types import EngineTimes, InferenceRequest
+from fedpool.federation.wave import KindModel, Waves
 from fedpool.registry import ServerEntry
 
 HOLD_FACTOR = 2.0  # a request waits when a kind without room would finish it this many times sooner ...
@@ -101,7 +103,9 @@ class EngineTimedCosts:
     """A kind's prefill and step costs read from its answers' own engine times (newest rows last): prefill the
     `PREFILL_QUANTILE` of prefill seconds a prompt token (answers that prefilled at least `min_prompt_tokens`), the
     step the least decode seconds a token after the first (answers of at least `DECODE_MIN_TOKENS`): stalls by other
-    prompts only lengthen them."""
+    prompts only lengthen them. The time to first token includes the step that samples it, so the answer's own
+    decode step comes off its prefill (an image's 1,100-token prompt alone on an A100 read 1.09× the engine model's
+    prefill cost with it, and the one-wave assignment priced that way ended 8.32 s where 7.72 s without it)."""
 
     min_prompt_tokens: int = PREFILL_MIN_TOKENS
     prefill: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_ROWS))  # s a prompt token
@@ -109,10 +113,12 @@ class EngineTimedCosts:
 
     def add(self, prefilled_tokens: int | None, completion_tokens: int | None, prefill_s: float,
             decode_s: float) -> None:
-        if prefilled_tokens is not None and prefilled_tokens >= self.min_prompt_tokens and prefill_s > 0:
-            self.prefill.append(prefill_s / prefilled_tokens)
+        step = 0.0
         if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and decode_s > 0:
-            self.decode.append(decode_s / (completion_tokens - 1))
+            step = decode_s / (completion_tokens - 1)
+            self.decode.append(step)
+        if prefilled_tokens is not None and prefilled_tokens >= self.min_prompt_tokens and prefill_s > step:
+            self.prefill.append((prefill_s - step) / prefilled_tokens)
 
     def fit(self, prior_prefill_s: float, prior_step_s: float) -> tuple[float, float] | None:
         """(prefill, step) now; a cost not measured yet keeps the prior's ratio to the other (None: neither is)."""
@@ -149,7 +155,8 @@ class EarliestFinish(Policy, name="earliest_finish"):
 
     def __init__(self, rng: random.Random | None = None, sample: int = SAMPLE, hold_factor: float = HOLD_FACTOR,
                  hold_slack_steps: float = HOLD_SLACK_STEPS, horizon: bool = True,
-                 horizon_margin: float = HORIZON_MARGIN, queue_tokens: float = PREFILL_QUEUE_TOKENS):
+                 horizon_margin: float = HORIZON_MARGIN, queue_tokens: float = PREFILL_QUEUE_TOKENS,
+                 waves: bool = True):
         super().__init__(rng)
         self._queue_tokens = queue_tokens
         self._horizon = horizon
@@ -167,6 +174,8 @@ class EarliestFinish(Policy, name="earliest_finish"):
         self._prefilled: dict[str, float] = {}  # server -> when the prompts placed there will have prefilled
         self._decoded: dict[str, float] = {}  # server -> when the answers placed there will have decoded
         self._shapes: dict[str, tuple[float, float]] = {}  # client -> mean (prompt, answer) tokens of its answers
+        # A route whose clients' every request fits its servers' room at once: probed, then assigned together
+        self.waves = Waves(self, min_prompt=PREFILL_MIN_TOKENS, min_answer=DECODE_MIN_TOKENS) if waves else None
 
     def attach(self, state: DispatchState) -> None:
         self._state = state
@@ -190,6 +199,10 @@ class EarliestFinish(Policy, name="earliest_finish"):
                 clients, inflight = state.clients, state.ledger.clients
                 allowed = self._horizons.allowed(known.horizon, client, lambda c: client_size(clients.shape(c)), now,
                                                  lambda: demand_on(route, inflight))
+        if self.waves is not None and not tried and len(known.members) > 1:
+            placed = self.waves.place(route, request, now, known.members, known)
+            if placed is not None:
+                return placed
         return self._place(route, request, tried, known, allowed, now)
 
     def place_within(self, route: RouteView, request: InferenceRequest, tried: set[str],
@@ -311,13 +324,13 @@ class EarliestFinish(Policy, name="earliest_finish"):
         known = self._routes[route.key] = _RouteState(horizon, members, {})
         return known
 
-    def _prior(self, kind: str, members: dict[str, Any]) -> KindCosts:
+    def _prior(self, kind: str, members: Mapping[str, Any]) -> KindCosts:
         prior = self._priors.get(kind)
         if prior is None:
             prior = self._priors[kind] = _prior_of(next(iter(members.values())).entry)
         return prior
 
-    def _unlearned(self, model: str, kind: str, members: dict[str, Any]) -> KindCosts:
+    def _unlearned(self, model: str, kind: str, members: Mapping[str, Any]) -> KindCosts:
         """A kind none of whose answers has priced it yet for the model: its data-sheet prior, on the scale of the
         model's learned kinds (the prior × their mean learned ÷ prior ratio). The priors are for 1 B parameters:
         unscaled beside a 7 B model's learned costs, a kind not heard from yet looked ~7× faster than it is, and
@@ -370,6 +383,42 @@ class EarliestFinish(Policy, name="earliest_finish"):
         return prompt, (shape.max_tokens if shape is not None and shape.max_tokens is not None
                         else DEFAULT_ANSWER_TOKENS)
 
+    # ---- waves (federation/wave.py) ---------------------------------------------------------------
+    def wave_model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
+        costs = self._costs.get((model, kind)) or self._unlearned(model, kind, members)
+        batch = max(1, next(iter(members.values())).capacity) if members else 1
+        return KindModel(costs.prefill_s, costs.step_s, batch)
+
+    def wave_inflight(self) -> int:
+        assert self._state is not None
+        return self._state.ledger.total()
+
+    def wave_shape(self, client: str) -> tuple[float, float] | None:
+        seen = self._shapes.get(client)
+        if seen is not None:
+            return seen
+        assert self._state is not None
+        return client_size(self._state.clients.shape(client))
+
+    def wave_key(self, client: str) -> Any:
+        assert self._state is not None
+        return self._state.clients.key(client)
+
+    def wave_sent_all(self, client: str, waiting: int) -> bool:
+        assert self._state is not None
+        left = self._state.clients.requests_left_of(client)
+        return left is not None and left <= waiting + self._state.ledger.clients.get(client, 0)
+
+    def wave_busy(self, server_id: str) -> tuple[float, float] | None:
+        if server_id not in self._decoded:
+            return None
+        return self._prefilled.get(server_id, self._decoded[server_id]), self._decoded[server_id]
+
+    def wave_placed(self, context: Any, kind: str, server: Any, prefilled: float, decoded: float) -> None:
+        self._prefilled[server.id] = prefilled
+        self._decoded[server.id] = decoded
+        self._push(context, kind, server.id, prefilled, decoded)
+
     # ---- learning ---------------------------------------------------------------------------------
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
                        completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
@@ -405,6 +454,9 @@ class EarliestFinish(Policy, name="earliest_finish"):
         rows.answers += 1
         if rows.answers % REFIT_EVERY == 0:
             self._refit(server.record.model, kind, rows)
+        if self.waves is not None and self.waves.probed(server.id):
+            self.waves.measured(server.id, server.record.model, kind,
+                                _alone(self._priors[kind], prompt_tokens, completion_tokens, latency_s, times))
 
     def _refit(self, model: str, kind: str, rows: _Rows) -> None:
         prior = self._priors.get(kind)
@@ -427,8 +479,11 @@ class EarliestFinish(Policy, name="earliest_finish"):
         return {key: c for key, c in self._costs.items() if c.source != "scaled"}
 
     def describe(self) -> dict[str, Any] | None:
-        return {"costs": {f"{m} on {k}": {"prefill_s_per_token": c.prefill_s, "step_s": c.step_s, "source": c.source}
-                          for (m, k), c in self._costs.items()}}
+        out: dict[str, Any] = {"costs": {f"{m} on {k}": {"prefill_s_per_token": c.prefill_s, "step_s": c.step_s,
+                                                         "source": c.source} for (m, k), c in self._costs.items()}}
+        if self.waves is not None and self.waves.stats.waves:
+            out["waves"] = dataclasses.asdict(self.waves.stats)
+        return out
 
     def known(self) -> tuple[int, int]:
         """(clients, servers) the policy keeps anything for."""
@@ -441,11 +496,30 @@ class EarliestFinish(Policy, name="earliest_finish"):
 
     def forget_client(self, client_id: str) -> None:
         self._shapes.pop(client_id, None)
+        if self.waves is not None:
+            self.waves.forget_client(client_id)
 
 
 def _prior_of(entry: ServerEntry) -> KindCosts:
     """A server's kind's costs by the data-sheet priors (`pricing`): prefill a token, a full batch's step."""
     return KindCosts(server_cost(entry).prefill_s_per_token, step_cost(entry, max(1, entry.capacity)), "prior")
+
+
+def _alone(prior: KindCosts, prompt_tokens: int | None, completion_tokens: int | None, latency_s: float,
+           times: EngineTimes | None) -> tuple[float, float] | None:
+    """(prefill seconds a prompt token, a step's seconds) from one answer that had its server alone (a wave's
+    probe): its engine times as `EngineTimedCosts` reads them, else its latency against its priced time scaling
+    the priors (None: it tells neither)."""
+    if times is not None:
+        one = EngineTimedCosts()
+        one.add(times.prefill_tokens if times.prefill_tokens is not None else prompt_tokens, completion_tokens,
+                times.prefill_s, times.decode_s)
+        if one.prefill and one.decode:
+            return one.prefill[0], one.decode[0]
+    if prompt_tokens is None or completion_tokens is None or latency_s <= 0:
+        return None
+    priced = prompt_tokens * prior.prefill_s + completion_tokens * prior.step_s
+    return None if priced <= 0 else (prior.prefill_s * latency_s / priced, prior.step_s * latency_s / priced)
 
 
 def _quantile(values: Sequence[float] | deque[float], q: float) -> float:

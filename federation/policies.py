@@ -111,6 +111,10 @@ class RouteView(Protocol):
     def queues(self) -> Mapping[str, Sized]:
         """Client -> its requests waiting on this route."""
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting on this route (every client)."""
+
     def park(self, client: str, groups: tuple[str, ...], key: Any, *, until_freed: bool = False) -> None:
         """The client's requests wait until a server in one of `groups` (of `group_by`) has room: grant passes skip
         it until then, or until the dispatcher's next periodic look (`key`: its place in the serving order).

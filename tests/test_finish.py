@@ -154,7 +154,9 @@ def test_each_model_on_a_kind_learns_its_own_costs() -> None:
 
     for model, prefill_ms, decode_ms in (("small", 10.0, 100.0), ("large", 100.0, 1000.0)):
         for i in range(REFIT_EVERY):
-            policy.observe_answer("c", entry(model, i), 1000, 101, 1.0, EngineTimes(prefill_ms / 1000, decode_ms / 1000,
+            # (the time to first token includes the step that samples it: one of the answer's 100 steps)
+            first_token_s = (prefill_ms + decode_ms / 100) / 1000
+            policy.observe_answer("c", entry(model, i), 1000, 101, 1.0, EngineTimes(first_token_s, decode_ms / 1000,
                                                                                    1000))
     costs = policy.costs()
     assert set(costs) == {("small", "A100x1/16"), ("large", "A100x1/16")}
@@ -178,8 +180,9 @@ def test_a_kind_not_heard_from_is_priced_on_the_learned_scale() -> None:
     bare, prior_a100 = policy.kind_costs("m", v100), policy.kind_costs("m", a100)
     assert bare.source == prior_a100.source == "prior"
     for _ in range(REFIT_EVERY):
-        policy.observe_answer("c", a100, 1000, 101, 1.0,
-                              EngineTimes(7 * prior_a100.prefill_s * 1000, 7 * prior_a100.step_s * 100, 1000))
+        policy.observe_answer("c", a100, 1000, 101, 1.0,  # (its first token's time: the prefill and one step)
+                              EngineTimes(7 * (prior_a100.prefill_s * 1000 + prior_a100.step_s),
+                                          7 * prior_a100.step_s * 100, 1000))
     learned = policy.kind_costs("m", a100)
     assert learned.source == "engine" and learned.prefill_s == pytest.approx(7 * prior_a100.prefill_s)
     scaled = policy.kind_costs("m", v100)

@@ -66,6 +66,10 @@ class View:
     def queues(self) -> dict[str, list[object]]:
         return {}
 
+    @property
+    def waiting(self) -> int:
+        return 0
+
     def park(self, client: str, groups: tuple[str, ...], key: object, *, until_freed: bool = False) -> None:
         pass  # parking only spares grant passes a look at held clients: here every client is asked each time
 

@@ -1,0 +1,551 @@
+"""One wave: when everything a route's clients have left fits the room its servers have now, measure each server
+kind once, then place all of it together.
+
+Why. In a pool larger than its work (the simulated 4,096 servers of 16 slots against 61,884 requests) every
+request is placed in the first grant pass, before any answer has come back: placed one at a time in the client
+order, by the data-sheet priors, the long answers spread over every server of the fastest-decoding kind and the
+long prompts placed after them stall them there (`earliest_finish`: 1.44× the ideal). A placement that sees the
+whole wave at once — long answers packed a full batch to a server, requests kept off kinds where their decode
+chain is far longer, the rest where the modelled completion ends soonest — reaches 1.11× there with the engine
+model's own costs (`benchmarks/scale_oracle.py`), but 1.40× with the priors, whose prefill reads 0.61–0.77× the
+engine model's and whose full-batch step 1.14–1.29× it. So each kind is measured first, by one request alone.
+
+When. A route is in a wave when it has more than one server kind, at least `min_per_server` × its servers
+requests waiting and no more than its servers have room for, and every waiting client has said how many requests it
+has left and has sent all of them (they wait, or are in flight). Checked only in a grant pass whose route passes
+the cheap bounds first (waiting against servers, and against servers with room × the largest window).
+
+What, per route (a small state machine, forgotten when its wave is placed):
+
+1. Probe. Each kind whose costs the policy has not learned from answers yet gets one request alone: the waiting
+   request quickest there among those whose prompt and answer are long enough to measure prefill and decode
+   (`finish.PREFILL_MIN_TOKENS`, `finish.DECODE_MIN_TOKENS`); every other request waits (held, asked again on
+   every grant pass and tick) until each probe's answer has priced its kind, or for at most `probe_limit_s`.
+2. Assign (`assign`, O(requests × kinds × log servers), once): every waiting request, the longest alone first,
+   gets a server with room. A request may use a kind where its decode chain is within `CHAIN_TOLERANCE` of its
+   quickest kind's, or shorter than `SHORT_CHAIN_STEPS` of that kind's steps. A long answer (≥ `LONG_ANSWER_TOKENS`)
+   fills one server of its kinds a full batch before the next is opened — its decode chain is paid once per server,
+   not once per request; the rest go where the modelled completion (below) ends soonest: the least loaded server
+   of each kind it may use, and the least loaded of them that runs no long answers.
+3. Place. Each request the grant pass asks about goes to its client's next assigned server while that one has
+   room; otherwise (and for anything not in the assignment) the policy places it as usual. The policy's model
+   of each server starts from the assignment's.
+
+The model, per server (continuous batching with chunked prefill): its prompts prefill one after another, its answers
+decode beside each other — the longest answer's steps, or the steps its answers' tokens take at a full batch,
+whichever is more — after its prompts (a step that carries a prefill chunk takes the chunk's time). Costs are the
+policy's (`finish.KindCosts`: prefill seconds a prompt token, seconds a full batch's step). No I/O, no clock of its
+own; what it keeps is per route (bounded like the policy's routes) and per client of a placed wave.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fedpool.federation.policies import Hold, RouteView
+
+LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of the kinds that may take them
+CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its quickest kind's may take it
+SHORT_CHAIN_STEPS = 100.0  # a decode chain shorter than this many of the quickest kind's steps is no reason to keep
+# a request off a kind (a caption's 96 tokens: 1.0 s on an A100, 2.4 s on a V100; a video's 32 on a V100: 0.8 s)
+MIN_PER_SERVER = 2.0  # a wave has at least this many requests a server (fewer: each nearly has a server alone)
+PROBE_LIMIT_S = 5.0  # a kind whose probe has not answered within this is priced as the policy prices it unheard
+MAX_WAVES = 256  # routes with a wave in progress kept at once (the policy's own bound on routes)
+MAX_MEASURED = 1024  # (model, kind) pairs whose probes are kept (the registry's models × kinds)
+TIMED_ENGINES = frozenset({"vllm", "llamacpp"})  # engines whose answers can carry their own prefill and decode
+# times (vLLM with `--enable-per-request-metrics`, llama.cpp's `timings`): a probe goes to one where the kind has one
+IDLE_SHARE = 0.01  # a route is idle with at most this share of its waiting requests (and the probes) in flight
+QUEUE_TOKENS = 8192.0  # a server is sent its next assigned prompt while those sent before leave fewer than this
+# many prompt tokens to prefill: one step's token budget (vLLM V1's `max_num_batched_tokens` and SGLang's
+# `chunked_prefill_size` default), so the engine holds at most one prompt waiting for its first chunk — a queue its
+# scrape would show, and the dispatcher take back
+
+
+@dataclass(frozen=True, slots=True)
+class KindModel:
+    """What the assignment needs of a server kind: prefill seconds a prompt token, a full batch's step, the batch."""
+
+    prefill_s: float
+    step_s: float
+    batch: int
+
+    def alone(self, prompt: float, answer: float) -> float:
+        return prompt * self.prefill_s + answer * self.step_s
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A server the wave may use: its kind, and when what it already runs will have prefilled and decoded (seconds
+    from now)."""
+
+    server: Any  # (handed back as given: the policy's server object)
+    kind: str
+    prefilled_s: float = 0.0
+    decoded_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """One client's requests in the wave: how many, and each one's prompt and answer tokens."""
+
+    client: str
+    requests: int
+    prompt: float
+    answer: float
+
+
+@dataclass
+class _Load:
+    kind: str
+    prefill_s: float  # when its prompts, the wave's and those before, will have prefilled
+    floor_s: float  # when what it ran before the wave will have decoded
+    longest: float = 0.0
+    answers: float = 0.0
+    stall_s: float = 0.0  # the wave's prompts' prefill there (they stall what runs before them)
+    long_answers: int = 0
+
+    def completion(self, model: KindModel, prompt: float = 0.0, answer: float = 0.0) -> float:
+        """When its answers will have decoded, with one more request of this shape (none: as it is)."""
+        added = prompt * model.prefill_s
+        steps = max(self.longest, answer, (self.answers + answer) / model.batch)
+        return max(self.floor_s + self.stall_s + added, self.prefill_s + added + steps * model.step_s)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Each client's servers, one a request in the order they were assigned; each used server's modelled prefill
+    and completion (seconds from the start); the modelled makespan; requests no server had room for."""
+
+    servers: dict[str, list[Any]]
+    modelled: dict[Any, tuple[str, float, float]]  # server -> (its kind, prefilled, completion)
+    predicted_s: float
+    unplaced: int
+
+
+def assign(demand: Sequence[Demand], rooms: Iterable[Room], models: Mapping[str, KindModel]) -> Assignment:
+    """Place every request of `demand` on one of `rooms` (see the module docstring)."""
+    loads: list[_Load] = []  # (a server is its index in `servers_of`)
+    servers_of: list[Any] = []
+    heaps: dict[str, list[tuple[float, int]]] = {}  # kind -> its servers with room, least completion first
+    short: dict[str, list[tuple[float, int]]] = {}  # kind -> those of them running no long answers
+    for room in rooms:
+        if room.kind not in models:
+            continue
+        n = len(loads)
+        load = _Load(room.kind, room.prefilled_s, room.decoded_s)
+        loads.append(load)
+        servers_of.append(room.server)
+        now = load.completion(models[room.kind])
+        heaps.setdefault(room.kind, []).append((now, n))
+        short.setdefault(room.kind, []).append((now, n))
+    for heap in (*heaps.values(), *short.values()):
+        heapq.heapify(heap)
+    current = [load.completion(models[load.kind]) for load in loads]
+    long_servers: set[int] = set()
+
+    def least(heap: list[tuple[float, int]], skip_long: bool) -> int | None:
+        while heap:
+            t, sid = heap[0]
+            if t == current[sid] and not (skip_long and sid in long_servers):
+                return sid
+            heapq.heappop(heap)
+        return None
+
+    kinds = {k: models[k] for k in heaps}
+    order = sorted(range(len(demand)), key=lambda i: (-min((m.alone(demand[i].prompt, demand[i].answer)
+                                                            for m in kinds.values()), default=0.0), i))
+    packing: dict[str, int] = {}  # kind -> the server its long answers fill now
+    servers: dict[str, list[Any]] = {}
+    unplaced = 0
+    for i in order:
+        want = demand[i]
+        prompt, answer, is_long = want.prompt, want.answer, want.answer >= LONG_ANSWER_TOKENS
+        allowed = _allowed(kinds, answer)
+        out = servers.setdefault(want.client, [])
+        for _ in range(want.requests):
+            best: tuple[float, str, int] | None = None
+            for kind in allowed:
+                model = kinds[kind]
+                if is_long:
+                    open_one = packing.get(kind)
+                    if open_one is None or loads[open_one].long_answers % model.batch == 0:
+                        open_one = least(short[kind], True)
+                        if open_one is None:
+                            open_one = least(heaps[kind], False)
+                    candidates: tuple[int | None, ...] = (open_one,)
+                else:
+                    candidates = (least(heaps[kind], False), least(short[kind], True))
+                for sid in candidates:
+                    if sid is None:
+                        continue
+                    t = loads[sid].completion(model, prompt, answer)
+                    if best is None or t < best[0]:
+                        best = (t, kind, sid)
+            if best is None:
+                unplaced += 1
+                continue
+            t, kind, sid = best
+            load, model = loads[sid], kinds[kind]
+            load.prefill_s += prompt * model.prefill_s
+            load.stall_s += prompt * model.prefill_s
+            load.longest = max(load.longest, answer)
+            load.answers += answer
+            if is_long:
+                load.long_answers += 1
+                packing[kind] = sid
+                long_servers.add(sid)
+            current[sid] = t
+            heapq.heappush(heaps[kind], (t, sid))
+            if sid not in long_servers:
+                heapq.heappush(short[kind], (t, sid))
+            out.append(servers_of[sid])
+    used = {servers_of[n]: (load.kind, load.prefill_s, current[n]) for n, load in enumerate(loads)
+            if load.answers or load.stall_s}
+    return Assignment({c: q for c, q in servers.items() if q}, used,
+                      max((t for _, _, t in used.values()), default=0.0), unplaced)
+
+
+def _allowed(kinds: Mapping[str, KindModel], answer: float) -> list[str]:
+    """The kinds that may take a request with this answer (its decode chain there against its quickest kind's)."""
+    chains = {kind: answer * m.step_s for kind, m in kinds.items()}
+    if not chains:
+        return []
+    quickest = min(chains, key=lambda k: chains[k])
+    limit = chains[quickest] * CHAIN_TOLERANCE
+    if answer < LONG_ANSWER_TOKENS:
+        limit = max(limit, SHORT_CHAIN_STEPS * kinds[quickest].step_s)
+    return [k for k, c in chains.items() if c <= limit]
+
+
+class WaveHost(Protocol):
+    """What a wave needs of the policy that places with it (`finish.EarliestFinish`)."""
+
+    def wave_model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
+        """The kind's costs for the model as the policy prices it now (for a kind no probe has measured)."""
+
+    def wave_shape(self, client: str) -> tuple[float, float] | None:
+        """(prompt tokens, answer tokens) expected of the client's requests (None: unknown)."""
+
+    def wave_inflight(self) -> int:
+        """The dispatcher's requests in flight (every route)."""
+
+    def wave_key(self, client: str) -> Any:
+        """The client's place in the serving order (for `RouteView.park`)."""
+
+    def wave_sent_all(self, client: str, waiting: int) -> bool:
+        """Whether the client has said how many requests it has left, and all of them wait or are in flight."""
+
+    def wave_busy(self, server_id: str) -> tuple[float, float] | None:
+        """When the server's requests in flight will have prefilled and decoded, as the policy models them."""
+
+    def wave_placed(self, context: Any, kind: str, server: Any, prefilled: float, decoded: float) -> None:
+        """The wave's modelled times for the server (absolute): the policy's model of it starts from them
+        (`context`: what the policy passed to `Waves.place`)."""
+
+
+@dataclass
+class _Wave:
+    started: float
+    probes: dict[str, str]  # kind -> the client whose next request probes it (until sent)
+    unlearned: set[str]  # kinds no probe has measured yet
+    models: dict[str, KindModel]  # kind -> the costs the wave places by (priced, then measured)
+    sent: dict[str, str] = field(default_factory=dict)  # kind -> the server its probe went to
+    assigned: dict[str, dict[Any, int]] = field(default_factory=dict)  # client -> its servers, requests on each
+    left: dict[str, int] = field(default_factory=dict)  # client -> its requests assigned, not placed yet
+    whole: bool = False  # everything assigned (not only the long answers)
+    kind_of: dict[str, str] = field(default_factory=dict)  # server id -> kind (of those assigned)
+    prompts: dict[str, float] = field(default_factory=dict)  # client -> its prompt tokens
+    prefilled: dict[str, float] = field(default_factory=dict)  # server id -> when the prompts sent there prefill
+    # server id -> (its kind, prompt tokens, longest answer, answer tokens) of the long answers assigned at the start
+    pinned: dict[str, tuple[str, float, float, float]] = field(default_factory=dict)
+
+
+@dataclass
+class WaveStats:
+    """What waves did (for the policy's `describe` and the benchmarks)."""
+
+    waves: int = 0
+    probes: int = 0
+    assigned: int = 0
+    followed: int = 0  # requests placed on their assigned server
+    dropped: int = 0  # assigned servers given up (gone, or their breakers open): placed as usual instead
+    held: int = 0  # times a request waited for its assigned servers, all full or still prefilling
+    predicted_s: float = 0.0  # the last wave's modelled makespan, from its start (its whole assignment's)
+
+
+class Waves:
+    """Per route: whether it is in a wave, and its probes and assignment (see the module docstring)."""
+
+    def __init__(self, host: WaveHost, *, min_prompt: float, min_answer: float,
+                 min_per_server: float = MIN_PER_SERVER, probe_limit_s: float = PROBE_LIMIT_S,
+                 queue_tokens: float = QUEUE_TOKENS):
+        self._host = host
+        self._queue_tokens = queue_tokens
+        self._min_prompt, self._min_answer = min_prompt, min_answer  # a probe measures prefill and decode
+        self._min_per_server = min_per_server
+        self._probe_limit_s = probe_limit_s
+        self._waves: dict[Any, _Wave] = {}
+        # (model, kind) -> (prefill s a prompt token, step s) from a probe's answer alone: answers that shared their
+        # server price its prompts by whatever shared its steps (~7× in a shared wave), so only probes are kept
+        self._measured: dict[tuple[str, str], tuple[float, float]] = {}
+        self._failed: set[tuple[str, str]] = set()  # probes whose answer could not price their kind
+        self._probes: set[str] = set()  # servers a probe went to, until it is answered
+        self.stats = WaveStats()
+
+    def probed(self, server_id: str) -> bool:
+        """Whether a wave's probe went to this server and has not been answered (the policy then tells `measured`
+        what its answer showed)."""
+        return server_id in self._probes
+
+    def measured(self, server_id: str, model: str, kind: str, costs: tuple[float, float] | None) -> None:
+        """A probe's answer: its kind's (prefill seconds a prompt token, a step's seconds), from that one answer
+        alone (None: it could not tell; the kind is priced as the policy prices it)."""
+        self._probes.discard(server_id)
+        if costs is None:
+            self._failed.add((model, kind))
+            return
+        if (model, kind) not in self._measured and len(self._measured) >= MAX_MEASURED:
+            del self._measured[next(iter(self._measured))]
+        self._measured[(model, kind)] = costs
+
+    def place(self, route: RouteView, request: Any, now: float, members: Mapping[str, Mapping[str, Any]],
+              context: Any = None) -> Any:
+        """The request's server or Hold while its route is in a wave; None: not in one (place it as usual).
+        `members`: the route's servers by kind (id -> server); `context` goes back to `WaveHost.wave_placed`."""
+        wave = self._waves.get(route.key)
+        if wave is None:
+            wave = self._start(route, request.model, now, members, context)
+            if wave is None:
+                return None
+        client = request.client_id
+        if not wave.whole:
+            for kind in list(wave.unlearned):
+                if (request.model, kind) in self._measured or (request.model, kind) in self._failed:
+                    wave.unlearned.discard(kind)
+            if not wave.unlearned or now - wave.started >= self._probe_limit_s:
+                self._assign(route, wave, request.model, now, members, context)
+            elif client not in wave.assigned:
+                return self._probe(route, wave, client)
+        return self._follow(route, wave, client, now)
+
+    def forget_client(self, client: str) -> None:
+        for key, wave in list(self._waves.items()):
+            self._done_with(key, wave, client)
+
+    def known(self) -> int:
+        """Routes with a wave in progress."""
+        return len(self._waves)
+
+    # ---- the state machine ----------------------------------------------------------------------------
+    def _start(self, route: RouteView, model: str, now: float, members: Mapping[str, Mapping[str, Any]],
+               context: Any) -> _Wave | None:
+        """A new wave on the route if it is in one now (see the module docstring), else None (once a grant pass):
+        its probes chosen, its long answers assigned."""
+        memo = route.memo
+        if memo.get(_NOT_A_WAVE):
+            return None
+        memo[_NOT_A_WAVE] = True
+        if len(members) < 2:
+            return None
+        waiting, servers = route.waiting, len(route.servers)
+        if waiting < self._min_per_server * servers:
+            return None
+        if self._host.wave_inflight() > IDLE_SHARE * waiting + len(members):
+            return None  # (not idle: what runs was placed by answers that shared their servers)
+        widest = max((s.window for kind in members.values() for s in kind.values()), default=0)
+        free = [s for kind in members for s in route.free_in(kind)]
+        if len(free) * widest < waiting:
+            return None
+        room = sum(max(0, s.window - s.inflight) for s in free)
+        if room < waiting:
+            return None
+        host, live = self._host, 0
+        shapes: dict[str, tuple[int, float, float]] = {}
+        for client, queue in route.queues.items():
+            n = len(queue)
+            if not n:
+                continue
+            shape = host.wave_shape(client)
+            if shape is None or not host.wave_sent_all(client, n):
+                return None
+            live += n
+            shapes[client] = (n, *shape)
+        if live > room or live < self._min_per_server * servers:
+            return None
+        if route.key not in self._waves and len(self._waves) >= MAX_WAVES:
+            del self._waves[next(iter(self._waves))]
+        models = {kind: self._model(model, kind, m) for kind, m in members.items()}
+        unlearned = {kind for kind in members if (model, kind) not in self._measured}
+        self._failed.difference_update((model, kind) for kind in unlearned)
+        probes = self._probe_clients(models, unlearned, shapes)
+        wave = self._waves[route.key] = _Wave(now, probes, unlearned & probes.keys(), models)
+        self.stats.waves += 1
+        memo.pop(_NOT_A_WAVE, None)
+        if wave.unlearned:
+            # The long answers go now: their kinds and packing hardly depend on the costs (their decode chains are
+            # the run's longest, and waiting for the probes would add the probes' time to them).
+            long = [Demand(c, n, p, a) for c, (n, p, a) in shapes.items() if a >= LONG_ANSWER_TOKENS]
+            if long:
+                result = self._place_all(route, wave, long, models, now, members, context)
+                for client, placed in result.servers.items():
+                    _, prompt, answer = shapes[client]
+                    for server in placed:
+                        kind, tokens, longest, answers = wave.pinned.get(server.id, (wave.kind_of[server.id], 0.0,
+                                                                                      0.0, 0.0))
+                        wave.pinned[server.id] = (kind, tokens + prompt, max(longest, answer), answers + answer)
+        return wave
+
+    def _probe_clients(self, models: Mapping[str, KindModel], kinds: set[str],
+                       shapes: Mapping[str, tuple[int, float, float]]) -> dict[str, str]:
+        """Per kind to probe, the waiting client whose request is quickest there among those that measure both
+        prefill and decode (any, where none does); not one with long answers (those go at once)."""
+        out: dict[str, str] = {}
+        for kind in kinds:
+            best: tuple[bool, float, str] | None = None
+            for client, (_, prompt, answer) in shapes.items():
+                if answer >= LONG_ANSWER_TOKENS:
+                    continue
+                measures = prompt >= self._min_prompt and answer >= self._min_answer
+                entry = (not measures, models[kind].alone(prompt, answer), client)
+                if best is None or entry < best:
+                    best = entry
+            if best is not None:
+                out[kind] = best[2]
+        return out
+
+    def _probe(self, route: RouteView, wave: _Wave, client: str) -> Any:
+        for kind, prober in list(wave.probes.items()):
+            if prober != client or kind in wave.sent:
+                continue
+            alone = [s for s in route.free_in(kind) if not s.inflight and s.id not in wave.pinned and route.usable(s)]
+            timed = [s for s in alone if s.entry is not None and s.entry.record.engine.value in TIMED_ENGINES]
+            if alone:
+                server = (timed or alone)[0]
+                wave.sent[kind] = server.id
+                del wave.probes[kind]
+                self._probes.add(server.id)
+                self.stats.probes += 1
+                return server
+        return Hold.CLIENT_HELD  # (asked again on the next grant pass: a probe's answer makes one)
+
+    def _assign(self, route: RouteView, wave: _Wave, model: str, now: float,
+                members: Mapping[str, Mapping[str, Any]], context: Any) -> None:
+        """Everything waiting that the wave has not assigned yet, at the costs measured (the long answers assigned
+        at the start counted where they went)."""
+        wave.whole = True
+        models = wave.models = {kind: self._model(model, kind, m) for kind, m in members.items()}
+        host = self._host
+        demand = []
+        for client, queue in route.queues.items():
+            shape = host.wave_shape(client)
+            n = len(queue) - wave.left.get(client, 0)
+            if n > 0 and shape is not None:
+                demand.append(Demand(client, n, *shape))
+        elapsed = now - wave.started
+        pinned = {}
+        for sid, (kind, tokens, longest, answers) in wave.pinned.items():
+            m = models[kind]
+            prefilled = tokens * m.prefill_s
+            decoded = prefilled + max(longest, answers / m.batch) * m.step_s
+            pinned[sid] = (max(0.0, prefilled - elapsed), max(0.0, decoded - elapsed))
+        self._place_all(route, wave, demand, models, now, members, context, pinned)
+        if not wave.assigned:
+            self._waves.pop(route.key, None)
+
+    def _place_all(self, route: RouteView, wave: _Wave, demand: Sequence[Demand], models: Mapping[str, KindModel],
+                   now: float, members: Mapping[str, Mapping[str, Any]], context: Any,
+                   pinned: Mapping[str, tuple[float, float]] | None = None) -> Assignment:
+        """`assign` over the route's usable servers (each with what it runs: `pinned`, else as the policy models
+        it); the result added to the wave's, and told to the policy."""
+        host = self._host
+        rooms = []
+        for kind, group in members.items():
+            for sid, server in group.items():
+                if not route.usable(server) and (server.inflight < server.window or server.open_until is not None):
+                    continue  # (gone, or its breaker open; a full one frees slots as its answers come)
+                busy = pinned.get(sid) if pinned is not None else None
+                if busy is None and server.inflight:
+                    modelled = host.wave_busy(sid)
+                    if modelled is not None:
+                        busy = (max(0.0, modelled[0] - now), max(0.0, modelled[1] - now))
+                rooms.append(Room(server, kind, *(busy or (0.0, 0.0))))
+        result = assign(demand, rooms, models)
+        for server, (kind, prefilled, decoded) in result.modelled.items():
+            host.wave_placed(context, kind, server, now + prefilled, now + decoded)
+            wave.kind_of[server.id] = kind
+        for want in demand:
+            wave.prompts[want.client] = want.prompt
+        for client, servers in result.servers.items():
+            mine = wave.assigned.setdefault(client, {})
+            for server in servers:
+                mine[server] = mine.get(server, 0) + 1
+            wave.left[client] = wave.left.get(client, 0) + len(servers)
+            self.stats.assigned += len(servers)
+        self.stats.predicted_s = now - wave.started + result.predicted_s
+        return result
+
+    def _follow(self, route: RouteView, wave: _Wave, client: str, now: float) -> Any:
+        """The client's next request on one of its assigned servers with room, whose prompts sent before leave fewer
+        than `queue_tokens` to prefill; held while every one is full or prefilling; None: nothing assigned to it."""
+        servers = wave.assigned.get(client)
+        if not servers:
+            self._done_with(route.key, wave, client)
+            return None
+        kinds: set[str] = set()
+        gone: list[Any] = []
+        prompt = wave.prompts.get(client, 0.0)
+        placed = None
+        for server in servers:  # any of its servers (a client's requests are alike)
+            kind = wave.kind_of.get(server.id, "")
+            if route.usable(server):
+                model = wave.models.get(kind)
+                start = wave.prefilled.get(server.id, now)
+                if model is not None and start - now > self._queue_tokens * model.prefill_s:
+                    kinds.add(kind)  # still prefilling what was sent there: later (the next tick)
+                    continue
+                if model is not None:
+                    wave.prefilled[server.id] = max(start, now) + prompt * model.prefill_s
+                placed = server
+                break
+            if server.inflight < server.window:  # room, yet not usable: gone, or its breaker open
+                gone.append(server)
+            else:
+                kinds.add(kind)
+        for server in gone:
+            n = servers.pop(server)
+            wave.left[client] -= n
+            self.stats.dropped += n
+        if placed is not None:
+            if servers[placed] > 1:
+                servers[placed] -= 1
+            else:
+                del servers[placed]
+            wave.left[client] -= 1
+            self.stats.followed += 1
+            if not servers:
+                self._done_with(route.key, wave, client)
+            return placed
+        if not servers:
+            self._done_with(route.key, wave, client)
+            return None
+        # every one full or prefilling: until one of those kinds frees a slot, or the next tick
+        route.park(client, tuple(sorted(kinds)), self._host.wave_key(client), until_freed=True)
+        self.stats.held += 1
+        return Hold.CLIENT_HELD
+
+    def _model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
+        measured = self._measured.get((model, kind))
+        priced = self._host.wave_model(model, kind, members)
+        return priced if measured is None else KindModel(measured[0], measured[1], priced.batch)
+
+    def _done_with(self, key: Any, wave: _Wave, client: str) -> None:
+        wave.assigned.pop(client, None)
+        wave.left.pop(client, None)
+        if wave.whole and not wave.assigned:
+            self._waves.pop(key, None)
+
+
+_NOT_A_WAVE = "wave: not one"  # (a route memo key: checked once a grant pass)
