@@ -260,7 +260,7 @@ def describe(result: SimResult, ideal: float, spec: Spec) -> dict[str, Any]:
             "decision_us": result.decision_cpu_s / result.decisions * 1e6 if result.decisions else 0.0,
             "first_s": finished[0], "median_s": statistics.median(finished), "completed": result.completed,
             "failed": result.failed, "inflight_end": result.inflight_end, "wall_s": result.wall_s,
-            "cpu_s": result.process_cpu_s, "kinds": by_kind(result, spec)}
+            "cpu_s": result.process_cpu_s, "kinds": by_kind(result, spec), "waves": result.extra.get("waves", [])}
 
 
 def by_kind(result: SimResult, spec: Spec) -> dict[str, dict[str, Any]]:
@@ -404,6 +404,14 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
             + (f"; least outstanding work: {_spread([w.baseline['vs_ideal'] for w in worlds if w.baseline])}"
                if all(w.baseline for w in worlds) else "")
             + f". Decision cost: {_spread([w.fedpool['decision_us'] for w in worlds], '{:.0f}')} µs per grant.")
+    waves = [(w.seed, wave) for w in worlds for wave in w.fedpool.get("waves", ())]
+    if waves:
+        text += ("\n\nOne wave (federation/wave.py: every request fit the pool's room at once, so each server kind was "
+                 "probed by one request alone, the long answers placed at once, the rest assigned together once the "
+                 "probes answered): " + "; ".join(
+                     f"world {seed}: {w['probes']} probes, {w['assigned']} requests assigned, {w['followed']} placed "
+                     f"as assigned, {w['dropped']} given up, held {w['held']} times (full or still prefilling), "
+                     f"modelled makespan {w['predicted_s']:.1f} s" for seed, w in waves) + ".")
     text += "\n\n" + _where_time_goes(worlds)
     if agreement is not None:
         simulated, walled, pct = agreement

@@ -399,7 +399,8 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
         attempts=transport.attempts, servers=server_outcomes(world),
-        extra={"preempted": sum(s.preempted for s in stats)})
+        extra={"preempted": sum(s.preempted for s in stats),
+               "waves": [w for d in dispatchers if (w := (d.policy.describe() or {}).get("waves"))]})
     await world.close()
     return result
 
