@@ -10,18 +10,19 @@ engine model's own costs (which routing never sees), assigns every request to on
 once to the simulated engines of `benchmarks/simulator.py` (their queues hold what a server's slots do not), in
 simulated time. The worlds are `scale_sim`'s (the same `Spec`, seeds and ideal).
 
-The assignment models a server's completion as its prompt tokens' prefill, one after another, plus its decode
-chain: the longest answer's steps, or the steps its answers need at a full batch, whichever is more (a step that
-carries a prefill chunk takes the chunk's time, so the answers' steps wait for the prompts:
-`deploy/batching.py`). Three roles, the structure the diagnosis in docs/speedup.md ("the one-wave worlds")
-pointed at:
+The assignment is the one `earliest_finish` makes of a whole wave (`federation/wave.py`'s `assign`), here with
+the engine model's own costs and every profile its own kind: it models a server's completion as its prompt tokens'
+prefill, one after another, plus its decode chain — the longest answer's steps, or the steps its answers need at a
+full batch, whichever is more (a step that carries a prefill chunk takes the chunk's time, so the answers' steps
+wait for the prompts: `deploy/batching.py`) — and gives servers roles, the structure the diagnosis in
+docs/speedup.md ("the one-wave worlds") pointed at:
 
 - long answers (≥ `LONG_ANSWER_TOKENS`) go only to the kinds that decode them fastest, packed a full batch to a
   server before the next is opened (once every server of the kind has one, a next batch where the least is):
   their decode chain is paid once per server, not once per request;
 - a request whose decode chain on a kind is more than `CHAIN_TOLERANCE` × its chain on its fastest kind, and
-  longer than `SHORT_CHAIN_S`, is kept off that kind (a caption's 96 tokens take 2.4 s on a V100, 1.0 s on an
-  A100);
+  longer than `SHORT_CHAIN_STEPS` of that kind's steps, is kept off that kind (a caption's 96 tokens take 2.4 s on
+  a V100, 1.0 s on an A100);
 - the rest, longest first (by its time alone on its fastest kind), go where the modelled completion ends
   soonest: the least loaded server of each allowed kind, or the least loaded of it that runs no long answers.
 
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import heapq
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -80,10 +80,11 @@ from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
 from fedpool.federation.pricing import server_cost, step_cost
 from fedpool.federation.transport import UrlTarget
 from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.federation.wave import CHAIN_TOLERANCE, LONG_ANSWER_TOKENS, SHORT_CHAIN_STEPS, Demand, Room
+from fedpool.federation.wave import KindModel as WaveModel
+from fedpool.federation.wave import assign as assign_wave
 
-LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of their fastest kinds
-CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its fastest kind's may take it
-SHORT_CHAIN_S = 1.0  # a decode chain this short (engine seconds) is no reason to keep a request off a kind
+__all__ = ["CHAIN_TOLERANCE", "LONG_ANSWER_TOKENS", "SHORT_CHAIN_STEPS"]  # (the assignment's, federation/wave.py)
 TIMED_PROMPT_TOKENS = 200  # timed costs: answers with prompts this long measure a kind's prefill (the rest as
 # `earliest_finish` learns them: federation/finish.py's EngineTimedCosts)
 TIMED_REFIT = REFIT_EVERY  # answers between refits of a kind
@@ -96,37 +97,14 @@ TIMED_ORDER = "longest_answers_first"  # the order the timed-costs arm runs unde
 
 
 @dataclass(frozen=True)
-class KindModel:
-    """One server kind's costs in the engine model: prefill seconds per prompt token, a full batch's step."""
-
-    prefill_s: float
-    step_s: float
-    batch: int
+class KindModel(WaveModel):
+    """One server kind's costs in the engine model: prefill seconds a prompt token, a full batch's step."""
 
     @classmethod
     def of(cls, profile: EmulatorProfile) -> KindModel:
         batch = max(1, profile.max_running)
         return cls(profile.prefill_s_per_token, profile.decode_s_per_token * (1 + profile.batch_slowdown * (batch - 1)),
                    batch)
-
-    def alone(self, prompt: int, answer: int) -> float:
-        return prompt * self.prefill_s + answer * self.step_s
-
-
-@dataclass
-class Load:
-    """What is assigned to one server: its prefill seconds, its longest answer and its answers' tokens."""
-
-    kind: str
-    prefill_s: float = 0.0
-    longest: int = 0
-    answers: int = 0
-    long_answers: int = 0  # of them, answers of at least LONG_ANSWER_TOKENS
-
-    def completion(self, model: KindModel, prompt: int = 0, answer: int = 0) -> float:
-        """Modelled completion with one more request of this shape (none: as it is)."""
-        steps = max(max(self.longest, answer), (self.answers + answer) / model.batch)
-        return self.prefill_s + prompt * model.prefill_s + steps * model.step_s
 
 
 @dataclass(frozen=True)
@@ -138,75 +116,20 @@ class Assignment:
 
 
 def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
-    """Place every request of the spec's evals on one of `servers` ((id, kind)); see the module docstring."""
+    """Place every request of the spec's evals on one of `servers` ((id, kind)) by `federation/wave.py`'s `assign`
+    at the engine model's costs (see the module docstring)."""
     models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
-    loads = {sid: Load(kind) for sid, kind in servers}
-    index = {sid: i for i, (sid, _) in enumerate(servers)}
-    current = dict.fromkeys(loads, 0.0)  # server -> its modelled completion now (heap entries that differ are stale)
-    heaps: dict[str, list[tuple[float, int, str]]] = {}  # kind -> its servers, least loaded first
-    short: dict[str, list[tuple[float, int, str]]] = {}  # kind -> its servers that run no long answers
-    for sid, kind in servers:
-        heaps.setdefault(kind, []).append((0.0, index[sid], sid))
-        short.setdefault(kind, []).append((0.0, index[sid], sid))
-    long_servers: set[str] = set()
-
-    def least(heap: list[tuple[float, int, str]], skip_long: bool) -> str | None:
-        while heap and (heap[0][0] != current[heap[0][2]] or (skip_long and heap[0][2] in long_servers)):
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
-
+    present = {kind for _, kind in servers}
     evals = spec.eval_list()
-
-    def allowed(answer: int) -> list[str]:
-        """The kinds that may take a request with this answer (its decode chain there against its fastest)."""
-        chains = {kind: answer * m.step_s for kind, m in models.items() if kind in heaps}
-        limit = min(chains.values()) * CHAIN_TOLERANCE
-        if answer < LONG_ANSWER_TOKENS:
-            limit = max(limit, SHORT_CHAIN_S)
-        return [k for k, c in chains.items() if c <= limit]
-
-    requests = [(e, k) for e, ev in enumerate(evals) for k in range(ev.size)]
-    requests.sort(key=lambda r: -min(m.alone(evals[r[0]].prompt_tokens, evals[r[0]].answer_tokens)
-                                     for m in models.values()))
-    packing: dict[str, str] = {}  # kind -> the server its long answers fill now
-    order = []
-    for e, k in requests:
-        prompt, answer = evals[e].prompt_tokens, evals[e].answer_tokens
-        best: tuple[float, str, str] | None = None
-        for kind in allowed(answer):
-            model = models[kind]
-            if answer >= LONG_ANSWER_TOKENS:
-                open_one = packing.get(kind)
-                if open_one is None or loads[open_one].long_answers % model.batch == 0:
-                    # a fresh server; with none left, a second batch where the least is (the engine queues it)
-                    open_one = least(short[kind], True) or least(heaps[kind], False)
-                candidates = [open_one]
-            else:
-                candidates = [least(heaps[kind], False), least(short[kind], True)]
-            for candidate in candidates:
-                if candidate is None:
-                    continue
-                t = loads[candidate].completion(model, prompt, answer)
-                if best is None or t < best[0]:
-                    best = (t, kind, candidate)
-        if best is None:
-            raise RuntimeError(f"no kind may take {evals[e].name}'s requests")
-        _, kind, sid = best
-        load, model = loads[sid], models[kind]
-        load.prefill_s += prompt * model.prefill_s
-        load.longest = max(load.longest, answer)
-        load.answers += answer
-        if answer >= LONG_ANSWER_TOKENS:
-            load.long_answers += 1
-            packing[kind] = sid
-            long_servers.add(sid)
-        current[sid] = now = load.completion(model)
-        heapq.heappush(heaps[kind], (now, index[sid], sid))
-        if sid not in long_servers:
-            heapq.heappush(short[kind], (now, index[sid], sid))
-        order.append((e, k, sid))
-    predicted = max(load.completion(models[load.kind]) for load in loads.values())
-    return Assignment(tuple(order), predicted)
+    demand = [Demand(str(e), ev.size, ev.prompt_tokens, ev.answer_tokens) for e, ev in enumerate(evals)]
+    result = assign_wave(demand, [Room(sid, kind) for sid, kind in servers], models)
+    if result.unplaced:
+        raise RuntimeError(f"{result.unplaced} requests found no kind that may take them")
+    # (the order the assignment decided them in: the longest alone on its fastest kind first)
+    first = sorted(range(len(evals)), key=lambda e: (-min(m.alone(evals[e].prompt_tokens, evals[e].answer_tokens)
+                                                          for k, m in models.items() if k in present), e))
+    order = tuple((e, k, sid) for e in first for k, sid in enumerate(result.servers.get(str(e), ())))
+    return Assignment(order, result.predicted_s)
 
 
 class FinishOracle(Policy):
