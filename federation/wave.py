@@ -307,6 +307,7 @@ class Waves:
         if costs is None:
             self._failed.add((model, kind))
             return
+        self._failed.discard((model, kind))
         if (model, kind) not in self._measured and len(self._measured) >= MAX_MEASURED:
             del self._measured[next(iter(self._measured))]
         self._measured[(model, kind)] = costs
@@ -315,12 +316,17 @@ class Waves:
               context: Any = None) -> Any:
         """The request's server or Hold while its route is in a wave; None: not in one (place it as usual).
         `members`: the route's servers by kind (id -> server); `context` goes back to `WaveHost.wave_placed`."""
+        client = request.client_id
         wave = self._waves.get(route.key)
+        if wave is not None and wave.whole and client not in wave.assigned and \
+                not any(route.queues.get(c) for c in wave.assigned):
+            # Over: what is left of its assignment was for requests that went elsewhere (retried after a failure).
+            del self._waves[route.key]
+            wave = None
         if wave is None:
             wave = self._start(route, request.model, now, members, context)
             if wave is None:
                 return None
-        client = request.client_id
         if not wave.whole:
             for kind in list(wave.unlearned):
                 if (request.model, kind) in self._measured or (request.model, kind) in self._failed:
@@ -436,6 +442,9 @@ class Waves:
         """Everything waiting that the wave has not assigned yet, at the costs measured (the long answers assigned
         at the start counted where they went)."""
         wave.whole = True
+        # A probe not answered by now (its attempt failed, or it outlasted `probe_limit_s`) is no probe any more:
+        # the next answer from its server shares that server with the wave.
+        self._probes.difference_update(wave.sent.values())
         models = wave.models = {kind: self._model(model, kind, m) for kind, m in members.items()}
         host = self._host
         demand = []
@@ -525,8 +534,12 @@ class Waves:
                 del servers[placed]
             wave.left[client] -= 1
             self.stats.followed += 1
-            if not servers:
+            if not servers or len(route.queues.get(client, ())) <= 1:
+                # (its last request waiting: what is left of its assignment was for requests that went elsewhere —
+                # retried after a failure, or placed before the wave)
                 self._done_with(route.key, wave, client)
+            if wave.whole and route.waiting <= 1:
+                self._waves.pop(route.key, None)  # (the route's last request waiting: the wave is over)
             return placed
         if not servers:
             self._done_with(route.key, wave, client)

@@ -158,6 +158,43 @@ def test_a_wave_probes_each_kind_alone_then_places_everything_on_its_assignment(
     assert result.makespan_s <= 1.35 * stats.predicted_s
 
 
+def test_a_probe_whose_server_dies_leaves_its_kind_priced_as_usual_and_loses_nothing() -> None:
+    """The V100's probe dies with its server: the request is answered elsewhere, the wave waits for the other probe
+    and then for `PROBE_LIMIT_S` at most, assigns the rest with the V100s priced as the policy prices them, and
+    forgets the probe (a later answer from that server is no probe)."""
+    spec = WAVE
+    made: list[Any] = []
+
+    async def kill_the_v100_probe(world: World) -> None:
+        await asyncio.sleep(0.01)
+        for sim in list(world.servers.values()):
+            if "v100" in sim.kind and sim.engine.running:
+                await world.kill(sim.id)
+
+    def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
+        transport.engine_times = True
+        policy = make_policy("earliest_finish", random.Random(0))
+        made.append(policy)
+        return [make_dispatcher(transport, world, policy, DispatchConfig(client_order=spec.client_order), clock,
+                                seed=0)]
+
+    result = simulate(lambda clock: build_world(spec.kind_table, spec.profiles(), spec.servers, clock),
+                      spec.eval_list(), dispatchers, events=kill_the_v100_probe)
+    policy = made[0]
+    assert isinstance(policy, EarliestFinish) and policy.waves is not None
+    assert result.completed == sum(e.size for e in spec.eval_list()) and result.failed == 0
+    assert result.inflight_end == 0
+    measured = policy.waves._measured
+    assert ("sim-7b", "A100x1/16") in measured and ("sim-7b", "V100x1/16") not in measured
+    assert policy.waves.stats.waves == 1 and policy.waves.stats.assigned > 0
+    assert not policy.waves._probes
+    # (what is left of the probe client's assignment — its probe was retried elsewhere — goes with its clients, or
+    # with the next request on the route that the wave did not assign)
+    for e in spec.eval_list():
+        policy.forget_client(e.name)
+    assert policy.waves.known() == 0
+
+
 def test_without_engine_times_a_probe_is_priced_by_its_latency() -> None:
     result, policy, _ = run(WAVE, engine_times=False)
     assert result.completed == sum(e.size for e in WAVE.eval_list()) and result.failed == 0
