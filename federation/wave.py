@@ -7,35 +7,48 @@ order, by the data-sheet priors, the long answers spread over every server of th
 long prompts placed after them stall them there (`earliest_finish`: 1.44× the ideal). A placement that sees the
 whole wave at once — long answers packed a full batch to a server, requests kept off kinds where their decode
 chain is far longer, the rest where the modelled completion ends soonest — reaches 1.11× there with the engine
-model's own costs (`benchmarks/scale_oracle.py`), but 1.40× with the priors, whose prefill reads 0.61–0.77× the
-engine model's and whose full-batch step 1.14–1.29× it. So each kind is measured first, by one request alone.
+model's own costs (`benchmarks/scale_oracle.py`, which uses `assign`), but 1.40× with the priors, whose prefill
+reads 0.61–0.77× the engine model's and whose full-batch step 1.14–1.29× it; and the assignment is sensitive to
+its costs (steps 1.25× too long: 1.39×). So each kind is measured first, by one request alone.
 
 When. A route is in a wave when it has more than one server kind, at least `min_per_server` × its servers
-requests waiting and no more than its servers have room for, and every waiting client has said how many requests it
-has left and has sent all of them (they wait, or are in flight). Checked only in a grant pass whose route passes
-the cheap bounds first (waiting against servers, and against servers with room × the largest window).
+requests waiting and no more than its servers have free slots for, every waiting client has said how many requests
+it has left and has sent all of them (they wait, or are in flight), and the route is idle (at most `IDLE_SHARE` of
+that in flight: later in a run every answer has shared its server, and costs learned from them would misplace the
+wave). Checked at most once a grant pass, after cheap bounds (waiting against servers, against servers with room ×
+the widest window, against what is in flight).
 
 What, per route (a small state machine, forgotten when its wave is placed):
 
-1. Probe. Each kind whose costs the policy has not learned from answers yet gets one request alone: the waiting
-   request quickest there among those whose prompt and answer are long enough to measure prefill and decode
-   (`finish.PREFILL_MIN_TOKENS`, `finish.DECODE_MIN_TOKENS`); every other request waits (held, asked again on
-   every grant pass and tick) until each probe's answer has priced its kind, or for at most `probe_limit_s`.
-2. Assign (`assign`, O(requests × kinds × log servers), once): every waiting request, the longest alone first,
-   gets a server with room. A request may use a kind where its decode chain is within `CHAIN_TOLERANCE` of its
-   quickest kind's, or shorter than `SHORT_CHAIN_STEPS` of that kind's steps. A long answer (≥ `LONG_ANSWER_TOKENS`)
-   fills one server of its kinds a full batch before the next is opened — its decode chain is paid once per server,
-   not once per request; the rest go where the modelled completion (below) ends soonest: the least loaded server
-   of each kind it may use, and the least loaded of them that runs no long answers.
-3. Place. Each request the grant pass asks about goes to its client's next assigned server while that one has
-   room; otherwise (and for anything not in the assignment) the policy places it as usual. The policy's model
-   of each server starts from the assignment's.
+1. Probe. Each kind no probe has measured yet for the model gets one request alone on an idle server (one whose
+   engine reports its own times where the kind has one: `TIMED_ENGINES`): the waiting request quickest there
+   among those whose prompt and answer are long enough to measure prefill and decode (`min_prompt`,
+   `min_answer`). Its answer gives the kind's prefill seconds a prompt token and its step (`Waves.measured`: from
+   the engine's own times, else its latency scaling the priors), kept per (model, kind).
+2. The long answers (≥ `LONG_ANSWER_TOKENS`) are assigned at once, by the costs as the policy has them: their
+   kinds (by decode chain) and their packing hardly depend on the costs, and waiting would add the probes' time
+   to the run's longest chains. Every other request waits (held, asked again on every grant pass and tick) until
+   each probe has answered, or for at most `probe_limit_s`.
+3. Assign (`assign`, O(requests × kinds × log servers), once): every waiting request not assigned yet, the
+   longest alone first, at the measured costs, counting the long answers where they went. A request may use a
+   kind where its decode chain is within `CHAIN_TOLERANCE` of its quickest kind's, or shorter than
+   `SHORT_CHAIN_STEPS` of that kind's steps. A long answer fills one server of its kinds a full batch before the
+   next is opened — its decode chain is paid once per server, not once per request; the rest go where the
+   modelled completion (below) ends soonest: the least loaded server of each kind it may use, and the least
+   loaded of them that runs no long answers. Free slots are not a limit: a server's requests beyond them wait in
+   fedpool for its slots, as they would in its engine.
+4. Follow. Each request the grant pass asks about goes to one of its client's assigned servers with room whose
+   prompts sent before leave fewer than `queue_tokens` to prefill (no prompt waits in the engine for its first
+   chunk, where a scrape would see it and the dispatcher take it back); while every one is full or prefilling it
+   is held (parked until a full server of those kinds frees a slot, or the next tick). An assigned server that is
+   gone or whose breaker is open is given up; what the assignment does not cover is placed as usual. The
+   policy's model of each server starts from the assignment's.
 
 The model, per server (continuous batching with chunked prefill): its prompts prefill one after another, its answers
 decode beside each other — the longest answer's steps, or the steps its answers' tokens take at a full batch,
-whichever is more — after its prompts (a step that carries a prefill chunk takes the chunk's time). Costs are the
-policy's (`finish.KindCosts`: prefill seconds a prompt token, seconds a full batch's step). No I/O, no clock of its
-own; what it keeps is per route (bounded like the policy's routes) and per client of a placed wave.
+whichever is more — after its prompts (a step that carries a prefill chunk takes the chunk's time), and what it
+already runs decodes on, stalled by the prompts placed after it. No I/O, no clock of its own; what it keeps is per
+route (`MAX_WAVES`), per (model, kind) measured (`MAX_MEASURED`), and per client of a wave in progress.
 """
 
 from __future__ import annotations
