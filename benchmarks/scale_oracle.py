@@ -10,7 +10,7 @@ engine model's own costs (which routing never sees), assigns every request to on
 once to the simulated engines of `benchmarks/simulator.py` (their queues hold what a server's slots do not), in
 simulated time. The worlds are `scale_sim`'s (the same `Spec`, seeds and ideal).
 
-The assignment is the one `earliest_finish` makes of a whole wave (`federation/wave.py`'s `assign`), here with
+The assignment is the one `earliest_finish` makes of a whole wave (`federation/waveplan.py`'s `assign`), here with
 the engine model's own costs and every profile its own kind: it models a server's completion as its prompt tokens'
 prefill, one after another, plus its decode chain — the longest answer's steps, or the steps its answers need at a
 full batch, whichever is more (a step that carries a prefill chunk takes the chunk's time, so the answers' steps
@@ -80,11 +80,11 @@ from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
 from fedpool.federation.pricing import server_cost, step_cost
 from fedpool.federation.transport import UrlTarget
 from fedpool.federation.types import Endpoint, InferenceRequest
-from fedpool.federation.wave import CHAIN_TOLERANCE, LONG_ANSWER_TOKENS, SHORT_CHAIN_STEPS, Demand, Room
-from fedpool.federation.wave import KindModel as WaveModel
-from fedpool.federation.wave import assign as assign_wave
+from fedpool.federation.waveplan import CHAIN_TOLERANCE, LONG_ANSWER_TOKENS, SHORT_CHAIN_STEPS, Demand, Room
+from fedpool.federation.waveplan import KindModel as WaveModel
+from fedpool.federation.waveplan import assign as assign_wave
 
-__all__ = ["CHAIN_TOLERANCE", "LONG_ANSWER_TOKENS", "SHORT_CHAIN_STEPS"]  # (the assignment's, federation/wave.py)
+__all__ = ["CHAIN_TOLERANCE", "LONG_ANSWER_TOKENS", "SHORT_CHAIN_STEPS"]  # (the assignment's, federation/waveplan.py)
 TIMED_PROMPT_TOKENS = 200  # timed costs: answers with prompts this long measure a kind's prefill (the rest as
 # `earliest_finish` learns them: federation/finish.py's EngineTimedCosts)
 TIMED_REFIT = REFIT_EVERY  # answers between refits of a kind
@@ -116,7 +116,7 @@ class Assignment:
 
 
 def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
-    """Place every request of the spec's evals on one of `servers` ((id, kind)) by `federation/wave.py`'s `assign`
+    """Place every request of the spec's evals on one of `servers` ((id, kind)) by `federation/waveplan.py`'s `assign`
     at the engine model's costs (see the module docstring)."""
     models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
     present = {kind for _, kind in servers}

@@ -65,7 +65,8 @@ from fedpool.federation.horizon import (
 from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.pricing import kind_key, server_cost, step_cost
 from fedpool.federation.types import EngineTimes, InferenceRequest
-from fedpool.federation.wave import KindModel, Waves
+from fedpool.federation.wave import Waves
+from fedpool.federation.waveplan import KindModel
 from fedpool.registry import ServerEntry
 
 HOLD_FACTOR = 2.0  # a request waits when a kind without room would finish it this many times sooner ...

@@ -1,6 +1,6 @@
-"""One wave (federation/wave.py): the assignment of everything a route's clients have left, and `earliest_finish`
-probing each server kind, then placing a whole wave, driving the real dispatcher in simulated time
-(benchmarks/simulator.py)."""
+"""One wave (federation/wave.py, federation/waveplan.py): the assignment of everything a route's clients have
+left, and `earliest_finish` probing each server kind, then placing a whole wave, driving the real dispatcher in
+simulated time (benchmarks/simulator.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from fedpool.benchmarks.simulator import SimResult, SimTransport, World, build_w
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
 from fedpool.federation.transport import Target
 from fedpool.federation.types import Completion, Endpoint, InferenceRequest
-from fedpool.federation.wave import (
+from fedpool.federation.waveplan import (
     LONG_ANSWER_TOKENS,
     SHORT_CHAIN_STEPS,
     Demand,
