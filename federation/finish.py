@@ -390,6 +390,10 @@ class EarliestFinish(Policy, name="earliest_finish"):
         batch = max(1, next(iter(members.values())).capacity) if members else 1
         return KindModel(costs.prefill_s, costs.step_s, batch)
 
+    def wave_prior(self, kind: str, members: Mapping[str, Any]) -> KindModel:
+        prior = self._prior(kind, members)
+        return KindModel(prior.prefill_s, prior.step_s, max(1, next(iter(members.values())).capacity))
+
     def wave_inflight(self) -> int:
         assert self._state is not None
         return self._state.ledger.total()

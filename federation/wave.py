@@ -79,6 +79,9 @@ class WaveHost(Protocol):
     def wave_model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
         """The kind's costs for the model as the policy prices it now (for a kind no probe has measured)."""
 
+    def wave_prior(self, kind: str, members: Mapping[str, Any]) -> KindModel:
+        """The kind's data-sheet prior (its ratios to a measured kind's price a kind no probe has measured)."""
+
     def wave_shape(self, client: str) -> tuple[float, float] | None:
         """(prompt tokens, answer tokens) expected of the client's requests (None: unknown)."""
 
@@ -146,6 +149,7 @@ class Waves:
         self._measured: dict[tuple[str, str], tuple[float, float]] = {}
         self._failed: set[tuple[str, str]] = set()  # probes whose answer could not price their kind
         self._probes: set[str] = set()  # servers a probe went to, until it is answered
+        self._priors: dict[str, KindModel] = {}  # kind -> its data-sheet prior (the registry's kinds)
         self.stats = WaveStats()
 
     def probed(self, server_id: str) -> bool:
@@ -236,6 +240,9 @@ class Waves:
             return None
         if route.key not in self._waves and len(self._waves) >= MAX_WAVES:
             del self._waves[next(iter(self._waves))]
+        for kind, m in members.items():
+            if kind not in self._priors and len(self._priors) < MAX_MEASURED:
+                self._priors[kind] = self._host.wave_prior(kind, m)
         models = {kind: self._model(model, kind, m) for kind, m in members.items()}
         unlearned = {kind for kind in members if (model, kind) not in self._measured}
         self._failed.difference_update((model, kind) for kind in unlearned)
@@ -255,6 +262,10 @@ class Waves:
                         kind, tokens, longest, answers = wave.pinned.get(server.id, (wave.kind_of[server.id], 0.0,
                                                                                       0.0, 0.0))
                         wave.pinned[server.id] = (kind, tokens + prompt, max(longest, answer), answers + answer)
+            for kind in list(wave.unlearned):  # (a kind the long answers filled has no server for a probe alone)
+                if not any(not s.inflight and s.id not in wave.pinned and route.usable(s) for s in route.free_in(kind)):
+                    wave.unlearned.discard(kind)
+                    wave.probes.pop(kind, None)
         return wave
 
     def _probe_clients(self, models: Mapping[str, KindModel], kinds: set[str],
@@ -403,9 +414,25 @@ class Waves:
         return Hold.CLIENT_HELD
 
     def _model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
+        """The kind's costs for the model: measured by a probe; else, where other kinds were, its data-sheet prior on
+        their scale (their measured ÷ prior costs: answers that shared their servers price prompts by whatever shared
+        their steps, ~16× a prompt's own prefill where 16 long answers started together); else the policy's."""
         measured = self._measured.get((model, kind))
         priced = self._host.wave_model(model, kind, members)
-        return priced if measured is None else KindModel(measured[0], measured[1], priced.batch)
+        if measured is not None:
+            return KindModel(measured[0], measured[1], priced.batch)
+        prefill = step = 0.0
+        n = 0
+        for (m, other), (other_prefill, other_step) in self._measured.items():
+            prior = self._priors.get(other)
+            if m == model and prior is not None:
+                prefill += other_prefill / prior.prefill_s
+                step += other_step / prior.step_s
+                n += 1
+        if not n:
+            return priced
+        prior = self._priors.get(kind) or self._host.wave_prior(kind, members)
+        return KindModel(prior.prefill_s * prefill / n, prior.step_s * step / n, priced.batch)
 
     def _done_with(self, key: Any, wave: _Wave, client: str) -> None:
         wave.assigned.pop(client, None)

@@ -7,7 +7,8 @@ whichever is more — after its prompts (a step that carries a prefill chunk tak
 already runs (`Room`) decodes on, stalled by the prompts placed after it. The roles: a request may use a kind where
 its decode chain is within `CHAIN_TOLERANCE` of its quickest kind's, or shorter than `SHORT_CHAIN_STEPS` of that
 kind's steps; a long answer (≥ `LONG_ANSWER_TOKENS`) fills one server of its kinds a full batch before the next is
-opened — its decode chain is paid once per server, not once per request; the rest, the longest alone first, go
+opened — its decode chain is paid once per server, not once per request; once every server of those kinds holds a
+full batch, any kind may take the next where it completes soonest; the rest, the longest alone first, go
 where the modelled completion ends soonest: the least loaded server of each kind they may use, and the least loaded
 of them that runs no long answers (lazy heaps: O(requests × kinds × log servers)). Free slots are not a limit.
 `benchmarks/scale_oracle.py` runs the same assignment with the engine model's own costs (a bound: 1.114× the ideal
@@ -130,6 +131,13 @@ def assign(demand: Sequence[Demand], rooms: Iterable[Room], models: Mapping[str,
         out = servers.setdefault(want.client, [])
         for _ in range(want.requests):
             best: tuple[float, str, int] | None = None
+            if is_long and len(allowed) < len(kinds) and all(
+                    least(short[k], True) is None and (packing.get(k) is None
+                                                      or loads[packing[k]].long_answers % kinds[k].batch == 0)
+                    for k in allowed):
+                # every server of its quickest kinds holds a full batch of long answers: a next batch there
+                # waits for a whole chain, so every kind may take one, where it completes soonest
+                allowed = list(kinds)
             for kind in allowed:
                 model = kinds[kind]
                 if is_long:

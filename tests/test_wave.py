@@ -62,6 +62,17 @@ def test_every_request_is_assigned_once_long_answers_packed_a_batch_to_a_server_
     assert LONG_ANSWER_TOKENS <= 300
 
 
+def test_long_answers_beyond_a_full_batch_on_every_server_of_their_kind_may_go_to_another() -> None:
+    """Two fast servers of batch 4 and 24 long answers: once both hold a full batch, the next go where they complete
+    soonest — a second and third batch on the fast servers while that is sooner, then the slow kind (2.5× the steps,
+    but idle) — not all 24 behind each other on the fast ones (12 a server: 900 steps, 9 s)."""
+    result = assign([Demand("long", 24, 200, 300)], rooms(2, 4), {"fast": FAST, "slow": SLOW})
+    on = Counter(s.id for s in result.servers["long"])
+    assert all(on[f"fast-{i}"] >= 2 * FAST.batch for i in range(2))
+    assert sum(n for sid, n in on.items() if sid.startswith("slow")) > 0
+    assert result.predicted_s < 12 * 300 / FAST.batch * FAST.step_s
+
+
 def test_a_busy_server_is_given_less() -> None:
     """What a server already runs (its prefill and decode still to come) counts: of two servers of one kind, the
     one busy for 5 s more is given nothing while the idle one can finish sooner."""
@@ -193,6 +204,29 @@ def test_a_probe_whose_server_dies_leaves_its_kind_priced_as_usual_and_loses_not
     for e in spec.eval_list():
         policy.forget_client(e.name)
     assert policy.waves.known() == 0
+
+
+def test_a_kind_the_long_answers_fill_is_not_probed_but_priced_on_the_measured_kinds_scale() -> None:
+    """With H100s (a tenth of the pool, the quickest to decode) the long answers fill every one of them: no H100 is
+    left idle for a probe, so none is waited for; the H100s are priced at their data-sheet prior on the scale the
+    A100s' and V100s' probes measured (answers that shared their servers would price a prompt ~16× too slow)."""
+    spec = Spec(servers=32, evals=8, kinds=5, min_size=50, max_size=60, seed=3, client_order="longest_answers_first")
+    texts = sum(e.size for e in spec.eval_list() if e.name.endswith("text"))
+    assert texts > 6 * spec.max_running  # (more long answers than the 6 H100s hold)
+    result, policy, recording = run(spec)
+    assert result.completed == sum(e.size for e in spec.eval_list()) and result.failed == 0
+    assert policy.waves is not None and policy.waves.stats.waves == 1
+    measured = policy.waves._measured
+    assert ("sim-7b", "H100x1/16") not in measured and ("sim-7b", "A100x1/16") in measured
+    first_after = min(t for t, _, _ in recording.sent if t > 0)
+    # (the V100's probe, 0.92 s alone, then the next tick — the slot comes back before the answer is told — not the
+    # 5 s limit)
+    assert first_after <= 1.0 + 1e-9
+    members = {"x": type("S", (), {"capacity": 16})()}
+    h100 = policy.waves._model("sim-7b", "H100x1/16", members)
+    engine = EngineModel.of(spec.profiles()["vllm-h100-80gb-7b"])
+    assert 0.7 * engine.prefill_s < h100.prefill_s < 1.4 * engine.prefill_s
+    assert 0.7 * engine.step_s < h100.step_s < 1.4 * engine.step_s
 
 
 def test_without_engine_times_a_probe_is_priced_by_its_latency() -> None:
