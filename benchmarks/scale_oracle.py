@@ -80,11 +80,10 @@ from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView
 from fedpool.federation.pricing import server_cost, step_cost
 from fedpool.federation.transport import UrlTarget
 from fedpool.federation.types import Endpoint, InferenceRequest
-from fedpool.federation.waveplan import CHAIN_TOLERANCE, LONG_ANSWER_TOKENS, SHORT_CHAIN_STEPS, Demand, Room
+from fedpool.federation.waveplan import Demand, Room
 from fedpool.federation.waveplan import KindModel as WaveModel
 from fedpool.federation.waveplan import assign as assign_wave
 
-__all__ = ["CHAIN_TOLERANCE", "LONG_ANSWER_TOKENS", "SHORT_CHAIN_STEPS"]  # (the assignment's, federation/waveplan.py)
 TIMED_PROMPT_TOKENS = 200  # timed costs: answers with prompts this long measure a kind's prefill (the rest as
 # `earliest_finish` learns them: federation/finish.py's EngineTimedCosts)
 TIMED_REFIT = REFIT_EVERY  # answers between refits of a kind

@@ -390,9 +390,9 @@ class EarliestFinish(Policy, name="earliest_finish"):
         batch = max(1, next(iter(members.values())).capacity) if members else 1
         return KindModel(costs.prefill_s, costs.step_s, batch)
 
-    def wave_prior(self, kind: str, members: Mapping[str, Any]) -> KindModel:
-        prior = self._prior(kind, members)
-        return KindModel(prior.prefill_s, prior.step_s, max(1, next(iter(members.values())).capacity))
+    def wave_prior(self, kind: str) -> tuple[float, float] | None:
+        prior = self._priors.get(kind)
+        return None if prior is None else (prior.prefill_s, prior.step_s)
 
     def wave_inflight(self) -> int:
         assert self._state is not None

@@ -79,8 +79,9 @@ class WaveHost(Protocol):
     def wave_model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
         """The kind's costs for the model as the policy prices it now (for a kind no probe has measured)."""
 
-    def wave_prior(self, kind: str, members: Mapping[str, Any]) -> KindModel:
-        """The kind's data-sheet prior (its ratios to a measured kind's price a kind no probe has measured)."""
+    def wave_prior(self, kind: str) -> tuple[float, float] | None:
+        """The kind's data-sheet prior (prefill seconds a prompt token, a full batch's step), once the policy has
+        seen the kind (its ratios to a measured kind's price a kind no probe has measured)."""
 
     def wave_shape(self, client: str) -> tuple[float, float] | None:
         """(prompt tokens, answer tokens) expected of the client's requests (None: unknown)."""
@@ -149,7 +150,6 @@ class Waves:
         self._measured: dict[tuple[str, str], tuple[float, float]] = {}
         self._failed: set[tuple[str, str]] = set()  # probes whose answer could not price their kind
         self._probes: set[str] = set()  # servers a probe went to, until it is answered
-        self._priors: dict[str, KindModel] = {}  # kind -> its data-sheet prior (the registry's kinds)
         self.stats = WaveStats()
 
     def probed(self, server_id: str) -> bool:
@@ -240,9 +240,6 @@ class Waves:
             return None
         if route.key not in self._waves and len(self._waves) >= MAX_WAVES:
             del self._waves[next(iter(self._waves))]
-        for kind, m in members.items():
-            if kind not in self._priors and len(self._priors) < MAX_MEASURED:
-                self._priors[kind] = self._host.wave_prior(kind, m)
         models = {kind: self._model(model, kind, m) for kind, m in members.items()}
         unlearned = {kind for kind in members if (model, kind) not in self._measured}
         self._failed.difference_update((model, kind) for kind in unlearned)
@@ -424,15 +421,15 @@ class Waves:
         prefill = step = 0.0
         n = 0
         for (m, other), (other_prefill, other_step) in self._measured.items():
-            prior = self._priors.get(other)
-            if m == model and prior is not None:
-                prefill += other_prefill / prior.prefill_s
-                step += other_step / prior.step_s
+            prior = self._host.wave_prior(other) if m == model else None
+            if prior is not None:
+                prefill += other_prefill / prior[0]
+                step += other_step / prior[1]
                 n += 1
-        if not n:
+        own = self._host.wave_prior(kind)  # (known: pricing it above saw the kind)
+        if not n or own is None:
             return priced
-        prior = self._priors.get(kind) or self._host.wave_prior(kind, members)
-        return KindModel(prior.prefill_s * prefill / n, prior.step_s * step / n, priced.batch)
+        return KindModel(own[0] * prefill / n, own[1] * step / n, priced.batch)
 
     def _done_with(self, key: Any, wave: _Wave, client: str) -> None:
         wave.assigned.pop(client, None)

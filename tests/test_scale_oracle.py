@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from fedpool.benchmarks.scale_oracle import (
-    LONG_ANSWER_TOKENS,
     TIMED_REFIT,
     FinishOracle,
     KindModel,
@@ -20,6 +19,7 @@ from fedpool.benchmarks.scale_oracle import (
 )
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import kind_counts
+from fedpool.federation.waveplan import LONG_ANSWER_TOKENS
 
 
 def servers_of(spec: Spec) -> list[tuple[str, str]]:
