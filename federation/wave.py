@@ -111,7 +111,6 @@ class _Wave:
     models: dict[str, KindModel]  # kind -> the costs the wave places by (priced, then measured)
     sent: dict[str, str] = field(default_factory=dict)  # kind -> the server its probe went to
     assigned: dict[str, dict[Any, int]] = field(default_factory=dict)  # client -> its servers, requests on each
-    left: dict[str, int] = field(default_factory=dict)  # client -> its requests assigned, not placed yet
     whole: bool = False  # everything assigned (not only the long answers)
     kind_of: dict[str, str] = field(default_factory=dict)  # server id -> kind (of those assigned)
     prompts: dict[str, float] = field(default_factory=dict)  # client -> its prompt tokens
@@ -311,7 +310,7 @@ class Waves:
         demand = []
         for client, queue in route.queues.items():
             shape = host.wave_shape(client)
-            n = len(queue) - wave.left.get(client, 0)
+            n = len(queue) - sum(wave.assigned.get(client, {}).values())  # (not assigned yet)
             if n > 0 and shape is not None:
                 demand.append(Demand(client, n, *shape))
         elapsed = now - wave.started
@@ -352,7 +351,6 @@ class Waves:
             mine = wave.assigned.setdefault(client, {})
             for server in servers:
                 mine[server] = mine.get(server, 0) + 1
-            wave.left[client] = wave.left.get(client, 0) + len(servers)
             self.stats.assigned += len(servers)
         self.stats.predicted_s = now - wave.started + result.predicted_s
         return result
@@ -386,14 +384,12 @@ class Waves:
                 kinds.add(kind)
         for server in gone:
             n = servers.pop(server)
-            wave.left[client] -= n
             self.stats.dropped += n
         if placed is not None:
             if servers[placed] > 1:
                 servers[placed] -= 1
             else:
                 del servers[placed]
-            wave.left[client] -= 1
             self.stats.followed += 1
             if not servers or len(route.queues.get(client, ())) <= 1:
                 # (its last request waiting: what is left of its assignment was for requests that went elsewhere —
@@ -433,7 +429,6 @@ class Waves:
 
     def _done_with(self, key: Any, wave: _Wave, client: str) -> None:
         wave.assigned.pop(client, None)
-        wave.left.pop(client, None)
         if wave.whole and not wave.assigned:
             self._waves.pop(key, None)
 
