@@ -48,6 +48,7 @@ FORBIDDEN_COST = 1e9  # a cost no LP solution pays
 TIEBREAK = 1e-3  # weight of the server time a plan spends, beside its makespan (plan_lp.solve_plan)
 MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
+PACE_SLACK = 0.25  # a client may run this far ahead of the most-behind client's share of its quota on a kind
 
 
 @dataclass(slots=True)
@@ -204,11 +205,13 @@ class PlannedRouting(Policy, name="planned"):
             if not isinstance(placed, Hold) and (kind := plan.kind_of.get(placed.id)) is not None:
                 plans.sent.setdefault(client_id, Counter())[kind] += 1
             return placed
-        pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=True)
-        if pick is None and tried:
-            pick = self._pick(client_id, plans, quotas, route, tried, avoid_tried=False)
+        due = self._due(client_id, plans, quotas, route)
+        pick = self._pick(client_id, plans, due, route, tried, avoid_tried=True) if due else None
+        if pick is None and tried and due:
+            pick = self._pick(client_id, plans, due, route, tried, avoid_tried=False)
         if pick is None:  # held for its planned servers (which are full); other clients may go on
             kinds = tuple(k for k, q in quotas.items() if q > MIN_SHARE)
+            route.group_by(_kind_of_state)  # (ahead of its pace everywhere, it has not picked)
             if not any(route.free_in(k) for k in kinds):  # out of the grant passes until one has room
                 route.park(client_id, kinds, self._st.clients.key(client_id))
             return Hold.CLIENT_HELD
@@ -296,17 +299,52 @@ class PlannedRouting(Policy, name="planned"):
             pool.extend(free if len(free) <= PICK_SAMPLE else self._rng.sample(free, PICK_SAMPLE))
         return self._best(client_id, plans, quotas, pool, route.memo)
 
+    def _due(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float],
+             route: RouteView) -> dict[str, float]:
+        """The client's planned kinds where it is not ahead of its plan's pace: a kind's slots go to the waiting
+        clients planned on it in proportion to their quotas there (the one whose next request there is the
+        smallest share of its quota goes first), not in the client order alone. A plan that gives a kind 340 of an
+        audio eval's quick prompts beside 30 video prompts is then carried out: in the client order (`fair`, a
+        few slots each) the audio eval held ~5 of an A100's ~20 slots while its plan had it there, and the plan
+        moved it onto the V100s after 10 s, which then ran 2.5 s past the idle A100s. Clients whose long prompts
+        the interference rule may hold set no pace (a slot they cannot take would stay empty)."""
+        plan = plans.plan
+        assert plan is not None
+        sent = plans.sent.get(client_id)
+        memo = route.memo.setdefault("pace", {})
+        due: dict[str, float] = {}
+        for kind, quota in quotas.items():
+            if quota <= MIN_SHARE:
+                continue
+            share = ((sent.get(kind, 0) if sent else 0) + 1) / quota
+            pace = memo.get(kind)
+            if pace is None:
+                pace = memo[kind] = self._pace(plans, plan, kind)
+            if share <= pace * (1 + PACE_SLACK) or pace == float("inf"):
+                due[kind] = quota
+        return due
+
+    def _pace(self, plans: _RoutePlan, plan: Plan, kind: str) -> float:
+        """The smallest share of its quota on `kind` that the next request of a client waiting for it would reach
+        (inf: no such client)."""
+        waiting = self._st.clients.waiting
+        pace = float("inf")
+        for client, quotas in plan.kind_quotas.items():
+            quota = quotas.get(kind, 0.0)
+            if quota <= MIN_SHARE or not waiting.get(client) or self._stalls(client):
+                continue
+            sent = plans.sent.get(client)
+            pace = min(pace, ((sent.get(kind, 0) if sent else 0) + 1) / quota)
+        return pace
+
     def _best(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], servers: Sequence[Any],
               memo: dict[str, Any]) -> Any:
         plan = plans.plan
         assert plan is not None
         sent = plans.sent.get(client_id)
-        long_prompt = client_id in self._long_prompts
-        # Whether long answers decode on a server, found once per server and pass (a client with long answers of
-        # its own asks for itself: its own do not count).
-        busy: dict[str, bool] | None = None
-        if long_prompt and client_id not in self._long_answers:
-            busy = memo.setdefault("busy", {})
+        long_prompt = self._stalls(client_id)
+        # Whether long answers decode on a server, found once per server and pass.
+        busy: dict[str, bool] | None = memo.setdefault("busy", {}) if long_prompt else None
         best, best_key = None, (float("inf"), float("inf"))
         for server in servers:
             kind = plan.kind_of.get(server.id)
@@ -318,16 +356,12 @@ class PlannedRouting(Policy, name="planned"):
             key = ((sent.get(kind, 0) if sent else 0) / quota, self._work(server.id, kind, plan, memo))
             if key >= best_key:
                 continue
-            if long_prompt:
-                if busy is None:
-                    if self._runs_long_answers(client_id, server.id):
-                        continue
-                else:
-                    stalls = busy.get(server.id)
-                    if stalls is None:
-                        stalls = busy[server.id] = self._runs_long_answers(client_id, server.id)
-                    if stalls:
-                        continue
+            if busy is not None:
+                stalls = busy.get(server.id)
+                if stalls is None:
+                    stalls = busy[server.id] = self._runs_long_answers(client_id, server.id)
+                if stalls:
+                    continue
             best, best_key = server, key
         return best
 
@@ -344,6 +378,15 @@ class PlannedRouting(Policy, name="planned"):
             works[server_id] = work
         return work
 
+    def _stalls(self, client_id: str) -> bool:
+        """Whether the client's prompts are long and its answers short (a prefill-heavy eval: video, documents),
+        the prompts the interference rule keeps off servers decoding long answers. A client whose own answers are
+        long is not held by it: its requests are the run's longest chains, and holding them until the other long
+        answers drained put them at the run's end (the suite's math500, 25 prompts of ~1,000 tokens and answers
+        of ~400, waited 20 s for the V100s' and A100s' long answers to drain, then ran 5 s past everything else;
+        its prefill costs the answers beside it one step of a few hundred ms of engine time)."""
+        return client_id in self._long_prompts and client_id not in self._long_answers
+
     def _runs_long_answers(self, client_id: str, server_id: str) -> bool:
         """Whether long answers of another client decode on the server (a long prompt there would stall them)."""
         for other in self._st.ledger.clients_on(server_id):
@@ -356,7 +399,7 @@ class PlannedRouting(Policy, name="planned"):
         are now; picks read the sets as the last plan or answer left them.)"""
         for client in (client_id, *self._st.ledger.clients_on(server_id)):
             self._classify(client)
-        return client_id in self._long_prompts and self._runs_long_answers(client_id, server_id)
+        return self._stalls(client_id) and self._runs_long_answers(client_id, server_id)
 
     def _classify(self, client_id: str) -> None:
         """Keep the client's place in the long-prompt and long-answer sets current with its shape."""

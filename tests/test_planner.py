@@ -257,12 +257,38 @@ def test_long_prompts_wait_while_long_answers_run_on_a_server() -> None:
     p.ledger.take(a, "text")  # a long answer decodes on `a`
     assert p.policy._interferes("video", "a") and not p.policy._interferes("video", "b")
     assert not p.policy._interferes("text", "a")  # short prompts may join it
+    # Long prompts with long answers of their own (chain-of-thought over a long context) are not held: they are
+    # the run's longest chains, and held until the other long answers drained they ran past everything else.
+    p.has("reasoning", 50, prompt_chars=28000, max_tokens=512)
+    assert not p.policy._interferes("reasoning", "a")
+    assert p.place("reasoning", View([a])) is a
     assert {p.place("video", View([a, b])) for _ in range(3)} == {b}  # never `a` while the long answer runs
     p.ledger.release(a, "text")
     assert not p.policy._interferes("video", "a")
     p.policy.long_answer_tokens = None  # the rule can be switched off
     p.ledger.take(a, "text")
     assert not p.policy._interferes("video", "a")
+
+
+def test_a_kinds_slots_go_to_the_clients_planned_there_in_proportion_to_their_quotas() -> None:
+    p = Planning(warmup_periods=0.0)
+    view = View([p.server("a", "A100"), p.server("b", "A100")])
+    p.has("big", 300, prompt_chars=1000, max_tokens=8)
+    p.has("small", 30, prompt_chars=1000, max_tokens=8)
+    p.clients.waiting.update({"big": 300, "small": 30})
+    placed: Counter[str] = Counter()
+    for _ in range(100):
+        for client in ("small", "big"):  # the small client asks first every time (as `fair` would put it)
+            if isinstance(p.place(client, view), Server):
+                placed[client] += 1
+    plan = p.policy.plan()
+    assert plan is not None and plan.kind_quotas["big"] == {"A100x1/256": 300.0}
+    # Each takes the kind's slots at its plan's pace: 30 to 300, not one for one in the client order.
+    assert placed["big"] == 100 and 10 <= placed["small"] <= 13
+    assert p.place("small", view) is Hold.CLIENT_HELD  # ahead of its pace while `big` waits
+    p.clients.waiting["big"] = 0  # a client with nothing waiting sets no pace (from the next grant pass)
+    view.memo.clear()
+    assert isinstance(p.place("small", view), Server)
 
 
 def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
