@@ -291,6 +291,17 @@ def test_a_kinds_slots_go_to_the_clients_planned_there_in_proportion_to_their_qu
     assert isinstance(p.place("small", view), Server)
 
 
+def test_long_answers_are_never_held_for_the_pace() -> None:
+    p = Planning(warmup_periods=0.0)
+    view = View([p.server("a", "A100")])
+    p.has("big", 300, prompt_chars=1000, max_tokens=8)
+    p.has("chain", 30, prompt_chars=1000, max_tokens=512)  # long answers: each request a long chain
+    p.clients.waiting.update({"big": 300, "chain": 30})
+    # Held for the pace, its last requests would start last and end seconds after everything else.
+    assert all(isinstance(p.place("chain", view), Server) for _ in range(30))
+    assert isinstance(p.place("big", view), Server)  # nor does it hold the others back
+
+
 def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
     p = Planning(warmup_periods=0.5)
     fast, slow = p.server("fast", "A100"), p.server("slow", "V100")
