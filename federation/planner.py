@@ -92,6 +92,11 @@ def _kind_of_state(server: Any) -> str:
     return kind_key(server.entry)
 
 
+def _next_share(sent: Counter[str] | None, kind: str, quota: float) -> float:
+    """The share of a client's quota on a kind that its next request there would reach (the pace's measure)."""
+    return ((sent.get(kind, 0) if sent else 0) + 1) / quota
+
+
 def _expected_wait(c: Any) -> float:
     return float(c.expected_wait)
 
@@ -205,13 +210,13 @@ class PlannedRouting(Policy, name="planned"):
             if not isinstance(placed, Hold) and (kind := plan.kind_of.get(placed.id)) is not None:
                 plans.sent.setdefault(client_id, Counter())[kind] += 1
             return placed
+        route.group_by(_kind_of_state)  # (the route keeps its servers with room by kind: picks and paces read it)
         due = self._due(client_id, plans, quotas, route)
         pick = self._pick(client_id, plans, due, route, tried, avoid_tried=True) if due else None
         if pick is None and tried and due:
             pick = self._pick(client_id, plans, due, route, tried, avoid_tried=False)
         if pick is None:  # held for its planned servers (which are full); other clients may go on
             kinds = tuple(k for k, q in quotas.items() if q > MIN_SHARE)
-            route.group_by(_kind_of_state)  # (ahead of its pace everywhere, it has not picked)
             if not any(route.free_in(k) for k in kinds):  # out of the grant passes until one has room
                 route.park(client_id, kinds, self._st.clients.key(client_id))
             return Hold.CLIENT_HELD
@@ -287,7 +292,6 @@ class PlannedRouting(Policy, name="planned"):
         work among a sample of that kind's servers with room), not one whose long answers its long prompts would
         stall. The route keeps its servers with room by kind (`group_by`), so a pick costs O(kinds + sample),
         whatever the pool's size, and a client whose kinds are all full is held at once."""
-        route.group_by(_kind_of_state)
         with_room = [k for k, q in quotas.items() if q > MIN_SHARE and route.free_in(k)]
         if not with_room:
             return None  # every kind of its plan is full: held (the common answer in a full pool, so cheap)
@@ -300,7 +304,7 @@ class PlannedRouting(Policy, name="planned"):
         return self._best(client_id, plans, quotas, pool, route.memo)
 
     def _due(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float],
-             route: RouteView) -> dict[str, float]:
+             route: RouteView) -> Mapping[str, float]:
         """The client's planned kinds where it is not ahead of its plan's pace: a kind's slots go to the waiting
         clients planned on it in proportion to their quotas there (the one whose next request there is the
         smallest share of its quota goes first), not in the client order alone. A plan that gives a kind 340 of an
@@ -311,10 +315,9 @@ class PlannedRouting(Policy, name="planned"):
         their last ones started last and ended seconds after everything else (256 × 64 simulated, quota pick:
         1.38× the ideal with them paced, 1.26× without; the suite 1.06× and 1.05×)."""
         if client_id in self._long_answers:
-            return {kind: quota for kind, quota in quotas.items() if quota > MIN_SHARE}
+            return quotas
         plan = plans.plan
         assert plan is not None
-        route.group_by(_kind_of_state)
         memo = route.memo
         paces = memo.get("pace")
         if paces is None:
@@ -324,7 +327,7 @@ class PlannedRouting(Policy, name="planned"):
         for kind, quota in quotas.items():
             if quota <= MIN_SHARE:
                 continue
-            share = ((sent.get(kind, 0) if sent else 0) + 1) / quota
+            share = _next_share(sent, kind, quota)
             pace = paces.get(kind)
             if pace is None or share <= pace * (1 + PACE_SLACK):
                 due[kind] = quota
@@ -352,7 +355,7 @@ class PlannedRouting(Policy, name="planned"):
                     has_room = room[kind] = bool(route.free_in(kind))
                 if not has_room:
                     continue
-                share = ((sent.get(kind, 0) if sent else 0) + 1) / quota
+                share = _next_share(sent, kind, quota)
                 if share < best:
                     best_kind, best = kind, share
             if best_kind is not None and best < paces.get(best_kind, float("inf")):
@@ -364,9 +367,8 @@ class PlannedRouting(Policy, name="planned"):
         plan = plans.plan
         assert plan is not None
         sent = plans.sent.get(client_id)
-        long_prompt = self._stalls(client_id)
-        # Whether long answers decode on a server, found once per server and pass.
-        busy: dict[str, bool] | None = memo.setdefault("busy", {}) if long_prompt else None
+        # Whether long answers decode on a server, found once per server and pass (for long prompts only).
+        busy: dict[str, bool] | None = memo.setdefault("busy", {}) if self._stalls(client_id) else None
         best, best_key = None, (float("inf"), float("inf"))
         for server in servers:
             kind = plan.kind_of.get(server.id)
