@@ -9,7 +9,11 @@ so a short eval is not queued behind a long one it cannot tell apart from; fair 
 seconds its answered requests held an engine slot, on the reported work's scale (× the pool's work per
 slot-second): counting tokens instead ranked a short-answer eval with long prompts behind a long-answer eval
 whose requests each held a slot six times longer (prompt tokens are processed many per step, answer tokens
-one per step per sequence). `longest_answers_first`: the
+one per step per sequence). A request in flight counts from the moment it takes its slot, as the slot-seconds
+its client's answers have held on average (before its first answer: its shape's work, prompt + 2 × max_tokens):
+counted only once answered, a caller whose requests hold a slot 5 s each stayed unserved for
+those 5 s while a short-answer caller's answers counted at once, so the long caller took every slot the short
+one freed and the short eval finished later than on a server of its own. `longest_answers_first`: the
 client asking for the longest answers (max_tokens) first, fair among equals. In-flight counts are the
 ledger's.
 Pure bookkeeping, no I/O.
@@ -50,7 +54,8 @@ class ClientBook:
         self._work_left: dict[str, float] = {}
         self._requests_left: dict[str, int] = {}
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
-        self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests
+        self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests ...
+        self._answers: dict[str, int] = {}  # ... and how many there were (their mean: one request's expected)
         # shortest_first: per client, attempts in flight and the sum of when they took their slots (the service
         # they have had so far, for the lease broker's ranks across processes; see `served_s`)
         self._running: dict[str, tuple[int, float]] = {}
@@ -97,6 +102,7 @@ class ClientBook:
                     slot_s: float) -> None:
         """An answer came back after holding an engine slot for `slot_s` seconds."""
         self._served_s[client_id] = self._served_s.get(client_id, 0.0) + slot_s
+        self._answers[client_id] = self._answers.get(client_id, 0) + 1
         if prompt_tokens is not None:
             # What the request held in the engine's KV cache on average over its life: its prompt, and its answer
             # growing a token a step (half of it on average): the engine admits on what it holds now.
@@ -125,22 +131,58 @@ class ClientBook:
 
     def served_s(self, client_id: str, now: float) -> float | None:
         """The service a client ranked by its service (shortest_first, no work left reported) has attained by
-        `now`: the slot-seconds of its answered requests and of those in flight so far; else None. Counting those
-        in flight keeps it continuous: a long request adds its seconds as they pass, not all at once when it ends,
-        so two processes' clients ranked on it do not swap places each time a long answer lands."""
+        `now`: the slot-seconds of its answered requests and of those in flight — each counted as one request's
+        expected slot-seconds from when it took its slot (as `served` ranks inside the process), or as the
+        seconds they have held their slots so far where that is more (before any answer says what to expect);
+        else None. Counting those in flight keeps it continuous: a long request's seconds do not arrive all at
+        once when it ends, so two processes' clients ranked on it do not swap places each time a long answer
+        lands."""
         if self.order != "shortest_first" or client_id in self._work_left:
             return None
         n, since = self._running.get(client_id, (0, 0.0))
-        return self._served_s.get(client_id, 0.0) + max(0.0, n * now - since)
+        return self._served_s.get(client_id, 0.0) + max(0.0, n * now - since, n * self.expected_s(client_id))
 
     def served_totals(self) -> tuple[float, float]:
         """Every answer's work and slot-seconds (the scale `served` uses)."""
         return self._all_work, self._all_s
 
     def served(self, client_id: str) -> float:
-        """The service a client has had, in the reported work's units (see the module docstring)."""
-        scale = self._all_work / self._all_s if self._all_s > 0 else 1.0
-        return self._served_s.get(client_id, 0.0) * scale
+        """The service a client has had, in the reported work's units (see the module docstring): its answered
+        requests' slot-seconds on the work scale and, for each attempt holding a slot now, one request's expected
+        work. Changes only when the client starts or ends an attempt or is answered (the serving order's heap is
+        touched then), not as time passes."""
+        scale = self._scale()
+        served = self._served_s.get(client_id, 0.0) * scale
+        running = self._running.get(client_id)
+        if running is not None:
+            served += running[0] * self._expected_work(client_id, scale)
+        return served
+
+    def _scale(self) -> float:
+        return self._all_work / self._all_s if self._all_s > 0 and self._all_work > 0 else 1.0
+
+    def _expected_work(self, client_id: str, scale: float) -> float:
+        """One of the client's requests, in work: its answers' mean slot-seconds on the work scale; before its
+        first, its shape's work (prompt + 2 × its answer budget: the first requests of a caller asking for 64
+        tokens and of one asking for 4 already rank apart)."""
+        answers = self._answers.get(client_id)
+        if answers:
+            return self._served_s[client_id] / answers * scale
+        shape = self._shapes.get(client_id)
+        if shape is None:
+            return 0.0
+        answer = KV_ANSWER_TOKENS if shape.max_tokens is None else shape.max_tokens
+        return shape.prompt_tokens + SERVED_DECODE_WEIGHT * answer
+
+    def expected_s(self, client_id: str) -> float:
+        """The slot-seconds one of the client's requests is expected to hold: its answers' mean; before its first,
+        its shape's work at the pool's slot-seconds per unit of work; 0 before any answer anywhere."""
+        answers = self._answers.get(client_id)
+        if answers:
+            return self._served_s[client_id] / answers
+        if self._all_s <= 0 or self._all_work <= 0:
+            return 0.0
+        return self._expected_work(client_id, 1.0) * self._all_s / self._all_work
 
     def idle(self, now: float, ttl_s: float) -> list[str]:
         """Clients not seen for `ttl_s` with nothing in flight or waiting (oldest first; O(those))."""
@@ -156,6 +198,7 @@ class ClientBook:
         """Drop everything kept about a client that has gone (a weight it was given by configuration stays)."""
         for table in (self._work_left, self._answer, self._served_s, self._seen, self._sequence):
             table.pop(client_id, None)
+        self._answers.pop(client_id, None)
         self._requests_left.pop(client_id, None)
         self._running.pop(client_id, None)
         self._shapes.pop(client_id, None)

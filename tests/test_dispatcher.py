@@ -167,6 +167,49 @@ async def test_shortest_first_serves_the_client_with_least_work_left(fakes: Fake
         Dispatcher(None, lambda: snap, make_policy("round_robin"), config=DispatchConfig(client_order="lifo"))  # type: ignore[arg-type]
 
 
+async def test_a_caller_with_short_requests_is_not_queued_behind_one_whose_requests_hold_slots_long(
+        fakes: FakePool) -> None:
+    """Two gateway callers (nothing said of their work left) start together on an 8-slot server under
+    shortest_first, each with 8 requests in flight as lm-eval's `num_concurrent` keeps them: "short" 60
+    requests of 2 tokens, "long" 40 of 64. Least attained service counts a request from when it takes its
+    slot (and before any answer, as its budget of tokens says), so "long", whose requests each hold a slot 32
+    times longer, does not take every slot "short" frees while its own are still running: "short" ends within a
+    tenth of its time on a 4-slot server of its own (counted only once answered, it ended 3.4× later: 1.19 s
+    against 0.35), and "long" within 5% of the two run one after the other."""
+    def body(i: int, tokens: int) -> dict[str, Any]:
+        return {"prompt": f"q{i}", "max_tokens": tokens, "ignore_eos": True}
+
+    async def run(server_slots: int, callers: dict[str, tuple[int, int]]) -> dict[str, float]:
+        server = fakes.start(max_running=server_slots, decode_s=0.01)
+        snap = snapshot_of([server], capacity=server_slots)
+        dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
+                                      config=DispatchConfig(client_order="shortest_first", adaptive_windows=False))
+        began, ended = now(), {}
+
+        async def caller(name: str, n: int, tokens: int) -> None:
+            todo = list(range(n))
+
+            async def worker() -> None:
+                while todo:
+                    i = todo.pop()
+                    await dispatcher.submit(InferenceRequest.from_body(
+                        body(i, tokens), request_id=f"{name}{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
+                        client_id=name))
+
+            await asyncio.gather(*(worker() for _ in range(8)))
+            ended[name] = now() - began
+
+        await asyncio.gather(*(caller(name, n, tokens) for name, (n, tokens) in callers.items()))
+        return ended
+
+    alone = await run(4, {"short": (60, 2)})
+    together = await run(8, {"short": (60, 2), "long": (40, 64)})
+    long_alone = await run(8, {"long": (40, 64)})
+    assert together["short"] <= 1.1 * alone["short"], (together, alone)
+    # (whole requests: long's last wave is ragged where it started with one slot beside short's seven)
+    assert together["long"] <= 1.05 * (long_alone["long"] + together["short"]), (together, long_alone)
+
+
 async def test_requests_submitted_together_are_granted_in_the_client_order(fakes: FakePool) -> None:
     """Requests that arrive in the same turn of the loop (evals starting together) share one grant pass: with
     one free slot and shortest_first, the client with the least work gets it even though the other client's

@@ -171,8 +171,9 @@ async def test_a_process_over_its_shrunk_lease_reports_each_slot_it_lets_go_at_o
 
 async def test_a_client_ranked_by_service_reports_its_requests_in_flight_as_they_run(fakes: FakePool) -> None:
     """Under shortest_first a caller that reports no work left is ranked by the service it has attained, and the
-    lease report counts its requests in flight by the seconds they have held their slots so far: counted only when
-    an answer lands, a long answer moved its rank all at once, and two processes' callers swapped places."""
+    lease report counts its requests in flight by the seconds they have held their slots so far (before any
+    answer), then by what its answers held on average from when each takes its slot: counted only when an answer
+    lands, a long answer moved its rank all at once, and two processes' callers swapped places."""
     server = fakes.start(decode_s=0.05)
     snap = snapshot_of([server], capacity=4)
     dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
@@ -195,12 +196,13 @@ async def test_a_client_ranked_by_service_reports_its_requests_in_flight_as_they
     answers = await asyncio.gather(*calls)
     assert dispatcher.demand() == ()  # answered: nothing wanted
     held = sum(a.latency_s for a in answers)
-    # One more request: its rank is what the two answered held, counted once, and nothing of theirs in flight.
+    # One more request: its rank is what the two answered held, counted once, and the new one in flight as the
+    # mean of those two from the moment it takes its slot — not nothing until it is answered.
     calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
         {"prompt": "q2", "max_tokens": 40, "ignore_eos": True}, request_id="r2", model="emu-model",
         endpoint=Endpoint.COMPLETIONS, client_id="tool")))]
     await asyncio.sleep(0.01)
-    assert served() == pytest.approx(held, abs=0.02)
+    assert served() == pytest.approx(1.5 * held, abs=0.02)
     await asyncio.gather(*calls)
 
 
