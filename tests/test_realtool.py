@@ -54,3 +54,19 @@ def test_two_lm_eval_processes_through_the_gateway(tmp_path: Path) -> None:
             cpu = run[arm].cpu
             assert cpu is not None and cpu.engines_cpu_s > 0 and cpu.engines_wait_s >= 0 and cpu.other_cpu_s >= 0, cpu
     assert "engines waited for a core s" in path.read_text()
+    for run in result.runs:  # every answered request's duration, per eval (the packing floor's input)
+        for arm in ("conventional", "gateway-nc8"):
+            assert {n: len(d) for n, d in run[arm].durations.items()} == sizes, arm
+            assert all(d > 0 for ds in run[arm].durations.values() for d in ds), arm
+    assert "Whole requests allow no better than" in path.read_text()
+
+
+def test_packing_deals_whole_requests_onto_the_slots_under_a_share() -> None:
+    """8 slots; "short" 8 requests of 1 s, "long" 8 of 4 s (the larger). Share 0: short first, long after
+    (done at 5); no cap: long first (short after it, done at 5); half and half: long's last four wait for
+    short's two waves (done at 6: a ragged last wave)."""
+    durations = {"short": [1.0] * 8, "long": [4.0] * 8}
+    assert realtool_speedup.packing(durations, 8, 0) == (5.0, {"short": 1.0, "long": 5.0})
+    assert realtool_speedup.packing(durations, 8, 8) == (5.0, {"long": 4.0, "short": 5.0})
+    assert realtool_speedup.packing(durations, 8, 4) == (6.0, {"short": 2.0, "long": 6.0})
+    assert realtool_speedup.packing({"short": [], "long": []}, 8, 4) == (0.0, {})
