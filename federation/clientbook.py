@@ -158,6 +158,14 @@ class ClientBook:
             served += running[0] * self._expected_work(client_id, scale)
         return served
 
+    def by_service(self, client_id: str) -> bool:
+        """Whether the client is ranked by the service it has had (shortest_first, no work left reported)."""
+        return self.order == "shortest_first" and client_id not in self._work_left
+
+    def expected_work(self, client_id: str) -> float:
+        """One of the client's requests, in the units `served` ranks in."""
+        return self._expected_work(client_id, self._scale())
+
     def _scale(self) -> float:
         return self._all_work / self._all_s if self._all_s > 0 and self._all_work > 0 else 1.0
 

@@ -105,6 +105,9 @@ class Dispatcher(GrantPass):
         if config.give_back_queued:
             self._book.on_queued = self._take_back_queued
         self._give_back_queued = config.give_back_queued
+        # Attempts are noted for a give-back in the client order too (preempt.py, `take_for`): callers ranked by
+        # their service exist only under shortest_first.
+        self._order_takes = config.client_order == "shortest_first"
         self._observes = policy.observes_answers
         policy.attach(DispatchState(self._ledger, self._clients, clock))
         self.loop_lag_s = 0.0  # the loop's lateness running the grant passes (smoothed): overload, seen here
@@ -263,7 +266,7 @@ class Dispatcher(GrantPass):
             started = self._clock()
             cancel_s = None  # on an engine that drops the request once its client went: may be given back
             entry = state.entry
-            if entry is not None and (self._give_back_queued or state.lease is not None):
+            if entry is not None and (self._give_back_queued or self._order_takes or state.lease is not None):
                 # (engine_cancel_s and noting the attempt in Preemptions.running, inlined: every attempt passes here)
                 streamed = sends_stream(state, request)
                 cancel_s = (STREAMED_CANCEL_S if streamed else ENGINE_CANCEL_S).get(entry.record.engine)
@@ -273,6 +276,7 @@ class Dispatcher(GrantPass):
                         running = self._preempt.running[state.id] = {}
                     current_task = task or asyncio.current_task()
                     running[current_task] = started  # type: ignore[index]
+                    self._preempt.client_of[current_task] = client  # type: ignore[index]
                     if streamed:  # taken only once it decodes (preempt.py): the transport says when
                         progress = self._preempt.streams[current_task] = StreamProgress()  # type: ignore[index]
                         STREAM_PROGRESS.set(progress)

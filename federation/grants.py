@@ -70,6 +70,7 @@ class GrantPass:
     loop_lag_at: float
     on_demand: Callable[[bool], None] | None
     on_over_lease_release: Callable[[], None] | None
+    _order_takes: bool  # young attempts give their slots back to a client first in the order (`_take_for_order`)
 
     def _grant_now(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route] | None:
         """The first request of a loop turn, on a route where nothing waits and where room is left after it, is
@@ -228,6 +229,8 @@ class GrantPass:
             self._decisions += 1
         if held:
             route.unskip(held, key)
+        if self._order_takes and route.waiting and not route.free and self._preempt.running:
+            self._take_for_order(route)
         # The tick only for requests still ungranted (`waiting` counts the granted ones until they resume): a
         # request that found room arms no timer.
         if self._tick_handle is None and route.waiting and (route.parked or route.head(key, NO_SKIP) is not None):
@@ -235,6 +238,35 @@ class GrantPass:
         if now - self._swept_at >= CLIENT_TTL_S / 10:  # (every grant pass, so a pool that never waits sweeps too)
             self._sweep(now)
         self._decision_s += time.perf_counter() - began
+
+    def _take_for_order(self, route: Route) -> None:
+        """The route is full and its first waiting client is ranked by its service: the client furthest behind it
+        in the order gives back young attempts (preempt.py, `take_for`) — as many as leave it still behind after
+        the swap (its rank less one request's work per slot given, against the waiting client's plus one of its
+        own per slot taken), less those already given back whose slots have not come back yet."""
+        clients = self._clients
+        head = route.head(clients.key, NO_SKIP)
+        if head is None:
+            return
+        first = head.request.client_id
+        if not clients.by_service(first):
+            return
+        rank, own = clients.first(first), clients.expected_work(first)
+        victim, top = None, rank
+        for client in self._ledger.clients:
+            if client != first and clients.by_service(client) and (r := clients.first(client)) > top:
+                victim, top = client, r
+        if victim is None:
+            return
+        per = clients.expected_work(victim)
+        if per <= 0 or own <= 0:
+            return  # nothing known of either's requests yet
+        swaps = 0
+        while (swaps < clients.waiting.get(first, 0) and top - (swaps + 1) * per > rank + (swaps + 1) * own):
+            swaps += 1
+        swaps -= self._preempt.pending()
+        if swaps > 0:
+            self._preempt.take_for(victim, {s.id for s in route.servers}, swaps, self._racers)
 
     def _misplaced(self, route: Route, head: Waiter, placed: object) -> ServerState | Hold:
         """A policy's bug (it raised: `placed` None; or it answered with a server outside the route) costs that one
@@ -281,6 +313,7 @@ class GrantPass:
             current = asyncio.current_task()
             if running.pop(current, None) is not None and not running:  # type: ignore[arg-type]
                 del self._preempt.running[state.id]
+            self._preempt.client_of.pop(current, None)  # type: ignore[arg-type]
             if self._preempt.streams:
                 self._preempt.streams.pop(current, None)  # type: ignore[arg-type]
         if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:

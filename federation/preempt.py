@@ -12,6 +12,13 @@ attempts younger than `PREEMPT_MAX_AGE_S` are taken (the youngest first), so at 
 much engine time is lost per slot moved; older ones run to their end. An attempt racing a copy (hedge or steal)
 is never taken.
 
+The same give-back serves the client order inside one process (`take_for`): under `shortest_first`, a caller
+ranked by the service it has had (a tool behind the gateway: it reports no work left) waits while a caller ranked
+far behind it holds young attempts — the other's requests reached an idle pool a moment first (two lm-eval
+processes released together: the long eval's eight arrived 4 ms before the short one's and took seven of the
+eight slots for 6.7 s, and the short eval ended later than on a server of its own) — and those attempts give
+their slots back, as many as keep the order the same after the swap.
+
 The same give-back serves a window shrunk by a scrape of the engine's queue (`DispatchConfig.give_back_queued`):
 the youngest attempts there are the ones the engine has queued, not started — of any age, as a queued request
 has used no engine time however long it waited (the engines admit first come, first served).
@@ -63,6 +70,7 @@ class Preemptions:
         self._clock = clock
         self._max_age_s = max_age_s
         self.running: dict[str, dict[Task, float]] = {}  # server id -> attempt's task -> when it started
+        self.client_of: dict[Task, str] = {}  # the client of each attempt in `running`
         self._taken: dict[Task, str] = {}  # attempts cancelled to give their slot back -> their server
         # Streamed attempts running: taken only once their engine sends (`StreamProgress.decoding`; see above).
         self.streams: dict[Task, StreamProgress] = {}
@@ -74,6 +82,8 @@ class Preemptions:
         running = self.running.get(server_id)
         if running is not None and task is not None and running.pop(task, None) is not None and not running:
             del self.running[server_id]
+        if task is not None:
+            self.client_of.pop(task, None)
         if self.streams and task is not None:
             self.streams.pop(task, None)
 
@@ -103,6 +113,40 @@ class Preemptions:
             if racer is not None:
                 racer.racing = False  # no copy may start for it now
             self._taken[task] = server_id
+            self.lost_s += now - started
+            task.cancel()
+            taken += 1
+        return taken
+
+    def pending(self, client: str | None = None) -> int:
+        """Attempts taken whose slots have not come back yet (of `client`, or of anyone)."""
+        for gone in [t for t in self._taken if t.done()]:
+            del self._taken[gone]
+        if client is None:
+            return len(self._taken)
+        return sum(1 for t in self._taken if self.client_of.get(t) == client)
+
+    def take_for(self, client: str, servers: set[str], count: int, racers: Mapping[Task, Racer] | None) -> int:
+        """Take up to `count` of `client`'s attempts on those servers, the youngest first, each younger than the age
+        limit and racing no copy (and, streamed, decoding); returns how many were taken."""
+        now = self._clock()
+        young = [(started, task, sid) for sid in servers if (running := self.running.get(sid))
+                 for task, started in running.items()
+                 if now - started < self._max_age_s and self.client_of.get(task) == client]
+        young.sort(key=lambda t: t[0], reverse=True)
+        taken = 0
+        for started, task, sid in young:
+            if taken >= count:
+                break
+            racer = racers.get(task) if racers is not None else None
+            if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
+                continue
+            progress = self.streams.get(task)
+            if progress is not None and not progress.decoding:
+                continue
+            if racer is not None:
+                racer.racing = False
+            self._taken[task] = sid
             self.lost_s += now - started
             task.cancel()
             taken += 1
