@@ -671,7 +671,7 @@ def why_not_balanced(result: PairResult, servers: int, slots: int, target: float
     arm = result.gateway_arms[0]
     pool_slots = servers * slots
     ratio = statistics.median(result.vs_balanced(arm, servers))
-    schedule, slowdown, floors, halves, shares, short_ends = [], [], [], [], [], []
+    schedule, slowdown, floors, halves, firsts, shares = [], [], [], [], [], []
     for run in result.runs:
         busy = sum(run[arm].busy_s.values())
         conv_busy = sum(run["conventional"].busy_s.values())
@@ -683,25 +683,26 @@ def why_not_balanced(result: PairResult, servers: int, slots: int, target: float
         best = min(packed, key=lambda k: (packed[k][0], k))
         floors.append(packed[best][0] / bound)
         halves.append(packed[pool_slots // 2][0] / bound)
+        firsts.append(packed[0][0] / bound)
         shares.append(best)
-        short_ends.append(min(packed[best][1].values()))
     med = statistics.median
     cpu = [(a, c) for r in result.runs if (a := r[arm].cpu) is not None and (c := r["conventional"].cpu) is not None]
     cores = ""
     if len(cpu) == len(result.runs):
-        cores = (f" (the engines' CPU {med(a.engines_cpu_s for a, _ in cpu):.1f} s against "
+        cores = (f": the engines' CPU {med(a.engines_cpu_s for a, _ in cpu):.1f} s against "
                  f"{med(c.engines_cpu_s for _, c in cpu):.1f} s, and {med(a.engines_wait_s for a, _ in cpu):.1f} s "
-                 f"waiting for a core against {med(c.engines_wait_s for _, c in cpu):.1f} s)")
+                 f"waiting for a core against {med(c.engines_wait_s for _, c in cpu):.1f} s")
     lines = [
         "",
         f"Where {arm}'s time goes against the balanced bound ({ratio:.2f}×, medians over repeats): "
         f"{med(schedule):.2f}× is the schedule's (its makespan ÷ its own busy server-seconds per server: what it "
         f"left idle, whole requests' last wave included) and {med(slowdown):.2f}× the engines' (its busy "
         f"server-seconds ÷ the conventional arm's, for the same requests{cores}). Whole requests allow no better "
-        f"than {med(floors):.2f}× ({_spread(floors)} over repeats) with the engines as fast as alone: the "
+        f"than {_spread(floors)} with the engines as fast as alone: the "
         f"conventional arm's requests, each its own measured duration, dealt onto the {pool_slots} slots, the "
-        f"largest eval held to its best share of them while another waits ({'/'.join(map(str, shares))} slots; "
-        f"the smaller eval done at {med(short_ends):.1f} s), half and half {med(halves):.2f}×.",
+        f"largest eval held to its best share of them while another waits (per repeat: "
+        f"{', '.join(map(str, shares))} slots); the smaller evals first {med(firsts):.2f}×, half and half "
+        f"{med(halves):.2f}×.",
     ]
     if ratio > target:
         reachable = med(floors) * med(slowdown)
@@ -713,7 +714,7 @@ def why_not_balanced(result: PairResult, servers: int, slots: int, target: float
             "done." if reachable > target else
             f"not met: the floor times the engines' slowdown is {reachable:.2f}×, so the schedule lost "
             f"{ratio / reachable:.2f}× that it could have kept.")]
-    return lines
+    return [*lines, ""]
 
 
 def _lm_eval_version() -> str:
