@@ -61,6 +61,7 @@ class ClientBook:
         self._running: dict[str, tuple[int, float]] = {}
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
+        self._all_answer_tokens = 0.0  # every answer's completion tokens (a request's slot-seconds, guessed)
         self._shapes: dict[str, ClientShape] = {}
         self._sequence: dict[str, float] = {}  # mean KV its answers held: prompt + half the completion tokens
         self.done_sending: set[str] = set()
@@ -111,6 +112,7 @@ class ClientBook:
             self._sequence[client_id] = length if mean is None else mean + KV_ALPHA * (length - mean)
         self._all_work += (prompt_tokens or 0) + SERVED_DECODE_WEIGHT * (completion_tokens or 0)
         self._all_s += slot_s
+        self._all_answer_tokens += completion_tokens or 0
 
     def started(self, client_id: str, now: float) -> None:
         """An attempt of the client's took a slot at `now` (counted under shortest_first only)."""
@@ -171,11 +173,13 @@ class ClientBook:
 
     def _expected_work(self, client_id: str, scale: float) -> float:
         """One of the client's requests, in work: its answers' mean slot-seconds on the work scale; before its
-        first, its shape's work (prompt + 2 × its answer budget: the first requests of a caller asking for 64
-        tokens and of one asking for 4 already rank apart)."""
+        first, `expected_s` on it; before any answer anywhere, its shape's work (prompt + 2 × its answer budget:
+        the first requests of a caller asking for 64 tokens and of one asking for 4 already rank apart)."""
         answers = self._answers.get(client_id)
         if answers:
             return self._served_s[client_id] / answers * scale
+        if self._all_s > 0:
+            return self.expected_s(client_id) * scale
         shape = self._shapes.get(client_id)
         if shape is None:
             return 0.0
@@ -183,14 +187,23 @@ class ClientBook:
         return shape.prompt_tokens + SERVED_DECODE_WEIGHT * answer
 
     def expected_s(self, client_id: str) -> float:
-        """The slot-seconds one of the client's requests is expected to hold: its answers' mean; before its first,
-        its shape's work at the pool's slot-seconds per unit of work; 0 before any answer anywhere."""
+        """The slot-seconds one of the client's requests is expected to hold: its answers' mean. Before its first,
+        the more of its shape's work at the pool's slot-seconds per unit of work and its answer budget at the
+        pool's slot-seconds per answer token — a sequence holds its slot about one decode step per answer token,
+        and a prompt is a step or a few: a caller asking for 64 tokens beside one whose 3-token answers took
+        0.47 s each was guessed at 1 s a request by work, held its slots 5 s, and kept them from the short
+        caller. 0 before any answer anywhere."""
         answers = self._answers.get(client_id)
         if answers:
             return self._served_s[client_id] / answers
-        if self._all_s <= 0 or self._all_work <= 0:
+        shape = self._shapes.get(client_id)
+        if shape is None or self._all_s <= 0:
             return 0.0
-        return self._expected_work(client_id, 1.0) * self._all_s / self._all_work
+        answer = KV_ANSWER_TOKENS if shape.max_tokens is None else shape.max_tokens
+        by_work = (shape.prompt_tokens + SERVED_DECODE_WEIGHT * answer) * self._all_s / self._all_work \
+            if self._all_work > 0 else 0.0
+        by_steps = answer * self._all_s / self._all_answer_tokens if self._all_answer_tokens > 0 else 0.0
+        return max(by_work, by_steps)
 
     def idle(self, now: float, ttl_s: float) -> list[str]:
         """Clients not seen for `ttl_s` with nothing in flight or waiting (oldest first; O(those))."""

@@ -28,6 +28,8 @@ from fedpool.federation import (
     make_policy,
     new_session,
 )
+from fedpool.federation.clientbook import ClientBook
+from fedpool.federation.ledger import InflightLedger
 from fedpool.registry import (
     Engine,
     LoadSample,
@@ -216,6 +218,33 @@ async def test_a_caller_with_short_requests_is_not_queued_behind_one_whose_reque
         assert together["long"] <= 1.05 * (long_alone["long"] + together["short"]), (late, together, long_alone)
         if late:  # long's young attempts gave their slots back: as many as keep short first after the swap
             assert 1 <= together["preempted"] <= 8, together
+
+
+def test_a_caller_s_requests_in_flight_count_as_what_its_answers_hold_else_as_its_answer_budget() -> None:
+    """ClientBook under shortest_first: a caller's rank counts each attempt holding a slot as one request's
+    expected slot-seconds — its answers' mean; before its first, its answer budget at the pool's slot-seconds per
+    answer token (a sequence holds its slot about a decode step per answer token), or its work where more."""
+    clients = ClientBook("shortest_first", InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0))
+    for client, max_tokens in (("short", 4), ("long", 64)):
+        clients.note_request(client, InferenceRequest.from_body(
+            {"prompt": "x" * 80, "max_tokens": max_tokens}, request_id=client, model="m",
+            endpoint=Endpoint.COMPLETIONS), 0.0)
+    assert clients.expected_s("long") == 0.0  # nothing answered anywhere: no seconds to go by
+    assert clients.expected_work("long") > clients.expected_work("short") > 0  # the shapes rank them apart
+    for _ in range(3):
+        clients.started("short", 0.0)
+        clients.started("long", 0.0)
+    clients.ended("short")
+    clients.note_served("short", 60, 3, 0.47)
+    assert clients.expected_s("short") == pytest.approx(0.47)
+    assert clients.expected_s("long") == pytest.approx(64 * 0.47 / 3)  # answer budget × 0.157 s per token
+    # Ranked on one scale: short's answered 0.47 s and two in flight at 0.47 s; long's three at 10 s each.
+    assert clients.served("long") / clients.served("short") == pytest.approx((3 * 64 * 0.47 / 3) / (3 * 0.47))
+    clients.ended("long")
+    clients.note_served("long", 20, 64, 5.0)
+    assert clients.expected_s("long") == pytest.approx(5.0)  # its own answer from now on
+    clients.forget("long")
+    assert clients.served("long") == 0.0
 
 
 async def test_requests_submitted_together_are_granted_in_the_client_order(fakes: FakePool) -> None:
