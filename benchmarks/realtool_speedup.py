@@ -374,10 +374,13 @@ def _child_env(api_key: str) -> dict[str, str]:
 
 async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: str, work: Path,
                           task_dir: Path, concurrent: int, server_urls: dict[str, str], gate: StartGate,
-                          engine_pids: Sequence[int]) -> ArmRun:
+                          engine_pids: Sequence[int], repeat: int = 1) -> ArmRun:
     """Every eval of the pair as its own lm-eval process, eval i against targets[i] (through the start gate),
-    all at once."""
-    keys = {w.name: f"sk-realtool-{arm}-{w.name}-0123456789" for w in pair.workloads}
+    all at once. Each process has a key of its own in each pair, arm and repeat, as separate runs would: the
+    gateway ranks a caller by the service it has had (shortest_first), so a key used again — by the same eval
+    in the pair before or the repeat before, within the gateway's 10 minutes of memory — came ranked behind a
+    fresh one (the equal pair's `long`, the unequal pair's key before, waited 26 s for its first slot)."""
+    keys = {w.name: f"sk-realtool-{pair.name}-r{repeat}-{arm}-{w.name}-0123456789" for w in pair.workloads}
     gate.arm({keys[w.name]: target for w, target in zip(pair.workloads, targets, strict=True)})
     outs = {w.name: work / arm / w.name for w in pair.workloads}
     for out in outs.values():  # a run before in the same --work-dir: its samples must not be read as this one's
@@ -543,7 +546,7 @@ async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_con
             if arm == "conventional":
                 targets = servers[:len(pair.workloads)]
                 results[arm] = await run_lm_eval_arm(arm, pair, targets, pool.model, where, task_dir, pool.slots,
-                                                     pool.server_urls, gate, pool.engine_pids)
+                                                     pool.server_urls, gate, pool.engine_pids, r + 1)
             elif arm == "fedpool-eval-run":
                 results[arm] = await run_fedpool_arm(pair, pool.model, where, data, pool.ray_address,
                                                      pool.state_dir, pool.server_urls, pool.engine_pids)
@@ -551,7 +554,7 @@ async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_con
                 concurrent = int(arm.removeprefix("gateway-nc"))
                 results[arm] = await run_lm_eval_arm(arm, pair, [pool.gateway_url] * len(pair.workloads),
                                                      pool.model, where, task_dir, concurrent, pool.server_urls, gate,
-                                                     pool.engine_pids)
+                                                     pool.engine_pids, r + 1)
             print(f"[realtool] {pair.name} run {r + 1}/{repeats} {arm}: inference makespan "
                   f"{results[arm].inference_makespan_s:.1f} s ("
                   + ", ".join(f"{n} {s:.1f} s" for n, s in results[arm].eval_s.items()) + "), processes "
