@@ -93,8 +93,7 @@ class Preemptions:
         those younger than the age limit (`max_age_s`, else the one given at construction) and racing no copy;
         returns how many were taken now."""
         max_age = self._max_age_s if max_age_s is None else max_age_s
-        for gone in [t for t in self._taken if t.done()]:  # (ended before it could see its cancel)
-            del self._taken[gone]
+        self.pending()  # (drops the taken ones that ended before they could see their cancel)
         running = self.running.get(server_id)
         if not running or excess <= 0:
             return 0
@@ -104,27 +103,14 @@ class Preemptions:
         for task, started in reversed(running.items()):  # (noted as each attempt starts: the youngest last)
             if taken >= excess or now - started >= max_age:
                 break
-            racer = racers.get(task) if racers is not None else None
-            if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
-                continue
-            progress = self.streams.get(task)
-            if progress is not None and not progress.decoding:
-                continue  # still in its prompt: the engine would hold the slot to the prompt's end anyway
-            if racer is not None:
-                racer.racing = False  # no copy may start for it now
-            self._taken[task] = server_id
-            self.lost_s += now - started
-            task.cancel()
-            taken += 1
+            taken += self._take(task, server_id, started, now, racers)
         return taken
 
-    def pending(self, client: str | None = None) -> int:
-        """Attempts taken whose slots have not come back yet (of `client`, or of anyone)."""
-        for gone in [t for t in self._taken if t.done()]:
+    def pending(self) -> int:
+        """Attempts taken whose slots have not come back yet."""
+        for gone in [t for t in self._taken if t.done()]:  # (ended before it could see its cancel)
             del self._taken[gone]
-        if client is None:
-            return len(self._taken)
-        return sum(1 for t in self._taken if self.client_of.get(t) == client)
+        return len(self._taken)
 
     def take_for(self, client: str, servers: set[str], count: int, racers: Mapping[Task, Racer] | None) -> int:
         """Take up to `count` of `client`'s attempts on those servers, the youngest first, each younger than the age
@@ -138,19 +124,25 @@ class Preemptions:
         for started, task, sid in young:
             if taken >= count:
                 break
-            racer = racers.get(task) if racers is not None else None
-            if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
-                continue
-            progress = self.streams.get(task)
-            if progress is not None and not progress.decoding:
-                continue
-            if racer is not None:
-                racer.racing = False
-            self._taken[task] = sid
-            self.lost_s += now - started
-            task.cancel()
-            taken += 1
+            taken += self._take(task, sid, started, now, racers)
         return taken
+
+    def _take(self, task: Task, server_id: str, started: float, now: float,
+              racers: Mapping[Task, Racer] | None) -> bool:
+        """Cancel the attempt to give its slot back, unless it is taken already, ended, racing a copy or (streamed)
+        still in its prompt; whether it was taken."""
+        racer = racers.get(task) if racers is not None else None
+        if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
+            return False
+        progress = self.streams.get(task)
+        if progress is not None and not progress.decoding:
+            return False  # still in its prompt: the engine would hold the slot to the prompt's end anyway
+        if racer is not None:
+            racer.racing = False  # no copy may start for it now
+        self._taken[task] = server_id
+        self.lost_s += now - started
+        task.cancel()
+        return True
 
     def requeue(self, task: Task | None) -> bool:
         """Called where the request's attempt was cancelled: True when the cancel was a give-back alone (the
