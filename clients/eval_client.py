@@ -180,6 +180,11 @@ class EvalRun:
         first request only once every one of them has loaded its samples and told the dispatcher how much
         work it has: the first grants then follow the client order, not which dataset loaded first."""
         started = self._clock()
+        # Ask for a share of the capacity now, while the samples load: evals in other processes started together
+        # then start with their shares, not behind the one that loaded first (registry/leases.py, `loading`).
+        limit = self.spec.data.limit
+        self._dispatcher.expect(self.spec.name, self._target.model,
+                                min(self._concurrency, limit or self._concurrency), loading=True)
         try:
             samples = await asyncio.to_thread(load_samples, self.spec)
             data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())
@@ -197,6 +202,9 @@ class EvalRun:
             # About to send: the capacity lease is asked for now, while the other evals load, not at the first
             # request (each worker's first request then finds its slots already leased).
             self._dispatcher.expect(self.spec.name, self._target.model, min(self._concurrency, len(todo)))
+        except BaseException:
+            self._dispatcher.expect(self.spec.name, self._target.model, 0)  # (its share goes back at once)
+            raise
         finally:
             if start_line is not None:
                 start_line.arrive()  # an eval that failed to load must not hold the others back

@@ -118,7 +118,7 @@ class Dispatcher(GrantPass):
         # gives that slot to another process once it hears of it, so the lease client reports now, not at its
         # next renewal (up to half a second later for every slot that moves).
         self.on_over_lease_release: Callable[[], None] | None = None
-        self._expected: dict[str, tuple[str, int, float]] = {}  # client -> (model, requests, since): see expect
+        self._expected: dict[str, tuple[str, int, float, bool]] = {}  # client -> (model, requests, since, loading)
         self._seq = itertools.count()
         self._waiting = 0  # requests waiting for a slot, every route
         self._waiting_routes: set[Route] = set()
@@ -170,15 +170,18 @@ class Dispatcher(GrantPass):
         policy's prior; answers' usage replaces it), so a first plan need not wait for this client to send."""
         self._clients.announce_shape(client_id, prompt_tokens, max_tokens)
 
-    def expect(self, client_id: str, model: str, requests: int) -> None:
+    def expect(self, client_id: str, model: str, requests: int, *, loading: bool = False) -> None:
         """The client is about to send `requests` requests for `model` (an eval that has loaded its samples and
         waits for the others to load): counted as demand until its requests arrive, or for EXPECT_HOLD_S, so a
-        capacity lease is asked for now and is in hand at its first request. `requests` 0 takes it back."""
+        capacity lease is asked for now and is in hand at its first request. `requests` 0 takes it back.
+        `loading`: it has not read its samples yet (`requests` is what it may send at most) — the broker holds it
+        an equal share beside the first clients in the order, so another process that loaded a moment sooner
+        does not take every slot and keep it a whole answer (ClientDemand.loading)."""
         if requests <= 0 or self.on_demand is None:  # (no lease to ask for: nothing to count)
             self._expected.pop(client_id, None)
             return
         idle = not self._waiting and not self._ledger.total() and not self._expected
-        self._expected[client_id] = (model, requests, self._clock())
+        self._expected[client_id] = (model, requests, self._clock(), loading)
         if idle:
             self.on_demand(True)
 
@@ -205,15 +208,18 @@ class Dispatcher(GrantPass):
                 for client, n in state.by_client.items():
                     per[client] = per.get(client, 0) + n
         clients, now = self._clients, self._clock()
-        for client, (model, n, since) in list(self._expected.items()):
+        loading: set[str] = set()
+        for client, (model, n, since, still_loading) in list(self._expected.items()):
             per = wanted.setdefault(model, {})
             if client in per or now - since >= EXPECT_HOLD_S:  # its requests speak for it now, or never came
                 del self._expected[client]
             else:
                 per[client] = n
+                if still_loading:
+                    loading.add(client)
         return tuple(ModelDemand(model=model, clients=tuple(
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
-                         served_s=clients.served_s(c, now))
+                         served_s=None if c in loading else clients.served_s(c, now), loading=c in loading)
             for c, n in sorted(per.items()))) for model, per in sorted(wanted.items()) if per)
 
     def served_totals(self) -> tuple[float, float]:

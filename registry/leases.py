@@ -13,9 +13,11 @@ How slots are shared (one model's servers at a time):
    rank first, each up to what it wants; clients of equal rank share what is left by weight (water-filling).
    Clients ranked by the service they have attained (slot-seconds, answered and in flight) are one class while
    within SERVICE_TIE_S of an equal share of each other: a client far behind goes first, near equals share.
-   A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the holders that want
-   something, in proportion to what they want (work-conserving: a burst needs no round trip); a holder that
-   wants nothing holds nothing.
+   A client not ready yet (an eval still reading its samples: `ClientDemand.loading`) shares the first class, so
+   evals started together in several processes start with their shares, as in one process, not behind whichever
+   loaded first. A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the
+   holders that want something, in proportion to what they want (work-conserving: a burst needs no round
+   trip); a holder that wants nothing holds nothing.
 2. Entitlements are rounded to whole slots (largest remainder) and placed on servers: each holder keeps the
    slots it has in flight and those it holds up to its fair spread (its entitlement in proportion to each
    server's capacity; sticky: no churn of servers between holders), and the rest is dealt a slot at a time,
@@ -69,6 +71,11 @@ class ClientDemand(BaseModel):
     # its answered requests held. The broker ranks it by these on the work scale of every holder's answers, so
     # two processes whose own answers so far differ put one client before another the same way.
     served_s: float | None = Field(default=None, ge=0)
+    # Not ready yet: an eval still reading its samples (`wanted`: what it may send at most). Its rank says nothing
+    # yet, so it shares the first class of the order by weight — without it, the process whose eval loaded a moment
+    # sooner took every slot, and as slots are not taken back once its requests run, an eval of another process
+    # started together waited whole answers for its share (benchmarks/results/multiprocess.md).
+    loading: bool = False
 
 
 class ModelDemand(BaseModel):
@@ -232,6 +239,7 @@ class LeaseBroker:
     def _entitlements(self, model: str, capacity: int) -> dict[str, float]:
         """Holder -> slots it is entitled to on the model's servers (fractional), by the client order."""
         clients: list[tuple[float, str, float, float, bool]] = []  # rank, holder, weight, wanted, by service
+        loading: list[tuple[str, float, float]] = []  # holder, weight, wanted of clients not ready yet
         scale: float | None = None
         for holder_id, holder in self._holders.items():
             for demand in holder.report.models:
@@ -240,12 +248,18 @@ class LeaseBroker:
                 for c in demand.clients:
                     if not c.wanted:
                         continue
+                    if c.loading:
+                        loading.append((holder_id, c.weight, float(c.wanted)))
+                        continue
                     rank = c.rank
                     if c.served_s is not None:
                         scale = self._work_per_slot_s() if scale is None else scale
                         rank = c.served_s * scale
                     clients.append((rank, holder_id, c.weight, float(c.wanted), c.served_s is not None))
         clients.sort(key=lambda c: c[0])
+        # Clients still loading share the first class: they take the first client's rank (and its kind).
+        first = clients[0] if clients else (0.0, "", 1.0, 0.0, False)
+        clients[:0] = [(first[0], holder_id, weight, n, first[4]) for holder_id, weight, n in loading]
         # Clients ranked by the service they have attained are one class while they are within what an equal share
         # of the slots gives in SERVICE_TIE_S: ranked strictly, the one a hair behind got every slot it wanted and
         # the other none until it fell behind in turn — whole requests later, as slots are not taken back (two

@@ -250,6 +250,14 @@ async def test_an_eval_about_to_send_is_leased_its_slots_before_its_first_reques
         dispatcher.expect("eval-b", "emu-model", 2)  # says it will send, never does
         await asyncio.sleep(0.3)
         assert dispatcher.held() == {"s0": 4}
+        # An eval still reading its samples says so: reported as loading, with no rank of its own yet.
+        dispatcher.expect("eval-c", "emu-model", 64, loading=True)
+        (model,) = dispatcher.demand()
+        by_client = {c.client: c for c in model.clients}
+        assert by_client["eval-c"].loading and by_client["eval-c"].wanted == 64
+        assert not by_client["eval-b"].loading
+        dispatcher.expect("eval-c", "emu-model", 0)  # (its load failed: taken back at once)
+        assert "eval-c" not in {c.client for m in dispatcher.demand() for c in m.clients}
         await asyncio.sleep(EXPECT_HOLD_S + IDLE_HOLD_S + 1.0)
         assert dispatcher.held() == {} and dispatcher.demand() == ()
         assert client.report().models == ()

@@ -15,10 +15,11 @@ class Broker:
 
     def report(self, holder: str, clients: dict[str, tuple[int, float]] | None = None, *,
                inflight: dict[str, int] | None = None, held: dict[str, int] | None = None, model: str = "m",
-               weights: dict[str, float] | None = None) -> dict[str, int]:
-        """Report `clients` (name -> (wanted, rank)); `held` defaults to the lease it has (it adopted it)."""
+               weights: dict[str, float] | None = None, loading: frozenset[str] = frozenset()) -> dict[str, int]:
+        """Report `clients` (name -> (wanted, rank)); `held` defaults to the lease it has (it adopted it);
+        `loading`: those clients are still reading their samples."""
         demand = ModelDemand(model=model, clients=tuple(
-            ClientDemand(client=c, wanted=w, rank=r, weight=(weights or {}).get(c, 1.0))
+            ClientDemand(client=c, wanted=w, rank=r, weight=(weights or {}).get(c, 1.0), loading=c in loading)
             for c, (w, r) in (clients or {}).items()))
         self.broker.report(DemandReport(
             holder=holder, models=(demand,) if clients else (), inflight=inflight or {},
@@ -64,6 +65,33 @@ def test_shortest_first_across_processes_gives_the_least_work_left_every_slot_it
     assert total(shrunk) == 3 and total(b.report("long", {"big": (32, 900.0)})) == 0
     b.report("short", {"small": (3, 50.0)}, inflight={"s0": 2, "s1": 1})
     assert total(b.report("long", {"big": (32, 900.0)})) == 5
+
+
+def test_an_eval_still_loading_its_samples_shares_the_first_class_of_the_order() -> None:
+    # Four evals started together in four processes (the fair order): the first to load has every slot only
+    # until the others say they are loading; each then holds a quarter, as in one process.
+    b = Broker()
+    assert total(b.report("p0", {"long_a": (40, 0.0)})) == 8
+    for holder in ("p1", "p2", "p3"):
+        b.report(holder, {holder: (64, 0.0)}, loading=frozenset({holder}))
+    b.report("p0", {"long_a": (40, 0.0)})
+    assert [total(b.report(h, {h: (64, 0.0)}, loading=frozenset({h}))) for h in ("p1", "p2", "p3")] == [2, 2, 2]
+    assert total(b.slots("p0")) == 2
+    # Under shortest_first its rank says nothing yet: it shares the first class (here the short eval's), ahead of
+    # the long eval, and behind nobody.
+    s = Broker()
+    s.report("long", {"big": (40, 900.0)})
+    s.report("short", {"small": (40, 50.0)}, inflight={})
+    s.report("long", {"big": (40, 900.0)})
+    assert total(s.report("short", {"small": (40, 50.0)})) == 8 and total(s.slots("long")) == 0
+    s.report("new", {"fresh": (64, 0.0)}, loading=frozenset({"fresh"}))
+    s.report("short", {"small": (40, 50.0)})
+    assert total(s.report("new", {"fresh": (64, 0.0)}, loading=frozenset({"fresh"}))) == 4
+    assert total(s.slots("short")) == 4 and total(s.slots("long")) == 0
+    # Loaded, it reports its work left: the order decides again (here it has more left than the short eval).
+    s.report("new", {"fresh": (64, 300.0)})
+    s.report("short", {"small": (40, 50.0)})
+    assert total(s.report("new", {"fresh": (64, 300.0)})) == 0 and total(s.slots("short")) == 8
 
 
 def test_equal_ranks_share_by_weight_and_never_more_than_the_capacity() -> None:
