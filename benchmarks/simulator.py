@@ -477,7 +477,8 @@ class SimRegistry:
         world.listeners.append(self._servers)
 
     def _servers(self) -> None:
-        self.service.set_servers(LeaseServer(sim.id, MODEL, sim.profile.max_running if sim.alive else 0)
+        self.service.set_servers(LeaseServer(sim.id, MODEL, sim.profile.max_running if sim.alive else 0,
+                                             sim.healthy_entry().kind)
                                  for sim in self._world.servers.values())
 
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:

@@ -29,6 +29,7 @@ from fedpool.federation.clientbook import ClientBook
 from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
 from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed
 from fedpool.federation.grants import CLIENT_TTL_S, GrantPass
+from fedpool.federation.horizon import client_size, kind_costs
 from fedpool.federation.learning import HedgeTimer
 from fedpool.federation.ledger import InflightLedger, StallClock
 from fedpool.federation.policies import DispatchState, Policy
@@ -217,10 +218,15 @@ class Dispatcher(GrantPass):
                 per[client] = n
                 if still_loading:
                     loading.add(client)
+        snapshot = self._snapshots() if wanted else None
+        entries = snapshot.entries if snapshot is not None else ()
         return tuple(ModelDemand(model=model, clients=tuple(
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
                          served_s=None if c in loading else clients.served_s(c, now), loading=c in loading)
-            for c, n in sorted(per.items()))) for model, per in sorted(wanted.items()) if per)
+            for c, n in sorted(per.items())), kind_costs=kind_costs(
+                (e for e in entries if e.record.model == model),
+                ((n, size) for c, n in per.items() if (size := client_size(clients.shape(c))) is not None)))
+            for model, per in sorted(wanted.items()) if per)
 
     def served_totals(self) -> tuple[float, float]:
         """Every answer's work (prompt + 2 × completion tokens) and the engine slot-seconds they held."""

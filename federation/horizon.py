@@ -125,11 +125,13 @@ class Horizons:
         for them while others could serve); O(clients × kinds + servers)."""
         self.refreshes += 1
         for kind in horizon.kinds.values():
-            kind.open = any(m.admits for m in kind.members)
             # The slots this process may use: a leasing process (many share the servers) spreads its own work
             # over its leases, not over every server's capacity (its horizon would be its share's, tiny, and
             # hold its requests off every kind but the cheapest while its leases there sit idle).
             kind.slots = sum(max(1, m.capacity) if m.lease is None else m.lease for m in kind.members)
+            # A kind where it leases nothing is not one to hold requests for: the broker places a process's slots
+            # on the kinds its work suits (registry/leases.py), and may place none on its cheapest.
+            kind.open = kind.slots > 0 and any(m.admits for m in kind.members)
         kinds = {k: kind for k, kind in horizon.kinds.items() if kind.open} or horizon.kinds
         cheapest = 0.0
         on_kind = dict.fromkeys(kinds, 0.0)
@@ -164,6 +166,22 @@ def client_size(shape: Any) -> tuple[float, float] | None:
     if shape is None:
         return None
     return float(shape.prompt_tokens), float(shape.max_tokens or DEFAULT_ANSWER_TOKENS)
+
+
+def kind_costs(entries: Iterable[Any], sizes: Iterable[tuple[int, tuple[float, float]]]) -> dict[str, float]:
+    """Kind -> the data-sheet price of the mean request among `sizes` ((requests, (prompt, answer tokens)) per
+    client) on one server of that kind, over the routable `entries` of one model: what the lease broker needs to
+    place a process's slots on the kinds its work suits (registry/leases.py). Empty with fewer than two kinds or
+    no size known. O(entries + kinds × clients)."""
+    costs: dict[str, ServerCost] = {}
+    for entry in entries:
+        if entry.status.routable and entry.capacity > 0 and kind_key(entry) not in costs:
+            costs[kind_key(entry)] = server_cost(entry)
+    known = [(n, size) for n, size in sizes if n > 0]
+    if len(costs) < 2 or not known:
+        return {}
+    total = sum(n for n, _ in known)
+    return {k: sum(n * cost.of(*size) for n, size in known) / total for k, cost in costs.items()}
 
 
 def free_in_kinds(route: Any, kinds: Sequence[str], limit: int, rng: Any) -> list[Any]:

@@ -53,7 +53,7 @@ class ServerCost:
 
 def kind_key(server: ServerEntry) -> str:
     """A server's kind, for the plan's columns and the horizon: its accelerator, GPU count and capacity."""
-    return f"{server.record.accelerator}x{server.record.gpu_count}/{server.capacity}"
+    return server.kind
 
 
 def server_cost(entry: ServerEntry) -> ServerCost:

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import heapq
 import math
+import statistics
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +84,9 @@ class ModelDemand(BaseModel):
 
     model: str = Field(min_length=1)
     clients: tuple[ClientDemand, ...] = ()
+    # Server kind (`snapshot.server_kind`) -> what one of this holder's requests costs on a server of that kind
+    # (any unit; only the ratios between kinds count): its slots are placed on the kinds its work suits.
+    kind_costs: dict[str, float] = Field(default_factory=dict)
 
 
 class DemandReport(BaseModel):
@@ -120,6 +124,7 @@ class LeaseServer:
     id: str
     model: str
     capacity: int
+    kind: str = ""  # `snapshot.server_kind`: servers of one kind cost a request the same
 
 
 @dataclass
@@ -216,7 +221,7 @@ class LeaseBroker:
         new: dict[str, dict[str, int]] = {h: {} for h in self._holders}
         for model, servers in by_model.items():
             wants = _whole(self._entitlements(model, sum(s.capacity for s in servers)))
-            for holder_id, slots in self._spread(servers, wants, learning).items():
+            for holder_id, slots in self._spread(model, servers, wants, learning).items():
                 new[holder_id].update(slots)
         changed = set()
         for holder_id, holder in self._holders.items():
@@ -289,16 +294,64 @@ class LeaseBroker:
                 out[holder_id] += left * n / total
         return out
 
-    def _spread(self, servers: list[LeaseServer], wants: Mapping[str, float],
+    def _kind_targets(self, model: str, servers: list[LeaseServer],
+                      wants: Mapping[str, float]) -> dict[str, dict[str, float]]:
+        """Holder -> server kind -> slots of its entitlement to place there. The kinds the entitlements fill are
+        the ones the holders' work runs best on (a pool with room to spare leaves its slowest kind idle); each is
+        given, the slowest first, to the holders whose requests cost least there (`ModelDemand.kind_costs`, on the
+        data sheets' one scale; a holder that sent none counts as the median one), so no long request lands on a
+        slow server — one process's horizon sends there only what cannot become the run's straggler
+        (federation/horizon.py). Placed by capacity alone, 64 processes' captions ran on the A100s and their videos
+        on the V100s, and the V100s carried 37% of the work the ideal gives them (scale_sim_processes.md); placed by
+        each holder's relative speed alone, the V100s took the long answers. O(holders × kinds × log holders)."""
+        capacity: dict[str, int] = {}
+        for server in servers:
+            capacity[server.kind] = capacity.get(server.kind, 0) + server.capacity
+        holders = sorted(h for h, w in wants.items() if w > 0)
+        if len(capacity) < 2:
+            return {h: {k: wants[h] for k in capacity} for h in holders}
+        cost: dict[str, dict[str, float]] = {}
+        for holder_id in holders:
+            costs = next((d.kind_costs for d in self._holders[holder_id].report.models if d.model == model), {})
+            if all(costs.get(k, 0.0) > 0 for k in capacity):
+                cost[holder_id] = {k: costs[k] for k in capacity}
+        median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
+        for holder_id in holders:
+            cost.setdefault(holder_id, median)
+        total = sum(wants[h] for h in holders)
+        # A kind's speed for this work: the holders' cheapest cost over their cost there, weighted by their wants.
+        speed = {k: sum(wants[h] * min(cost[h].values()) / cost[h][k] for h in holders) / total if total else 1.0
+                 for k in capacity}
+        used: dict[str, float] = {}
+        left = total
+        for kind in sorted(capacity, key=lambda k: (-speed[k], k)):
+            used[kind] = min(float(capacity[kind]), left)
+            left -= used[kind]
+        remaining = {h: wants[h] for h in holders}
+        out: dict[str, dict[str, float]] = {h: {} for h in holders}
+        for kind in sorted(used, key=lambda k: (speed[k], k)):
+            room = used[kind]
+            for holder_id in sorted(holders, key=lambda h: (cost[h][kind], h)):
+                if room <= 1e-9:
+                    break
+                give = min(room, remaining[holder_id])
+                if give > 0:
+                    out[holder_id][kind] = give
+                    remaining[holder_id] -= give
+                    room -= give
+        return out
+
+    def _spread(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool) -> dict[str, dict[str, int]]:
         """Holder -> server -> whole slots. Each holder first keeps the slots it uses (in flight; then leased, up to
         its fair spread) up to its entitlement — leases are sticky, no churn of servers between holders — then the
         rest is dealt one slot at a time, the holder with the most still owed first, onto the server with the most
-        room where it is under its spread: each holder spread over the servers, each server's slots never granted
-        twice. A slot another holder may be using — its last lease, the lease it says it holds, or its work in
-        flight — is not room: a lease shrinks first and the slots move once its holder has let them go.
-        O(holders' servers + slots dealt × log servers)."""
+        room where it is under its spread: each holder spread over the servers of the kinds its work suits
+        (`_kind_targets`), each server's slots never granted twice. A slot another holder may be using — its last
+        lease, the lease it says it holds, or its work in flight — is not room: a lease shrinks first and the slots
+        move once its holder has let them go. O(holders' servers + slots dealt × log servers)."""
         capacity = {s.id: s.capacity for s in servers}
+        kind_of = {s.id: s.kind for s in servers}
         occupied: dict[str, dict[str, int]] = {}
         used = dict.fromkeys(capacity, 0)
         for holder_id, holder in self._holders.items():
@@ -314,13 +367,19 @@ class LeaseBroker:
                 used[sid] += n
         if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
+        targets = self._kind_targets(model, servers, wants)
+        kind_capacity: dict[str, int] = {}
+        for server in servers:
+            kind_capacity[server.kind] = kind_capacity.get(server.kind, 0) + server.capacity
         out: dict[str, dict[str, int]] = {h: {} for h in self._holders}
         owed: list[tuple[int, str]] = []
-        total_capacity = sum(capacity.values()) or 1
 
-        def fair(want: float, sid: str) -> int:
-            """A holder's fair spread on a server: its entitlement in proportion to the server's capacity."""
-            return math.ceil(want * capacity[sid] / total_capacity - 1e-9)
+        def fair(holder_id: str, sid: str) -> int:
+            """A holder's fair spread on a server: its entitlement on the server's kind in proportion to the server's
+            capacity."""
+            kind = kind_of[sid]
+            target = targets.get(holder_id, {}).get(kind, 0.0)
+            return math.ceil(target * capacity[sid] / (kind_capacity[kind] or 1) - 1e-9)
 
         for holder_id, want in wants.items():
             left = int(want)
@@ -339,36 +398,63 @@ class LeaseBroker:
                         continue
                     keep = min(n - grant.get(sid, 0), left)
                     if spread:
-                        keep = min(keep, fair(want, sid) - grant.get(sid, 0))
+                        keep = min(keep, fair(holder_id, sid) - grant.get(sid, 0))
                     if keep > 0:
                         grant[sid] = grant.get(sid, 0) + keep
                         left -= keep
             if left > 0:
                 owed.append((-left, holder_id))
-        rooms = [(used[sid] - cap, sid) for sid, cap in capacity.items() if cap > used[sid]]
-        heapq.heapify(rooms)
+        rooms: dict[str, list[tuple[int, str]]] = {}  # kind -> (-room, server), the most room first
+        for sid, cap in capacity.items():
+            if cap > used[sid]:
+                rooms.setdefault(kind_of[sid], []).append((used[sid] - cap, sid))
+        for heap in rooms.values():
+            heapq.heapify(heap)
         heapq.heapify(owed)
-        while owed and rooms:
-            minus_left, holder_id = heapq.heappop(owed)
+        placed: dict[str, dict[str, int]] = {}  # holder -> kind -> slots granted there so far
+
+        def room_in(holder_id: str) -> tuple[tuple[int, str], list[tuple[int, str]]] | None:
+            """The server to deal the holder's next slot onto: in the kind where it is owed most of its target
+            (then any with room), the one with the most room where it is under its fair spread (among the
+            SPREAD_LOOK with the most room), else the one with the most room."""
             grant = out[holder_id]
-            # The server with the most room where the holder is under its fair spread (among the SPREAD_LOOK with
-            # the most room), else the one with the most room.
-            looked: list[tuple[int, str]] = []
-            chosen = None
-            while rooms and len(looked) < SPREAD_LOOK:
-                room = heapq.heappop(rooms)
-                if grant.get(room[1], 0) < fair(wants[holder_id], room[1]):
-                    chosen = room
-                    break
-                looked.append(room)
-            if chosen is None:
-                chosen = looked.pop(0)
-            for room in looked:
-                heapq.heappush(rooms, room)
-            minus_room, sid = chosen
+            mine = placed.setdefault(holder_id, {})
+            if not mine:
+                for sid, n in grant.items():
+                    mine[kind_of[sid]] = mine.get(kind_of[sid], 0) + n
+            target = targets.get(holder_id, {})
+            order = sorted((k for k in rooms if rooms[k]), key=lambda k: (mine.get(k, 0) - target.get(k, 0.0), k))
+            for kind in order:
+                heap = rooms[kind]
+                looked: list[tuple[int, str]] = []
+                chosen = None
+                while heap and len(looked) < SPREAD_LOOK:
+                    room = heapq.heappop(heap)
+                    if grant.get(room[1], 0) < fair(holder_id, room[1]):
+                        chosen = room
+                        break
+                    looked.append(room)
+                for room in looked:
+                    heapq.heappush(heap, room)
+                if chosen is not None:
+                    return chosen, heap
+            if not order:
+                return None
+            heap = rooms[order[0]]
+            return heapq.heappop(heap), heap
+
+        while owed:
+            minus_left, holder_id = heapq.heappop(owed)
+            found = room_in(holder_id)
+            if found is None:
+                break
+            (minus_room, sid), heap = found
+            grant = out[holder_id]
             grant[sid] = grant.get(sid, 0) + 1
+            mine = placed[holder_id]
+            mine[kind_of[sid]] = mine.get(kind_of[sid], 0) + 1
             if minus_room + 1 < 0:
-                heapq.heappush(rooms, (minus_room + 1, sid))
+                heapq.heappush(heap, (minus_room + 1, sid))
             if minus_left + 1 < 0:
                 heapq.heappush(owed, (minus_left + 1, holder_id))
         return out

@@ -83,6 +83,12 @@ def _none(value: float) -> float | None:
     return None if value != value else value  # NaN marks "not reported"
 
 
+def server_kind(record: ServerRecord, capacity: int) -> str:
+    """A server's kind: its accelerator, GPU count and capacity. Servers of one kind cost a request the same (the
+    plan's columns, the horizon's kinds, and the lease broker's: which processes' work suits which servers)."""
+    return f"{record.accelerator}x{record.gpu_count}/{capacity}"
+
+
 @dataclass(frozen=True, slots=True)
 class ServerEntry:
     """A server as a client sees it in one snapshot."""
@@ -108,6 +114,10 @@ class ServerEntry:
     @property
     def engine(self) -> Engine:
         return self.record.engine
+
+    @property
+    def kind(self) -> str:
+        return server_kind(self.record, self.capacity)
 
     def describe(self) -> dict[str, Any]:
         """The server as `fedpool server list | show | add | drain --json` print it: JSON-ready, no secrets."""

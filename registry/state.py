@@ -19,6 +19,7 @@ from fedpool.registry.snapshot import (
     ServerStatus,
     WireRow,
     entry_from_row,
+    server_kind,
 )
 from fedpool.registry.status import StatusThresholds, derive_status
 from fedpool.registry.weights import prior_weight
@@ -230,7 +231,8 @@ class RegistryState:
 
     def lease_servers(self) -> list[LeaseServer]:
         """Every server as the lease broker shares it: its slots while routable, none otherwise."""
-        return [LeaseServer(sid, s.record.model, s.capacity if s.status.routable else 0)
+        return [LeaseServer(sid, s.record.model, s.capacity if s.status.routable else 0,
+                            server_kind(s.record, s.capacity))
                 for sid, s in sorted(self._servers.items())]
 
     def get(self, server_id: str) -> ServerEntry:

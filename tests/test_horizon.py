@@ -57,6 +57,24 @@ def test_long_answers_stay_off_the_slow_kind_until_it_is_all_that_serves() -> No
     assert allowed(horizons, route, "text", now=1.0) == ("V100x1/16",)
 
 
+def test_a_leasing_process_holds_nothing_for_a_kind_it_leases_nothing_on() -> None:
+    # The broker placed this process's slots on the V100s only (its work suits them best beside the others'):
+    # long answers are not held for the A100s, where it may send nothing.
+    route = Route([server(i, "A100") for i in range(4)] + [server(i, "V100") for i in range(4)],
+                  queues={"text": [0] * 100})
+    for state in route.servers:
+        state.lease = 0 if state.entry.record.accelerator == "A100" else 16
+    horizons = Horizons(margin=HORIZON_MARGIN)
+    assert allowed(horizons, route, "text") == ("V100x1/16",)
+    # Leased one A100 slot, its horizon is that of its own slots, mostly V100s: both kinds take its text.
+    route.servers[0].lease = 1
+    assert set(allowed(horizons, route, "text", now=1.0)) == {"A100x1/16", "V100x1/16"}
+    # Leased the A100s and not the V100s: only the A100s.
+    for state in route.servers:
+        state.lease = 16 if state.entry.record.accelerator == "A100" else 0
+    assert allowed(horizons, route, "text", now=2.0) == ("A100x1/16",)
+
+
 def test_one_kind_or_unknown_shapes_keep_nothing_off() -> None:
     horizons = Horizons()
     route = Route([server(i, "A100") for i in range(3)], queues={"text": [0] * 10})

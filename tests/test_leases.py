@@ -251,3 +251,23 @@ def test_a_lease_sent_but_not_yet_acknowledged_is_not_room_for_another_holder() 
     lease_a = b.slots("a")  # (what a may still use: the lease it holds, or its requests in flight)
     for sid, in_flight in (("s0", 1), ("s1", 2)):  # every slot used once, none idle
         assert max(lease_a.get(sid, 0), in_flight) + b.slots("b").get(sid, 0) + b.slots("c").get(sid, 0) == 4
+
+
+def test_slots_are_placed_on_the_kinds_each_holder_s_work_suits() -> None:
+    """Two kinds (a fast one of 8 slots, a slow one of 8): the holder whose requests are short gets the slow kind,
+    the one with long requests the fast kind — by their costs there, not by capacity alone (each half on each)."""
+    b = LeaseBroker(lambda: 100.0, restarted=False)
+    b.set_servers([LeaseServer("a0", "m", 4, "A100x1/4"), LeaseServer("a1", "m", 4, "A100x1/4"),
+                   LeaseServer("v0", "m", 4, "V100x1/4"), LeaseServer("v1", "m", 4, "V100x1/4")])
+
+    def report(holder: str, costs: dict[str, float]) -> None:
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=holder, wanted=40),), kind_costs=costs)
+        b.report(DemandReport(holder=holder, models=(demand,), held=dict(b.lease(holder).slots),
+                              broker=b.incarnation))
+
+    for _ in range(2):  # (each adopts its lease in turn)
+        report("captions", {"A100x1/4": 0.2, "V100x1/4": 0.5})
+        report("long-answers", {"A100x1/4": 3.0, "V100x1/4": 7.0})
+        b.reshare()
+    assert dict(b.lease("captions").slots) == {"v0": 4, "v1": 4}
+    assert dict(b.lease("long-answers").slots) == {"a0": 4, "a1": 4}
