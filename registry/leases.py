@@ -57,6 +57,8 @@ MAX_UNACKED = 32  # leases kept per holder that it has not said it received (a s
 SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
+HORIZON_MARGIN = 0.2  # a holder may use a kind where its requests take at most (1 - this) × the pool's horizon ...
+CHEAPEST_TIE = 0.05  # ... or within this of its cheapest kind's price (federation/horizon.py: the same rule)
 
 
 class ClientDemand(BaseModel):
@@ -294,28 +296,44 @@ class LeaseBroker:
                 out[holder_id] += left * n / total
         return out
 
-    def _kind_targets(self, model: str, servers: list[LeaseServer],
-                      wants: Mapping[str, float]) -> dict[str, dict[str, float]]:
-        """Holder -> server kind -> slots of its entitlement to place there. The kinds the entitlements fill are
-        the ones the holders' work runs best on (a pool with room to spare leaves its slowest kind idle); each is
-        given, the slowest first, to the holders whose requests cost least there (`ModelDemand.kind_costs`, on the
-        data sheets' one scale; a holder that sent none counts as the median one), so no long request lands on a
-        slow server — one process's horizon sends there only what cannot become the run's straggler
-        (federation/horizon.py). Placed by capacity alone, 64 processes' captions ran on the A100s and their videos
-        on the V100s, and the V100s carried 37% of the work the ideal gives them (scale_sim_processes.md); placed by
-        each holder's relative speed alone, the V100s took the long answers. O(holders × kinds × log holders)."""
+    def _kind_targets(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float]
+                      ) -> tuple[dict[str, dict[str, float]], dict[str, set[str]]]:
+        """(Holder -> server kind -> slots of its entitlement to place there, holder -> the kinds it may be placed
+        on at all). A holder may use a kind where its requests take at most (1 − HORIZON_MARGIN) × the horizon —
+        the fluid bound of every holder's work (`ModelDemand.kind_costs` × its clients' requests, each at its
+        cheapest, over every kind's slots at the speed the mix runs there) — or its cheapest kinds: one process's
+        rule for its own clients (federation/horizon.py) across processes, so no request lands where it would
+        become the run's straggler (without it, 64 processes' videos went to the V100s as the captions there ended
+        and ran to 2.7× the ideal). The kinds the entitlements fill are the ones the work runs best on; each is
+        given, the slowest first, to the holders whose requests cost least there, among those that may use it (a
+        holder that sent no costs counts as the median one and may use every kind). Placed by capacity alone,
+        64 processes' captions ran on the A100s and their videos on the V100s (scale_sim_processes.md).
+        O(holders × kinds × log holders)."""
         capacity: dict[str, int] = {}
         for server in servers:
             capacity[server.kind] = capacity.get(server.kind, 0) + server.capacity
         holders = sorted(h for h, w in wants.items() if w > 0)
         if len(capacity) < 2:
-            return {h: {k: wants[h] for k in capacity} for h in holders}
+            return {h: {k: wants[h] for k in capacity} for h in holders}, {}
         cost: dict[str, dict[str, float]] = {}
+        work: dict[str, float] = {}  # requests waiting and in flight
         for holder_id in holders:
-            costs = next((d.kind_costs for d in self._holders[holder_id].report.models if d.model == model), {})
+            demand = next((d for d in self._holders[holder_id].report.models if d.model == model), None)
+            costs = demand.kind_costs if demand is not None else {}
             if all(costs.get(k, 0.0) > 0 for k in capacity):
                 cost[holder_id] = {k: costs[k] for k in capacity}
+                work[holder_id] = float(sum(c.wanted for c in demand.clients)) if demand is not None else 0.0
         median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
+        # The horizon: Σ requests × their cheapest price over Σ kind slots × (cheapest ÷ price there).
+        cheapest = sum(work[h] * min(cost[h].values()) for h in work)
+        on_kind = {k: sum(work[h] * cost[h][k] for h in work) for k in capacity}
+        slots = sum(capacity[k] * cheapest / on_kind[k] for k in capacity if on_kind[k] > 0)
+        horizon = cheapest / slots if cheapest > 0 and slots > 0 else math.inf
+        allowed: dict[str, set[str]] = {}
+        for holder_id, costs in cost.items():
+            best = min(costs.values())
+            limit = max(horizon * (1 - HORIZON_MARGIN), best * (1 + CHEAPEST_TIE))
+            allowed[holder_id] = {k for k, c in costs.items() if c <= limit}
         for holder_id in holders:
             cost.setdefault(holder_id, median)
         total = sum(wants[h] for h in holders)
@@ -328,18 +346,20 @@ class LeaseBroker:
             used[kind] = min(float(capacity[kind]), left)
             left -= used[kind]
         remaining = {h: wants[h] for h in holders}
+        room = dict(used)
         out: dict[str, dict[str, float]] = {h: {} for h in holders}
         for kind in sorted(used, key=lambda k: (speed[k], k)):
-            room = used[kind]
             for holder_id in sorted(holders, key=lambda h: (cost[h][kind], h)):
-                if room <= 1e-9:
+                if room[kind] <= 1e-9:
                     break
-                give = min(room, remaining[holder_id])
+                if holder_id in allowed and kind not in allowed[holder_id]:
+                    continue
+                give = min(room[kind], remaining[holder_id])
                 if give > 0:
-                    out[holder_id][kind] = give
+                    out[holder_id][kind] = out[holder_id].get(kind, 0.0) + give
                     remaining[holder_id] -= give
-                    room -= give
-        return out
+                    room[kind] -= give
+        return out, allowed
 
     def _spread(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool) -> dict[str, dict[str, int]]:
@@ -367,7 +387,7 @@ class LeaseBroker:
                 used[sid] += n
         if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
-        targets = self._kind_targets(model, servers, wants)
+        targets, allowed = self._kind_targets(model, servers, wants)
         kind_capacity: dict[str, int] = {}
         for server in servers:
             kind_capacity[server.kind] = kind_capacity.get(server.kind, 0) + server.capacity
@@ -423,7 +443,9 @@ class LeaseBroker:
                 for sid, n in grant.items():
                     mine[kind_of[sid]] = mine.get(kind_of[sid], 0) + n
             target = targets.get(holder_id, {})
-            order = sorted((k for k in rooms if rooms[k]), key=lambda k: (mine.get(k, 0) - target.get(k, 0.0), k))
+            usable = allowed.get(holder_id)  # (None: every kind)
+            order = sorted((k for k in rooms if rooms[k] and (usable is None or k in usable)),
+                           key=lambda k: (mine.get(k, 0) - target.get(k, 0.0), k))
             for kind in order:
                 heap = rooms[kind]
                 looked: list[tuple[int, str]] = []
@@ -446,8 +468,8 @@ class LeaseBroker:
         while owed:
             minus_left, holder_id = heapq.heappop(owed)
             found = room_in(holder_id)
-            if found is None:
-                break
+            if found is None:  # no room on a kind it may use: the rest of its entitlement stays idle
+                continue
             (minus_room, sid), heap = found
             grant = out[holder_id]
             grant[sid] = grant.get(sid, 0) + 1

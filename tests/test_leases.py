@@ -271,3 +271,32 @@ def test_slots_are_placed_on_the_kinds_each_holder_s_work_suits() -> None:
         b.reshare()
     assert dict(b.lease("captions").slots) == {"v0": 4, "v1": 4}
     assert dict(b.lease("long-answers").slots) == {"a0": 4, "a1": 4}
+
+
+def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_horizon() -> None:
+    """The horizon rule of one process (federation/horizon.py) across processes: few requests left everywhere, a
+    slow kind's price for long answers is past (1 - margin) × the pool's horizon, so their holder gets no slot there
+    — the slow kind sits the tail out — while short requests may still go there."""
+    b = LeaseBroker(lambda: 100.0, restarted=False)
+    b.set_servers([LeaseServer("a0", "m", 4, "A100x1/4"), LeaseServer("v0", "m", 4, "V100x1/4"),
+                   LeaseServer("v1", "m", 4, "V100x1/4")])
+
+    def report(holder: str, wanted: int, costs: dict[str, float]) -> dict[str, int]:
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=holder, wanted=wanted),), kind_costs=costs)
+        b.report(DemandReport(holder=holder, models=(demand,), held=dict(b.lease(holder).slots),
+                              broker=b.incarnation))
+        b.reshare()
+        return dict(b.lease(holder).slots)
+
+    # Two long answers left (3 s on the fast kind, 7 s on the slow one) and 8 short requests: the horizon is about
+    # (2 × 3 + 8 × 0.2) / 12 slots ≈ 0.6 s; the long answers may use only the fast kind, the short ones both.
+    for _ in range(2):
+        long_slots = report("long", 2, {"A100x1/4": 3.0, "V100x1/4": 7.0})
+        short_slots = report("short", 8, {"A100x1/4": 0.2, "V100x1/4": 0.5})
+    assert set(long_slots) == {"a0"} and 2 <= long_slots["a0"] <= 4
+    assert sum(short_slots.values()) >= 8 and set(short_slots) >= {"v0", "v1"}
+    # Alone and wanting more than the fast kind has, long answers still get no slot on the slow kind.
+    b.release("short")
+    b.reshare()
+    assert report("long", 20, {"A100x1/4": 3.0, "V100x1/4": 7.0}) == {"a0": 4}
+
