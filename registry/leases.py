@@ -18,11 +18,13 @@ How slots are shared (one model's servers at a time):
    loaded first. A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the
    holders that want something, in proportion to what they want (work-conserving: a burst needs no round
    trip); a holder that wants nothing holds nothing.
-2. Entitlements are rounded to whole slots (largest remainder) and placed on servers: each holder keeps the
-   slots it has in flight and those it holds up to its fair spread (its entitlement in proportion to each
-   server's capacity; sticky: no churn of servers between holders), and the rest is dealt a slot at a time,
-   the holder owed most first, onto the server with the most room where it is under its spread — each holder
-   spread over the servers.
+2. Entitlements are rounded to whole slots (largest remainder) and placed on servers: on a model served by
+   several server kinds, each holder's entitlement is first split over the kinds its work suits (`_kind_targets`:
+   the slowest kind to the holders whose requests cost least there, none to a holder whose requests would
+   outlast the pool's horizon there); each holder keeps the slots it has in flight and those it holds up to its
+   fair spread (its share of each kind in proportion to each server's capacity; sticky: no churn of servers
+   between holders), and the rest is dealt a slot at a time, the holder owed most first, onto the server with
+   the most room where it is under its spread — each holder spread over the servers of its kinds.
 3. Slots are never granted twice: a slot another holder may be using — the larger of its new lease, the lease
    it still holds (it may not have heard of a smaller one yet), every lease sent to it since the one its last
    report acknowledges, and what it has in flight (in-flight work cannot be taken back) — is not room. So a
