@@ -19,12 +19,13 @@ How slots are shared (one model's servers at a time):
    holders that want something, in proportion to what they want (work-conserving: a burst needs no round
    trip); a holder that wants nothing holds nothing.
 2. Entitlements are rounded to whole slots (largest remainder) and placed on servers: on a model served by
-   several server kinds, each holder's entitlement is first split over the kinds its work suits (`_kind_targets`:
-   the slowest kind to the holders whose requests cost least there, none to a holder whose requests would
-   outlast the pool's horizon there); each holder keeps the slots it has in flight and those it holds up to its
-   fair spread (its share of each kind in proportion to each server's capacity; sticky: no churn of servers
-   between holders), and the rest is dealt a slot at a time, the holder owed most first, onto the server with
-   the most room where it is under its spread — each holder spread over the servers of its kinds.
+   several server kinds, each holder's entitlement is first split over the kinds its work suits
+   (`placement.kind_targets`: the slowest kind to the holders whose requests cost least there, none to a
+   holder whose requests would outlast the pool's horizon there); each holder keeps the slots it has in
+   flight and those it holds up to its fair spread (its share of each kind in proportion to each server's
+   capacity; sticky: no churn of servers between holders), and the rest is dealt a slot at a time, the
+   holder owed most first, onto the server with the most room where it is under its spread — each holder
+   spread over the servers of its kinds.
 3. Slots are never granted twice: a slot another holder may be using — the larger of its new lease, the lease
    it still holds (it may not have heard of a smaller one yet), every lease sent to it since the one its last
    report acknowledges, and what it has in flight (in-flight work cannot be taken back) — is not room. So a
@@ -45,12 +46,13 @@ import asyncio
 import contextlib
 import heapq
 import math
-import statistics
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from fedpool.registry.placement import kind_targets, water_fill, whole
 
 LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
 RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
@@ -59,8 +61,6 @@ MAX_UNACKED = 32  # leases kept per holder that it has not said it received (a s
 SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
-HORIZON_MARGIN = 0.2  # a holder may use a kind where its requests take at most (1 - this) × the pool's horizon ...
-CHEAPEST_TIE = 0.05  # ... or within this of its cheapest kind's price (federation/horizon.py: the same rule)
 
 
 class ClientDemand(BaseModel):
@@ -224,7 +224,7 @@ class LeaseBroker:
         learning = self.learning()
         new: dict[str, dict[str, int]] = {h: {} for h in self._holders}
         for model, servers in by_model.items():
-            wants = _whole(self._entitlements(model, sum(s.capacity for s in servers)))
+            wants = whole(self._entitlements(model, sum(s.capacity for s in servers)))
             for holder_id, slots in self._spread(model, servers, wants, learning).items():
                 new[holder_id].update(slots)
         changed = set()
@@ -284,7 +284,7 @@ class LeaseBroker:
             while j < len(clients) and clients[j][0] - clients[i][0] <= (
                     max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
                 j += 1
-            for (_, holder_id, *_), got in zip(clients[i:j], _water_fill(clients[i:j], left), strict=True):
+            for (_, holder_id, *_), got in zip(clients[i:j], water_fill(clients[i:j], left), strict=True):
                 out[holder_id] = out.get(holder_id, 0.0) + got
                 left -= got
             i = j
@@ -298,80 +298,15 @@ class LeaseBroker:
                 out[holder_id] += left * n / total
         return out
 
-    def _kind_targets(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float]
-                      ) -> tuple[dict[str, dict[str, float]], dict[str, set[str]]]:
-        """(Holder -> server kind -> slots of its entitlement to place there, holder -> the kinds it may be placed
-        on at all). A holder may use a kind where its requests take at most (1 − HORIZON_MARGIN) × the horizon —
-        the fluid bound of every holder's work (`ModelDemand.kind_costs` × its clients' requests, each at its
-        cheapest, over every kind's slots at the speed the mix runs there) — or its cheapest kinds: one process's
-        rule for its own clients (federation/horizon.py) across processes, so no request lands where it would
-        become the run's straggler (without it, 64 processes' videos went to the V100s as the captions there ended
-        and ran to 2.7× the ideal). The kinds the entitlements fill are the ones the work runs best on; each is
-        given, the slowest first, to the holders whose requests cost least there, among those that may use it (a
-        holder that sent no costs counts as the median one and may use every kind). Placed by capacity alone,
-        64 processes' captions ran on the A100s and their videos on the V100s (scale_sim_processes.md).
-        O(holders × kinds × log holders)."""
-        capacity: dict[str, int] = {}
-        for server in servers:
-            capacity[server.kind] = capacity.get(server.kind, 0) + server.capacity
-        holders = sorted(h for h, w in wants.items() if w > 0)
-        if len(capacity) < 2:
-            return {h: {k: wants[h] for k in capacity} for h in holders}, {}
-        cost: dict[str, dict[str, float]] = {}
-        work: dict[str, float] = {}  # requests waiting and in flight
-        for holder_id in holders:
-            demand = next((d for d in self._holders[holder_id].report.models if d.model == model), None)
-            costs = demand.kind_costs if demand is not None else {}
-            if all(costs.get(k, 0.0) > 0 for k in capacity):
-                cost[holder_id] = {k: costs[k] for k in capacity}
-                work[holder_id] = float(sum(c.wanted for c in demand.clients)) if demand is not None else 0.0
-        median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
-        # The horizon: Σ requests × their cheapest price over Σ kind slots × (cheapest ÷ price there).
-        cheapest = sum(work[h] * min(cost[h].values()) for h in work)
-        on_kind = {k: sum(work[h] * cost[h][k] for h in work) for k in capacity}
-        slots = sum(capacity[k] * cheapest / on_kind[k] for k in capacity if on_kind[k] > 0)
-        horizon = cheapest / slots if cheapest > 0 and slots > 0 else math.inf
-        allowed: dict[str, set[str]] = {}
-        for holder_id, costs in cost.items():
-            best = min(costs.values())
-            limit = max(horizon * (1 - HORIZON_MARGIN), best * (1 + CHEAPEST_TIE))
-            allowed[holder_id] = {k for k, c in costs.items() if c <= limit}
-        for holder_id in holders:
-            cost.setdefault(holder_id, median)
-        total = sum(wants[h] for h in holders)
-        # A kind's speed for this work: the holders' cheapest cost over their cost there, weighted by their wants.
-        speed = {k: sum(wants[h] * min(cost[h].values()) / cost[h][k] for h in holders) / total if total else 1.0
-                 for k in capacity}
-        used: dict[str, float] = {}
-        left = total
-        for kind in sorted(capacity, key=lambda k: (-speed[k], k)):
-            used[kind] = min(float(capacity[kind]), left)
-            left -= used[kind]
-        remaining = {h: wants[h] for h in holders}
-        room = dict(used)
-        out: dict[str, dict[str, float]] = {h: {} for h in holders}
-        for kind in sorted(used, key=lambda k: (speed[k], k)):
-            for holder_id in sorted(holders, key=lambda h: (cost[h][kind], h)):
-                if room[kind] <= 1e-9:
-                    break
-                if holder_id in allowed and kind not in allowed[holder_id]:
-                    continue
-                give = min(room[kind], remaining[holder_id])
-                if give > 0:
-                    out[holder_id][kind] = out[holder_id].get(kind, 0.0) + give
-                    remaining[holder_id] -= give
-                    room[kind] -= give
-        return out, allowed
-
     def _spread(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool) -> dict[str, dict[str, int]]:
         """Holder -> server -> whole slots. Each holder first keeps the slots it uses (in flight; then leased, up to
         its fair spread) up to its entitlement — leases are sticky, no churn of servers between holders — then the
         rest is dealt one slot at a time, the holder with the most still owed first, onto the server with the most
         room where it is under its spread: each holder spread over the servers of the kinds its work suits
-        (`_kind_targets`), each server's slots never granted twice. A slot another holder may be using — its last
-        lease, the lease it says it holds, or its work in flight — is not room: a lease shrinks first and the slots
-        move once its holder has let them go. O(holders' servers + slots dealt × log servers)."""
+        (`placement.kind_targets`), each server's slots never granted twice. A slot another holder may be using —
+        its last lease, the lease it says it holds, or its work in flight — is not room: a lease shrinks first and
+        the slots move once its holder has let them go. O(holders' servers + slots dealt × log servers)."""
         capacity = {s.id: s.capacity for s in servers}
         kind_of = {s.id: s.kind for s in servers}
         occupied: dict[str, dict[str, int]] = {}
@@ -389,7 +324,8 @@ class LeaseBroker:
                 used[sid] += n
         if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
-        targets, allowed = self._kind_targets(model, servers, wants)
+        demands = {h: d for h, holder in self._holders.items() for d in holder.report.models if d.model == model}
+        targets, allowed = kind_targets(servers, wants, demands)
         kind_capacity: dict[str, int] = {}
         for server in servers:
             kind_capacity[server.kind] = kind_capacity.get(server.kind, 0) + server.capacity
@@ -548,31 +484,3 @@ class LeaseService:
             if event is not None:
                 event.set()
 
-
-def _whole(wants: Mapping[str, float]) -> dict[str, float]:
-    """Entitlements in whole slots, the fractions given by largest remainder (nothing lost to rounding)."""
-    out = {h: float(math.floor(w + 1e-9)) for h, w in wants.items()}
-    spare = round(sum(wants.values()) - sum(out.values()))
-    for holder in sorted(wants, key=lambda h: (out[h] - wants[h], h))[:max(0, spare)]:
-        out[holder] += 1.0
-    return out
-
-
-def _water_fill(clients: list[tuple[float, str, float, float, bool]], capacity: float) -> list[float]:
-    """Max-min fair by weight: each client gets weight × level, capped at what it wants."""
-    got = [0.0] * len(clients)
-    active = [i for i, c in enumerate(clients) if c[3] > 0]
-    left = capacity
-    while active and left > 1e-9:
-        weight = sum(clients[i][2] for i in active)
-        level = left / weight
-        capped = [i for i in active if clients[i][3] - got[i] <= level * clients[i][2]]
-        if not capped:
-            for i in active:
-                got[i] += level * clients[i][2]
-            return got
-        for i in capped:
-            left -= clients[i][3] - got[i]
-            got[i] = clients[i][3]
-        active = [i for i in active if i not in capped]
-    return got
