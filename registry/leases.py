@@ -479,7 +479,7 @@ class LeaseService:
             holders = set(self.broker.holders())
             for gone in [h for h in self._changed if h not in holders]:
                 del self._changed[gone]
-        for holder in self.broker.reshare():
+        for holder in sorted(self.broker.reshare()):  # (in a fixed order: a set of names iterates by their hash)
             event = self._changed.pop(holder, None)
             if event is not None:
                 event.set()
