@@ -29,11 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpool.federation.pricing import ServerCost, kind_key, server_cost
+from fedpool.registry import HORIZON_MARGIN, fluid_horizon, usable_kinds
 
 HORIZON_REFRESH_S = 0.25  # the horizon is estimated again at most this often (O(clients × kinds))
-HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
-# full-batch price when long prompts share the batch: 0.1 let 20 s answers through at a 15 s bound)
-CHEAPEST_TIE = 0.05  # kinds within this of a request's cheapest price are its cheapest too
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 MAX_ROUTES = 256  # routes whose kinds are kept (a gateway's callers pick models and revisions at will)
 
@@ -133,21 +131,10 @@ class Horizons:
             # on the kinds its work suits (registry/leases.py), and may place none on its cheapest.
             kind.open = kind.slots > 0 and any(m.admits for m in kind.members)
         kinds = {k: kind for k, kind in horizon.kinds.items() if kind.open} or horizon.kinds
-        cheapest = 0.0
-        on_kind = dict.fromkeys(kinds, 0.0)
-        for client, n in demand:
-            size = shape(client)
-            if size is None or n <= 0:
-                continue
-            prices = {k: kind.cost.of(*size) for k, kind in kinds.items()}
-            cheapest += n * min(prices.values())
-            for k, price in prices.items():
-                on_kind[k] += n * price
-        slots = sum(kind.slots * cheapest / on_kind[k] for k, kind in kinds.items() if on_kind[k] > 0)
-        if cheapest > 0 and slots > 0:
-            horizon.horizon = cheapest / slots
-        else:
-            horizon.horizon = float("inf")
+        horizon.horizon = fluid_horizon(
+            {k: float(kind.slots) for k, kind in kinds.items()},
+            ((n, {k: kind.cost.of(*size) for k, kind in kinds.items()})
+             for client, n in demand if n > 0 and (size := shape(client)) is not None))
         horizon.refreshed_at = now
         horizon.allowed.clear()
 
@@ -155,10 +142,7 @@ class Horizons:
         kinds = {k: kind for k, kind in horizon.kinds.items() if kind.open} or horizon.kinds
         if size is None:
             return tuple(kinds)
-        prices = {k: kind.cost.of(*size) for k, kind in kinds.items()}
-        best = min(prices.values())
-        limit = max(horizon.horizon * (1 - self._margin), best * (1 + CHEAPEST_TIE))
-        return tuple(k for k, price in prices.items() if price <= limit)
+        return usable_kinds({k: kind.cost.of(*size) for k, kind in kinds.items()}, horizon.horizon, self._margin)
 
 
 def client_size(shape: Any) -> tuple[float, float] | None:
@@ -175,8 +159,8 @@ def kind_costs(entries: Iterable[Any], sizes: Iterable[tuple[int, tuple[float, f
     no size known. O(entries + kinds × clients)."""
     costs: dict[str, ServerCost] = {}
     for entry in entries:
-        if entry.status.routable and entry.capacity > 0 and kind_key(entry) not in costs:
-            costs[kind_key(entry)] = server_cost(entry)
+        if entry.status.routable and entry.capacity > 0 and entry.kind not in costs:
+            costs[entry.kind] = server_cost(entry)
     known = [(n, size) for n, size in sizes if n > 0]
     if len(costs) < 2 or not known:
         return {}

@@ -20,6 +20,7 @@ from fedpool.registry.leases import (
     LeaseService,
     ModelDemand,
 )
+from fedpool.registry.placement import CHEAPEST_TIE, HORIZON_MARGIN, fluid_horizon, usable_kinds
 from fedpool.registry.records import Engine, ServerRecord
 from fedpool.registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
 from fedpool.registry.watcher import PoolRegistry, SnapshotWatcher
@@ -42,6 +43,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ACCELERATOR_ROOFLINE",
     "ACCELERATOR_SPEED",
+    "CHEAPEST_TIE",
+    "HORIZON_MARGIN",
     "NAMESPACE",
     "REGISTRY_NAME",
     "AuthError",
@@ -70,5 +73,7 @@ __all__ = [
     "UnknownServerError",
     "accelerator_roofline",
     "adapter_for",
+    "fluid_horizon",
     "prior_weight",
+    "usable_kinds",
 ]

@@ -6,14 +6,38 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fedpool.registry.leases import LeaseServer, ModelDemand
 
-HORIZON_MARGIN = 0.2  # a holder may use a kind where its requests take at most (1 - this) × the pool's horizon ...
-CHEAPEST_TIE = 0.05  # ... or within this of its cheapest kind's price (federation/horizon.py: the same rule)
+# The horizon rule, one for a process's own clients (federation/horizon.py) and for the broker's holders:
+HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
+# full-batch price when long prompts share the batch: 0.1 let 20 s answers through at a 15 s bound)
+CHEAPEST_TIE = 0.05  # kinds within this of a request's cheapest price are its cheapest too
+
+
+def fluid_horizon(slots: Mapping[str, float], demand: Iterable[tuple[float, Mapping[str, float]]]) -> float:
+    """The fluid bound of some work over some kinds: Σ requests × their cheapest price ÷ every kind's slots at
+    the speed the mix runs there (its slots × the cheapest work ÷ the work priced there). `demand`: (requests, price
+    on each kind of `slots`) per client; inf with no work. O(clients × kinds)."""
+    cheapest = 0.0
+    on_kind = dict.fromkeys(slots, 0.0)
+    for n, prices in demand:
+        cheapest += n * min(prices.values())
+        for k, price in prices.items():
+            on_kind[k] += n * price
+    total = sum(n * cheapest / on_kind[k] for k, n in slots.items() if on_kind[k] > 0)
+    return cheapest / total if cheapest > 0 and total > 0 else math.inf
+
+
+def usable_kinds(prices: Mapping[str, float], horizon: float, margin: float = HORIZON_MARGIN) -> tuple[str, ...]:
+    """The kinds where a request priced `prices` takes at most (1 − margin) × `horizon` — it cannot become the
+    run's straggler there — or its cheapest (within CHEAPEST_TIE), in the order of `prices`."""
+    best = min(prices.values())
+    limit = max(horizon * (1 - margin), best * (1 + CHEAPEST_TIE))
+    return tuple(k for k, price in prices.items() if price <= limit)
 
 
 def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], demands: Mapping[str, ModelDemand]
@@ -44,16 +68,8 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
             cost[holder_id] = {k: costs[k] for k in capacity}
             work[holder_id] = float(sum(c.wanted for c in demand.clients)) if demand is not None else 0.0
     median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
-    # The horizon: Σ requests × their cheapest price over Σ kind slots × (cheapest ÷ price there).
-    cheapest = sum(work[h] * min(cost[h].values()) for h in work)
-    on_kind = {k: sum(work[h] * cost[h][k] for h in work) for k in capacity}
-    slots = sum(capacity[k] * cheapest / on_kind[k] for k in capacity if on_kind[k] > 0)
-    horizon = cheapest / slots if cheapest > 0 and slots > 0 else math.inf
-    allowed: dict[str, set[str]] = {}
-    for holder_id, costs in cost.items():
-        best = min(costs.values())
-        limit = max(horizon * (1 - HORIZON_MARGIN), best * (1 + CHEAPEST_TIE))
-        allowed[holder_id] = {k for k, c in costs.items() if c <= limit}
+    horizon = fluid_horizon({k: float(n) for k, n in capacity.items()}, ((work[h], cost[h]) for h in work))
+    allowed = {holder_id: set(usable_kinds(costs, horizon)) for holder_id, costs in cost.items()}
     for holder_id in holders:
         cost.setdefault(holder_id, median)
     total = sum(wants[h] for h in holders)
