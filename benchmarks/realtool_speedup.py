@@ -22,8 +22,10 @@ With `--work-dir`, each lm-eval arm leaves `ARM-timeline.json` beside its logs: 
 answered (seconds from the start gate's release), the server that answered (the gateway's `X-Fedpool-Server`)].
 
 Writes benchmarks/results/realtool_speedup.md, ending with
-`result: tool=lm-eval processes=N repeats=N speedup_makespan=X vs_balanced=X answers_same_pct=X`
-(the unequal pair at the first gateway concurrency).
+`result: tool=lm-eval processes=N repeats=N speedup_makespan=X vs_balanced=X answers_same_pct=X later_evals=N
+sized_speedup_makespan=X sized_vs_balanced=X sized_later_evals=N` (the unequal pair at the first gateway
+concurrency: the processes as they are, then each declaring its run's size in its URL, `-sized`; `later_evals`:
+evals that finished later than on their own server, over every repeat).
 
 Each arm's processes run at the concurrency of what they are pointed at: on its own server, that server's
 slots (more only queues inside llama-server); through the gateway, the pool's slots (the gateway admits up to
@@ -55,6 +57,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
+from fedpool.federation.gateway import REQUESTS_QUERY
 
 log = logging.getLogger("fedpool.realtool")
 
@@ -341,9 +344,13 @@ class ArmRun:
         return max(self.process_wall_s.values())
 
 
-def _lm_eval_argv(model: str, base_url: str, task: str, task_dir: Path, out: Path, concurrent: int) -> list[str]:
+def _lm_eval_argv(model: str, base_url: str, task: str, task_dir: Path, out: Path, concurrent: int,
+                  declare: int | None = None) -> list[str]:
+    """lm-eval's command line; `declare`: the run's size in the URL's query, which the gateway reads
+    (`fedpool_requests`, federation/gateway.py)."""
+    query = f"?{REQUESTS_QUERY}={declare}" if declare is not None else ""
     return [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-            f"model={model},base_url={base_url}/v1/completions,num_concurrent={concurrent},max_retries=3,"
+            f"model={model},base_url={base_url}/v1/completions{query},num_concurrent={concurrent},max_retries=3,"
             "tokenized_requests=False,tokenizer_backend=None",
             "--tasks", task, "--include_path", str(task_dir), "--output_path", str(out), "--log_samples"]
 
@@ -374,12 +381,13 @@ def _child_env(api_key: str) -> dict[str, str]:
 
 async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: str, work: Path,
                           task_dir: Path, concurrent: int, server_urls: dict[str, str], gate: StartGate,
-                          engine_pids: Sequence[int], repeat: int = 1) -> ArmRun:
+                          engine_pids: Sequence[int], repeat: int = 1, sized: bool = False) -> ArmRun:
     """Every eval of the pair as its own lm-eval process, eval i against targets[i] (through the start gate),
     all at once. Each process has a key of its own in each pair, arm and repeat, as separate runs would: the
     gateway ranks a caller by the service it has had (shortest_first), so a key used again — by the same eval
     in the pair before or the repeat before, within the gateway's 10 minutes of memory — came ranked behind a
-    fresh one (the equal pair's `long`, the unequal pair's key before, waited 26 s for its first slot)."""
+    fresh one (the equal pair's `long`, the unequal pair's key before, waited 26 s for its first slot). `sized`:
+    each process declares its run's size (its requests: one a document) in its URL."""
     keys = {w.name: f"sk-realtool-{pair.name}-r{repeat}-{arm}-{w.name}-0123456789" for w in pair.workloads}
     gate.arm({keys[w.name]: target for w, target in zip(pair.workloads, targets, strict=True)})
     outs = {w.name: work / arm / w.name for w in pair.workloads}
@@ -387,7 +395,8 @@ async def run_lm_eval_arm(arm: str, pair: Pair, targets: Sequence[str], model: s
         await asyncio.to_thread(shutil.rmtree, out, ignore_errors=True)
     async with watching(server_urls, engine_pids) as watch:
         walls = await asyncio.gather(*(
-            _run_process(_lm_eval_argv(model, gate.url, w.name, task_dir, outs[w.name], concurrent),
+            _run_process(_lm_eval_argv(model, gate.url, w.name, task_dir, outs[w.name], concurrent,
+                                       len(w.rows) if sized else None),
                          _child_env(keys[w.name]), work / f"{arm}-{w.name}.log")
             for w in pair.workloads))
     answers = {w.name: _lm_eval_answers(outs[w.name], w.name) for w in pair.workloads}
@@ -537,6 +546,7 @@ async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_con
     if len(servers) < len(pair.workloads):
         raise ValueError(f"{len(pair.workloads)} evals need as many servers for the conventional arm")
     gateway_arms = [f"gateway-nc{c}" for c in gateway_concurrency]
+    gateway_arms[1:1] = [f"gateway-nc{gateway_concurrency[0]}-sized"]
     order = ["conventional", *gateway_arms, *(["fedpool-eval-run"] if with_fedpool else [])]
     runs: list[dict[str, ArmRun]] = []
     for r in range(repeats):
@@ -551,10 +561,10 @@ async def run_pair(pool: Pool, pair: Pair, work: Path, repeats: int, gateway_con
                 results[arm] = await run_fedpool_arm(pair, pool.model, where, data, pool.ray_address,
                                                      pool.state_dir, pool.server_urls, pool.engine_pids)
             else:
-                concurrent = int(arm.removeprefix("gateway-nc"))
+                concurrent = int(arm.removeprefix("gateway-nc").removesuffix("-sized"))
                 results[arm] = await run_lm_eval_arm(arm, pair, [pool.gateway_url] * len(pair.workloads),
                                                      pool.model, where, task_dir, concurrent, pool.server_urls, gate,
-                                                     pool.engine_pids, r + 1)
+                                                     pool.engine_pids, r + 1, sized=arm.endswith("-sized"))
             print(f"[realtool] {pair.name} run {r + 1}/{repeats} {arm}: inference makespan "
                   f"{results[arm].inference_makespan_s:.1f} s ("
                   + ", ".join(f"{n} {s:.1f} s" for n, s in results[arm].eval_s.items()) + "), processes "
@@ -612,6 +622,9 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
         "Arms: **conventional** — process i on server i at `num_concurrent` = its slots (lm-eval's API client: "
         "requests built first, that many in flight, refilled as each answers); **gateway-ncC** — the same "
         "processes, each with its own API key, all pointed at the gateway at `num_concurrent`=C; "
+        "**gateway-ncC-sized** — the same again, each process declaring its run's size in its URL "
+        f"(`base_url=…/v1/completions?{REQUESTS_QUERY}=N`, N its requests), which the gateway ranks by (the fewest "
+        "requests left first, as SRPT; undeclared callers are ranked by the service they have had); "
         "**fedpool-eval-run** — the same benchmarks as fedpool specs in one `fedpool eval run`.",
         "",
     ]
@@ -656,10 +669,11 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
                                      cpu_rows), ""]
         lines.append(f"Balanced bound (conventional busy server-seconds ÷ {servers}): "
                      f"{statistics.median(balanced):.1f} s (runs " + ", ".join(f"{b:.1f}" for b in balanced) + ").")
-        lines += why_not_balanced(result, servers, pool.slots, args.target if result.pair.name == "unequal" else None)
+        for arm in result.gateway_arms[:2]:
+            lines += why_not_balanced(result, arm, servers, pool.slots,
+                                      args.target if result.pair.name == "unequal" else None)
         for arm in result.gateway_arms:  # each repeat's arms ran back to back: compared repeat by repeat
-            later = [(i + 1, n, run[arm].eval_s[n], run["conventional"].eval_s[n]) for i, run in enumerate(result.runs)
-                     for n in run["conventional"].eval_s if run[arm].eval_s[n] > run["conventional"].eval_s[n]]
+            later = later_evals(result, arm)
             lines.append(f"{arm}: " + ("no eval finished later than on its own server in any repeat" if not later
                                        else "later than on its own server: " + ", ".join(
                                            f"{n} in repeat {i} ({fed:.1f} s vs {conv:.1f} s)"
@@ -668,11 +682,17 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
     return "\n".join(lines)
 
 
-def why_not_balanced(result: PairResult, servers: int, slots: int, target: float | None) -> list[str]:
-    """For the pair's first gateway arm: its ratio to the balanced bound split into what the schedule left idle
-    and how much slower the engines ran, beside the floor whole requests allow, all from this run's own figures;
-    with a `target` (the headline pair), whether it is met or within reach."""
-    arm = result.gateway_arms[0]
+def later_evals(result: PairResult, arm: str) -> list[tuple[int, str, float, float]]:
+    """(repeat, eval, its time in `arm`, on its own server) for each eval that finished later in `arm` than in the
+    conventional arm of the same repeat (the arms of a repeat ran back to back)."""
+    return [(i + 1, n, run[arm].eval_s[n], run["conventional"].eval_s[n]) for i, run in enumerate(result.runs)
+            for n in run["conventional"].eval_s if run[arm].eval_s[n] > run["conventional"].eval_s[n]]
+
+
+def why_not_balanced(result: PairResult, arm: str, servers: int, slots: int, target: float | None) -> list[str]:
+    """For a gateway arm: its ratio to the balanced bound split into what the schedule left idle and how much
+    slower the engines ran, beside the floor whole requests allow, all from this run's own figures; with a
+    `target` (the headline pair), whether it is met or within reach."""
     pool_slots = servers * slots
     ratio = statistics.median(result.vs_balanced(arm, servers))
     schedule, slowdown, floors, halves, firsts, shares = [], [], [], [], [], []
@@ -723,7 +743,7 @@ def why_not_balanced(result: PairResult, servers: int, slots: int, target: float
     else:
         verdict = (f"not met: the floor times the engines' slowdown is {reachable:.2f}×, so the schedule lost "
                    f"{ratio / reachable:.2f}× that it could have kept.")
-    return [*lines, "", f"Target vs_balanced ≤ {target:.2f}: {verdict}", ""]
+    return [*lines, "", f"Target vs_balanced ≤ {target:.2f} ({arm}): {verdict}", ""]
 
 
 def _lm_eval_version() -> str:
@@ -733,12 +753,18 @@ def _lm_eval_version() -> str:
 
 
 def headline(results: dict[str, PairResult], servers: int) -> dict[str, object]:
+    """The unequal pair at the first gateway concurrency: the tools as they are (`arm`), and each declaring its
+    run's size (`sized_*`); `later_evals`: evals that finished later than on their own server, over the repeats."""
     unequal = results["unequal"]
-    arm = unequal.gateway_arms[0]
+    arm, sized = unequal.gateway_arms[0], unequal.gateway_arms[1]
     return {"tool": "lm-eval", "processes": len(unequal.pair.workloads), "repeats": len(unequal.runs),
             "speedup_makespan": f"{statistics.median(unequal.speedups(arm)):.2f}",
             "vs_balanced": f"{statistics.median(unequal.vs_balanced(arm, servers)):.3f}",
-            "answers_same_pct": f"{unequal.answers_same_pct(arm):.1f}"}
+            "answers_same_pct": f"{unequal.answers_same_pct(arm):.1f}",
+            "later_evals": len(later_evals(unequal, arm)),
+            "sized_speedup_makespan": f"{statistics.median(unequal.speedups(sized)):.2f}",
+            "sized_vs_balanced": f"{statistics.median(unequal.vs_balanced(sized, servers)):.3f}",
+            "sized_later_evals": len(later_evals(unequal, sized))}
 
 
 async def run_all(args: argparse.Namespace, work: Path) -> tuple[dict[str, PairResult], Pool]:

@@ -3,8 +3,11 @@ left, the shape it announced, whether it has sent everything, how many of its re
 clients are served in when the pool is full (`DispatchConfig.client_order`).
 
 `fair`: the client with the fewest requests in flight per unit of weight first. `shortest_first`: the
-client with the least work left, as it reports it (fedpool's evals do); a client that reports nothing (a tool
-behind the gateway) is ranked by the service it has had so far instead, least first (least attained service),
+client with the least work left, as it reports it (fedpool's evals do); a caller that says only how many
+requests it has left (a tool behind the gateway with `X-Fedpool-Requests`) by those × what one of its requests
+is expected to take (its answers' mean service, below) — least remaining first, as SRPT; a client that reports
+nothing (a tool behind the gateway) is ranked by the service it has had so far instead, least first (least
+attained service),
 so a short eval is not queued behind a long one it cannot tell apart from; fair among equals. Service is the
 seconds its answered requests held an engine slot, on the reported work's scale (× the pool's work per
 slot-second): counting tokens instead ranked a short-answer eval with long prompts behind a long-answer eval
@@ -53,6 +56,7 @@ class ClientBook:
         self._weights: dict[str, float] = {}
         self._work_left: dict[str, float] = {}
         self._requests_left: dict[str, int] = {}
+        self._declared: set[str] = set()  # clients that say only how many requests they have left
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
         self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests ...
         self._answers: dict[str, int] = {}  # ... and how many there were (their mean: one request's expected)
@@ -81,6 +85,18 @@ class ClientBook:
         self._work_left[client_id] = max(0.0, work)
         if requests is not None:
             self._requests_left[client_id] = max(0, requests)
+
+    def declare_requests(self, client_id: str, requests: int | None) -> None:
+        """A caller that says only how many requests it has still to complete (None: it says nothing any more):
+        ranked by them × its requests' expected work (`expected_work`, in the reported work's units). A client
+        that reports its work itself (`set_remaining`) is ranked by that."""
+        if requests is None:
+            if client_id in self._declared:
+                self._declared.discard(client_id)
+                self._requests_left.pop(client_id, None)
+            return
+        self._declared.add(client_id)
+        self._requests_left[client_id] = max(0, requests)
 
     def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
         self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
@@ -139,7 +155,7 @@ class ClientBook:
         else None. Counting those in flight keeps it continuous: a long request's seconds do not arrive all at
         once when it ends, so two processes' clients ranked on it do not swap places each time a long answer
         lands."""
-        if self.order != "shortest_first" or client_id in self._work_left:
+        if self.order != "shortest_first" or client_id in self._work_left or client_id in self._declared:
             return None
         n, since = self._running.get(client_id, (0, 0.0))
         return self._served_s.get(client_id, 0.0) + max(0.0, n * now - since, n * self.expected_s(client_id))
@@ -162,7 +178,7 @@ class ClientBook:
 
     def by_service(self, client_id: str) -> bool:
         """Whether the client is ranked by the service it has had (shortest_first, no work left reported)."""
-        return self.order == "shortest_first" and client_id not in self._work_left
+        return self.order == "shortest_first" and client_id not in self._work_left and client_id not in self._declared
 
     def expected_work(self, client_id: str) -> float:
         """One of the client's requests, in the units `served` ranks in."""
@@ -221,6 +237,7 @@ class ClientBook:
             table.pop(client_id, None)
         self._answers.pop(client_id, None)
         self._requests_left.pop(client_id, None)
+        self._declared.discard(client_id)
         self._running.pop(client_id, None)
         self._shapes.pop(client_id, None)
         self.done_sending.discard(client_id)
@@ -255,12 +272,20 @@ class ClientBook:
     def first(self, client_id: str) -> float:
         """The order's own criterion (smaller first); 0 for every client under `fair`."""
         if self.order == "shortest_first":
-            if client_id in self._work_left:
-                return self._work_left[client_id]
-            return self.served(client_id)
+            return self._shortest(client_id)
         if self.order == "longest_answers_first":
             return -self._answer.get(client_id, 0.0)
         return 0.0
+
+    def _shortest(self, client_id: str) -> float:
+        """shortest_first's criterion: the work the client reports left; else the requests it says it has left ×
+        one request's expected work; else the service it has had."""
+        work = self._work_left.get(client_id)
+        if work is not None:
+            return work
+        if client_id in self._declared:
+            return self._requests_left.get(client_id, 0) * self.expected_work(client_id)
+        return self.served(client_id)
 
     def key(self, client_id: str) -> tuple[float, float]:
         """Smaller first: the criterion, then requests in flight per unit of weight."""
@@ -268,7 +293,7 @@ class ClientBook:
         if order == "fair":
             first = 0.0
         elif order == "shortest_first":
-            first = self._work_left[client_id] if client_id in self._work_left else self.served(client_id)
+            first = self._shortest(client_id)
         else:
             first = -self._answer.get(client_id, 0.0)
         return first, self._ledger.clients.get(client_id, 0) / self._weights.get(client_id, 1.0)

@@ -166,6 +166,14 @@ class Dispatcher(GrantPass):
         self._clients.set_remaining(client_id, work, requests)
         self._touch(client_id)
 
+    def set_client_requests_left(self, client_id: str, requests: int | None) -> None:
+        """A caller that says only how many requests it has still to complete (the gateway's
+        `X-Fedpool-Requests`): under client_order="shortest_first" ranked by them × one of its requests' expected
+        work, least remaining first (SRPT) beside the clients that report their work; None: it says nothing any
+        more (ranked by the service it has had again)."""
+        self._clients.declare_requests(client_id, requests)
+        self._touch(client_id)
+
     def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
         """A client's expected prompt length and answer budget, before its first request (the planned
         policy's prior; answers' usage replaces it), so a first plan need not wait for this client to send."""

@@ -40,9 +40,11 @@ from fedpool.federation.errors import FailureKind, NoServerError, RequestFailed
 from fedpool.federation.gatewaystate import (
     CLIENT_TTL_S,
     MAX_CLIENT_IDS,
+    MAX_DECLARED_REQUESTS,
     SHARED_CLIENT,
     AppTask,
     ClientIds,
+    DeclaredRuns,
     Forgetting,
     GatewayMetrics,
     Overload,
@@ -64,6 +66,10 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 MIN_SECRET_CHARS = 16
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait while the model's servers are all unroutable
 CLIENT_HEADER = "X-Fedpool-Client"
+# A caller's run size: how many requests it sends in all (`DeclaredRuns`); the header, or the URL's query for a tool
+# that takes only a URL (lm-eval's `base_url=http://gateway/v1/completions?fedpool_requests=60`).
+REQUESTS_HEADER = "X-Fedpool-Requests"
+REQUESTS_QUERY = "fedpool_requests"
 CLIENT_NAME = re.compile(r"[^A-Za-z0-9._:@-]")
 GC_GEN0_THRESHOLD = 20_000  # young-generation collections every ~20k net allocations, not 700 (CPython's default)
 # How the gateway's app is served (`serving`; the CLI passes the same): a request whose caller has gone is
@@ -151,7 +157,8 @@ class Gateway:
         self.overload = Overload(dispatcher)
         # With keys, the ids are the key file's names (bounded by it); without, the caller's choice: capped.
         self.client_ids = ClientIds(None if self._keys else max_client_ids, client_ttl_s)
-        self._forgetting = Forgetting(self.client_ids, dispatcher, max(0.05, client_ttl_s / 10))
+        self.runs = DeclaredRuns(dispatcher.set_client_requests_left)
+        self._forgetting = Forgetting(self.client_ids, dispatcher, max(0.05, client_ttl_s / 10), self.runs)
         self._tune_gc = tune_gc
         self._facts_of: PoolSnapshot | None = None
         self._facts = PoolFacts.of(None)
@@ -257,6 +264,12 @@ class Gateway:
             if isinstance(client, web.Response):
                 status = str(client.status)
                 return client
+            declared = _declared(request)
+            if isinstance(declared, web.Response):
+                status = "400"
+                return declared
+            if client == SHARED_CLIENT:
+                declared = None  # (many callers in one bucket: no one caller's size)
             try:
                 body = loads(await request.read())
             except web.HTTPRequestEntityTooLarge:
@@ -289,6 +302,7 @@ class Gateway:
                 status = "400"
                 return _error(400, str(exc), "invalid_request_error")
             self._inflight += 1
+            self.runs.arrive(client, declared)
             try:
                 if body.get("stream"):
                     relay = StreamRelay(self._dispatcher, self._snapshot, request, req, model)
@@ -307,6 +321,7 @@ class Gateway:
                 return failed
             finally:
                 self._inflight -= 1
+                self.runs.finish(client, declared)
             status = "200"
             return web.Response(body=_answer_bytes(result.completion, model, endpoint, req.request_id), headers={
                 "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
@@ -367,6 +382,26 @@ class Gateway:
             return _error(401, "invalid API key", "authentication_error", code="invalid_api_key")
         self.client_ids.admit(match.client, time.monotonic())
         return match.client
+
+
+def _declared(request: web.Request) -> int | web.Response | None:
+    """The run size the caller declared (`REQUESTS_HEADER`, else `REQUESTS_QUERY` on the URL), None if it
+    declared none, or a 400 naming the culprit."""
+    raw = request.headers.get(REQUESTS_HEADER)
+    where = REQUESTS_HEADER
+    if raw is None and request.query_string:
+        raw, where = request.query.get(REQUESTS_QUERY), REQUESTS_QUERY
+    if raw is None:
+        return None
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_DECLARED_REQUESTS:
+        return _error(400, f"{where} must be the number of requests this caller's run sends, a whole number "
+                      f"from 1 to {MAX_DECLARED_REQUESTS}, not {raw[:40]!r}", "invalid_request_error",
+                      param=where, code="invalid_declared_requests")
+    return n
 
 
 def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint, request_id: str) -> bytes:

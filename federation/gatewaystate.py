@@ -1,5 +1,6 @@
 """What a gateway keeps between requests, each thing bounded: the facts it reads of the current snapshot (computed
-once per snapshot), the client ids it tells apart (capped, forgotten when idle, here and in the dispatcher), whether
+once per snapshot), the client ids it tells apart (capped, forgotten when idle, here and in the dispatcher), the
+runs callers declared the size of (`DeclaredRuns`, forgotten with their ids), whether
 its loop is overloaded (the dispatcher's own measure of its lag, no timer), and its metrics (a server that left the
 pool loses its series)."""
 
@@ -11,7 +12,7 @@ import contextlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -125,6 +126,9 @@ class ClientIds:
         seen[client] = now
         return client
 
+    def __contains__(self, client: object) -> bool:
+        return client in self._seen
+
     def expire(self, now: float) -> int:
         """Forget ids without a request for `ttl_s`; how many."""
         seen, horizon, gone = self._seen, now - self.ttl_s, 0
@@ -137,19 +141,83 @@ class ClientIds:
         return gone
 
 
+MAX_DECLARED_REQUESTS = 1_000_000_000  # the most requests a caller may say its run sends
+
+
+@dataclass(slots=True)
+class _Run:
+    declared: int  # the requests the caller said this run sends
+    arrived: int = 0  # of them, received so far ...
+    finished: int = 0  # ... and answered or failed
+
+
+class DeclaredRuns:
+    """Callers that say how many requests their run sends (`X-Fedpool-Requests: N`, or `?fedpool_requests=N` on
+    the URL for a tool that takes only a URL: lm-eval's `base_url`): the dispatcher ranks each by the requests it
+    has left under `shortest_first` (SRPT), where a caller that says nothing is ranked by the service it has had
+    (`ClientBook`). Requests left = declared − finished, never below those still outstanding (a caller that sends
+    more than it said, or retries, stays where its requests in flight put it).
+
+    A run ends when all it declared are finished and nothing is outstanding; the caller's next request starts a
+    new one (the same key running the same eval again). Declaring another N starts a new run too. A request
+    without a declaration from a caller that had one ends it (ranked by its service again). Kept per client id
+    and forgotten with it (`retain`, after the id table's expiry); each gateway replica counts what it serves, so
+    behind several replicas a caller's requests left are what it declared less what that replica finished (its
+    rank is later than its true one, alike for every caller split the same way)."""
+
+    def __init__(self, report: Callable[[str, int | None], None]):
+        self._report = report  # (client, requests left or None): Dispatcher.set_client_requests_left
+        self._runs: dict[str, _Run] = {}
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def arrive(self, client: str, declared: int | None) -> None:
+        """A request of `client` was received, with the size its caller declared (None: none)."""
+        run = self._runs.get(client)
+        if declared is None:
+            if run is not None:
+                del self._runs[client]
+                self._report(client, None)
+            return
+        if run is None or run.declared != declared or (run.finished >= run.declared and run.arrived == run.finished):
+            run = self._runs[client] = _Run(declared)
+        run.arrived += 1
+        self._report(client, self._left(run))
+
+    def finish(self, client: str, declared: int | None) -> None:
+        """A request `arrive` counted was answered or failed (or its caller went away)."""
+        run = self._runs.get(client)
+        if declared is None or run is None or run.declared != declared or run.finished >= run.arrived:
+            return  # (counted under a run that has ended or been replaced since)
+        run.finished += 1
+        self._report(client, self._left(run))
+
+    def retain(self, known: Container[str]) -> None:
+        """Forget the runs of callers no longer `known` (ids expired: idle for their TTL, or pushed out)."""
+        for client in [c for c in self._runs if c not in known]:
+            del self._runs[client]
+
+    @staticmethod
+    def _left(run: _Run) -> int:
+        return max(run.declared - run.finished, run.arrived - run.finished)
+
+
 class Forgetting(AppTask):
     """Every `period_s`: client ids idle for the TTL are forgotten, here and in the dispatcher (whose own sweep
     runs only while requests wait)."""
 
     task_name = "gateway-forget-idle"
 
-    def __init__(self, ids: ClientIds, dispatcher: Dispatcher, period_s: float):
-        self._ids, self._dispatcher, self.period_s = ids, dispatcher, period_s
+    def __init__(self, ids: ClientIds, dispatcher: Dispatcher, period_s: float, runs: DeclaredRuns | None = None):
+        self._ids, self._dispatcher, self.period_s, self._runs = ids, dispatcher, period_s, runs
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.period_s)
             self._ids.expire(time.monotonic())
+            if self._runs is not None:
+                self._runs.retain(self._ids)
             self._dispatcher.forget_idle_clients(self._ids.ttl_s)
 
 

@@ -41,10 +41,12 @@ def test_two_lm_eval_processes_through_the_gateway(tmp_path: Path) -> None:
     assert line["answers_same_pct"] == f"{100.0 * same / total:.1f}" and same > 0, line
     assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
     sizes = {w.name: len(w.rows) for w in result.pair.workloads}
-    for run in result.runs:  # every record of every eval came back in both arms
-        for arm in ("conventional", "gateway-nc8"):
+    assert result.gateway_arms == ["gateway-nc8", "gateway-nc8-sized"]
+    for run in result.runs:  # every record of every eval came back in every arm
+        for arm in ("conventional", "gateway-nc8", "gateway-nc8-sized"):
             assert {name: len(answers) for name, answers in run[arm].answers.items()} == sizes, arm
-    for arm in ("conventional", "gateway-nc8"):  # each arm timed in every repeat (what the report compares)
+    # each arm timed in every repeat (what the report compares)
+    for arm in ("conventional", "gateway-nc8", "gateway-nc8-sized"):
         walls = result.eval_walls(arm)
         assert set(walls) == set(sizes) and all(w > 0 for w in walls.values()), (arm, walls)
         assert result.median(arm) > 0, arm
@@ -55,10 +57,14 @@ def test_two_lm_eval_processes_through_the_gateway(tmp_path: Path) -> None:
             assert cpu is not None and cpu.engines_cpu_s > 0 and cpu.engines_wait_s >= 0 and cpu.other_cpu_s >= 0, cpu
     assert "engines waited for a core s" in path.read_text()
     for run in result.runs:  # every answered request's duration, per eval (the packing floor's input)
-        for arm in ("conventional", "gateway-nc8"):
+        for arm in ("conventional", "gateway-nc8", "gateway-nc8-sized"):
             assert {n: len(d) for n, d in run[arm].durations.items()} == sizes, arm
             assert all(d > 0 for ds in run[arm].durations.values() for d in ds), arm
     assert "Whole requests allow no better than" in path.read_text()
+    # The sized arm's processes declared their runs (the gateway read them from the URL): its later evals are
+    # counted against the conventional arm's as the plain arm's are.
+    assert line["sized_later_evals"] == len(realtool_speedup.later_evals(result, "gateway-nc8-sized"))
+    assert "gateway-nc8-sized: " in path.read_text()
 
 
 def test_packing_deals_whole_requests_onto_the_slots_under_a_share() -> None:
