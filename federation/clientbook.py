@@ -180,6 +180,14 @@ class ClientBook:
         """Whether the client is ranked by the service it has had (shortest_first, no work left reported)."""
         return self.order == "shortest_first" and client_id not in self._work_left and client_id not in self._declared
 
+    def gives_way(self, client_id: str) -> bool:
+        """Whether the client's young attempts may give their slots back to a client ahead of it in the order, and
+        it may take them (`GrantPass._take_for_order`): a caller behind the gateway, ranked by the service it has
+        had or by the requests it says it has left (shortest_first) — whichever caller's requests reach a free
+        slot first take it, and a moment's lead is not a rank. fedpool's evals (reporting their work) start
+        together behind their start line."""
+        return self.order == "shortest_first" and client_id not in self._work_left
+
     def expected_work(self, client_id: str) -> float:
         """One of the client's requests, in the units `served` ranks in."""
         return self._expected_work(client_id, self._scale())

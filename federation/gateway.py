@@ -221,6 +221,7 @@ class Gateway:
         self._metrics.hedges.set(stats.hedges)
         self._metrics.servers({s.server_id: (s.inflight, s.window) for s in stats.servers})
         self._metrics.clients.set(len(self.client_ids))
+        self._metrics.declared_runs.set(len(self.runs))
         return web.Response(body=generate_latest(self._metrics.registry), content_type="text/plain", charset="utf-8")
 
     def facts(self) -> PoolFacts:

@@ -300,6 +300,8 @@ class GatewayMetrics:
                             registry=self.registry)
         self.clients = Gauge("fedpool_gateway_client_ids", "Client ids told apart now (capped).",
                              registry=self.registry)
+        self.declared_runs = Gauge("fedpool_gateway_declared_runs", "Callers whose run's declared size "
+                                   "(X-Fedpool-Requests) ranks them now.", registry=self.registry)
         self._servers: set[str] = set()
 
     def observe(self, endpoint: str, status: str, seconds: float) -> None:

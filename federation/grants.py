@@ -240,8 +240,9 @@ class GrantPass:
         self._decision_s += time.perf_counter() - began
 
     def _take_for_order(self, route: Route) -> None:
-        """The route is full and its first waiting client is ranked by its service: the client furthest behind it
-        in the order gives back young attempts (preempt.py, `take_for`) — as many as leave it still behind after
+        """The route is full and its first waiting client is a gateway caller (ranked by its service, or by the
+        requests it says it has left: `ClientBook.gives_way`): the caller furthest behind it in the order gives back
+        young attempts (preempt.py, `take_for`) — as many as leave it still behind after
         the swap (its rank less one request's work per slot given, against the waiting client's plus one of its
         own per slot taken), less those already given back whose slots have not come back yet."""
         clients = self._clients
@@ -249,12 +250,12 @@ class GrantPass:
         if head is None:
             return
         first = head.request.client_id
-        if not clients.by_service(first):
+        if not clients.gives_way(first):
             return
         rank, own = clients.first(first), clients.expected_work(first)
         victim, top = None, rank
         for client in self._ledger.clients:
-            if client != first and clients.by_service(client) and (r := clients.first(client)) > top:
+            if client != first and clients.gives_way(client) and (r := clients.first(client)) > top:
                 victim, top = client, r
         if victim is None:
             return

@@ -64,7 +64,8 @@ def recipes(base: str, model: str) -> str:
     """Paste-ready commands for the tools researchers run, pointed at the pool (docs/researchers.md has more)."""
     return f"""\
 Point your eval tool at {base}/v1 (model name: {model}). Give each tool its own key: the pool tells clients
-apart by it (any string; no key file is needed on loopback).
+apart by it (any string; no key file is needed on loopback). Say how many requests a run sends and a short
+one is served to its end first: ?fedpool_requests=N on base_url, or the header X-Fedpool-Requests: N.
 
   lm-eval-harness:
     OPENAI_API_KEY=eval-a lm_eval --model local-completions --tasks YOUR_TASK --model_args \\

@@ -116,6 +116,8 @@ async def test_the_run_size_may_ride_on_the_url_and_a_bad_one_is_a_400_naming_it
                                 headers={"X-Fedpool-Client": "lm-eval"}) as resp:
             assert resp.status == 200, await resp.text()
         assert len(pool.gateway.runs) == 1
+        async with session.get(pool.url + "/metrics") as resp:
+            assert "fedpool_gateway_declared_runs 1.0" in await resp.text()
         plain = "/v1/completions"
         for headers, url in (({REQUESTS_HEADER: "many"}, plain), ({REQUESTS_HEADER: "0"}, plain),
                              ({}, f"{plain}?{REQUESTS_QUERY}=-3")):
