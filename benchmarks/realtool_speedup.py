@@ -677,7 +677,7 @@ def body(results: dict[str, PairResult], pool: Pool, args: argparse.Namespace) -
             lines.append(f"{arm}: " + ("no eval finished later than on its own server in any repeat" if not later
                                        else "later than on its own server: " + ", ".join(
                                            f"{n} in repeat {i} ({fed:.1f} s vs {conv:.1f} s)"
-                                           for i, n, fed, conv in later)) + ".")
+                                           for i, n, fed, conv in later)) + "." + why_later(result, arm, servers))
         lines.append("")
     return "\n".join(lines)
 
@@ -687,6 +687,32 @@ def later_evals(result: PairResult, arm: str) -> list[tuple[int, str, float, flo
     conventional arm of the same repeat (the arms of a repeat ran back to back)."""
     return [(i + 1, n, run[arm].eval_s[n], run["conventional"].eval_s[n]) for i, run in enumerate(result.runs)
             for n in run["conventional"].eval_s if run[arm].eval_s[n] > run["conventional"].eval_s[n]]
+
+
+def why_later(result: PairResult, arm: str, servers: int) -> str:
+    """Beside an arm's later evals, by how much, and the two things that decide it, from the same repeats: how much
+    longer the engines took for the same requests, and how well each arm packed its own busy time (makespan ÷ busy
+    server-seconds per server). Empty when nothing was later."""
+    later = later_evals(result, arm)
+    if not later:
+        return ""
+    med = statistics.median
+    ratios = [fed / conv for _, _, fed, conv in later]
+    slow = [sum(r[arm].busy_s.values()) / max(sum(r["conventional"].busy_s.values()), 1e-9) for r in result.runs]
+
+    def packing_of(name: str) -> float:
+        return med(r[name].inference_makespan_s / max(sum(r[name].busy_s.values()) / servers, 1e-9)
+                   for r in result.runs)
+
+    ours, theirs = packing_of(arm), packing_of("conventional")
+    text = (f" Later by {med(ratios):.2f}× (at most {max(ratios):.2f}×, its time ÷ its time on its own server); the "
+            f"engines took {med(slow):.2f}× the conventional arm's busy server-seconds for the same requests, and the "
+            f"arm's makespan is {ours:.2f}× its own busy server-seconds per server against the conventional arm's "
+            f"{theirs:.2f}×")
+    if ours <= theirs * 1.02 and med(slow) > 1.0:
+        return text + (": it packs its work as the conventional arm does, and its engines ran slower beside the "
+                       "gateway on the same cores — that is the difference.")
+    return text + "."
 
 
 def why_not_balanced(result: PairResult, arm: str, servers: int, slots: int, target: float | None) -> list[str]:

@@ -76,3 +76,24 @@ def test_packing_deals_whole_requests_onto_the_slots_under_a_share() -> None:
     assert realtool_speedup.packing(durations, 8, 8) == (5.0, {"long": 4.0, "short": 5.0})
     assert realtool_speedup.packing(durations, 8, 4) == (6.0, {"short": 2.0, "long": 6.0})
     assert realtool_speedup.packing({"short": [], "long": []}, 8, 4) == (0.0, {})
+
+
+def test_a_later_eval_is_shown_beside_the_engines_and_the_packing() -> None:
+    """Two equal evals: on their own servers both end at 50 s (each server busy 45 s); through the gateway one ends
+    at 53 s, the servers busy 47.7 s each (1.06× the engines' time) and the makespan 1.11× that, as the
+    conventional arm's: the report says so. A gateway arm that packed worse says only the numbers."""
+    def arm(name: str, makespan: float, busy: float, ends: dict[str, float]) -> realtool_speedup.ArmRun:
+        return realtool_speedup.ArmRun(name, makespan, ends, ends, {"s0": busy, "s1": busy}, {}, {})
+
+    pair = realtool_speedup.Pair("equal", (), "two equal evals")
+    conventional = arm("conventional", 50.0, 45.0, {"a": 50.0, "b": 49.0})
+    result = realtool_speedup.PairResult(pair, [{
+        "conventional": conventional, "gateway-nc8": arm("gateway-nc8", 53.0, 47.7, {"a": 53.0, "b": 52.0}),
+        "gateway-nc4": arm("gateway-nc4", 60.0, 45.0, {"a": 60.0, "b": 30.0})}], ["gateway-nc8", "gateway-nc4"])
+    assert realtool_speedup.later_evals(result, "gateway-nc8") == [(1, "a", 53.0, 50.0), (1, "b", 52.0, 49.0)]
+    text = realtool_speedup.why_later(result, "gateway-nc8", 2)
+    assert "Later by 1.06×" in text and "engines took 1.06×" in text and "1.11× its own" in text, text
+    assert "that is the difference" in text, text
+    text = realtool_speedup.why_later(result, "gateway-nc4", 2)
+    assert "at most 1.20×" in text and "that is the difference" not in text, text  # (1.33× packing against 1.11×)
+    assert realtool_speedup.why_later(result, "conventional", 2) == ""
