@@ -692,7 +692,9 @@ def later_evals(result: PairResult, arm: str) -> list[tuple[int, str, float, flo
 def why_later(result: PairResult, arm: str, servers: int) -> str:
     """Beside an arm's later evals, by how much, and the two things that decide it, from the same repeats: how much
     longer the engines took for the same requests, and how well each arm packed its own busy time (makespan ÷ busy
-    server-seconds per server). Empty when nothing was later."""
+    server-seconds per server). Where the two arms pack alike (the conventional arm idles no server: evals of one
+    size), the engines' slowdown is named as the difference; where the conventional arm idles a server (unequal
+    evals) the numbers are given alone. Empty when nothing was later."""
     later = later_evals(result, arm)
     if not later:
         return ""
@@ -709,9 +711,11 @@ def why_later(result: PairResult, arm: str, servers: int) -> str:
             f"engines took {med(slow):.2f}× the conventional arm's busy server-seconds for the same requests, and the "
             f"arm's makespan is {ours:.2f}× its own busy server-seconds per server against the conventional arm's "
             f"{theirs:.2f}×")
-    if ours <= theirs * 1.02 and med(slow) > 1.0:
-        return text + (": it packs its work as the conventional arm does, and its engines ran slower beside the "
-                       "gateway on the same cores — that is the difference.")
+    if abs(ours / max(theirs, 1e-9) - 1.0) <= 0.02 and med(slow) > 1.0:
+        # Both arms keep their servers as busy (the conventional arm leaves none idle: evals of one size), so
+        # the servers' busy seconds decide, and the gateway's were longer.
+        return text + (": both arms keep the servers as busy, and its engines ran slower beside the gateway on the "
+                       "same cores — that is the difference.")
     return text + "."
 
 

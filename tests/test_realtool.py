@@ -81,7 +81,8 @@ def test_packing_deals_whole_requests_onto_the_slots_under_a_share() -> None:
 def test_a_later_eval_is_shown_beside_the_engines_and_the_packing() -> None:
     """Two equal evals: on their own servers both end at 50 s (each server busy 45 s); through the gateway one ends
     at 53 s, the servers busy 47.7 s each (1.06× the engines' time) and the makespan 1.11× that, as the
-    conventional arm's: the report says so. A gateway arm that packed worse says only the numbers."""
+    conventional arm's: the report says so. A gateway arm that packed worse, or one beside a conventional arm
+    that idles a server (unequal evals), says only the numbers."""
     def arm(name: str, makespan: float, busy: float, ends: dict[str, float]) -> realtool_speedup.ArmRun:
         return realtool_speedup.ArmRun(name, makespan, ends, ends, {"s0": busy, "s1": busy}, {}, {})
 
@@ -97,3 +98,12 @@ def test_a_later_eval_is_shown_beside_the_engines_and_the_packing() -> None:
     text = realtool_speedup.why_later(result, "gateway-nc4", 2)
     assert "at most 1.20×" in text and "that is the difference" not in text, text  # (1.33× packing against 1.11×)
     assert realtool_speedup.why_later(result, "conventional", 2) == ""
+    # Unequal evals: the conventional arm idles a server (it packs at 1.8×); a gateway arm packing better, whose
+    # short eval ended later, is not explained by its engines alone.
+    idle = arm("conventional", 50.0, 27.8, {"short": 9.0, "long": 50.0})
+    result = realtool_speedup.PairResult(pair, [{
+        "conventional": idle, "gateway-nc8": arm("gateway-nc8", 38.0, 34.0, {"short": 9.5, "long": 38.0})}],
+        ["gateway-nc8"])
+    text = realtool_speedup.why_later(result, "gateway-nc8", 2)
+    assert "Later by 1.06×" in text and "1.12× its own" in text and "1.80×" in text, text
+    assert "that is the difference" not in text, text
