@@ -169,6 +169,44 @@ async def test_shortest_first_serves_the_client_with_least_work_left(fakes: Fake
         Dispatcher(None, lambda: snap, make_policy("round_robin"), config=DispatchConfig(client_order="lifo"))  # type: ignore[arg-type]
 
 
+async def _callers(fakes: FakePool, server_slots: int, callers: dict[str, tuple[int, int]], late: str = "",
+                   declare: bool = False) -> dict[str, float]:
+    """Gateway callers as lm-eval drives them, on one fake server under shortest_first: each caller (name ->
+    requests, tokens each) keeps 8 requests in flight, refilled as each answers; `late` sends a millisecond after
+    the others; `declare`: each says how many requests it has left (X-Fedpool-Requests). When each ended, and how
+    many attempts gave their slots back."""
+    server = fakes.start(max_running=server_slots, decode_s=0.01)
+    snap = snapshot_of([server], capacity=server_slots)
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
+                                  config=DispatchConfig(client_order="shortest_first", adaptive_windows=False))
+    began, ended = now(), {}
+
+    async def caller(name: str, n: int, tokens: int) -> None:
+        left = [n]
+        if declare:
+            dispatcher.set_client_requests_left(name, n)
+        if name == late:
+            await asyncio.sleep(0.001)
+        todo = list(range(n))
+
+        async def worker() -> None:
+            while todo:
+                i = todo.pop()
+                await dispatcher.submit(InferenceRequest.from_body(
+                    {"prompt": f"q{i}", "max_tokens": tokens, "ignore_eos": True}, request_id=f"{name}{i}",
+                    model="emu-model", endpoint=Endpoint.COMPLETIONS, client_id=name))
+                left[0] -= 1
+                if declare:
+                    dispatcher.set_client_requests_left(name, left[0])
+
+        await asyncio.gather(*(worker() for _ in range(8)))
+        ended[name] = now() - began
+
+    await asyncio.gather(*(caller(name, n, tokens) for name, (n, tokens) in callers.items()))
+    ended["preempted"] = dispatcher.stats().preempted
+    return ended
+
+
 async def test_a_caller_with_short_requests_is_not_queued_behind_one_whose_requests_hold_slots_long(
         fakes: FakePool) -> None:
     """Two gateway callers (nothing said of their work left) start together on an 8-slot server under
@@ -180,34 +218,8 @@ async def test_a_caller_with_short_requests_is_not_queued_behind_one_whose_reque
     against 0.35), and "long" within 5% of the two run one after the other. The same where "long" sends a
     millisecond first and takes seven slots of the idle pool: its young attempts give them back to "short"
     (without, "short" ended 3.4× its time alone: 1.18 s; with, 0.38 s), at most one wave of "long"'s taken."""
-    def body(i: int, tokens: int) -> dict[str, Any]:
-        return {"prompt": f"q{i}", "max_tokens": tokens, "ignore_eos": True}
-
     async def run(server_slots: int, callers: dict[str, tuple[int, int]], late: str = "") -> dict[str, float]:
-        server = fakes.start(max_running=server_slots, decode_s=0.01)
-        snap = snapshot_of([server], capacity=server_slots)
-        dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
-                                      config=DispatchConfig(client_order="shortest_first", adaptive_windows=False))
-        began, ended = now(), {}
-
-        async def caller(name: str, n: int, tokens: int) -> None:
-            if name == late:
-                await asyncio.sleep(0.001)
-            todo = list(range(n))
-
-            async def worker() -> None:
-                while todo:
-                    i = todo.pop()
-                    await dispatcher.submit(InferenceRequest.from_body(
-                        body(i, tokens), request_id=f"{name}{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
-                        client_id=name))
-
-            await asyncio.gather(*(worker() for _ in range(8)))
-            ended[name] = now() - began
-
-        await asyncio.gather(*(caller(name, n, tokens) for name, (n, tokens) in callers.items()))
-        ended["preempted"] = dispatcher.stats().preempted
-        return ended
+        return await _callers(fakes, server_slots, callers, late)
 
     alone = await run(4, {"short": (60, 2)})
     long_alone = await run(8, {"long": (40, 64)})
@@ -225,40 +237,8 @@ async def test_callers_that_declare_their_requests_go_shortest_remaining_first(f
     goes first on every slot (SRPT), so it ends near its time alone on the whole server — also where "long" sent a
     millisecond first and took the idle pool's slots (its young attempts give them back). Ranked by service
     instead, the two share the slots and "short" ends about when it would on half of them."""
-    def body(i: int, tokens: int) -> dict[str, Any]:
-        return {"prompt": f"q{i}", "max_tokens": tokens, "ignore_eos": True}
-
     async def run(callers: dict[str, tuple[int, int]], late: str = "", declare: bool = True) -> dict[str, float]:
-        server = fakes.start(max_running=8, decode_s=0.01)
-        snap = snapshot_of([server], capacity=8)
-        dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
-                                      config=DispatchConfig(client_order="shortest_first", adaptive_windows=False))
-        began, ended = now(), {}
-
-        async def caller(name: str, n: int, tokens: int) -> None:
-            left = [n]
-            if declare:
-                dispatcher.set_client_requests_left(name, n)
-            if name == late:
-                await asyncio.sleep(0.001)
-            todo = list(range(n))
-
-            async def worker() -> None:
-                while todo:
-                    i = todo.pop()
-                    await dispatcher.submit(InferenceRequest.from_body(
-                        body(i, tokens), request_id=f"{name}{i}", model="emu-model", endpoint=Endpoint.COMPLETIONS,
-                        client_id=name))
-                    left[0] -= 1
-                    if declare:
-                        dispatcher.set_client_requests_left(name, left[0])
-
-            await asyncio.gather(*(worker() for _ in range(8)))
-            ended[name] = now() - began
-
-        await asyncio.gather(*(caller(name, n, tokens) for name, (n, tokens) in callers.items()))
-        ended["preempted"] = dispatcher.stats().preempted
-        return ended
+        return await _callers(fakes, 8, callers, late, declare)
 
     alone = await run({"short": (60, 2)})
     shared = await run({"long": (40, 64), "short": (60, 2)}, declare=False)
