@@ -97,7 +97,10 @@ ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", 
                   # where the engines' time went: prompt tokens evaluated (those its prompt cache did not hold) and
                   # the seconds spent on them, and on generating
                   "llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total",
-                  "llamacpp:tokens_predicted_seconds_total")
+                  "llamacpp:tokens_predicted_seconds_total",
+                  # how full its batches were: decode steps, and the mean busy slots per step since it started
+                  "llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
+DECODE_METRICS = ("llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
 EVAL_ARMS = ("one", "multi")
 TOOL_ARMS = ("one-gateway", "two-replicas")
 TARGETS = {"processes": 4, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
@@ -223,6 +226,22 @@ class ArmWatch:
         grown = [last[sid][metric] - first[sid][metric] for sid in first
                  if sid in last and metric in first[sid] and metric in last[sid]]
         return sum(grown) if grown else None
+
+    def busy_slots_per_decode(self) -> float | None:
+        """The engines' mean busy slots per decode step over the arm, all servers (llama.cpp reports the mean since
+        it started: each server's busy-slot steps are that mean × its steps, at both ends of the arm)."""
+        if not self.engine_series:
+            return None
+        first, last = self.engine_series[0][1], self.engine_series[-1][1]
+        n, mean = DECODE_METRICS
+        steps = busy = 0.0
+        for sid, end in last.items():
+            start = first.get(sid)
+            if start is None or not all(k in d for d in (start, end) for k in DECODE_METRICS):
+                continue
+            steps += end[n] - start[n]
+            busy += end[n] * end[mean] - start[n] * start[mean]
+        return busy / steps if steps > 0 else None
 
 
 async def _engine_sample(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -795,11 +814,22 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
             "The engines' own counters over each arm, all servers (median (lowest–highest) over repeats): prompt "
             "tokens evaluated (those the prompt cache did not hold) and the request-seconds spent on them, tokens "
             "generated and the request-seconds spent generating (llama.cpp sums each request's time: requests "
-            "batched together each count the step):", "",
-            markdown_table(["arm", "prompt tokens", "prompt s", "generated tokens", "generating s"], [
+            "batched together each count the step); and the decode steps the engines ran (prompt batches included) "
+            "with the mean slots busy in each (the batches' fullness; a server's slots at most):", "",
+            markdown_table(["arm", "prompt tokens", "prompt s", "generated tokens", "generating s", "decode steps",
+                            "busy slots per step"], [
                 [arm, *(_spread([float(r[arm].watch.counted(key) or 0.0) for r in results.evals], "", 0 if "tokens" in
-                                name else 1) for name, key in counters)] for arm in EVAL_ARMS]), ""]
+                                name else 1) for name, key in counters), *_decode_cells(results, arm)]
+                for arm in EVAL_ARMS]), ""]
     return lines
+
+
+def _decode_cells(results: Results, arm: str) -> list[str]:
+    """Decode steps and busy slots per step over the arm's repeats ('-' for a run that did not sample them)."""
+    steps = [v for r in results.evals if (v := r[arm].watch.counted(DECODE_METRICS[0])) is not None]
+    busy = [v for r in results.evals if (v := r[arm].watch.busy_slots_per_decode()) is not None]
+    return [_spread(steps, "", 0) if len(steps) == len(results.evals) else "-",
+            _spread(busy, "", 2) if len(busy) == len(results.evals) else "-"]
 
 
 def _cores_sentence(cores: CoreSplit | None) -> str:
