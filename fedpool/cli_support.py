@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
-from fedpool.options import Options, PoolApiOptions, RayOptions
+from fedpool.options import Options, PoolApiOptions, RayOptions, UpOptions
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command failed (a registry error, a job that failed)
@@ -43,6 +43,9 @@ def run_server(main: Coroutine[Any, Any, T]) -> T:
 
 # The thread every Ray driver runs (ray._private.worker.listen_error_messages) to print what the cluster reports
 # about its tasks and workers ("(raylet) Task ... failed"), to sys.stdout whatever `log_to_driver` says.
+UP_READY_FILE = "up.json"  # `fedpool up` writes it in its state dir once the pool is up and removes it at the end
+UP_REGISTRY_DIR = "registry"  # the registry's state dir inside a `fedpool up` state dir
+REGISTRY_STATE_FILES = ("registry.token", "registry.url")  # registry/auth.py TOKEN_FILE, registry/api.py API_FILE
 RAY_MESSAGE_THREADS = frozenset({"ray_listen_error_messages"})
 
 
@@ -130,12 +133,38 @@ def connect_ray(args: RayOptions) -> None:
         print(f"fedpool: {joined}", file=sys.stderr)
 
 
+def registry_state_dir(state_dir: Path) -> Path:
+    """Where a client command finds the registry's token and API URL for --state-dir STATE_DIR: STATE_DIR itself
+    where a registry keeps them there; the registry's directory inside it where STATE_DIR is a running `fedpool
+    up`'s (`fedpool up --state-dir X`, then `fedpool eval run --state-dir X`); and for the default STATE_DIR, while
+    no registry keeps its state there, the registry of the default `fedpool up` when that pool is up. So `fedpool
+    up` followed by `fedpool eval run` reaches the registry over its HTTP API, not as one more Ray driver
+    (0.5 CPU-s and about 1.5 s of start-up less an eval process on 2 cores)."""
+    state = state_dir.expanduser()
+
+    def registry_of_up(up: Path) -> Path | None:
+        inner = up / UP_REGISTRY_DIR
+        return inner if (up / UP_READY_FILE).is_file() and any((inner / f).is_file() for f in REGISTRY_STATE_FILES) \
+            else None
+
+    if any((state / f).is_file() for f in REGISTRY_STATE_FILES):
+        return state
+    inner = registry_of_up(state)
+    if inner is not None:
+        return inner
+    if state == RayOptions.model_fields["state_dir"].default.expanduser():
+        inner = registry_of_up(UpOptions.model_fields["state_dir"].default.expanduser())
+        if inner is not None:
+            return inner
+    return state
+
+
 def registry_client(args: RayOptions) -> Any:
     from fedpool.registry import RegistryClient, RegistryError
 
     connect_ray(args)
     try:
-        return RegistryClient.connect_blocking(token_file=args.token_path, state_dir=args.state_dir.expanduser())
+        return RegistryClient.connect_blocking(token_file=args.token_path, state_dir=registry_state_dir(args.state_dir))
     except RegistryError as exc:
         raise CliError(str(exc), EXIT_UNAVAILABLE) from None
 
@@ -150,7 +179,7 @@ def pool_registry(args: PoolApiOptions) -> Any:
     from fedpool.registry.auth import resolve_client_token
     from fedpool.registry.httpclient import find_registry_api
 
-    state = args.state_dir.expanduser()
+    state = registry_state_dir(args.state_dir)
     try:
         token = resolve_client_token(token_file=args.token_path, state_dir=state)
         api = find_registry_api(url=args.registry_url, token=token, state_dir=state)

@@ -21,6 +21,8 @@ from fedpool.cli_support import (
     EXIT_BUSY,
     EXIT_FAILED,
     EXIT_USAGE,
+    UP_READY_FILE,
+    UP_REGISTRY_DIR,
     CliError,
     pool_page,
     run_server,
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from fedpool.deploy.localpool import LocalPoolSpec
 
 PID_FILE = "up.pid"
-READY_FILE = "up.json"
+READY_FILE = UP_READY_FILE  # the pool's URL, model and Ray address, once it is up (client commands look for it)
 LOG_FILE = "up.log"
 
 
@@ -60,8 +62,11 @@ def cmd_down(args: DownOptions) -> int:
     return down(args.state_dir)
 
 
-def recipes(base: str, model: str) -> str:
-    """Paste-ready commands for the tools researchers run, pointed at the pool (docs/researchers.md has more)."""
+def recipes(base: str, model: str, state_dir: Path | None = None) -> str:
+    """Paste-ready commands for the tools researchers run, pointed at the pool (docs/researchers.md has more); the
+    pool's state dir, where not the default, on the command for fedpool's own evals (it finds the registry there)."""
+    default = UpOptions.model_fields["state_dir"].default.expanduser().resolve()
+    state = "" if state_dir is None or state_dir.expanduser().resolve() == default else f" --state-dir {state_dir}"
     return f"""\
 Point your eval tool at {base}/v1 (model name: {model}). Give each tool its own key: the pool tells clients
 apart by it (any string; no key file is needed on loopback). Say how many requests a run sends and a short
@@ -84,7 +89,7 @@ one is served to its end first: ?fedpool_requests=N on base_url, or the header X
     curl {base}/v1/completions -H 'Content-Type: application/json' \\
       -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}'
   the pool page: {base}/
-  fedpool's own evals: fedpool eval run --spec SPEC.yaml --model {model} --out runs/x"""
+  fedpool's own evals: fedpool eval run{state} --spec SPEC.yaml --model {model} --out runs/x"""
 
 
 def run_up(options: UpOptions, spec: LocalPoolSpec, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -123,7 +128,7 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
     from fedpool.registry import RegistryClient
 
     stop = stop_on_signals()
-    registry = await RegistryClient.start(state / "registry", probe_interval_s=2.0)
+    registry = await RegistryClient.start(state / UP_REGISTRY_DIR, probe_interval_s=2.0)
     info = await registry.ping()
     print(f"[fedpool up] registry: namespace fedpool, state dir {info['state_dir']}", file=err, flush=True)
     try:
@@ -141,7 +146,7 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
                     (state / READY_FILE).write_text(json.dumps(ready, indent=2) + "\n")
                     print(f"fedpool pool up: {spec.count} {spec.engine} server(s) serving {model!r} at {base}/v1 "
                           f"(Ray {ready['ray_address']})\n", file=out, flush=True)
-                    print(recipes(base, model), file=out, flush=True)
+                    print(recipes(base, model, state), file=out, flush=True)
                     print("\nCtrl-C (or `fedpool down`) stops everything this started.", file=out, flush=True)
                     await stop.wait()
                     print("[fedpool up] stopping", file=err, flush=True)
@@ -171,7 +176,7 @@ def detach(argv: list[str], options: UpOptions, out: TextIO = sys.stdout, timeou
         raise RuntimeError(f"`fedpool up` exited with {proc.returncode} before the pool was up; {log_path}:\n{tail}")
     print(f"fedpool pool up in the background (pid {proc.pid}, log {log_path}): {ready['servers']} "
           f"{ready['engine']} server(s) serving {ready['model']!r} at {ready['url']}/v1\n", file=out)
-    print(recipes(ready["url"], ready["model"]), file=out)
+    print(recipes(ready["url"], ready["model"], Path(ready["state_dir"])), file=out)
     print(f"\n`fedpool down --state-dir {state}` stops it.", file=out, flush=True)
     return 0
 

@@ -418,6 +418,34 @@ async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
     assert not (tmp_path / "refused").exists()
 
 
+def test_client_commands_find_the_registry_of_a_fedpool_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedpool up --state-dir X` keeps its registry's state in X/registry: `eval run --state-dir X` looks there, and
+    with no --state-dir, in the default `fedpool up`'s while that pool is up and no registry keeps its state in the
+    default registry dir (without it, an eval beside `fedpool up` joined Ray as a driver instead of using the
+    registry's HTTP API)."""
+    from fedpool.cli_support import registry_state_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    default_registry, default_up = tmp_path / ".fedpool" / "registry", tmp_path / ".fedpool" / "up"
+    assert registry_state_dir(Path("~/.fedpool/registry")) == default_registry  # nothing anywhere: as given
+    up = tmp_path / "up"
+    (up / "registry").mkdir(parents=True)
+    (up / "registry" / "registry.token").write_text("t" * 32)
+    assert registry_state_dir(up) == up  # the pool is not up (no up.json): as given
+    (up / "up.json").write_text("{}")
+    assert registry_state_dir(up) == up / "registry"
+    assert registry_state_dir(up / "registry") == up / "registry"
+    assert registry_state_dir(Path("~/.fedpool/registry")) == default_registry  # another state dir's pool
+    (default_up / "registry").mkdir(parents=True)
+    (default_up / "registry" / "registry.url").write_text("{}")
+    (default_up / "up.json").write_text("{}")
+    assert registry_state_dir(Path("~/.fedpool/registry")) == default_up / "registry"
+    default_registry.mkdir(parents=True)
+    (default_registry / "registry.token").write_text("t" * 32)  # a registry of its own there: that one
+    assert registry_state_dir(Path("~/.fedpool/registry")) == default_registry
+    assert registry_state_dir(tmp_path / "elsewhere") == tmp_path / "elsewhere"
+
+
 def test_ray_driver_messages_go_to_stderr_and_the_commands_output_to_stdout(
         ray_cluster: None, capsys: pytest.CaptureFixture[str]) -> None:
     """What Ray's driver thread prints about the cluster ("(raylet) Task ... failed") goes to stderr while a command

@@ -97,6 +97,14 @@ def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
             env={**os.environ, "OPENAI_API_KEY": "sk-lm-eval-abc", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
         assert lm_eval.returncode == 0, lm_eval.stderr[-3000:]
         assert "exact_match" in lm_eval.stdout
+        # fedpool's own eval, as the printed recipe says (the pool's state dir), reaches the registry over its API
+        # (no Ray driver in the eval process).
+        assert f"fedpool eval run --state-dir {state} --spec" in started.stdout
+        ours = fedpool("eval", "run", "--state-dir", str(state), "--spec", str(ROOT / "pipeline" / "bundled" /
+                       "arith.yaml"), "--model", ready["model"], "--limit", "4", "--out", str(tmp_path / "ours"),
+                       timeout=120)
+        assert ours.returncode == 0, ours.stderr
+        assert "fedpool: registry API http://127.0.0.1:" in ours.stderr, ours.stderr
     finally:
         stopped = fedpool("down", "--state-dir", str(state), timeout=120)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
