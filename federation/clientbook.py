@@ -285,15 +285,23 @@ class ClientBook:
             return -self._answer.get(client_id, 0.0)
         return 0.0
 
-    def _shortest(self, client_id: str) -> float:
-        """shortest_first's criterion: the work the client reports left; else the requests it says it has left ×
-        one request's expected work; else the service it has had."""
+    def work_left(self, client_id: str) -> float | None:
+        """The work a client says it has left, whatever the order: what it reports (fedpool's evals), else the
+        requests it declared it has left × one request's expected work (a gateway caller with
+        `X-Fedpool-Requests`); None where it says nothing. The lease broker rounds shares towards the holders
+        nearest their end (registry/leases.py)."""
         work = self._work_left.get(client_id)
         if work is not None:
             return work
         if client_id in self._declared:
             return self._requests_left.get(client_id, 0) * self.expected_work(client_id)
-        return self.served(client_id)
+        return None
+
+    def _shortest(self, client_id: str) -> float:
+        """shortest_first's criterion: the work the client reports left; else the requests it says it has left ×
+        one request's expected work; else the service it has had."""
+        work = self.work_left(client_id)
+        return self.served(client_id) if work is None else work
 
     def key(self, client_id: str) -> tuple[float, float]:
         """Smaller first: the criterion, then requests in flight per unit of weight."""

@@ -230,7 +230,8 @@ class Dispatcher(GrantPass):
         entries = snapshot.entries if snapshot is not None else ()
         return tuple(ModelDemand(model=model, clients=tuple(
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
-                         served_s=None if c in loading else clients.served_s(c, now), loading=c in loading)
+                         served_s=None if c in loading else clients.served_s(c, now), loading=c in loading,
+                         work_left=clients.work_left(c))
             for c, n in sorted(per.items())), kind_costs=kind_costs(
                 (e for e in entries if e.record.model == model),
                 ((n, size) for c, n in per.items() if (size := client_size(clients.shape(c))) is not None)))

@@ -98,11 +98,22 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
     return out, allowed
 
 
-def whole(wants: Mapping[str, float]) -> dict[str, float]:
-    """Entitlements in whole slots, the fractions given by largest remainder (nothing lost to rounding)."""
+def whole(wants: Mapping[str, float], ends: Mapping[str, float] | None = None,
+          held: Mapping[str, int] | None = None) -> dict[str, float]:
+    """Entitlements in whole slots, the fractions given by largest remainder (nothing lost to rounding). Among
+    equal remainders, to the holders nearest their end first — `ends`: the work each says it has left, compared
+    by factors of two (SRPT's order, never a worse makespan: the slots are used either way) — and among those to
+    the holders that hold the slot already (`held`: slots each holds now), so two long holders whose work left
+    crosses do not pass a slot back and forth."""
     out = {h: float(math.floor(w + 1e-9)) for h, w in wants.items()}
     spare = round(sum(wants.values()) - sum(out.values()))
-    for holder in sorted(wants, key=lambda h: (out[h] - wants[h], h))[:max(0, spare)]:
+
+    def key(h: str) -> tuple[float, float, int, str]:
+        left = (ends or {}).get(h)
+        end = math.inf if left is None else float(math.floor(math.log2(max(left, 1.0))))
+        return round(out[h] - wants[h], 6), end, 0 if (held or {}).get(h, 0) > out[h] else 1, h
+
+    for holder in sorted(wants, key=key)[:max(0, spare)]:
         out[holder] += 1.0
     return out
 

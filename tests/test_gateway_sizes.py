@@ -51,8 +51,8 @@ def test_a_declared_run_counts_what_is_left() -> None:
     assert said[-1] == ("c", 5)  # b forgotten: its late answer reports nothing
 
 
-def _book() -> ClientBook:
-    clients = ClientBook("shortest_first", InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0))
+def _book(order: str = "shortest_first") -> ClientBook:
+    clients = ClientBook(order, InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0))
     for client in ("declared", "unsaid"):
         clients.note_request(client, InferenceRequest.from_body(
             {"prompt": "x" * 80, "max_tokens": 8}, request_id=client, model="m", endpoint=Endpoint.COMPLETIONS), 0.0)
@@ -79,6 +79,18 @@ def test_a_caller_that_declares_its_requests_is_ranked_by_them_times_one_request
     clients.declare_requests("unsaid", 4)
     clients.declare_requests("unsaid", None)  # says nothing any more: by its service again
     assert clients.by_service("unsaid") and clients.requests_left_of("unsaid") is None
+
+
+def test_the_work_a_client_says_it_has_left_is_known_whatever_the_order() -> None:
+    """What the lease broker rounds shares by: reported work, else declared requests × one request's work, else
+    nothing — under `fair` too, whose own criterion is 0 for everyone."""
+    for order in ("fair", "shortest_first"):
+        clients = _book(order)
+        assert clients.work_left("declared") is None and clients.work_left("unsaid") is None
+        clients.declare_requests("declared", 10)
+        assert clients.work_left("declared") == 10 * clients.expected_work("declared")
+        clients.set_remaining("unsaid", 42.0)
+        assert clients.work_left("unsaid") == 42.0
 
 
 async def test_the_gateway_serves_the_caller_with_the_fewest_requests_left_first(emulators: EmulatorFactory) -> None:
