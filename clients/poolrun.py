@@ -46,7 +46,8 @@ async def run_evals_through_pool(
         # together on 2 cores, each booting its actor, spent 8.3 CPU-s beside one process's 2.9 (actors not
         # counted), taken from the engines on the same cores.
         await asyncio.gather(*(x.ready() for x in (judge, media) if x is not None))
-        async with PoolConnection(registry, policy=policy, config=dispatch) as pool:
+        expect = [(s.name, target.model, min(concurrency, s.data.limit or concurrency)) for s in specs]
+        async with PoolConnection(registry, policy=policy, config=dispatch, expect=expect) as pool:
             view = ProgressView(pool.dispatcher, mode=progress)
             async with view:
                 return await run_evals(specs, pool.dispatcher, out_dir, target, concurrency=concurrency,

@@ -1,6 +1,7 @@
 """Capacity leases between real processes (tests/lease_holder.py), on a real registry and emulated servers: a
 killed process's slots come back, an idle one holds nothing, shortest_first holds across processes, and the
-registry dying mid-run loses and doubles nothing."""
+registry dying mid-run loses and doubles nothing; and a connection says what its evals will want from its first
+report on."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import ray
 
+from fedpool.federation import PoolConnection
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory
 
@@ -111,6 +113,24 @@ async def test_an_idle_process_holds_no_slots(pool: tuple[RegistryClient, Path],
     await finish(busy)
     await finish(idle)
     assert [line["done"] for line in lines(busy_out) if "done" in line] == [60]
+
+
+async def test_connections_started_together_each_hold_a_share_before_their_first_request(
+        pool: tuple[RegistryClient, Path]) -> None:
+    """Two connections that say which evals they are about to run (`expect`, as `eval run` does for its specs) are
+    each leased half the slots before either sends a request: the first to send cannot fill every slot while the
+    other is still loading (four eval processes started together: the first to report what it wanted took all 8,
+    and the others' first requests waited 0.8-1.1 s for those attempts to be given back). A connection that
+    expects nothing holds nothing."""
+    registry, _ = pool
+    async with (PoolConnection(registry, expect=[("a", "emu-model", 64)]) as a,
+                PoolConnection(registry, expect=[("b", "emu-model", 64)]) as b,
+                PoolConnection(registry) as idle):
+        await until(lambda: sum(a.dispatcher.held().values()) == sum(b.dispatcher.held().values()) == SLOTS // 2,
+                    10, "each connection leased half the slots")
+        assert idle.dispatcher.held() == {}
+        leases = await registry.leases()
+        assert leases["holders"][a.lease_holder] and leases["holders"][b.lease_holder]
 
 
 async def test_two_processes_with_unequal_work_finish_in_shortest_first_order(
