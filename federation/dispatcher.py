@@ -155,6 +155,10 @@ class Dispatcher(GrantPass):
             self._clients.done_sending.discard(client_id)
             self._tail.clients_changed()  # (client_done regroups too)
 
+    def done_sending(self, client_id: str) -> bool:
+        """Whether the client said it has nothing left to send (`client_done_sending`)."""
+        return client_id in self._clients.done_sending
+
     def set_client_weight(self, client_id: str, weight: float) -> None:
         """Weighted fair share when the pool is saturated: a client of weight 2 gets twice the slots."""
         self._clients.set_weight(client_id, weight)

@@ -9,7 +9,8 @@ process let slots go) arrives within a round trip, and a steady process renews t
 pokes the client when it goes from idle to wanting slots, so a new eval does not wait for a renewal, and when it
 lets go of a slot its lease no longer covers (the lease shrank: another process waits for that slot); a process
 that goes idle reports its last demand for `IDLE_HOLD_S` more (a gateway between two callers' requests keeps
-its slots: the next request needs no round trip) and then nothing: an idle process holds nothing.
+its slots: the next request needs no round trip) and then nothing: an idle process holds nothing. Clients that
+have sent their last request (a finished eval) are not held for: their slots go back as their last answer comes.
 
 A lease runs `ttl_s` from when the report that earned it was *sent*: the broker forgets a silent holder
 `ttl_s` after it *received* the report, later, so a holder never keeps slots the broker has already given to
@@ -125,6 +126,24 @@ class LeaseClient:
                 self._poked.set()  # gateway going idle between requests made 20 reports a second, not 2)
         else:
             self._wanted_at = self._clock()  # it wanted slots until now: the hold counts from here
+            if self._wanted and not self._coming(self._wanted):
+                # Every client it asked for has sent its last request (finished evals): nothing will come to use
+                # a held slot, so the slots go back now. Held for IDLE_HOLD_S, a finished eval's process kept
+                # its 2 slots idle about a second while the others' requests waited (multiprocess.md).
+                self._wanted = ()
+                self._poked.set()
+
+    def _coming(self, demand: tuple[ModelDemand, ...]) -> tuple[ModelDemand, ...]:
+        """`demand` less the clients that have sent their last request (`Dispatcher.client_done_sending`)."""
+        done = self._dispatcher.done_sending
+        out = []
+        for model in demand:
+            clients = tuple(c for c in model.clients if not done(c.client))
+            if len(clients) == len(model.clients):
+                out.append(model)
+            elif clients:
+                out.append(model.model_copy(update={"clients": clients}))
+        return tuple(out)
 
     def report(self) -> DemandReport:
         dispatcher = self._dispatcher
@@ -132,7 +151,7 @@ class LeaseClient:
         if demand:
             self._wanted, self._wanted_at = demand, now
         elif now - self._wanted_at < IDLE_HOLD_S:
-            demand = self._wanted
+            demand = self._wanted = self._coming(self._wanted)
         else:
             self._wanted = ()
         work, slot_s = dispatcher.served_totals()

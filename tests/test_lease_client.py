@@ -116,6 +116,32 @@ async def test_a_process_that_goes_idle_asks_for_its_last_demand_a_little_longer
         await client.stop()
 
 
+async def test_a_process_whose_evals_sent_their_last_request_gives_its_slots_back_with_the_last_answer(
+        fakes: FakePool) -> None:
+    """A finished eval will send nothing more: its process does not hold its slots for IDLE_HOLD_S (held, a
+    finished eval's process kept 2 slots idle about a second while other processes' requests waited)."""
+    dispatcher, registry, client = await one_server_leased(fakes, decode_s=0.05)
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.sleep(1.0)
+        requests = [asyncio.ensure_future(dispatcher.submit(request(i, client_id="eval-a"))) for i in range(4)]
+        await asyncio.sleep(0.01)
+        dispatcher.client_done_sending("eval-a")  # its last request is out
+        await asyncio.gather(*requests)
+        answered_at = loop.time()
+        await asyncio.sleep(0.2)  # a poked report (MIN_POKE_S), not the next renewal (0.5 s) or the hold (1 s)
+        after = [r for t, r in registry.reports if t >= answered_at]
+        assert after and all(r.models == () for r in after)
+        # A client that has not said so is held for as before.
+        dispatcher.client_done_sending("eval-a", False)
+        await asyncio.gather(*(dispatcher.submit(request(i, client_id="eval-a")) for i in range(4, 8)))
+        answered_at = loop.time()
+        await asyncio.sleep(IDLE_HOLD_S - 0.2)
+        assert [r for t, r in registry.reports if t > answered_at + 0.1 and r.models]
+    finally:
+        await client.stop()
+
+
 async def test_a_caller_paced_between_idle_spells_costs_renewals_only(fakes: FakePool) -> None:
     """A gateway at a steady light load goes idle between requests (each answered before the next comes): each
     return to work is within IDLE_HOLD_S of the last, the lease it holds still covers it, and it reports at the
