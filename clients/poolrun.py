@@ -24,12 +24,13 @@ async def run_evals_through_pool(
     registry: Any, specs: Sequence[BenchmarkSpec], out_dir: Path, target: EvalTarget, *, policy: str,
     dispatch: DispatchConfig, concurrency: int, verifier: Callable[[], VerifierPool], media_actors: int,
     metric_actors: int, progress: str = "auto", retry_failed: bool = False, run_info: dict[str, Any] | None = None,
-    join_ray: Callable[[], object] | None = None,
+    join_ray: Callable[[], object] | None = None, holder: str | None = None,
 ) -> list[EvalSummary]:
     """`run_evals` over a new connection to `registry`'s pool with `policy`; `verifier` is called only when a spec
     asks for judgments; `metric_actors=0` scores on a thread of this process; `progress` is ProgressView's mode.
     `join_ray` joins the Ray cluster (blocking) before the first CPU actor is made, for a process that reached the
-    registry without Ray (its HTTP API): called only when a spec needs actors, or a large eval its scoring actors."""
+    registry without Ray (its HTTP API): called only when a spec needs actors, or a large eval its scoring actors.
+    `holder`: this process's name at the lease broker, where it announced its evals before (`loading_report`)."""
     prepare_policy(policy)  # (its solver, if it plans, loads while Ray and the actors start)
     needs_actors_now = any(s.verifier or s.prompt.media for s in specs)
     if join_ray is not None and needs_actors_now:
@@ -47,7 +48,8 @@ async def run_evals_through_pool(
         # counted), taken from the engines on the same cores.
         await asyncio.gather(*(x.ready() for x in (judge, media) if x is not None))
         expect = [(s.name, target.model, min(concurrency, s.data.limit or concurrency)) for s in specs]
-        async with PoolConnection(registry, policy=policy, config=dispatch, expect=expect) as pool:
+        async with PoolConnection(registry, policy=policy, config=dispatch, expect=expect,
+                                  holder=holder) as pool:
             view = ProgressView(pool.dispatcher, mode=progress)
             async with view:
                 return await run_evals(specs, pool.dispatcher, out_dir, target, concurrency=concurrency,

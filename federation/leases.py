@@ -26,15 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from fedpool.federation.dispatcher import Dispatcher
-from fedpool.registry import DemandReport, Lease, ModelDemand
+from fedpool.registry import DemandReport, Lease, ModelDemand, holder_id
 
 log = logging.getLogger("fedpool.leases")
 
@@ -54,11 +51,6 @@ class LeaseRegistry(Protocol):
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease: ...
 
     async def release_lease(self, holder: str) -> None: ...
-
-
-def holder_id() -> str:
-    """This process, unique in the cluster: host, pid and a random part."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class LeaseClient:

@@ -33,7 +33,8 @@ class PoolConnection:
     dispatcher sees are reported to the registry in the background (bounded, best effort). With `leases`
     (the default) the dispatcher works within this process's capacity lease, so several processes on the
     same servers share their slots instead of each filling them. `expect`: (client, model, requests at most) of
-    the clients this process is about to run, reported as loading from its first lease report on.
+    the clients this process is about to run, reported as loading from its first lease report on; `holder`: this
+    process's name at the lease broker (default: a new one), as a report sent before connecting named it.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class PoolConnection:
         poll_timeout_s: float = 5.0,
         leases: bool = True,
         expect: Sequence[tuple[str, str, int]] = (),
+        holder: str | None = None,
     ):
         self._registry = registry
         self._policy_name = policy
@@ -57,6 +59,7 @@ class PoolConnection:
         self._reports: set[asyncio.Task[None]] = set()
         self._leasing = leases
         self._expect = tuple(expect)
+        self._holder = holder
         self._leases: LeaseClient | None = None
         self._watcher: SnapshotWatcher | None = None
         self._dispatcher: Dispatcher | None = None
@@ -94,7 +97,7 @@ class PoolConnection:
         if self._leasing:
             # Every process's dispatcher shares each server's slots with the others through the registry's
             # capacity leases (federation/leases.py).
-            self._leases = LeaseClient(self._registry, self._dispatcher)
+            self._leases = LeaseClient(self._registry, self._dispatcher, holder=self._holder)
             await self._leases.start()
             # The clients this process is about to run, as loading, in its very first report (the report task has
             # not run yet: nothing awaits between here and it). Said only by each eval once connected, they came

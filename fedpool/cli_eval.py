@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpool import options as opt
 from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, connect_ray, emit, pool_registry
+from fedpool.registry import DemandReport, holder_id, loading_report
 
 if TYPE_CHECKING:
     from fedpool.clients.rundir import RunPlan
+
+log = logging.getLogger("fedpool.eval")
 
 
 def cmd_eval_run(args: opt.EvalRunOptions) -> int:
@@ -25,11 +29,13 @@ def cmd_eval_run(args: opt.EvalRunOptions) -> int:
     refuse_existing_run(out)
     specs = check_specs([Path(p) for p in plan.specs], plan.limit, given=args.spec)
     client = pool_registry(args)
-    asyncio.run(require_servers(client, args.model, args.revision, args.wait_for_servers))
+    holder = holder_id()
+    asyncio.run(require_servers(client, args.model, args.revision, args.wait_for_servers,
+                                announce=announcement(holder, args.model, specs, plan.concurrency)))
     with owned(out, "fedpool eval run"):
         refuse_existing_run(out)  # another run may have started here meanwhile
         plan.write(out)
-        return _run_eval(args, out, plan, specs, client)
+        return _run_eval(args, out, plan, specs, client, holder=holder)
 
 
 def cmd_eval_resume(args: opt.EvalResumeOptions) -> int:
@@ -40,12 +46,16 @@ def cmd_eval_resume(args: opt.EvalResumeOptions) -> int:
         plan = RunPlan.read(out)
         specs = check_specs([Path(p) for p in plan.specs], plan.limit)
         client = pool_registry(args)
-        asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers))
-        return _run_eval(args, out, plan, specs, client, retry_failed=not args.keep_failed)
+        holder = holder_id()
+        asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers,
+                                    announce=announcement(holder, plan.model, specs, plan.concurrency)))
+        return _run_eval(args, out, plan, specs, client, retry_failed=not args.keep_failed, holder=holder)
 
 
-async def require_servers(client: Any, model: str, revision: str | None, wait_s: float | None) -> None:
-    """Refuse a model no registered server serves before anything is written, or wait up to `wait_s` for one."""
+async def require_servers(client: Any, model: str, revision: str | None, wait_s: float | None,
+                          announce: DemandReport | None = None) -> None:
+    """Refuse a model no registered server serves before anything is written, or wait up to `wait_s` for one; then
+    send `announce` to the lease broker (best effort)."""
     from fedpool.clients.rundir import wait_for_model
 
     async def registered() -> dict[str, set[str]]:
@@ -54,8 +64,22 @@ async def require_servers(client: Any, model: str, revision: str | None, wait_s:
     try:
         await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
                              "SECONDS")
+        if announce is not None:
+            try:
+                await asyncio.wait_for(client.lease(announce), 2.0)
+            except Exception as exc:  # (the run's own lease client reports in a moment anyway)
+                log.debug("could not announce this run's evals to the lease broker: %s", type(exc).__name__)
     finally:
         await client.aclose()  # (its connections belong to this event loop; the run starts another)
+
+
+def announcement(holder: str, model: str, specs: list[Any], concurrency: int) -> DemandReport:
+    """The evals this process is about to run, each loading: sent as soon as the specs are checked and the model
+    is served, before the run's heavier start-up. Four eval processes launched together finished starting 0.5 to
+    3.3 s apart on 2 cores (the first one's requests took the cores the others' start-up needed): the first to
+    report what it wanted was leased all 8 slots and held them a whole long answer, while the others, unknown to
+    the broker yet, waited; known from here on, they hold their loading shares when it asks."""
+    return loading_report(holder, model, ((s.name, min(concurrency, s.data.limit or concurrency)) for s in specs))
 
 
 def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
@@ -110,7 +134,7 @@ def scores(summary: dict[str, Any]) -> str:
 
 
 def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[Any], client: Any, *,
-              retry_failed: bool = False) -> int:
+              retry_failed: bool = False, holder: str | None = None) -> int:
     """Runs the evals; exit code 0 when every record has a prediction, EXIT_INCOMPLETE when some failed (their
     errors are in the records; `fedpool eval resume` runs them again)."""
     from fedpool.clients import EvalTarget
@@ -126,7 +150,7 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
                 dispatch=dispatch, concurrency=plan.concurrency, verifier=lambda: verifier_pool(args),
                 media_actors=args.media_actors, metric_actors=args.metric_actors,
                 progress="quiet" if args.quiet else "auto", retry_failed=retry_failed,
-                join_ray=lambda: connect_ray(args),
+                join_ray=lambda: connect_ray(args), holder=holder,
                 run_info={"policy": plan.policy, "concurrency": plan.concurrency, "client_order": plan.client_order,
                           "planned": plan.routing == "planned"})
         finally:

@@ -19,6 +19,8 @@ from fedpool.registry.leases import (
     LeaseServer,
     LeaseService,
     ModelDemand,
+    holder_id,
+    loading_report,
 )
 from fedpool.registry.placement import CHEAPEST_TIE, HORIZON_MARGIN, fluid_horizon, usable_kinds
 from fedpool.registry.records import Engine, ServerRecord
@@ -74,6 +76,8 @@ __all__ = [
     "accelerator_roofline",
     "adapter_for",
     "fluid_horizon",
+    "holder_id",
+    "loading_report",
     "prior_weight",
     "usable_kinds",
 ]

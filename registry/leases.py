@@ -48,6 +48,8 @@ import asyncio
 import contextlib
 import heapq
 import math
+import os
+import socket
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +65,11 @@ MAX_UNACKED = 32  # leases kept per holder that it has not said it received (a s
 SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
+
+
+def holder_id() -> str:
+    """A process's name at the broker, unique in the cluster: host, pid and a random part."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class ClientDemand(BaseModel):
@@ -113,6 +120,19 @@ class DemandReport(BaseModel):
     # Every answer this holder has had: its work (prompt + 2 × completion tokens) and the slot-seconds it held.
     served_work: float = Field(default=0.0, ge=0)
     served_slot_s: float = Field(default=0.0, ge=0)
+    # An announcement (`loading_report`): what a process is about to run, sent before it can use a lease. Its
+    # clients count in the shares — nobody else is leased their slots — but it is leased nothing until it reports
+    # as a holder: the slots a process still starting up was leased could go to nobody until it said it held them.
+    announce: bool = False
+
+
+def loading_report(holder: str, model: str, clients: Iterable[tuple[str, int]]) -> DemandReport:
+    """A holder's report before it runs anything: the clients it is about to run on `model`, each still loading
+    (with the most it may send), as an announcement: their share is kept free for it, and it is leased nothing
+    until its lease client reports. `fedpool eval run` sends it as soon as it has checked its specs, so processes
+    started together are known to the broker before the first of them sends (federation/pool.py `expect`)."""
+    return DemandReport(holder=holder, announce=True, models=(ModelDemand(model=model, clients=tuple(
+        ClientDemand(client=name, wanted=wanted, loading=True) for name, wanted in clients if wanted > 0)),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +255,8 @@ class LeaseBroker:
             held = {h: sum(n for sid, n in holder.slots.items() if sid in ids) for h, holder in self._holders.items()}
             wants = whole(self._entitlements(model, sum(s.capacity for s in servers)), self._ends(model), held)
             for holder_id, slots in self._spread(model, servers, wants, learning).items():
-                new[holder_id].update(slots)
+                if not self._holders[holder_id].report.announce:  # (an announced share stays free for it)
+                    new[holder_id].update(slots)
         changed = set()
         for holder_id, holder in self._holders.items():
             slots = {s: n for s, n in new[holder_id].items() if n > 0}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fedpool.registry import ClientDemand, DemandReport, LeaseBroker, LeaseServer, ModelDemand
+from fedpool.registry import ClientDemand, DemandReport, LeaseBroker, LeaseServer, ModelDemand, loading_report
 from fedpool.registry.placement import whole
 
 
@@ -145,6 +145,21 @@ def test_a_short_eval_tied_with_two_long_ones_gets_the_slot_rounding_leaves_over
         for holder, client in holders.items():
             got[holder] = b.report(holder, {client: (40, 0.0)}, work_left={client: left[client]})
     assert {h: total(slots) for h, slots in got.items()} == first
+
+
+def test_a_process_that_announced_its_evals_holds_their_share_before_it_connects() -> None:
+    """`eval run` announces its evals (loading) as soon as its specs are checked: a process that finished starting
+    first and asks for every slot gets its share, not the slots of one still starting (announced: loading)."""
+    b = Broker()
+    b.broker.report(loading_report("late", "m", [("arith", 64), ("nothing", 0)]))
+    b.broker.reshare()
+    assert b.slots("late") == {}  # an announcement is leased nothing: it cannot use a lease yet
+    for _ in range(3):  # (its lease client has not reported yet: the announcement stands until its TTL)
+        first = b.report("first", {"long": (40, 0.0)})
+    assert total(first) == 4  # the other 4 are kept for the announced eval
+    late = b.report("late", {"arith": (60, 0.0)})  # its lease client's first report, as a holder
+    assert total(late) == 4
+    assert loading_report("x", "m", [("a", 0)]).models[0].clients == ()
 
 
 def test_capacity_nobody_wants_goes_to_whoever_wants_something() -> None:
