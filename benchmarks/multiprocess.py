@@ -824,6 +824,34 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
     return lines
 
 
+def _makespan_why(results: Results) -> list[str]:
+    """The makespan's difference between the arms split into the schedule (decode steps, batch fullness) and the
+    cores (the engines' and everyone else's CPU seconds), medians over repeats; nothing where not sampled."""
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if len(known) == len(values) and known else None
+
+    runs = results.evals
+    steps = {arm: median([r[arm].watch.counted(DECODE_METRICS[0]) for r in runs]) for arm in EVAL_ARMS}
+    busy = {arm: median([r[arm].watch.busy_slots_per_decode() for r in runs]) for arm in EVAL_ARMS}
+    cpu = {arm: [r[arm].cpu for r in runs] for arm in EVAL_ARMS}
+    engines = {arm: median([c.engines_cpu_s if c else None for c in cpu[arm]]) for arm in EVAL_ARMS}
+    other = {arm: median([c.other_cpu_s if c else None for c in cpu[arm]]) for arm in EVAL_ARMS}
+    span = {arm: statistics.median(r[arm].makespan_s for r in runs) for arm in EVAL_ARMS}
+    if any(v is None for d in (steps, busy, engines, other) for v in d.values()):
+        return []
+    cores = os.cpu_count() or 1
+    more = (engines["multi"] or 0.0) - (engines["one"] or 0.0) + (other["multi"] or 0.0) - (other["one"] or 0.0)
+    return ["", f"- The makespan, {span['multi']:.1f} s in {EVAL_ARMS[1]} against {span['one']:.1f} s in one process "
+            f"(medians): the engines ran {steps['multi']:.0f} decode steps against {steps['one']:.0f} with "
+            f"{busy['multi']:.2f} slots busy per step against {busy['one']:.2f} — the leases kept the batches as "
+            f"full — and spent {engines['multi']:.1f} CPU-s on them against {engines['one']:.1f}, while everything "
+            f"else (the eval processes, the registry, Ray, this script) spent {other['multi']:.1f} against "
+            f"{other['one']:.1f}: {more:.1f} CPU-s more on {cores} cores the engines share with the clients, "
+            f"{more / cores:.1f} s of the machine against a makespan {span['multi'] - span['one']:.1f} s longer. "
+            "What the four processes cost is CPU taken from CPU engines on the same cores, not the schedule."]
+
+
 def _decode_cells(results: Results, arm: str) -> list[str]:
     """Decode steps and busy slots per step over the arm's repeats ('-' for a run that did not sample them)."""
     steps = [v for r in results.evals if (v := r[arm].watch.counted(DECODE_METRICS[0])) is not None]
@@ -920,6 +948,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                 + f" on {os.cpu_count()} cores; before its eval starts, each process imports fedpool, reads its specs, "
                 "reaches the registry over its HTTP API and takes its first capacity lease (it starts no Ray CPU "
                 "actor for evals of this size)."]
+        out += _makespan_why(results)
     queued = [(f"evals repeat {r + 1} {arm}", run[arm].watch,
                [c for t in run[arm].evals.values() for c in t.lost_copies])
               for r, run in enumerate(results.evals) for arm in EVAL_ARMS]
