@@ -182,11 +182,10 @@ class EvalRun:
         started = self._clock()
         # Ask for a share of the capacity now, while the samples load: evals in other processes started together
         # then start with their shares, not behind the one that loaded first (registry/leases.py, `loading`).
-        limit = self.spec.data.limit
         # (A process that ran an eval of this name before — a jobs server — heard it had sent its last request.)
         self._dispatcher.client_done_sending(self.spec.name, False)
-        self._dispatcher.expect(self.spec.name, self._target.model,
-                                min(self._concurrency, limit or self._concurrency), loading=True)
+        self._dispatcher.expect(self.spec.name, self._target.model, self.spec.at_once(self._concurrency),
+                                loading=True)
         try:
             samples = await asyncio.to_thread(load_samples, self.spec)
             data_hash = await asyncio.to_thread(dataset_sha256, self.spec.data_path())

@@ -47,7 +47,7 @@ async def run_evals_through_pool(
         # together on 2 cores, each booting its actor, spent 8.3 CPU-s beside one process's 2.9 (actors not
         # counted), taken from the engines on the same cores.
         await asyncio.gather(*(x.ready() for x in (judge, media) if x is not None))
-        expect = [(s.name, target.model, min(concurrency, s.data.limit or concurrency)) for s in specs]
+        expect = [(s.name, target.model, s.at_once(concurrency)) for s in specs]
         async with PoolConnection(registry, policy=policy, config=dispatch, expect=expect,
                                   holder=holder) as pool:
             view = ProgressView(pool.dispatcher, mode=progress)

@@ -79,7 +79,7 @@ def announcement(holder: str, model: str, specs: list[Any], concurrency: int) ->
     3.3 s apart on 2 cores (the first one's requests took the cores the others' start-up needed): the first to
     report what it wanted was leased all 8 slots and held them a whole long answer, while the others, unknown to
     the broker yet, waited; known from here on, they hold their loading shares when it asks."""
-    return loading_report(holder, model, ((s.name, min(concurrency, s.data.limit or concurrency)) for s in specs))
+    return loading_report(holder, model, ((s.name, s.at_once(concurrency)) for s in specs))
 
 
 def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:

@@ -41,11 +41,11 @@ def run_server(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-# The thread every Ray driver runs (ray._private.worker.listen_error_messages) to print what the cluster reports
-# about its tasks and workers ("(raylet) Task ... failed"), to sys.stdout whatever `log_to_driver` says.
 UP_READY_FILE = "up.json"  # `fedpool up` writes it in its state dir once the pool is up and removes it at the end
 UP_REGISTRY_DIR = "registry"  # the registry's state dir inside a `fedpool up` state dir
-REGISTRY_STATE_FILES = ("registry.token", "registry.url")  # registry/auth.py TOKEN_FILE, registry/api.py API_FILE
+
+# The thread every Ray driver runs (ray._private.worker.listen_error_messages) to print what the cluster reports
+# about its tasks and workers ("(raylet) Task ... failed"), to sys.stdout whatever `log_to_driver` says.
 RAY_MESSAGE_THREADS = frozenset({"ray_listen_error_messages"})
 
 
@@ -140,14 +140,18 @@ def registry_state_dir(state_dir: Path) -> Path:
     no registry keeps its state there, the registry of the default `fedpool up` when that pool is up. So `fedpool
     up` followed by `fedpool eval run` reaches the registry over its HTTP API, not as one more Ray driver
     (0.5 CPU-s and about 1.5 s of start-up less an eval process on 2 cores)."""
-    state = state_dir.expanduser()
+    from fedpool.registry.api import API_FILE
+    from fedpool.registry.auth import TOKEN_FILE
+
+    def holds_registry(path: Path) -> bool:
+        return (path / TOKEN_FILE).is_file() or (path / API_FILE).is_file()
 
     def registry_of_up(up: Path) -> Path | None:
         inner = up / UP_REGISTRY_DIR
-        return inner if (up / UP_READY_FILE).is_file() and any((inner / f).is_file() for f in REGISTRY_STATE_FILES) \
-            else None
+        return inner if (up / UP_READY_FILE).is_file() and holds_registry(inner) else None
 
-    if any((state / f).is_file() for f in REGISTRY_STATE_FILES):
+    state = state_dir.expanduser()
+    if holds_registry(state):
         return state
     inner = registry_of_up(state)
     if inner is not None:

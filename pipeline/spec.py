@@ -145,6 +145,11 @@ class BenchmarkSpec(BaseModel):
             path = Path(self.source_file).parent / path
         return path
 
+    def at_once(self, concurrency: int) -> int:
+        """The most requests a run of this spec has in flight at once with `concurrency` workers (fewer where its
+        sample limit is smaller): what it asks the pool's capacity leases for before its samples are read."""
+        return min(concurrency, self.data.limit or concurrency)
+
     def fingerprint(self) -> str:
         """Hash of everything that changes predictions or scores (not the file location)."""
         return hashlib.sha256(self.model_dump_json(exclude={"source_file"}).encode()).hexdigest()[:16]
