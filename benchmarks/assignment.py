@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fedpool.deploy.emulator import EmulatorProfile
-from fedpool.federation.plan_lp import solve_plan
+from fedpool.federation.routing.plan_lp import solve_plan
 
 EXACT_LIMIT = 200_000  # assignments searched exhaustively below this count
 

@@ -418,7 +418,7 @@ async def local_pool(work: Path) -> AsyncIterator[Pool]:
 
     from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
     from fedpool.federation import PoolConnection
-    from fedpool.federation.gateway import Gateway, serving
+    from fedpool.federation.gateway.handlers import Gateway, serving
     from fedpool.registry import RegistryClient
 
     init_loopback_ray()

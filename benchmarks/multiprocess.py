@@ -78,7 +78,7 @@ from fedpool.benchmarks.realtool_speedup import (
     stories,
 )
 from fedpool.benchmarks.report import RESULTS_DIR, code_version, markdown_table, write_report
-from fedpool.federation.dispatcher import PREEMPTED
+from fedpool.federation.core.dispatcher import PREEMPTED
 from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.multiprocess")
@@ -86,7 +86,7 @@ log = logging.getLogger("fedpool.multiprocess")
 PROBE_INTERVAL_S = 2.0  # the registry's probe period, as `fedpool up` starts it
 ENGINE_SAMPLE_S = 0.1  # the engines' /metrics, read this often
 LEASE_SAMPLE_S = 0.5  # the broker's holders and grants, read this often
-# What a process logs when its capacity lease lapses (federation/leases.py): renewed too late, or never granted.
+# What a process logs when its capacity lease lapses (federation/gateway/leases.py): renewed too late, or never granted.
 LEASE_LAPSES = ("capacity lease not renewed in time", "no capacity lease from the registry")
 RUN_FILE = "run.json"  # the run's arguments and start, in its work dir (what --from-work-dir re-renders)
 LOST_COPY_WINDOW_S = 15.0  # a deferred request is set beside the straggler copies cancelled this long before it
@@ -333,7 +333,7 @@ class EvalTiming:
     # straggler copies that lost their race: (the server it ran on, seconds from launch to its cancellation, which
     # is when the winning copy answered)
     lost_copies: list[tuple[str, float]] = field(default_factory=list)
-    # attempts that gave their slot back to a shrunk lease (federation/preempt.py) and the engine seconds they had run
+    # attempts that gave their slot back to a shrunk lease (federation/core/preempt.py) and the engine seconds they had run
     given_back: int = 0
     given_back_s: float = 0.0
 
@@ -789,7 +789,7 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
         "Lease calls per second over each arm (median (lowest–highest)): one process "
         f"{_spread([r['one'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}, four processes "
         f"{_spread([r['multi'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}; each holder renews "
-        "about twice a second (federation/leases.py RENEW_S) from its start to its exit, and a process's share "
+        "about twice a second (federation/gateway/leases.py RENEW_S) from its start to its exit, and a process's share "
         "changing answers its long poll at once.", ""]
     if any(r[arm].client_cpu_s > 0 for r in results.evals for arm in EVAL_ARMS):  # (older work dirs lack it)
         lines += [
@@ -940,7 +940,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                            for r in results.evals], " s", 1)
                 + "): a process that starts later finds the slots held by the requests in flight of one that "
                 "started earlier. Attempts under 1 s old give their slots back to a shrunk lease where the engine "
-                "drops a request whose client has gone (federation/preempt.py: vLLM, and llama.cpp for the requests "
+                "drops a request whose client has gone (federation/core/preempt.py: vLLM, and llama.cpp for the requests "
                 "the transport sends it as streams, which are all of these); given back in the multi arms: "
                 + ", ".join(str(sum(t.given_back for t in r["multi"].evals.values())) for r in results.evals)
                 + ". Load (1-minute) at the start of the multi arms: "
@@ -959,7 +959,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
             *deferred]
     if any(q[1].deepest and q[2] for q in queued):
         out.append("- A straggler copy that loses its race is cancelled and its slot given back at once "
-                   "(federation/tail.py), but this llama-server runs a non-streamed request whose client closed its "
+                   "(federation/core/tail.py), but this llama-server runs a non-streamed request whose client closed its "
                    "connection to its end (measured separately on this build: a 200-token request closed after 1 s "
                    "held its only slot 13.9 s more, its replacement deferred all that time): for the rest of the "
                    "loser's answer the engine holds one request more than fedpool counts.")
@@ -970,7 +970,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                    "short of CPU) ends the lease, and the process falls back to its safe share, each server's "
                    "capacity ÷ the holders last known, on every server whatever lease it held, while the other "
                    "holders still hold theirs: a process that held all of one server and none of the other sends "
-                   "its safe share to the other, which another holder fully holds (federation/leases.py "
+                   "its safe share to the other, which another holder fully holds (federation/gateway/leases.py "
                    "`_expired`). The broker likewise drops a holder whose reports arrive later than the TTL, and can "
                    "grant its slots to another while its requests still run.")
     for r, run in enumerate(results.tools):

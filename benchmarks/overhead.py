@@ -20,7 +20,7 @@ import aiohttp
 
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.federation import Completion, InferenceRequest
-from fedpool.federation.transport import StreamBody, Target
+from fedpool.federation.gateway.transport import StreamBody, Target
 
 LITELLM_MEDIAN_MS = 12.0
 
@@ -38,7 +38,7 @@ def _serve(kind: str, port_out: mp.Queue, stop: Event, upstream: str | None) -> 
             await server.stop()
             return
         from fedpool.federation import DispatchConfig, Dispatcher, make_policy, new_session
-        from fedpool.federation.gateway import Gateway
+        from fedpool.federation.gateway.handlers import Gateway
         from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
         record = ServerRecord(id="emu-0", url=upstream or "", engine=Engine.VLLM, model="bench-model", capacity=512)
@@ -99,7 +99,7 @@ def pct(values: list[float], q: float) -> float:
 async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
     """Placement decisions (policy choice + in-flight accounting) without I/O: acquire then release."""
     from fedpool.federation import Dispatcher, InferenceRequest, make_policy, new_session
-    from fedpool.federation.types import Endpoint
+    from fedpool.federation.core.types import Endpoint
     from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     entries = tuple(

@@ -57,7 +57,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
-from fedpool.federation.gateway import REQUESTS_QUERY
+from fedpool.federation.gateway.handlers import REQUESTS_QUERY
 
 log = logging.getLogger("fedpool.realtool")
 
@@ -347,7 +347,7 @@ class ArmRun:
 def _lm_eval_argv(model: str, base_url: str, task: str, task_dir: Path, out: Path, concurrent: int,
                   declare: int | None = None) -> list[str]:
     """lm-eval's command line; `declare`: the run's size in the URL's query, which the gateway reads
-    (`fedpool_requests`, federation/gateway.py)."""
+    (`fedpool_requests`, federation/gateway/handlers.py)."""
     query = f"?{REQUESTS_QUERY}={declare}" if declare is not None else ""
     return [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
             f"model={model},base_url={base_url}/v1/completions{query},num_concurrent={concurrent},max_retries=3,"
@@ -462,7 +462,7 @@ async def local_pool(work: Path, servers: int, slots: int, threads: int) -> Asyn
 
     from fedpool.deploy.localpool import LocalServerSpec, init_loopback_ray, local_llama_servers
     from fedpool.federation import DispatchConfig, PoolConnection
-    from fedpool.federation.gateway import Gateway, serving
+    from fedpool.federation.gateway.handlers import Gateway, serving
     from fedpool.registry import RegistryClient
 
 

@@ -37,7 +37,7 @@ from fedpool.deploy.localpool import init_local_ray
 from fedpool.deploy.models import ensure_gemma
 from fedpool.deploy.process import EngineProcess, free_port
 from fedpool.federation import DispatchConfig, PoolConnection
-from fedpool.federation.transport import Timeouts
+from fedpool.federation.gateway.transport import Timeouts
 from fedpool.pipeline import load_spec
 from fedpool.pipeline.artifact import read_records
 from fedpool.pipeline.bundled import bundled_spec_paths
@@ -291,7 +291,7 @@ async def scenario_streams_killed(pool: ChaosPool, out: Path, baseline: float | 
     from aiohttp import ClientSession
     from prometheus_client.parser import text_string_to_metric_families
 
-    from fedpool.federation.gateway import Gateway, serving
+    from fedpool.federation.gateway.handlers import Gateway, serving
 
     # Two real llama.cpp servers (the emulator writes a whole answer at once, so only a real engine can die
     # half-way through a stream), serving a model of their own so the killed one surely carries streams.

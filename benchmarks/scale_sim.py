@@ -60,7 +60,7 @@ from fedpool.benchmarks.simulator import (
 )
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, Policy, make_policy
-from fedpool.federation.pricing import server_cost
+from fedpool.federation.routing.pricing import server_cost
 from fedpool.registry import Engine, ServerEntry, ServerStatus, prior_weight
 
 SHAPES = {  # modality: (prompt tokens, answer tokens), as benchmarks/configs/table7_evals.yaml
@@ -406,7 +406,7 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
             + f". Decision cost: {_spread([w.fedpool['decision_us'] for w in worlds], '{:.0f}')} µs per grant.")
     waves = [(w.seed, wave) for w in worlds for wave in w.fedpool.get("waves", ())]
     if waves:
-        text += ("\n\nOne wave (federation/wave.py: every request fit the pool's room at once, so each server kind was "
+        text += ("\n\nOne wave (federation/routing/wave.py: every request fit the pool's room at once, so each server kind was "
                  "probed by one request alone, the long answers placed at once, the rest assigned together once the "
                  "probes answered): " + "; ".join(
                      f"world {seed}: {w['probes']} probes, {w['assigned']} requests assigned, {w['followed']} placed "

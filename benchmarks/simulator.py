@@ -38,9 +38,9 @@ from fedpool.federation import (
     InferenceRequest,
     Policy,
 )
-from fedpool.federation.leases import LeaseClient
-from fedpool.federation.transport import Target, UrlTarget, request_body
-from fedpool.federation.types import EngineTimes
+from fedpool.federation.gateway.leases import LeaseClient
+from fedpool.federation.gateway.transport import Target, UrlTarget, request_body
+from fedpool.federation.core.types import EngineTimes
 from fedpool.registry import (
     DemandReport,
     Engine,

@@ -46,7 +46,7 @@ def _gateway_child(port_out: mp.Queue, stop: Event, measure: Event, tasks_out: m
     from aiohttp import web
 
     from fedpool.federation import DispatchConfig, Dispatcher, make_policy, new_session
-    from fedpool.federation.gateway import Gateway
+    from fedpool.federation.gateway.handlers import Gateway
     from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 
     async def main() -> None:

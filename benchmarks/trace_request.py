@@ -96,7 +96,7 @@ def tracing(trace: Trace, skip: frozenset[types.CodeType] = frozenset()) -> Iter
 
 async def trace_one(servers: int = 4, policy: str = "capacity_weighted") -> Trace:
     from fedpool.federation import Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-    from fedpool.federation.grants import WAIT_POLL_S
+    from fedpool.federation.core.grants import WAIT_POLL_S
     from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
     # Each emulator binds a port of its own choosing (--port 0) and says which: no port is picked here and then

@@ -1,11 +1,11 @@
 """Routing, admission, retries and failover over the registry's snapshots."""
 
-from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
-from fedpool.federation.dispatcher import Dispatcher
-from fedpool.federation.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from fedpool.federation.finish import EarliestFinish  # registers the `earliest_finish` policy
-from fedpool.federation.planner import PlannedRouting  # registers the `planned` policy
-from fedpool.federation.policies import (
+from fedpool.federation.core.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
+from fedpool.federation.core.dispatcher import Dispatcher
+from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from fedpool.federation.routing.finish import EarliestFinish  # registers the `earliest_finish` policy
+from fedpool.federation.routing.planner import PlannedRouting  # registers the `planned` policy
+from fedpool.federation.routing.policies import (
     Candidate,
     Hold,
     Policy,
@@ -14,9 +14,9 @@ from fedpool.federation.policies import (
     policy_names,
     prepare_policy,
 )
-from fedpool.federation.pool import PoolConnection
-from fedpool.federation.transport import HttpTransport, Timeouts, Transport, new_session, post_completion
-from fedpool.federation.types import (
+from fedpool.federation.gateway.pool import PoolConnection
+from fedpool.federation.gateway.transport import HttpTransport, Timeouts, Transport, new_session, post_completion
+from fedpool.federation.core.types import (
     Attempt,
     Completion,
     Endpoint,

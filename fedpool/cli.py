@@ -83,7 +83,7 @@ def cmd_bench_speedup(bench_args: Sequence[str]) -> int:
 
 
 def cmd_gateway(args: opt.GatewayOptions) -> int:
-    from fedpool.federation.gateway import parse_api_keys
+    from fedpool.federation.gateway.handlers import parse_api_keys
 
     keys = None
     if args.api_key_file:

@@ -4,7 +4,7 @@ leases, failure reports — without being a Ray driver. Meets `PoolRegistry` as 
 Where a client finds the API: the URL it is given (`--registry-url`, FEDPOOL_REGISTRY_URL), else the one the
 registry wrote beside its token (STATE_DIR/registry.url). A URL found in the state dir is read again after a
 failed call, so a registry that Ray restarted on a new port is found again; leases ride out the gap as they do
-when the registry is away (federation/leases.py)."""
+when the registry is away (federation/gateway/leases.py)."""
 
 from __future__ import annotations
 

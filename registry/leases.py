@@ -130,7 +130,7 @@ def loading_report(holder: str, model: str, clients: Iterable[tuple[str, int]]) 
     """A holder's report before it runs anything: the clients it is about to run on `model`, each still loading
     (with the most it may send), as an announcement: their share is kept free for it, and it is leased nothing
     until its lease client reports. `fedpool eval run` sends it as soon as it has checked its specs, so processes
-    started together are known to the broker before the first of them sends (federation/pool.py `expect`)."""
+    started together are known to the broker before the first of them sends (federation/gateway/pool.py `expect`)."""
     return DemandReport(holder=holder, announce=True, models=(ModelDemand(model=model, clients=tuple(
         ClientDemand(client=name, wanted=wanted, loading=True) for name, wanted in clients if wanted > 0)),))
 
@@ -389,7 +389,7 @@ class LeaseBroker:
             # one server go back, so one process's requests do not all land on one replica (a gateway replica's
             # short requests kept 3 of 4 slots on one server: 75% of them there).
             # A holder in flight beyond its entitlement keeps its fair spread of them on each server first (the rest
-            # it gives back, its youngest at once: federation/preempt.py), so a shrunk lease does not leave it all
+            # it gives back, its youngest at once: federation/core/preempt.py), so a shrunk lease does not leave it all
             # on the servers it happened to fill first (one replica's callers came to use one server only).
             inflight = self._holders[holder_id].report.inflight
             for source, spread in ((inflight, True), (inflight, False), (occupied[holder_id], True)):

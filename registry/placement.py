@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fedpool.registry.leases import LeaseServer, ModelDemand
 
-# The horizon rule, one for a process's own clients (federation/horizon.py) and for the broker's holders:
+# The horizon rule, one for a process's own clients (federation/routing/horizon.py) and for the broker's holders:
 HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
 # full-batch price when long prompts share the batch: 0.1 let 20 s answers through at a 15 s bound)
 CHEAPEST_TIE = 0.05  # kinds within this of a request's cheapest price are its cheapest too
@@ -46,7 +46,7 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
     on at all). A holder may use a kind where its requests take at most (1 − HORIZON_MARGIN) × the horizon —
     the fluid bound of every holder's work (`ModelDemand.kind_costs` × its clients' requests, each at its
     cheapest, over every kind's slots at the speed the mix runs there) — or its cheapest kinds: one process's
-    rule for its own clients (federation/horizon.py) across processes, so no request lands where it would
+    rule for its own clients (federation/routing/horizon.py) across processes, so no request lands where it would
     become the run's straggler (without it, 64 processes' videos went to the V100s as the captions there ended
     and ran to 2.7× the ideal). The kinds the entitlements fill are the ones the work runs best on; each is
     given, the slowest first, to the holders whose requests cost least there, among those that may use it (a

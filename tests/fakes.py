@@ -40,7 +40,7 @@ from fedpool.federation import (
     Timeouts,
     Transport,
 )
-from fedpool.federation.transport import (
+from fedpool.federation.gateway.transport import (
     STREAM_PROGRESS,
     StreamProgress,
     Target,

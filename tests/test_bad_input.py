@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from fedpool.clients.jobs import JobRequest, resolve_specs
 from fedpool.config import ConfigError, apply_defaults, read_config_file
 from fedpool.federation import Endpoint
-from fedpool.federation.errors import AttemptError, FailureKind
-from fedpool.federation.transport import parse_completion
+from fedpool.federation.core.errors import AttemptError, FailureKind
+from fedpool.federation.gateway.transport import parse_completion
 from fedpool.pipeline import (
     ArtifactWriter,
     DataError,
@@ -265,7 +265,7 @@ def _short_registry_token(tmp: Path) -> str:
 
 
 def _api_keys(text: str) -> str:
-    from fedpool.federation.gateway import parse_api_keys
+    from fedpool.federation.gateway.handlers import parse_api_keys
 
     return _raises(ValueError, lambda: parse_api_keys(text))
 
@@ -278,7 +278,7 @@ def _request_field(body: dict[str, object]) -> str:
 
 
 def _upstream_reason() -> str:
-    from fedpool.federation.transport import http_error
+    from fedpool.federation.gateway.transport import http_error
 
     raw = (b'{"error": {"code": 400, "message": "request (1502 tokens) exceeds the available context size (1024 '
            b'tokens), try increasing it", "type": "exceed_context_size_error"}}')

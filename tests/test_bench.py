@@ -119,7 +119,7 @@ def test_a_small_comparison_end_to_end_writes_its_report(ray_cluster: None, tmp_
 def test_a_perturbation_is_seeded_bounded_and_invisible_to_routing() -> None:
     """Each server's speeds move by independent seeded factors in [0.7, 1.3]; the planner's priors (data-sheet
     prices) do not move with them: routing knows the accelerator, never the emulator's numbers."""
-    from fedpool.federation.pricing import server_cost
+    from fedpool.federation.routing.pricing import server_cost
     from fedpool.registry import ServerEntry, ServerStatus, prior_weight
 
     pool = load_pool_config(CONFIGS / "table7_pool.yaml")

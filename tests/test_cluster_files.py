@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 
 from fedpool.cli import build_parser
 from fedpool.deploy.process import free_port
-from fedpool.federation.gateway import _Metrics as GatewayMetrics
+from fedpool.federation.gateway.handlers import _Metrics as GatewayMetrics
 from fedpool.options import RegistryStartOptions, ServeOptions
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from fedpool.registry.exporter import pool_metrics_text

@@ -28,8 +28,8 @@ from fedpool.federation import (
     make_policy,
     new_session,
 )
-from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.ledger import InflightLedger
 from fedpool.registry import (
     Engine,
     LoadSample,
@@ -592,7 +592,7 @@ async def test_copies_race_only_on_replicas_of_the_first_server(fakes: FakePool)
 async def test_a_copy_cancelled_before_it_starts_gives_its_slot_back(fakes: FakePool) -> None:
     """A task cancelled before its first step never runs its body: a hedge copy launched and cancelled in
     the same tick used to keep its slot (and its server's in-flight count) for ever."""
-    from fedpool.federation.tail import Racer
+    from fedpool.federation.core.tail import Racer
 
     server = fakes.start(max_running=2, decode_s=0.01)
     snap = snapshot_of([server], capacity=2)
@@ -705,7 +705,7 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 
 def test_failures_are_classified_by_type_not_message() -> None:
-    from fedpool.federation.errors import classify_exception, kind_for_status
+    from fedpool.federation.core.errors import classify_exception, kind_for_status
 
     disconnected = aiohttp.ServerDisconnectedError()
     assert classify_exception(disconnected, reused_connection=True) is FailureKind.RESET  # stale keep-alive
@@ -721,8 +721,8 @@ def test_failures_are_classified_by_type_not_message() -> None:
 def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None:
     """A stale connection is retried at once (3 times at most), a server failure after a backoff and away from
     that server, a refused request never; max_attempts counts only the failures that are the server's."""
-    from fedpool.federation.errors import AttemptError
-    from fedpool.federation.retries import MAX_RESET_RETRIES, RetryState
+    from fedpool.federation.core.errors import AttemptError
+    from fedpool.federation.core.retries import MAX_RESET_RETRIES, RetryState
 
     retry = RetryState()
     reset = AttemptError(FailureKind.RESET, "closed")
@@ -745,7 +745,7 @@ def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None
 
 
 def test_an_unexpected_exception_is_its_own_kind_and_never_counts_against_a_server() -> None:
-    from fedpool.federation.errors import classify_exception
+    from fedpool.federation.core.errors import classify_exception
 
     kind = classify_exception(RuntimeError("a bug on our side"), reused_connection=False)
     assert kind is FailureKind.UNEXPECTED
@@ -755,7 +755,7 @@ def test_an_unexpected_exception_is_its_own_kind_and_never_counts_against_a_serv
 
 def test_generation_parameters_are_typed_on_the_request() -> None:
     from fedpool.federation import SamplingParams
-    from fedpool.federation.transport import request_body
+    from fedpool.federation.gateway.transport import request_body
 
     req = InferenceRequest.from_body({"prompt": "q", "max_tokens": 8, "temperature": 0, "stop": "\n",
                                       "logprobs": 2}, request_id="r", model="m", endpoint=Endpoint.COMPLETIONS)

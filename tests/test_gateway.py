@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedpool.federation import DispatchConfig, PoolConnection
-from fedpool.federation.gateway import ApiKey, Gateway, parse_api_keys
+from fedpool.federation.gateway.handlers import ApiKey, Gateway, parse_api_keys
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import EmulatorFactory
 

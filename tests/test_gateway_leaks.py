@@ -21,11 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fedpool.deploy.emulator import Faults
 from fedpool.federation import DispatchConfig, Dispatcher, InferenceRequest, RequestFailed, make_policy, new_session
-from fedpool.federation.errors import FailureKind
-from fedpool.federation.gateway import SHARED_CLIENT, Gateway, serving
-from fedpool.federation.policies import Policy
-from fedpool.federation.transport import HttpTransport, UrlTarget
-from fedpool.federation.types import Endpoint, SamplingParams
+from fedpool.federation.core.errors import FailureKind
+from fedpool.federation.gateway.handlers import SHARED_CLIENT, Gateway, serving
+from fedpool.federation.routing.policies import Policy
+from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
+from fedpool.federation.core.types import Endpoint, SamplingParams
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from tests.conftest import EmulatorFactory
 
@@ -614,7 +614,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, tu
 
 
 def test_the_shared_bucket_is_no_name_a_client_can_give() -> None:
-    from fedpool.federation.gateway import CLIENT_NAME
+    from fedpool.federation.gateway.handlers import CLIENT_NAME
 
     assert CLIENT_NAME.sub("_", SHARED_CLIENT) != SHARED_CLIENT
 

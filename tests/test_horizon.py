@@ -1,4 +1,4 @@
-"""The horizon on a route of mixed kinds (federation/horizon.py), on plain servers and routes: which kinds a
+"""The horizon on a route of mixed kinds (federation/routing/horizon.py), on plain servers and routes: which kinds a
 client's requests may use."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpool.federation.horizon import HORIZON_MARGIN, Horizons
+from fedpool.federation.routing.horizon import HORIZON_MARGIN, Horizons
 from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
 

@@ -1,5 +1,5 @@
 """KV admission: a server whose KV cache this dispatcher's attempts are expected to fill takes no more until some
-end (federation/serverbook.py), the estimate learned from answers (federation/clientbook.py), and the KV cache's
+end (federation/core/serverbook.py), the estimate learned from answers (federation/core/clientbook.py), and the KV cache's
 size as vLLM and SGLang report it (registry adapters) and the registry records it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import aiohttp
 import pytest
 
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
-from fedpool.federation.clientbook import KV_ANSWER_TOKENS, ClientBook
-from fedpool.federation.ledger import InflightLedger
-from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
+from fedpool.federation.core.clientbook import KV_ANSWER_TOKENS, ClientBook
+from fedpool.federation.core.ledger import InflightLedger
+from fedpool.federation.core.serverbook import BookSettings, ServerBook, ServerState
 from fedpool.registry import Engine, PoolSnapshot, RegistryClient, ServerEntry, ServerRecord, ServerStatus, adapter_for
 from fedpool.registry.adapters.base import MetricSamples
 from fedpool.registry.adapters.vllm import VllmAdapter

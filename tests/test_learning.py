@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fedpool.federation.learning import BusyRate, WindowController, WindowObservation
-from fedpool.federation.ledger import HISTORY_S, InflightLedger, StallClock
+from fedpool.federation.core.learning import BusyRate, WindowController, WindowObservation
+from fedpool.federation.core.ledger import HISTORY_S, InflightLedger, StallClock
 
 
 def test_throughput_counts_busy_time_only() -> None:
@@ -165,7 +165,7 @@ def test_a_speed_no_answer_renews_fades_back_to_the_prior() -> None:
     wait always lower) must not keep that one measurement for good: after two learning periods without an
     answer its weight fades toward the prior on the learned scale, and a new answer measures it again at once
     (speeds are renewed by each answer, not at a period's close)."""
-    from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
+    from fedpool.federation.core.serverbook import BookSettings, ServerBook, ServerState
     from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
     now = [0.0]

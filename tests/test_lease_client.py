@@ -1,4 +1,4 @@
-"""The lease client (federation/leases.py) against a registry that answers and then goes away, in simulated
+"""The lease client (federation/gateway/leases.py) against a registry that answers and then goes away, in simulated
 time: when a lease runs out, what the process may keep in flight, and when."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import pytest
 
-from fedpool.federation.dispatch_types import DispatchConfig
-from fedpool.federation.dispatcher import EXPECT_HOLD_S, Dispatcher
-from fedpool.federation.leases import IDLE_HOLD_S, LeaseClient
-from fedpool.federation.policies import make_policy
-from fedpool.federation.preempt import PREEMPT_MAX_AGE_S
-from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.federation.core.dispatch_types import DispatchConfig
+from fedpool.federation.core.dispatcher import EXPECT_HOLD_S, Dispatcher
+from fedpool.federation.gateway.leases import IDLE_HOLD_S, LeaseClient
+from fedpool.federation.routing.policies import make_policy
+from fedpool.federation.core.preempt import PREEMPT_MAX_AGE_S
+from fedpool.federation.core.types import Endpoint, InferenceRequest
 from fedpool.registry import DemandReport, Lease
 from fedpool.registry.leases import LeaseBroker, LeaseServer, LeaseService
 from tests.fakes import FakePool

@@ -330,7 +330,7 @@ def test_slots_are_placed_on_the_kinds_each_holder_s_work_suits() -> None:
 
 
 def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_horizon() -> None:
-    """The horizon rule of one process (federation/horizon.py) across processes: few requests left everywhere, a
+    """The horizon rule of one process (federation/routing/horizon.py) across processes: few requests left everywhere, a
     slow kind's price for long answers is past (1 - margin) × the pool's horizon, so their holder gets no slot there
     — the slow kind sits the tail out — while short requests may still go there."""
     b = LeaseBroker(lambda: 100.0, restarted=False)

@@ -11,12 +11,12 @@ from collections.abc import Callable
 import pytest
 
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
-from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.ledger import InflightLedger, ServerSlots
-from fedpool.federation.plan_lp import solve_phased_plan, solve_plan
-from fedpool.federation.planner import PlannedRouting
-from fedpool.federation.policies import DispatchState, Hold
-from fedpool.federation.pricing import server_cost
+from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.ledger import InflightLedger, ServerSlots
+from fedpool.federation.routing.plan_lp import solve_phased_plan, solve_plan
+from fedpool.federation.routing.planner import PlannedRouting
+from fedpool.federation.routing.policies import DispatchState, Hold
+from fedpool.federation.routing.pricing import server_cost
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import EmulatorFactory
 from tests.fakes import FakePool
@@ -362,7 +362,7 @@ def test_the_solver_is_imported_off_the_grant_path() -> None:
     or making another policy does not import it (every eval process and gateway would pay for it)."""
     code = ("import sys, threading\n"
             "from fedpool.federation import make_policy, prepare_policy\n"
-            "from fedpool.federation.plan_lp import preload_solver\n"
+            "from fedpool.federation.routing.plan_lp import preload_solver\n"
             "make_policy('planned')\n"
             "prepare_policy('capacity_weighted')  # (plans nothing: loads nothing)\n"
             "assert 'scipy.optimize' not in sys.modules\n"

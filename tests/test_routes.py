@@ -1,13 +1,13 @@
-"""A route's waiting order (federation/routes.py) on real server states: clients a policy parked are out of the
+"""A route's waiting order (federation/core/routes.py) on real server states: clients a policy parked are out of the
 grant passes until a server of a group they wait for has room, the servers change, or the periodic look."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fedpool.federation.routes import Route, Waiter
-from fedpool.federation.serverbook import ServerState
-from fedpool.federation.types import Endpoint, InferenceRequest
+from fedpool.federation.core.routes import Route, Waiter
+from fedpool.federation.core.serverbook import ServerState
+from fedpool.federation.core.types import Endpoint, InferenceRequest
 
 KEY = (0.0, 0.0)
 

@@ -19,7 +19,7 @@ from fedpool.benchmarks.scale_oracle import (
 )
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import kind_counts
-from fedpool.federation.waveplan import LONG_ANSWER_TOKENS
+from fedpool.federation.routing.waveplan import LONG_ANSWER_TOKENS
 
 
 def servers_of(spec: Spec) -> list[tuple[str, str]]:

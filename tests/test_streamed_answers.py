@@ -1,4 +1,4 @@
-"""Answers asked for as a stream and assembled (federation/transport.py, STREAMED_ENGINES): the events of
+"""Answers asked for as a stream and assembled (federation/gateway/transport.py, STREAMED_ENGINES): the events of
 llama.cpp's server, in its own format, become the completion its unstreamed answer would have been; requests a
 stream cannot carry whole go unstreamed; a broken or failing stream is a typed failure; and on a real
 llama-server, a request fedpool cancels frees the engine's slot at once (unstreamed, it ran to its end)."""
@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from fedpool.federation import PoolConnection
-from fedpool.federation.errors import AttemptError, FailureKind
-from fedpool.federation.gateway import serving
-from fedpool.federation.transport import (
+from fedpool.federation.core.errors import AttemptError, FailureKind
+from fedpool.federation.gateway.handlers import serving
+from fedpool.federation.gateway.transport import (
     STREAM_PROGRESS,
     HttpTransport,
     StreamProgress,
@@ -28,7 +28,7 @@ from fedpool.federation.transport import (
     new_session,
     parse_completion,
 )
-from fedpool.federation.types import Completion, Endpoint, InferenceRequest, SamplingParams
+from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest, SamplingParams
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import LlamaServers
 
@@ -162,7 +162,7 @@ async def test_the_assembled_stream_is_the_answer_the_engine_sends_whole(
 
 async def test_a_streamed_attempt_is_marked_decoding_at_its_first_bytes_not_its_head(
         scripted: contextlib.AsyncExitStack) -> None:
-    """The dispatcher gives back a streamed attempt only once its engine decodes (federation/preempt.py): the
+    """The dispatcher gives back a streamed attempt only once its engine decodes (federation/core/preempt.py): the
     transport marks the attempt's StreamProgress at the body's first bytes. The head alone (sent before the prompt
     is done) does not count."""
     prompt_done = asyncio.Event()

@@ -1,4 +1,4 @@
-"""The keep-alive pool the dispatcher's plain answers go over (federation/upstream.py), against real sockets on
+"""The keep-alive pool the dispatcher's plain answers go over (federation/gateway/upstream.py), against real sockets on
 loopback: purpose-built servers (asyncio streams writing exact bytes) for the framings, failures and closes an
 engine can produce; the dispatcher's transport over it against a real emulated engine. Timeouts and the idle
 sweep run on looptime's virtual clock."""
@@ -12,10 +12,10 @@ from contextlib import asynccontextmanager
 import pytest
 
 from fedpool.federation import new_session
-from fedpool.federation.errors import AttemptError, FailureKind
-from fedpool.federation.transport import HttpTransport, UrlTarget
-from fedpool.federation.types import Endpoint, InferenceRequest
-from fedpool.federation.upstream import KeepAlivePool, pool_of
+from fedpool.federation.core.errors import AttemptError, FailureKind
+from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
+from fedpool.federation.core.types import Endpoint, InferenceRequest
+from fedpool.federation.gateway.upstream import KeepAlivePool, pool_of
 from tests.conftest import EmulatorFactory
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Seen"], Awaitable[None]]

@@ -1,4 +1,4 @@
-"""One wave (federation/wave.py, federation/waveplan.py): the assignment of everything a route's clients have
+"""One wave (federation/routing/wave.py, federation/routing/waveplan.py): the assignment of everything a route's clients have
 left, and `earliest_finish` probing each server kind, then placing a whole wave, driving the real dispatcher in
 simulated time (benchmarks/simulator.py)."""
 
@@ -17,9 +17,9 @@ from fedpool.benchmarks.scale_oracle import KindModel as EngineModel
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import SimResult, SimTransport, World, build_world, make_dispatcher, simulate
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
-from fedpool.federation.transport import Target
-from fedpool.federation.types import Completion, Endpoint, InferenceRequest
-from fedpool.federation.waveplan import (
+from fedpool.federation.gateway.transport import Target
+from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.routing.waveplan import (
     LONG_ANSWER_TOKENS,
     SHORT_CHAIN_STEPS,
     Demand,

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 
 from fedpool.clients.jobs.runner import JobRunner, resolve_specs
 from fedpool.clients.jobs.store import Job, JobList, JobRequest
-from fedpool.federation.httpauth import bearer, matches
+from fedpool.federation.gateway.auth import bearer, matches
 from fedpool.pipeline.errors import PipelineError
 from fedpool.pipeline.ownership import private_dir
 from fedpool.pipeline.yamlfile import field_problems

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from fedpool.federation.errors import FailureKind
+from fedpool.federation.core.errors import FailureKind
 
 
 class Endpoint(StrEnum):

@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from fedpool.federation.dispatch_types import CLIENT_ORDERS
-from fedpool.federation.ledger import InflightLedger
-from fedpool.federation.types import InferenceRequest
+from fedpool.federation.core.dispatch_types import CLIENT_ORDERS
+from fedpool.federation.core.ledger import InflightLedger
+from fedpool.federation.core.types import InferenceRequest
 
 
 @dataclass(frozen=True, slots=True)

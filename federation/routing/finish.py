@@ -15,7 +15,7 @@ prompt's chunks into the running batch's steps). A request of P prompt and C ans
 `now` is prefilled at `max(now, prefilled) + P·prefill` and finishes at `max(that + C·step, max(now, decoded) +
 P·prefill)`; a server with nothing of ours in flight starts from `now`.
 
-A decision, among the kinds the request may use (`federation/horizon.py`, at `horizon_margin`: none where it alone
+A decision, among the kinds the request may use (`federation/routing/horizon.py`, at `horizon_margin`: none where it alone
 would outlast the run):
 per kind, `sample` servers with room drawn at random and the kind's two best members — the least `prefilled` and
 the least `decoded`, kept in lazy heaps — are priced; the earliest finish on a server with room wins. The request
@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpool.federation.horizon import (
+from fedpool.federation.routing.horizon import (
     DEFAULT_ANSWER_TOKENS,
     MAX_ROUTES,
     Horizons,
@@ -62,11 +62,11 @@ from fedpool.federation.horizon import (
     client_size,
     demand_on,
 )
-from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
-from fedpool.federation.pricing import kind_key, server_cost, step_cost
-from fedpool.federation.types import EngineTimes, InferenceRequest
-from fedpool.federation.wave import Waves
-from fedpool.federation.waveplan import KindModel
+from fedpool.federation.routing.policies import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.routing.pricing import kind_key, server_cost, step_cost
+from fedpool.federation.core.types import EngineTimes, InferenceRequest
+from fedpool.federation.routing.wave import Waves
+from fedpool.federation.routing.waveplan import KindModel
 from fedpool.registry import ServerEntry
 
 HOLD_FACTOR = 2.0  # a request waits when a kind without room would finish it this many times sooner ...
@@ -384,7 +384,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
         return prompt, (shape.max_tokens if shape is not None and shape.max_tokens is not None
                         else DEFAULT_ANSWER_TOKENS)
 
-    # ---- waves (federation/wave.py) ---------------------------------------------------------------
+    # ---- waves (federation/routing/wave.py) ---------------------------------------------------------------
     def wave_model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
         costs = self._costs.get((model, kind)) or self._unlearned(model, kind, members)
         batch = max(1, next(iter(members.values())).capacity) if members else 1

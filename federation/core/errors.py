@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 if TYPE_CHECKING:
-    from fedpool.federation.types import Attempt
+    from fedpool.federation.core.types import Attempt
 
 
 class FailureKind(StrEnum):

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from fedpool.federation.errors import AttemptError, FailureKind, classify_exception, kind_for_status
-from fedpool.federation.types import TYPED_FIELDS, Completion, Endpoint, EngineTimes, InferenceRequest
-from fedpool.federation.upstream import KeepAlivePool, pool_of
+from fedpool.federation.core.errors import AttemptError, FailureKind, classify_exception, kind_for_status
+from fedpool.federation.core.types import TYPED_FIELDS, Completion, Endpoint, EngineTimes, InferenceRequest
+from fedpool.federation.gateway.upstream import KeepAlivePool, pool_of
 
 log = logging.getLogger("fedpool.transport")
 
@@ -98,7 +98,7 @@ class ReuseTrackingConnector(aiohttp.TCPConnector):
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
-        # The dispatcher's plain answers go over this leaner pool instead (federation/upstream.py); it closes
+        # The dispatcher's plain answers go over this leaner pool instead (federation/gateway/upstream.py); it closes
         # with the connector, so with the session. A capped connector keeps every request on aiohttp's.
         self.keepalive: KeepAlivePool | None = KeepAlivePool() if not kwargs.get("limit") else None
         # Connections that carried a request already, as weak references without callbacks (CPython shares one

@@ -31,11 +31,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpool.federation.finish import RECHECK_S, EarliestFinish
-from fedpool.federation.plan_lp import MIN_SHARE, preload_solver, solve_phased_plan, solve_plan
-from fedpool.federation.policies import DispatchState, Hold, Policy, RouteView, V
-from fedpool.federation.pricing import CostFit, ServerCost, SpeedCalibration, kind_key
-from fedpool.federation.types import EngineTimes, InferenceRequest
+from fedpool.federation.routing.finish import RECHECK_S, EarliestFinish
+from fedpool.federation.routing.plan_lp import MIN_SHARE, preload_solver, solve_phased_plan, solve_plan
+from fedpool.federation.routing.policies import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.routing.pricing import CostFit, ServerCost, SpeedCalibration, kind_key
+from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.planner")

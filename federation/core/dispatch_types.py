@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fedpool.federation.transport import StreamBody, Timeouts
-from fedpool.federation.types import Attempt
+from fedpool.federation.gateway.transport import StreamBody, Timeouts
+from fedpool.federation.core.types import Attempt
 from fedpool.registry import ServerEntry
 
 CLIENT_ORDERS = ("fair", "shortest_first", "longest_answers_first")
@@ -71,7 +71,7 @@ class DispatcherStats:
     decisions: int = 0  # slots granted (each a routing decision)
     decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
     loop_stalled_s: float = 0.0  # seconds this process's loop stood still with attempts in flight (not charged)
-    preempted: int = 0  # attempts that gave their slot back to a shrunk lease or window (federation/preempt.py)
+    preempted: int = 0  # attempts that gave their slot back to a shrunk lease or window (federation/core/preempt.py)
     preempted_lost_s: float = 0.0  # the engine time those attempts had used
 
 

@@ -1,5 +1,5 @@
 """The grant pass: how a request waits for a slot on its route and is given one, in the serving order, and how a
-slot comes back. `Dispatcher` (federation/dispatcher.py) is a `GrantPass`; the two files are the two halves of
+slot comes back. `Dispatcher` (federation/core/dispatcher.py) is a `GrantPass`; the two files are the two halves of
 the request path: who gets which slot when (here), and sending, learning and retrying (there).
 
 A request that finds room in a quiet loop turn is placed at once (`_grant_now`); otherwise it joins its route's
@@ -17,16 +17,16 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
-from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.dispatch_types import DispatchConfig
-from fedpool.federation.errors import NoServerError
-from fedpool.federation.ledger import InflightLedger, StallClock
-from fedpool.federation.policies import Hold, Policy
-from fedpool.federation.preempt import Preemptions
-from fedpool.federation.routes import Route, Waiter
-from fedpool.federation.serverbook import ServerBook, ServerState
-from fedpool.federation.tail import Racer, TailRescue
-from fedpool.federation.types import InferenceRequest
+from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.dispatch_types import DispatchConfig
+from fedpool.federation.core.errors import NoServerError
+from fedpool.federation.core.ledger import InflightLedger, StallClock
+from fedpool.federation.routing.policies import Hold, Policy
+from fedpool.federation.core.preempt import Preemptions
+from fedpool.federation.core.routes import Route, Waiter
+from fedpool.federation.core.serverbook import ServerBook, ServerState
+from fedpool.federation.core.tail import Racer, TailRescue
+from fedpool.federation.core.types import InferenceRequest
 from fedpool.registry import PoolSnapshot
 
 log = logging.getLogger("fedpool.dispatcher")

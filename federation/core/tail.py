@@ -26,13 +26,13 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.errors import AttemptError
-from fedpool.federation.learning import HedgeTimer
-from fedpool.federation.policies import Policy
-from fedpool.federation.routes import Route
-from fedpool.federation.serverbook import ServerBook, ServerState
-from fedpool.federation.types import Completion, InferenceRequest
+from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.errors import AttemptError
+from fedpool.federation.core.learning import HedgeTimer
+from fedpool.federation.routing.policies import Policy
+from fedpool.federation.core.routes import Route
+from fedpool.federation.core.serverbook import ServerBook, ServerState
+from fedpool.federation.core.types import Completion, InferenceRequest
 from fedpool.registry import Engine, ServerEntry, adapter_for
 
 HEDGE_RECHECK_S = 0.1  # how often, at a tail, stragglers look for a server to be copied onto

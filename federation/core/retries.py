@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed
-from fedpool.federation.types import Attempt
+from fedpool.federation.core.errors import AttemptError, FailureKind, RequestFailed
+from fedpool.federation.core.types import Attempt
 
 MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
 

@@ -57,8 +57,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fedpool.federation.policies import Hold, RouteView
-from fedpool.federation.waveplan import LONG_ANSWER_TOKENS, Assignment, Demand, KindModel, Room, assign
+from fedpool.federation.routing.policies import Hold, RouteView
+from fedpool.federation.routing.waveplan import LONG_ANSWER_TOKENS, Assignment, Demand, KindModel, Room, assign
 
 MIN_PER_SERVER = 2.0  # a wave has at least this many requests a server (fewer: each nearly has a server alone)
 PROBE_LIMIT_S = 5.0  # a kind whose probe has not answered within this is priced as the policy prices it unheard

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.registry import DemandReport, Lease, ModelDemand, holder_id
 
 log = logging.getLogger("fedpool.leases")

@@ -22,7 +22,7 @@ from typing import Any, cast
 import httptools
 import yarl
 
-from fedpool.federation.errors import AttemptError, FailureKind
+from fedpool.federation.core.errors import AttemptError, FailureKind
 
 IDLE_S = 15.0  # aiohttp's keep-alive time too
 MAX_TARGETS = 4096  # parsed URLs kept (servers × endpoints); cleared whole past it

@@ -4,7 +4,7 @@ The dispatcher asks a policy to `place` one waiting request on a view of its rou
 with one of the route's servers, or with a `Hold` (nothing free for this route, or for this client); the
 dispatcher acts on it. Most policies only `choose` among a few candidates with a free admission-window slot
 (the default `place` samples them from the route's index of servers with room, in O(k)); planned routing
-(`federation/planner.py`) looks at the whole route. A policy hands back the server object it was given, never
+(`federation/routing/planner.py`) looks at the whole route. A policy hands back the server object it was given, never
 an id to look up. No I/O, no clock reads of their own, randomness from an injected Random.
 """
 
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from fedpool.federation.horizon import HORIZON_MARGIN, Horizons, client_size, demand_on, free_in_kinds
-from fedpool.federation.types import EngineTimes, InferenceRequest
+from fedpool.federation.routing.horizon import HORIZON_MARGIN, Horizons, client_size, demand_on, free_in_kinds
+from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.registry import ServerEntry
 
 if TYPE_CHECKING:
-    from fedpool.federation.clientbook import ClientBook
-    from fedpool.federation.ledger import InflightLedger
+    from fedpool.federation.core.clientbook import ClientBook
+    from fedpool.federation.core.ledger import InflightLedger
 
 _POLICIES: dict[str, type[Policy]] = {}
 _NO_TRIED: set[str] = set()
@@ -80,7 +80,7 @@ class Hold(StrEnum):
 
 
 class RouteView(Protocol):
-    """One waiting request's route as the dispatcher shows it to a policy (federation/routes.py's Route)."""
+    """One waiting request's route as the dispatcher shows it to a policy (federation/core/routes.py's Route)."""
 
     @property
     def key(self) -> Any:
@@ -244,7 +244,7 @@ class PowerOfTwo(Policy, name="power_of_two"):
 
 class CapacityWeighted(Policy, name="capacity_weighted"):
     """On a route of mixed server kinds, a request goes only to a kind where it cannot outlast the run
-    (`federation/horizon.py`: at most 0.8 × the route's fluid horizon there, or its cheapest kind); else it is
+    (`federation/routing/horizon.py`: at most 0.8 × the route's fluid horizon there, or its cheapest kind); else it is
     held and the free slot goes to the next client that may use it. Among those servers with room:
 
     Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates. Expected waits

@@ -25,8 +25,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fedpool.federation.learning import BusyRate
-from fedpool.federation.ledger import InflightLedger
+from fedpool.federation.core.learning import BusyRate
+from fedpool.federation.core.ledger import InflightLedger
 from fedpool.registry import ServerEntry, accelerator_roofline
 
 PREFILL_EFFICIENCY = 0.6  # prior: long prompts reach about 50-70% of dense fp16 peak in FlashAttention-class kernels

@@ -32,8 +32,8 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fedpool.federation.tail import Racer
-from fedpool.federation.transport import StreamProgress
+from fedpool.federation.core.tail import Racer
+from fedpool.federation.gateway.transport import StreamProgress
 
 PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
 # How long an engine goes on with a request whose connection closed, by engine: the slot stays counted that long

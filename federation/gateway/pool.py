@@ -12,12 +12,12 @@ from typing import Any
 
 import aiohttp
 
-from fedpool.federation.dispatch_types import DispatchConfig
-from fedpool.federation.dispatcher import Dispatcher
-from fedpool.federation.errors import FailureKind
-from fedpool.federation.leases import LeaseClient
-from fedpool.federation.policies import make_policy
-from fedpool.federation.transport import new_session
+from fedpool.federation.core.dispatch_types import DispatchConfig
+from fedpool.federation.core.dispatcher import Dispatcher
+from fedpool.federation.core.errors import FailureKind
+from fedpool.federation.gateway.leases import LeaseClient
+from fedpool.federation.routing.policies import make_policy
+from fedpool.federation.gateway.transport import new_session
 from fedpool.registry import PoolRegistry, PoolSnapshot, SnapshotWatcher
 
 log = logging.getLogger("fedpool.pool")
@@ -96,7 +96,7 @@ class PoolConnection:
         await self._watcher.start()
         if self._leasing:
             # Every process's dispatcher shares each server's slots with the others through the registry's
-            # capacity leases (federation/leases.py).
+            # capacity leases (federation/gateway/leases.py).
             self._leases = LeaseClient(self._registry, self._dispatcher, holder=self._holder)
             await self._leases.start()
             # The clients this process is about to run, as loading, in its very first report (the report task has

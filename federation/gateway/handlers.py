@@ -2,7 +2,7 @@
 
 Requests go through the same dispatcher as fedpool's own clients: routed by policy, held to admission
 windows, retried elsewhere on failure, shared between clients in the dispatcher's serving order. Streams
-that lose their server mid-way are continued on another replica (`federation/streams.py`). Errors follow
+that lose their server mid-way are continued on another replica (`federation/gateway/streams.py`). Errors follow
 OpenAI's shape on every route: `{"error": {"message", "type", "param", "code"}}`.
 
 Who is a client (for fair share and the serving order): with an API key file, the key's client name; else a
@@ -35,9 +35,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from fedpool.federation.dispatcher import Dispatcher
-from fedpool.federation.errors import FailureKind, NoServerError, RequestFailed
-from fedpool.federation.gatewaystate import (
+from fedpool.federation.core.dispatcher import Dispatcher
+from fedpool.federation.core.errors import FailureKind, NoServerError, RequestFailed
+from fedpool.federation.gateway.state import (
     CLIENT_TTL_S,
     MAX_CLIENT_IDS,
     MAX_DECLARED_REQUESTS,
@@ -50,10 +50,10 @@ from fedpool.federation.gatewaystate import (
     Overload,
     PoolFacts,
 )
-from fedpool.federation.httpauth import bearer, matches
-from fedpool.federation.streams import StreamRelay
-from fedpool.federation.transport import dumps, loads
-from fedpool.federation.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.gateway.auth import bearer, matches
+from fedpool.federation.gateway.streams import StreamRelay
+from fedpool.federation.gateway.transport import dumps, loads
+from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest
 from fedpool.registry import PoolSnapshot
 
 __all__ = ["RUNNER_OPTIONS", "SHARED_CLIENT", "ApiKey", "AppTask", "Gateway", "parse_api_keys", "serving"]

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedpool.federation.pricing import ServerCost, kind_key, server_cost
+from fedpool.federation.routing.pricing import ServerCost, kind_key, server_cost
 from fedpool.registry import HORIZON_MARGIN, fluid_horizon, usable_kinds
 
 HORIZON_REFRESH_S = 0.25  # the horizon is estimated again at most this often (O(clients × kinds))

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fedpool.federation.types import InferenceRequest
+from fedpool.federation.core.types import InferenceRequest
 from fedpool.registry import ServerEntry
 
 if TYPE_CHECKING:
-    from fedpool.federation.serverbook import ServerState
+    from fedpool.federation.core.serverbook import ServerState
 
 RouteKey = tuple[object, ...]
 ClientKey = tuple[float, float]

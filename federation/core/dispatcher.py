@@ -7,8 +7,8 @@ next turn, together with every request submitted in the same turn, in the client
 policy places the head: `ServerBook.take` counts the slot and updates the index) → the transport's
 `complete` → `_release` (the slot back; waiting requests on that server's routes granted) → `_answered`
 (learning, client service, result). Waiting, granting and giving back are the grant pass
-(`federation/grants.py`, which `Dispatcher` extends); hedging and stealing at a client's tail are
-`federation/tail.py`.
+(`federation/core/grants.py`, which `Dispatcher` extends); hedging and stealing at a client's tail are
+`federation/core/tail.py`.
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 
-from fedpool.federation.clientbook import ClientBook
-from fedpool.federation.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
-from fedpool.federation.errors import AttemptError, FailureKind, RequestFailed
-from fedpool.federation.grants import CLIENT_TTL_S, GrantPass
-from fedpool.federation.horizon import client_size, kind_costs
-from fedpool.federation.learning import HedgeTimer
-from fedpool.federation.ledger import InflightLedger, StallClock
-from fedpool.federation.policies import DispatchState, Policy
-from fedpool.federation.preempt import ENGINE_CANCEL_S, STREAMED_CANCEL_S, Preemptions
-from fedpool.federation.retries import RetryState, backoff_s
-from fedpool.federation.routes import Route
-from fedpool.federation.serverbook import BookSettings, ServerBook, ServerState
-from fedpool.federation.tail import Racer, TailRescue
-from fedpool.federation.transport import STREAM_PROGRESS, HttpTransport, StreamProgress, Transport, sends_stream
-from fedpool.federation.types import Attempt, Completion, InferenceRequest, InferenceResult
+from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
+from fedpool.federation.core.errors import AttemptError, FailureKind, RequestFailed
+from fedpool.federation.core.grants import CLIENT_TTL_S, GrantPass
+from fedpool.federation.routing.horizon import client_size, kind_costs
+from fedpool.federation.core.learning import HedgeTimer
+from fedpool.federation.core.ledger import InflightLedger, StallClock
+from fedpool.federation.routing.policies import DispatchState, Policy
+from fedpool.federation.core.preempt import ENGINE_CANCEL_S, STREAMED_CANCEL_S, Preemptions
+from fedpool.federation.core.retries import RetryState, backoff_s
+from fedpool.federation.core.routes import Route
+from fedpool.federation.core.serverbook import BookSettings, ServerBook, ServerState
+from fedpool.federation.core.tail import Racer, TailRescue
+from fedpool.federation.gateway.transport import STREAM_PROGRESS, HttpTransport, StreamProgress, Transport, sends_stream
+from fedpool.federation.core.types import Attempt, Completion, InferenceRequest, InferenceResult
 from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
 
 log = logging.getLogger("fedpool.dispatcher")
@@ -203,7 +203,7 @@ class Dispatcher(GrantPass):
         snapshot = self._snapshots()
         return snapshot.revisions() if snapshot is not None else {}
 
-    # ---- capacity leases (federation/leases.py renews them; the dispatcher decides within them) ---------
+    # ---- capacity leases (federation/gateway/leases.py renews them; the dispatcher decides within them) ---------
     def demand(self) -> tuple[ModelDemand, ...]:
         """What this process wants, per model: each client with requests waiting or in flight (or about to send
         them: `expect`), how many slots it could use now, its rank in the client order (smaller first) and its
@@ -444,7 +444,7 @@ class Dispatcher(GrantPass):
         elif kind.counts_against_server and self._on_failure is not None:
             self._on_failure(server_id, kind)
 
-    # ---- copies at the tail (federation/tail.py decides when and where) ------------------------------
+    # ---- copies at the tail (federation/core/tail.py decides when and where) ------------------------------
     def _start_copy(self, racer: Racer, state: ServerState) -> None:
         """A second attempt of a racer's request on `state` (a hedge or a steal), counted like any other."""
         client = racer.request.client_id

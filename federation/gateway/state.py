@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from fedpool.federation.dispatcher import Dispatcher
+from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.registry import PoolSnapshot
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
