@@ -333,7 +333,8 @@ class EvalTiming:
     # straggler copies that lost their race: (the server it ran on, seconds from launch to its cancellation, which
     # is when the winning copy answered)
     lost_copies: list[tuple[str, float]] = field(default_factory=list)
-    # attempts that gave their slot back to a shrunk lease (federation/core/preempt.py) and the engine seconds they had run
+    # attempts that gave their slot back to a shrunk lease (federation/core/attempts.py) and the engine seconds they
+    # had run
     given_back: int = 0
     given_back_s: float = 0.0
 
@@ -940,8 +941,8 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                            for r in results.evals], " s", 1)
                 + "): a process that starts later finds the slots held by the requests in flight of one that "
                 "started earlier. Attempts under 1 s old give their slots back to a shrunk lease where the engine "
-                "drops a request whose client has gone (federation/core/preempt.py: vLLM, and llama.cpp for the requests "
-                "the transport sends it as streams, which are all of these); given back in the multi arms: "
+                "drops a request whose client has gone (federation/core/attempts.py: vLLM, and llama.cpp for the "
+                "requests the transport sends it as streams, which are all of these); given back in the multi arms: "
                 + ", ".join(str(sum(t.given_back for t in r["multi"].evals.values())) for r in results.evals)
                 + ". Load (1-minute) at the start of the multi arms: "
                 + ", ".join(f"{r['multi'].watch.load_start[0]:.1f}" for r in results.evals)
@@ -959,10 +960,10 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
             *deferred]
     if any(q[1].deepest and q[2] for q in queued):
         out.append("- A straggler copy that loses its race is cancelled and its slot given back at once "
-                   "(federation/core/tail.py), but this llama-server runs a non-streamed request whose client closed its "
-                   "connection to its end (measured separately on this build: a 200-token request closed after 1 s "
-                   "held its only slot 13.9 s more, its replacement deferred all that time): for the rest of the "
-                   "loser's answer the engine holds one request more than fedpool counts.")
+                   "(federation/core/attempts.py), but this llama-server runs a non-streamed request whose client "
+                   "closed its connection to its end (measured separately on this build: a 200-token request closed "
+                   "after 1 s held its only slot 13.9 s more, its replacement deferred all that time): for the rest of "
+                   "the loser's answer the engine holds one request more than fedpool counts.")
     if any(q[1].deepest and q[1].lease_lapses for q in queued):
         lapses = [q[1].lease_lapses for q in queued]
         out.append(f"- Leases lapsed {sum(lapses)} times over the {len(lapses)} arms (most in one arm: {max(lapses)}): "

@@ -20,7 +20,8 @@ import aiohttp
 
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.federation import Completion, InferenceRequest
-from fedpool.federation.gateway.transport import StreamBody, Target
+from fedpool.federation.core.types import StreamBody, StreamProgress, Target
+from fedpool.federation.gateway.transport import HttpTransport
 
 LITELLM_MEDIAN_MS = 12.0
 
@@ -44,8 +45,9 @@ def _serve(kind: str, port_out: mp.Queue, stop: Event, upstream: str | None) -> 
         record = ServerRecord(id="emu-0", url=upstream or "", engine=Engine.VLLM, model="bench-model", capacity=512)
         snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 512, 1.0),))
         async with new_session() as session:
-            dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted"),
-                                    config=DispatchConfig(adaptive_windows=False, hedging=False))
+            config = DispatchConfig(adaptive_windows=False, hedging=False)
+            dispatcher = Dispatcher(HttpTransport(session, config.timeouts), lambda: snap,
+                                    make_policy("capacity_weighted"), config=config)
             runner = web.AppRunner(Gateway(dispatcher, lambda: snap).app(), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -110,7 +112,8 @@ async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
     snap = PoolSnapshot(1, 0.0, entries)
     request = InferenceRequest("r", "m", Endpoint.COMPLETIONS, prompt="x")
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted", random.Random(0)))
+        dispatcher = Dispatcher(HttpTransport(session), lambda: snap,
+                                make_policy("capacity_weighted", random.Random(0)))
         start = time.perf_counter()
         for _ in range(n):
             state, _ = await dispatcher._acquire(request, set())  # the decision path of submit(), minus HTTP
@@ -121,7 +124,8 @@ async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
 class _Instant:
     """A Transport whose servers answer at once (the next loop turn): what is left is the dispatcher's own cost."""
 
-    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+    async def complete(self, server: Target, request: InferenceRequest,
+                       progress: StreamProgress | None = None) -> Completion:
         await asyncio.sleep(0)
         return Completion("ok", "length", 4, 1)
 

@@ -24,6 +24,7 @@ from fedpool.benchmarks.assignment import saturated_cost
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
+from fedpool.federation.gateway.transport import HttpTransport
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 
 POLICIES = ("capacity_weighted", "least_inflight", "power_of_two", "round_robin", "random", "prefix_affinity")
@@ -76,8 +77,9 @@ async def run_policy(name: str, jobs: list[tuple[int, int]], args: argparse.Name
     queue = list(enumerate(jobs))
     try:
         async with new_session() as session:
-            dispatcher = Dispatcher(session, lambda: snap, make_policy(name, random.Random(args.seed)),
-                                    config=DispatchConfig(no_server_timeout_s=5.0))
+            config = DispatchConfig(no_server_timeout_s=5.0)
+            dispatcher = Dispatcher(HttpTransport(session, config.timeouts), lambda: snap,
+                                    make_policy(name, random.Random(args.seed)), config=config)
 
             async def worker(client: str) -> None:
                 while True:

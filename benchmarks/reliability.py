@@ -37,7 +37,7 @@ from fedpool.deploy.localpool import init_local_ray
 from fedpool.deploy.models import ensure_gemma
 from fedpool.deploy.process import EngineProcess, free_port
 from fedpool.federation import DispatchConfig, PoolConnection
-from fedpool.federation.gateway.transport import Timeouts
+from fedpool.federation.core.types import Timeouts
 from fedpool.pipeline import load_spec
 from fedpool.pipeline.artifact import read_records
 from fedpool.pipeline.bundled import bundled_spec_paths

@@ -10,7 +10,8 @@ engine model's own costs (which routing never sees), assigns every request to on
 once to the simulated engines of `benchmarks/simulator.py` (their queues hold what a server's slots do not), in
 simulated time. The worlds are `scale_sim`'s (the same `Spec`, seeds and ideal).
 
-The assignment is the one `earliest_finish` makes of a whole wave (`federation/routing/waveplan.py`'s `assign`), here with
+The assignment is the one `earliest_finish` makes of a whole wave (`federation/routing/waveplan.py`'s `assign`), here
+with
 the engine model's own costs and every profile its own kind: it models a server's completion as its prompt tokens'
 prefill, one after another, plus its decode chain — the longest answer's steps, or the steps its answers need at a
 full batch, whichever is more (a step that carries a prefill chunk takes the chunk's time, so the answers' steps
@@ -73,13 +74,12 @@ from fedpool.benchmarks.simulator import (
     simulate,
 )
 from fedpool.deploy.emulator import EmulatorProfile
-from fedpool.federation.core.dispatch_types import DispatchConfig
 from fedpool.federation.core.dispatcher import Dispatcher
-from fedpool.federation.routing.finish import REFIT_EVERY, EngineTimedCosts
-from fedpool.federation.routing.policies import DispatchState, Hold, Policy, RouteView
-from fedpool.federation.routing.pricing import server_cost, step_cost
+from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView
+from fedpool.federation.core.types import DispatchConfig, Endpoint, InferenceRequest
 from fedpool.federation.gateway.transport import UrlTarget
-from fedpool.federation.core.types import Endpoint, InferenceRequest
+from fedpool.federation.routing.finish import REFIT_EVERY, EngineTimedCosts
+from fedpool.federation.routing.pricing import server_cost, step_cost
 from fedpool.federation.routing.waveplan import Demand, Room
 from fedpool.federation.routing.waveplan import KindModel as WaveModel
 from fedpool.federation.routing.waveplan import assign as assign_wave
@@ -115,7 +115,8 @@ class Assignment:
 
 
 def assign(spec: Spec, servers: Sequence[tuple[str, str]]) -> Assignment:
-    """Place every request of the spec's evals on one of `servers` ((id, kind)) by `federation/routing/waveplan.py`'s `assign`
+    """Place every request of the spec's evals on one of `servers` ((id, kind)) by `federation/routing/waveplan.py`'s
+    `assign`
     at the engine model's costs (see the module docstring)."""
     models = {kind: KindModel.of(profile) for kind, profile in spec.profiles().items()}
     present = {kind for _, kind in servers}

@@ -60,6 +60,7 @@ from fedpool.benchmarks.simulator import (
 )
 from fedpool.deploy.emulator import PROFILES, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, Policy, make_policy
+from fedpool.federation.gateway.transport import HttpTransport
 from fedpool.federation.routing.pricing import server_cost
 from fedpool.registry import Engine, ServerEntry, ServerStatus, prior_weight
 
@@ -240,8 +241,10 @@ def run_wall(spec: Spec, speedup: float) -> float:
             loop = asyncio.get_running_loop()
             started = loop.time()
             async with new_session() as session:
-                dispatchers = [Dispatcher(session, lambda: snapshot, spec.make_policy(random.Random(p)),
-                                          config=spec.config(), rng=random.Random(p)) for p in range(spec.processes)]
+                config = spec.config()
+                dispatchers = [Dispatcher(HttpTransport(session, config.timeouts), lambda: snapshot,
+                                          spec.make_policy(random.Random(p)), config=config, rng=random.Random(p))
+                               for p in range(spec.processes)]
                 outcomes = {e.name: EvalOutcome() for e in spec.eval_list()}
                 await asyncio.gather(*(run_eval(dispatchers[e.process], e, loop.time, outcomes[e.name])
                                        for e in spec.eval_list()))
@@ -406,9 +409,9 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
             + f". Decision cost: {_spread([w.fedpool['decision_us'] for w in worlds], '{:.0f}')} µs per grant.")
     waves = [(w.seed, wave) for w in worlds for wave in w.fedpool.get("waves", ())]
     if waves:
-        text += ("\n\nOne wave (federation/routing/wave.py: every request fit the pool's room at once, so each server kind was "
-                 "probed by one request alone, the long answers placed at once, the rest assigned together once the "
-                 "probes answered): " + "; ".join(
+        text += ("\n\nOne wave (federation/routing/wave.py: every request fit the pool's room at once, so each server "
+                 "kind was probed by one request alone, the long answers placed at once, the rest assigned together "
+                 "once the probes answered): " + "; ".join(
                      f"world {seed}: {w['probes']} probes, {w['assigned']} requests assigned, {w['followed']} placed "
                      f"as assigned, {w['dropped']} given up, held {w['held']} times (full or still prefilling), "
                      f"modelled makespan {w['predicted_s']:.1f} s" for seed, w in waves) + ".")

@@ -38,9 +38,9 @@ from fedpool.federation import (
     InferenceRequest,
     Policy,
 )
+from fedpool.federation.core.types import EngineTimes, StreamProgress, Target
 from fedpool.federation.gateway.leases import LeaseClient
-from fedpool.federation.gateway.transport import Target, UrlTarget, request_body
-from fedpool.federation.core.types import EngineTimes
+from fedpool.federation.gateway.transport import UrlTarget, request_body
 from fedpool.registry import (
     DemandReport,
     Engine,
@@ -101,7 +101,8 @@ class SimTransport:
         # admission to its first token — and decode seconds), as llama.cpp's `timings` report them; None: not asked.
         self.on_timing: Callable[[str, int, int, float, float], None] | None = None
 
-    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+    async def complete(self, server: Target, request: InferenceRequest,
+                       progress: StreamProgress | None = None) -> Completion:
         self.attempts += 1
         sim = self.servers.get(server.id)
         if sim is None or not sim.alive:

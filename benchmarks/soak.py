@@ -25,6 +25,7 @@ import aiohttp
 import psutil
 
 from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.federation.gateway.transport import HttpTransport
 
 MODEL = "soak-model"
 
@@ -53,8 +54,9 @@ def _gateway_child(port_out: mp.Queue, stop: Event, measure: Event, tasks_out: m
         record = ServerRecord(id="emu-0", url=upstream, engine=Engine.VLLM, model=MODEL, capacity=1024)
         snap = PoolSnapshot(1, 0.0, (ServerEntry(record, ServerStatus.HEALTHY, 1024, 1.0),))
         async with new_session() as session:
-            dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"),
-                                    config=DispatchConfig(adaptive_windows=False))
+            config = DispatchConfig(adaptive_windows=False)
+            dispatcher = Dispatcher(HttpTransport(session, config.timeouts), lambda: snap,
+                                    make_policy("least_inflight"), config=config)
             runner = web.AppRunner(Gateway(dispatcher, lambda: snap).app(), access_log=None)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -173,7 +175,8 @@ async def soak_dispatcher(requests: int, servers: int) -> dict[str, Any]:
     sent = 0
     started = time.perf_counter()
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("capacity_weighted"), config=DispatchConfig())
+        dispatcher = Dispatcher(HttpTransport(session), lambda: snap, make_policy("capacity_weighted"),
+                                config=DispatchConfig())
 
         async def client(cid: int, count: int) -> None:
             for k in range(count):

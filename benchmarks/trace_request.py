@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedpool.federation.gateway.transport import HttpTransport
+
 ROOMS = ("registry", "federation", "clients", "pipeline", "deploy", "benchmarks", "fedpool")
 MODEL = "trace-model"
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +122,7 @@ async def trace_one(servers: int = 4, policy: str = "capacity_weighted") -> Trac
                                               client_id="eval")
 
         async with new_session() as session:
-            dispatcher = Dispatcher(session, lambda: snapshot, make_policy(policy))
+            dispatcher = Dispatcher(HttpTransport(session), lambda: snapshot, make_policy(policy))
             await asyncio.gather(*(dispatcher.submit(request(i)) for i in range(40)))
             for i in range(4):
                 await dispatcher.submit(request(100 + i))  # one at a time, as the traced one

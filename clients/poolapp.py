@@ -19,8 +19,8 @@ from aiohttp import web
 
 from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import PoolConnection
-from fedpool.federation.gateway.handlers import ApiKey, AppTask, Gateway, serving
 from fedpool.federation.gateway.auth import bearer, matches
+from fedpool.federation.gateway.handlers import ApiKey, AppTask, Gateway, serving
 
 HISTORY_PERIOD_S = 2.0
 HISTORY_POINTS = 180  # six minutes at one point every two seconds

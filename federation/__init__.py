@@ -1,29 +1,26 @@
 """Routing, admission, retries and failover over the registry's snapshots."""
 
-from fedpool.federation.core.dispatch_types import DispatchConfig, DispatcherStats, ServerStats
 from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed
-from fedpool.federation.routing.finish import EarliestFinish  # registers the `earliest_finish` policy
-from fedpool.federation.routing.planner import PlannedRouting  # registers the `planned` policy
-from fedpool.federation.routing.policies import (
-    Candidate,
-    Hold,
-    Policy,
-    ServerView,
-    make_policy,
-    policy_names,
-    prepare_policy,
-)
-from fedpool.federation.gateway.pool import PoolConnection
-from fedpool.federation.gateway.transport import HttpTransport, Timeouts, Transport, new_session, post_completion
+from fedpool.federation.core.policy import Candidate, Hold, Policy, ServerView
 from fedpool.federation.core.types import (
     Attempt,
     Completion,
+    DispatchConfig,
+    DispatcherStats,
     Endpoint,
     InferenceRequest,
     InferenceResult,
     SamplingParams,
+    ServerStats,
+    Timeouts,
+    Transport,
 )
+from fedpool.federation.gateway.pool import PoolConnection
+from fedpool.federation.gateway.transport import HttpTransport, new_session, post_completion
+from fedpool.federation.routing.finish import EarliestFinish  # registers the `earliest_finish` policy
+from fedpool.federation.routing.planner import PlannedRouting  # registers the `planned` policy
+from fedpool.federation.routing.policies import make_policy, policy_names, prepare_policy
 
 __all__ = [
     "Attempt",

@@ -110,7 +110,7 @@ def _policies() -> Sequence[str]:
 
 
 def _client_orders() -> Sequence[str]:
-    from fedpool.federation.core.dispatch_types import CLIENT_ORDERS
+    from fedpool.federation.core.types import CLIENT_ORDERS
 
     return CLIENT_ORDERS
 

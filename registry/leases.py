@@ -389,7 +389,7 @@ class LeaseBroker:
             # one server go back, so one process's requests do not all land on one replica (a gateway replica's
             # short requests kept 3 of 4 slots on one server: 75% of them there).
             # A holder in flight beyond its entitlement keeps its fair spread of them on each server first (the rest
-            # it gives back, its youngest at once: federation/core/preempt.py), so a shrunk lease does not leave it all
+            # it gives back, its youngest at once: federation/core/attempts.py), so a shrunk lease does not leave it all
             # on the servers it happened to fill first (one replica's callers came to use one server only).
             inflight = self._holders[holder_id].report.inflight
             for source, spread in ((inflight, True), (inflight, False), (occupied[holder_id], True)):

@@ -40,16 +40,8 @@ from fedpool.federation import (
     Timeouts,
     Transport,
 )
-from fedpool.federation.gateway.transport import (
-    STREAM_PROGRESS,
-    StreamProgress,
-    Target,
-    http_error,
-    parse_completion,
-    request_body,
-    sends_stream,
-    transport_error,
-)
+from fedpool.federation.core.types import StreamProgress, Target, sends_stream
+from fedpool.federation.gateway.transport import http_error, parse_completion, request_body, transport_error
 from fedpool.registry import PoolSnapshot
 
 WALL_EPOCH_S = 1_800_000_000.0  # the fake wall clock reads this plus the loop's time
@@ -236,7 +228,8 @@ class FakeTransport(Transport):
         self.timeouts = timeouts or Timeouts()
         self.attempts = 0
 
-    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+    async def complete(self, server: Target, request: InferenceRequest,
+                       progress: StreamProgress | None = None) -> Completion:
         self.attempts += 1
         fake = self.servers.get(server.url)
         if fake is None:
@@ -244,7 +237,7 @@ class FakeTransport(Transport):
         # On an engine that aborts by id (SGLang), the attempt carries one and a cancel aborts it at once, as the
         # HTTP transport does.
         rid = f"fake-{self.attempts}" if server.abort_path is not None else None
-        progress = STREAM_PROGRESS.get() if sends_stream(server, request) else None
+        progress = progress if sends_stream(server, request) else None
         try:
             async with asyncio.timeout(min(self.timeouts.first_byte_s, self.timeouts.total_s)):
                 return await fake.complete(request, rid, progress)

@@ -30,6 +30,7 @@ from fedpool.federation import (
 )
 from fedpool.federation.core.clientbook import ClientBook
 from fedpool.federation.core.ledger import InflightLedger
+from fedpool.federation.gateway.transport import HttpTransport
 from fedpool.registry import (
     Engine,
     LoadSample,
@@ -592,7 +593,7 @@ async def test_copies_race_only_on_replicas_of_the_first_server(fakes: FakePool)
 async def test_a_copy_cancelled_before_it_starts_gives_its_slot_back(fakes: FakePool) -> None:
     """A task cancelled before its first step never runs its body: a hedge copy launched and cancelled in
     the same tick used to keep its slot (and its server's in-flight count) for ever."""
-    from fedpool.federation.core.tail import Racer
+    from fedpool.federation.core.attempts import Racer
 
     server = fakes.start(max_running=2, decode_s=0.01)
     snap = snapshot_of([server], capacity=2)
@@ -623,7 +624,8 @@ async def test_failed_server_is_retried_elsewhere(emulators: EmulatorFactory) ->
     snap = snapshot_of([broken, good])
     failures: list[tuple[str, FailureKind]] = []
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"), config=FAST,
+        dispatcher = Dispatcher(HttpTransport(session, FAST.timeouts), lambda: snap,
+                                make_policy("round_robin"), config=FAST,
                                 on_failure=lambda sid, kind: failures.append((sid, kind)))
         results = await run_all(dispatcher, 20)
     assert all(r.server_id == "s1" for r in results)
@@ -638,7 +640,8 @@ async def test_malformed_bodies_are_typed_and_retried(emulators: EmulatorFactory
     good = await emulators.start()
     snap = snapshot_of([flaky, good])
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        dispatcher = Dispatcher(HttpTransport(session, FAST.timeouts), lambda: snap,
+                                make_policy("least_inflight"), config=FAST)
         results = await run_all(dispatcher, 40)
     assert all(not isinstance(r, BaseException) for r in results)
     kinds = [a.failure for r in results for a in r.attempts if a.failure]
@@ -651,7 +654,8 @@ async def test_server_killed_mid_run_loses_nothing(emulators: EmulatorFactory) -
     survivor = await emulators.start(decode_s=0.01)
     snap = snapshot_of([doomed, survivor])
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        dispatcher = Dispatcher(HttpTransport(session, FAST.timeouts), lambda: snap,
+                                make_policy("least_inflight"), config=FAST)
         results = await run_all(dispatcher, 50)
     assert [r.request_id for r in results] == [f"r{i}" for i in range(50)]
     # s0 answered at most what finished before its listener closed: its 5th answer and the rest of that step
@@ -665,7 +669,8 @@ async def test_connection_refused_everywhere_fails_after_bounded_attempts(emulat
     await server.stop()
     config = DispatchConfig(max_attempts=3, backoff_base_s=0.01, timeouts=Timeouts(connect_s=0.5, total_s=1.0))
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=config)
+        dispatcher = Dispatcher(HttpTransport(session, config.timeouts), lambda: snap,
+                                make_policy("least_inflight"), config=config)
         with pytest.raises(RequestFailed) as err:
             await dispatcher.submit(request(0))
     assert err.value.last_kind is FailureKind.CONNECT and len(err.value.attempts) == 3
@@ -679,7 +684,8 @@ async def test_cancelled_requests_give_their_slots_back(emulators: EmulatorFacto
     server = await emulators.start(max_running=2, decode_s=0.5)  # 4 tokens: 2 s, longer than the test needs
     snap = snapshot_of([server], capacity=2)
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("least_inflight"), config=FAST)
+        dispatcher = Dispatcher(HttpTransport(session, FAST.timeouts), lambda: snap,
+                                make_policy("least_inflight"), config=FAST)
         tasks = [asyncio.create_task(dispatcher.submit(request(i))) for i in range(10)]
         await until(lambda: server.stats.running == 2)  # both slots' requests reached the engine
         assert sum(dispatcher.inflight().values()) == 2  # the window, with 8 waiting in the dispatcher
@@ -705,7 +711,8 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 
 def test_failures_are_classified_by_type_not_message() -> None:
-    from fedpool.federation.core.errors import classify_exception, kind_for_status
+    from fedpool.federation.core.errors import kind_for_status
+    from fedpool.federation.gateway.transport import classify_exception
 
     disconnected = aiohttp.ServerDisconnectedError()
     assert classify_exception(disconnected, reused_connection=True) is FailureKind.RESET  # stale keep-alive
@@ -721,8 +728,7 @@ def test_failures_are_classified_by_type_not_message() -> None:
 def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None:
     """A stale connection is retried at once (3 times at most), a server failure after a backoff and away from
     that server, a refused request never; max_attempts counts only the failures that are the server's."""
-    from fedpool.federation.core.errors import AttemptError
-    from fedpool.federation.core.retries import MAX_RESET_RETRIES, RetryState
+    from fedpool.federation.core.errors import MAX_RESET_RETRIES, AttemptError, RetryState
 
     retry = RetryState()
     reset = AttemptError(FailureKind.RESET, "closed")
@@ -745,7 +751,7 @@ def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None
 
 
 def test_an_unexpected_exception_is_its_own_kind_and_never_counts_against_a_server() -> None:
-    from fedpool.federation.core.errors import classify_exception
+    from fedpool.federation.gateway.transport import classify_exception
 
     kind = classify_exception(RuntimeError("a bug on our side"), reused_connection=False)
     assert kind is FailureKind.UNEXPECTED

@@ -10,8 +10,8 @@ import pytest
 
 from fedpool.deploy.batching import BLOCK, BatchEngine, PromptTooLong, prompt_blocks
 from fedpool.deploy.emulator import PROFILES, EmulatedServer, EmulatorProfile, profile_from_json
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget, new_session
 from fedpool.federation.core.types import Endpoint, InferenceRequest
+from fedpool.federation.gateway.transport import HttpTransport, UrlTarget, new_session
 from fedpool.registry import adapter_for
 
 FAST = 10.0  # engine seconds per wall second in these tests (slow enough that timing is the model)

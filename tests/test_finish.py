@@ -1,4 +1,5 @@
-"""The earliest-finish policy (federation/routing/finish.py) and the engine times it learns from: each answer's own prefill
+"""The earliest-finish policy (federation/routing/finish.py) and the engine times it learns from: each answer's own
+prefill
 and decode times read from llama.cpp's `timings` and vLLM's per-request `metrics`, served by the emulator and by a
 real llama-server; the policy driving the real dispatcher in simulated time (benchmarks/simulator.py)."""
 
@@ -15,9 +16,9 @@ from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import MODEL, SimTransport, World, build_world, make_dispatcher, simulate
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
-from fedpool.federation.routing.finish import REFIT_EVERY
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget, engine_times, new_session
 from fedpool.federation.core.types import Endpoint, EngineTimes, InferenceRequest
+from fedpool.federation.gateway.transport import HttpTransport, UrlTarget, engine_times, new_session
+from fedpool.federation.routing.finish import REFIT_EVERY
 from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import LlamaServers
 

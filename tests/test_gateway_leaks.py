@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from fedpool.deploy.emulator import Faults
 from fedpool.federation import DispatchConfig, Dispatcher, InferenceRequest, RequestFailed, make_policy, new_session
 from fedpool.federation.core.errors import FailureKind
-from fedpool.federation.gateway.handlers import SHARED_CLIENT, Gateway, serving
-from fedpool.federation.routing.policies import Policy
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
+from fedpool.federation.core.policy import Policy
 from fedpool.federation.core.types import Endpoint, SamplingParams
+from fedpool.federation.gateway.handlers import SHARED_CLIENT, Gateway, serving
+from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from tests.conftest import EmulatorFactory
 
@@ -65,10 +65,9 @@ async def rig(entries: Sequence[ServerEntry], *, policy: str | Policy = "least_i
               config: DispatchConfig | None = None, **gateway_options: Any) -> AsyncIterator[Rig]:
     async with new_session() as session:
         holder: list[Rig] = []
-        dispatcher = Dispatcher(session, lambda: holder[0].snapshot if holder else None,
-                                policy if isinstance(policy, Policy) else make_policy(policy),
-                                config=config or DispatchConfig(no_server_timeout_s=2.0, backoff_base_s=0.01,
-                                                                backoff_max_s=0.02))
+        config = config or DispatchConfig(no_server_timeout_s=2.0, backoff_base_s=0.01, backoff_max_s=0.02)
+        dispatcher = Dispatcher(HttpTransport(session, config.timeouts), lambda: holder[0].snapshot if holder else None,
+                                policy if isinstance(policy, Policy) else make_policy(policy), config=config)
         gateway = Gateway(dispatcher, lambda: holder[0].snapshot if holder else None, tune_gc=False,
                           **gateway_options)
         async with serving(gateway.app()) as url:
@@ -598,7 +597,7 @@ async def test_the_gateway_settles_the_collector_on_startup(emulators: EmulatorF
     try:
         async with new_session() as session:
             snapshot = PoolSnapshot(1, 0.0, (entry("fast", fast.url),))
-            dispatcher = Dispatcher(session, lambda: snapshot, make_policy("least_inflight"))
+            dispatcher = Dispatcher(HttpTransport(session), lambda: snapshot, make_policy("least_inflight"))
             async with serving(Gateway(dispatcher, lambda: snapshot).app()):
                 assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= 20_000
     finally:

@@ -1,5 +1,6 @@
 """KV admission: a server whose KV cache this dispatcher's attempts are expected to fill takes no more until some
-end (federation/core/serverbook.py), the estimate learned from answers (federation/core/clientbook.py), and the KV cache's
+end (federation/core/serverbook.py), the estimate learned from answers (federation/core/clientbook.py), and the KV
+cache's
 size as vLLM and SGLang report it (registry adapters) and the registry records it."""
 
 from __future__ import annotations

@@ -58,6 +58,69 @@ def violations(root: Path) -> list[str]:
     return problems
 
 
+# federation/'s own rooms, each a folder of at most MAX_SUBROOM_FILES files: the dispatch core, the routing policies
+# on it, the gateway and HTTP side on both. A sub-room imports only those listed (and itself).
+FEDERATION_ROOMS: dict[str, set[str]] = {
+    "core": set(),  # the dispatcher and its books, the policy interface: no policy, no HTTP
+    "routing": {"core"},  # the policies: the core's public types
+    "gateway": {"core", "routing"},  # handlers, transport, leases, the pool connection: on top
+}
+MAX_SUBROOM_FILES = 12
+
+
+def federation_room_of(module: str) -> str | None:
+    """`fedpool.federation.core.ledger` -> `core`; `fedpool.federation` (the package's public names) -> None."""
+    parts = module.split(".")
+    if parts[:2] == ["fedpool", "federation"] and len(parts) > 2:
+        return parts[2]
+    return None
+
+
+def federation_violations(root: Path) -> list[str]:
+    """Every import between federation/'s sub-rooms that FEDERATION_ROOMS does not allow, and any file of
+    federation/ outside a sub-room (its `__init__.py` aside)."""
+    problems = []
+    for path in sorted((root / "federation").rglob("*.py")):
+        rel = path.relative_to(root / "federation")
+        if len(rel.parts) == 1:
+            if rel.name != "__init__.py":
+                problems.append(f"federation/{rel} is in no sub-room")
+            continue
+        room = rel.parts[0]
+        if room not in FEDERATION_ROOMS:
+            problems.append(f"federation/{rel} is in an unknown sub-room")
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                       else [])
+            for module in modules:
+                other = federation_room_of(module)
+                if module == "fedpool.federation" or (other is not None and other != room
+                                                      and other not in FEDERATION_ROOMS[room]):
+                    problems.append(f"federation/{rel} imports {module}")
+    return problems
+
+
+def test_federation_sub_rooms_import_one_way_and_stay_small() -> None:
+    assert federation_violations(ROOT) == []
+    for room in FEDERATION_ROOMS:
+        files = sorted(p.name for p in (ROOT / "federation" / room).glob("*.py"))
+        assert len(files) <= MAX_SUBROOM_FILES, (room, files)
+        assert ast.get_docstring(ast.parse((ROOT / "federation" / room / "__init__.py").read_text())), room
+
+
+@pytest.mark.parametrize(("room", "forbidden"), [(r, o) for r in FEDERATION_ROOMS for o in FEDERATION_ROOMS
+                                                  if o != r and o not in FEDERATION_ROOMS[r]])
+def test_the_checker_catches_every_forbidden_edge_between_federation_rooms(tmp_path: Path, room: str,
+                                                                           forbidden: str) -> None:
+    for r in FEDERATION_ROOMS:
+        (tmp_path / "federation" / r).mkdir(parents=True)
+    (tmp_path / "federation" / room / "added.py").write_text(f"from fedpool.federation.{forbidden}.x import name\n")
+    assert federation_violations(tmp_path) == [f"federation/{room}/added.py imports fedpool.federation.{forbidden}.x"]
+
+
 def test_every_room_is_in_the_table_and_every_code_folder_is_a_room() -> None:
     assert set(ALLOWED) == set(ROOMS)
     folders = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/**/*.py")

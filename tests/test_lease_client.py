@@ -8,12 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from fedpool.federation.core.dispatch_types import DispatchConfig
+from fedpool.federation.core.attempts import PREEMPT_MAX_AGE_S
 from fedpool.federation.core.dispatcher import EXPECT_HOLD_S, Dispatcher
+from fedpool.federation.core.types import DispatchConfig, Endpoint, InferenceRequest
 from fedpool.federation.gateway.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.routing.policies import make_policy
-from fedpool.federation.core.preempt import PREEMPT_MAX_AGE_S
-from fedpool.federation.core.types import Endpoint, InferenceRequest
 from fedpool.registry import DemandReport, Lease
 from fedpool.registry.leases import LeaseBroker, LeaseServer, LeaseService
 from tests.fakes import FakePool

@@ -13,9 +13,10 @@ import pytest
 from fedpool.federation import DispatchConfig, Dispatcher, Endpoint, InferenceRequest, make_policy, new_session
 from fedpool.federation.core.clientbook import ClientBook
 from fedpool.federation.core.ledger import InflightLedger, ServerSlots
+from fedpool.federation.core.policy import DispatchState, Hold
+from fedpool.federation.gateway.transport import HttpTransport
 from fedpool.federation.routing.plan_lp import solve_phased_plan, solve_plan
 from fedpool.federation.routing.planner import PlannedRouting
-from fedpool.federation.routing.policies import DispatchState, Hold
 from fedpool.federation.routing.pricing import server_cost
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import EmulatorFactory
@@ -202,7 +203,7 @@ async def test_dispatcher_routes_by_the_plan_on_real_servers(emulators: Emulator
     entries = (entry("a100", "A100", fast.url, capacity=8), entry("v100", "V100", slow.url, capacity=8))
     snap = PoolSnapshot(version=1, taken_at=0.0, entries=entries)
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("planned", period_s=0.05),
+        dispatcher = Dispatcher(HttpTransport(session), lambda: snap, make_policy("planned", period_s=0.05),
                                 config=DispatchConfig(client_order="shortest_first"))
         dispatcher.set_client_remaining("video", 1.0, 12)
         dispatcher.set_client_remaining("text", 1.0, 24)
@@ -232,7 +233,7 @@ async def test_longest_answers_first_serves_the_longest_answers_first(emulators:
     entries = (entry("s0", "V100", server.url, capacity=1),)
     snap = PoolSnapshot(version=1, taken_at=0.0, entries=entries)
     async with new_session() as session:
-        dispatcher = Dispatcher(session, lambda: snap, make_policy("round_robin"),
+        dispatcher = Dispatcher(HttpTransport(session), lambda: snap, make_policy("round_robin"),
                                 config=DispatchConfig(client_order="longest_answers_first"))
         done: list[str] = []
 

@@ -89,7 +89,8 @@ def test_capacity_weighted_shares_idle_servers_by_speed_and_breaks_near_ties_eve
     import random as _random
     from collections import Counter as _Counter
 
-    from fedpool.federation.routing.policies import Candidate, make_policy
+    from fedpool.federation.core.policy import Candidate
+    from fedpool.federation.routing.policies import make_policy
 
     policy = make_policy("capacity_weighted", _random.Random(3))
     idle = [Candidate("a", 0, 64, 64, 100.0), Candidate("b", 0, 64, 64, 103.0)]

@@ -1,4 +1,4 @@
-"""Attempts that give their slot back when this process's capacity lease shrinks (federation/core/preempt.py), on a
+"""Attempts that give their slot back when this process's capacity lease shrinks (federation/core/attempts.py), on a
 real dispatcher over a fake server, in simulated time."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 
 from fedpool.deploy.emulator import SGLANG_ABORT_CHECK_S
 from fedpool.federation import DispatchConfig
+from fedpool.federation.core.attempts import PREEMPT_MAX_AGE_S, engine_cancel_s
 from fedpool.federation.core.dispatcher import PREEMPTED, Dispatcher
-from fedpool.federation.routing.policies import make_policy
-from fedpool.federation.core.preempt import PREEMPT_MAX_AGE_S, engine_cancel_s
 from fedpool.federation.core.types import Endpoint, InferenceRequest, InferenceResult
+from fedpool.federation.routing.policies import make_policy
 from fedpool.registry import LoadSample, PoolSnapshot, ServerEntry
 from tests.fakes import FakePool, wall_time
 from tests.test_dispatcher import snapshot_of

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpool.federation import pricing
 from fedpool.federation.core.ledger import InflightLedger
+from fedpool.federation.routing import pricing
 from fedpool.federation.routing.pricing import CostFit, server_cost, step_cost
 from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus
 

@@ -2,7 +2,8 @@
 path is something a newcomer reads in one sitting, and docs/architecture.md's figure stays true. Nine files since
 the grant pass moved out of dispatcher.py into grants.py (the two halves of the request path, each under STYLE's
 ~500 lines), 35 functions; ten files and 46 functions since the HTTP exchange itself left aiohttp's client (which
-the trace does not count) for fedpool's keep-alive pool (federation/gateway/upstream.py, 11 of them: the request, and the
+the trace does not count) for fedpool's keep-alive pool (federation/gateway/upstream.py, 11 of them: the request, and
+the
 parser's callbacks), for half the CPU a relayed request (benchmarks/results/gateway_capacity.md: 67.9 µs against
 136.6)."""
 

@@ -19,16 +19,15 @@ from aiohttp import web
 
 from fedpool.federation import PoolConnection
 from fedpool.federation.core.errors import AttemptError, FailureKind
-from fedpool.federation.gateway.handlers import serving
-from fedpool.federation.gateway.transport import (
-    STREAM_PROGRESS,
-    HttpTransport,
+from fedpool.federation.core.types import (
+    Endpoint,
+    InferenceRequest,
+    SamplingParams,
     StreamProgress,
     assembles,
-    new_session,
-    parse_completion,
 )
-from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest, SamplingParams
+from fedpool.federation.gateway.handlers import serving
+from fedpool.federation.gateway.transport import HttpTransport, new_session, parse_completion
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import LlamaServers
 
@@ -162,7 +161,7 @@ async def test_the_assembled_stream_is_the_answer_the_engine_sends_whole(
 
 async def test_a_streamed_attempt_is_marked_decoding_at_its_first_bytes_not_its_head(
         scripted: contextlib.AsyncExitStack) -> None:
-    """The dispatcher gives back a streamed attempt only once its engine decodes (federation/core/preempt.py): the
+    """The dispatcher gives back a streamed attempt only once its engine decodes (federation/core/attempts.py): the
     transport marks the attempt's StreamProgress at the body's first bytes. The head alone (sent before the prompt
     is done) does not count."""
     prompt_done = asyncio.Event()
@@ -171,18 +170,13 @@ async def test_a_streamed_attempt_is_marked_decoding_at_its_first_bytes_not_its_
     async with new_session() as session:
         transport = HttpTransport(session)
 
-        async def attempt() -> Completion:
-            STREAM_PROGRESS.set(progress)  # (this task's context, as the dispatcher sets it for its attempt)
-            return await transport.complete(Target("s", engine.url), completion_request())
-
-        call = asyncio.ensure_future(attempt())
+        call = asyncio.ensure_future(transport.complete(Target("s", engine.url), completion_request(), progress))
         await engine.head_sent.wait()
         await asyncio.sleep(0.05)  # (the head has reached the transport, or soon will)
         assert not progress.decoding
         prompt_done.set()
         completion = await call
     assert progress.decoding and completion.text == whole(COMPLETION_EVENTS)["choices"][0]["text"]
-    assert STREAM_PROGRESS.get() is None  # (set in the attempt's task only)
 
 
 @pytest.mark.parametrize("extra", [{"logprobs": 2}, {"echo": True}, {"n": 3}, {"best_of": 2},

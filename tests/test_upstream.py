@@ -13,8 +13,8 @@ import pytest
 
 from fedpool.federation import new_session
 from fedpool.federation.core.errors import AttemptError, FailureKind
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
 from fedpool.federation.core.types import Endpoint, InferenceRequest
+from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
 from fedpool.federation.gateway.upstream import KeepAlivePool, pool_of
 from tests.conftest import EmulatorFactory
 

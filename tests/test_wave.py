@@ -1,4 +1,5 @@
-"""One wave (federation/routing/wave.py, federation/routing/waveplan.py): the assignment of everything a route's clients have
+"""One wave (federation/routing/wave.py, federation/routing/waveplan.py): the assignment of everything a route's
+clients have
 left, and `earliest_finish` probing each server kind, then placing a whole wave, driving the real dispatcher in
 simulated time (benchmarks/simulator.py)."""
 
@@ -17,8 +18,7 @@ from fedpool.benchmarks.scale_oracle import KindModel as EngineModel
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
 from fedpool.benchmarks.simulator import SimResult, SimTransport, World, build_world, make_dispatcher, simulate
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
-from fedpool.federation.gateway.transport import Target
-from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest, StreamProgress, Target
 from fedpool.federation.routing.waveplan import (
     LONG_ANSWER_TOKENS,
     SHORT_CHAIN_STEPS,
@@ -95,7 +95,8 @@ class Recording(SimTransport):
         self.sent: list[tuple[float, str, str]] = []  # (when, server id, client)
         self._clock = clock
 
-    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+    async def complete(self, server: Target, request: InferenceRequest,
+                       progress: StreamProgress | None = None) -> Completion:
         self.sent.append((self._clock(), server.id, request.client_id))
         return await super().complete(server, request)
 

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
-from fedpool.federation.core.dispatch_types import CLIENT_ORDERS
 from fedpool.federation.core.ledger import InflightLedger
-from fedpool.federation.core.types import InferenceRequest
+from fedpool.federation.core.types import CLIENT_ORDERS, InferenceRequest
+
+DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,3 +315,10 @@ class ClientBook:
         else:
             first = -self._answer.get(client_id, 0.0)
         return first, self._ledger.clients.get(client_id, 0) / self._weights.get(client_id, 1.0)
+
+
+def client_size(shape: Any) -> tuple[float, float] | None:
+    """(prompt tokens, answer tokens) of a `ClientShape` (None: unknown)."""
+    if shape is None:
+        return None
+    return float(shape.prompt_tokens), float(shape.max_tokens or DEFAULT_ANSWER_TOKENS)

@@ -8,7 +8,7 @@ policy places the head: `ServerBook.take` counts the slot and updates the index)
 `complete` → `_release` (the slot back; waiting requests on that server's routes granted) → `_answered`
 (learning, client service, result). Waiting, granting and giving back are the grant pass
 (`federation/core/grants.py`, which `Dispatcher` extends); hedging and stealing at a client's tail are
-`federation/core/tail.py`.
+`federation/core/attempts.py`.
 """
 
 from __future__ import annotations
@@ -21,28 +21,36 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
-import aiohttp
-
-from fedpool.federation.core.clientbook import ClientBook
-from fedpool.federation.core.dispatch_types import DispatchConfig, DispatcherStats, OpenStream
-from fedpool.federation.core.errors import AttemptError, FailureKind, RequestFailed
+from fedpool.federation.core.attempts import ENGINE_CANCEL_S, STREAMED_CANCEL_S, Preemptions, Racer, TailRescue
+from fedpool.federation.core.clientbook import ClientBook, client_size
+from fedpool.federation.core.errors import AttemptError, FailureKind, RequestFailed, RetryState, backoff_s
 from fedpool.federation.core.grants import CLIENT_TTL_S, GrantPass
-from fedpool.federation.routing.horizon import client_size, kind_costs
 from fedpool.federation.core.learning import HedgeTimer
 from fedpool.federation.core.ledger import InflightLedger, StallClock
-from fedpool.federation.routing.policies import DispatchState, Policy
-from fedpool.federation.core.preempt import ENGINE_CANCEL_S, STREAMED_CANCEL_S, Preemptions
-from fedpool.federation.core.retries import RetryState, backoff_s
+from fedpool.federation.core.policy import DispatchState, Policy
 from fedpool.federation.core.routes import Route
 from fedpool.federation.core.serverbook import BookSettings, ServerBook, ServerState
-from fedpool.federation.core.tail import Racer, TailRescue
-from fedpool.federation.gateway.transport import STREAM_PROGRESS, HttpTransport, StreamProgress, Transport, sends_stream
-from fedpool.federation.core.types import Attempt, Completion, InferenceRequest, InferenceResult
-from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot
+from fedpool.federation.core.types import (
+    Attempt,
+    Completion,
+    DispatchConfig,
+    DispatcherStats,
+    InferenceRequest,
+    InferenceResult,
+    OpenStream,
+    StreamProgress,
+    Transport,
+    sends_stream,
+)
+from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
+
+# Kind -> what the mean of these requests ((requests, (prompt, answer tokens)) per client) costs on one server of
+# that kind, over the routable servers of one model (federation/routing/horizon.py `kind_costs`).
+KindPricer = Callable[[Iterable[ServerEntry], Iterable[tuple[int, tuple[float, float]]]], dict[str, float]]
 
 PREEMPTED = ("gave its slot back: this process's capacity lease shrank (another process's client comes first), "
              "or a scrape found most of its attempts on the server queued in the engine")
@@ -60,7 +68,7 @@ class Dispatcher(GrantPass):
 
     def __init__(
         self,
-        transport: Transport | aiohttp.ClientSession,
+        transport: Transport,
         snapshots: Callable[[], PoolSnapshot | None],
         policy: Policy,
         *,
@@ -70,11 +78,13 @@ class Dispatcher(GrantPass):
         rng: random.Random | None = None,
         on_failure: Callable[[str, FailureKind], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        price_kinds: KindPricer | None = None,
     ):
         self._config = config = config or DispatchConfig()
-        # A session is the common case (HTTP); tests and the simulator pass their own Transport.
-        self._transport: Transport = (HttpTransport(transport, config.timeouts)
-                                      if isinstance(transport, aiohttp.ClientSession) else transport)
+        self._transport = transport
+        # What a client's mean request costs on each server kind of its model, for the lease broker (None: the
+        # broker places this process's slots by count alone).
+        self._price_kinds = price_kinds
         self._snapshots = snapshots
         self._policy = policy
         self._clock = clock
@@ -236,10 +246,15 @@ class Dispatcher(GrantPass):
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
                          served_s=None if c in loading else clients.served_s(c, now), loading=c in loading,
                          work_left=clients.work_left(c))
-            for c, n in sorted(per.items())), kind_costs=kind_costs(
-                (e for e in entries if e.record.model == model),
-                ((n, size) for c, n in per.items() if (size := client_size(clients.shape(c))) is not None)))
+            for c, n in sorted(per.items())), kind_costs=self._kind_costs(model, entries, per))
             for model, per in sorted(wanted.items()) if per)
+
+    def _kind_costs(self, model: str, entries: Iterable[ServerEntry], per: Mapping[str, int]) -> dict[str, float]:
+        if self._price_kinds is None:
+            return {}
+        shape = self._clients.shape
+        return self._price_kinds((e for e in entries if e.record.model == model),
+                                 ((n, size) for c, n in per.items() if (size := client_size(shape(c))) is not None))
 
     def served_totals(self) -> tuple[float, float]:
         """Every answer's work (prompt + 2 × completion tokens) and the engine slot-seconds they held."""
@@ -290,6 +305,7 @@ class Dispatcher(GrantPass):
             state, route = granted if granted is not None else await self._acquire(request, tried)
             started = self._clock()
             cancel_s = None  # on an engine that drops the request once its client went: may be given back
+            progress = None  # a streamed attempt that may be given back: marked by the transport once it decodes
             entry = state.entry
             if entry is not None and (self._give_back_queued or self._order_takes or state.lease is not None):
                 # (engine_cancel_s and noting the attempt in Preemptions.running, inlined: every attempt passes here)
@@ -304,14 +320,13 @@ class Dispatcher(GrantPass):
                     self._preempt.client_of[current_task] = client  # type: ignore[index]
                     if streamed:  # taken only once it decodes (preempt.py): the transport says when
                         progress = self._preempt.streams[current_task] = StreamProgress()  # type: ignore[index]
-                        STREAM_PROGRESS.set(progress)
             racer = None
             if task is not None and racers is not None:
                 racer = racers[task] = Racer(request, state, route, started, task)
                 if client in self._clients.done_sending:  # at the tail: stragglers are looked for
                     self._tail.client_done()
             try:
-                completion = await self._transport.complete(state, request)
+                completion = await self._transport.complete(state, request, progress)
             except AttemptError as err:
                 self._release(state, client)
                 if racer is not None:
@@ -444,7 +459,7 @@ class Dispatcher(GrantPass):
         elif kind.counts_against_server and self._on_failure is not None:
             self._on_failure(server_id, kind)
 
-    # ---- copies at the tail (federation/core/tail.py decides when and where) ------------------------------
+    # ---- copies at the tail (federation/core/attempts.py decides when and where) ------------------------------
     def _start_copy(self, racer: Racer, state: ServerState) -> None:
         """A second attempt of a racer's request on `state` (a hedge or a steal), counted like any other."""
         client = racer.request.client_id
@@ -464,7 +479,6 @@ class Dispatcher(GrantPass):
 
     async def _run_copy(self, racer: Racer, state: ServerState) -> None:
         racer.copy_ran = True
-        STREAM_PROGRESS.set(None)  # (the context it was created in may hold its first attempt's: copies are not taken)
         try:
             completion = await self._transport.complete(state, racer.request)
         except AttemptError as err:

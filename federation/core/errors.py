@@ -1,15 +1,14 @@
-"""Failure classification by exception type and status code, never by message text."""
+"""Typed failures (classified by exception type and status code, never by message text) and when a failed
+attempt is tried again: at once (the request never reached the server), after a backoff (elsewhere if possible),
+or not at all. Pure bookkeeping, no I/O."""
 
 from __future__ import annotations
 
-import asyncio
+import random
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
-import aiohttp
-
-if TYPE_CHECKING:
-    from fedpool.federation.core.types import Attempt
+from fedpool.federation.core.types import Attempt
 
 
 class FailureKind(StrEnum):
@@ -70,23 +69,41 @@ def kind_for_status(status: int) -> FailureKind:
         return FailureKind.REQUEST_ERROR
     return FailureKind.SERVER_ERROR
 
+MAX_RESET_RETRIES = 3  # immediate retries for stale keep-alive connections, per request
 
-def classify_exception(exc: BaseException, *, reused_connection: bool) -> FailureKind:
-    """Map a transport exception to a FailureKind. Order matters: subclasses before their bases."""
-    if isinstance(exc, AttemptError):
-        return exc.kind
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        return FailureKind.TIMEOUT
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return FailureKind.CONNECT
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
-        # llama.cpp's server closes idle keep-alive connections early; a request written to such a socket
-        # fails before the server ever saw it. On a fresh connection the same error means the server died.
-        return FailureKind.RESET if reused_connection else FailureKind.CONNECT
-    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ContentTypeError, ValueError)):
-        return FailureKind.BAD_RESPONSE
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return kind_for_status(exc.status)
-    if isinstance(exc, aiohttp.ClientError):
-        return FailureKind.CONNECT  # the remaining transport failures (invalid URL, TLS, proxy) are the link's
-    return FailureKind.UNEXPECTED
+
+@dataclass(slots=True)
+class RetryState:
+    """One request's tries so far."""
+
+    attempts: list[Attempt] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)  # servers that failed it (avoided while others can serve)
+    counted: int = 0  # failures that count towards max_attempts
+    resets: int = 0  # stale connections retried at once
+
+    def record(self, server_id: str, started: float, now: float, err: AttemptError) -> None:
+        self.attempts.append(Attempt(server_id, started, now - started, err.kind, err.detail))
+
+    def retry_at_once(self, request_id: str, server_id: str, err: AttemptError, max_attempts: int) -> bool:
+        """After a recorded failure: True to retry at once, False to retry after a backoff. Raises
+        RequestFailed when the request must not be tried again (refused, or out of attempts)."""
+        if not err.kind.retriable:
+            raise RequestFailed(
+                f"request {request_id} refused by {server_id}: {err}", tuple(self.attempts), err.kind, err, server_id
+            ) from err
+        if err.kind is FailureKind.RESET and self.resets < MAX_RESET_RETRIES:
+            self.resets += 1
+            return True  # the request never reached the server
+        self.counted += 1
+        self.tried.add(server_id)
+        if self.counted >= max_attempts:
+            raise RequestFailed(
+                f"request {request_id} failed {self.counted} times; last: {err}", tuple(self.attempts), err.kind,
+                err, server_id,
+            ) from err
+        return False
+
+
+def backoff_s(failures: int, base_s: float, max_s: float, rng: random.Random) -> float:
+    """Exponential backoff with full jitter."""
+    return rng.uniform(0, min(max_s, base_s * 2 ** (failures - 1)))

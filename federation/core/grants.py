@@ -17,16 +17,14 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
+from fedpool.federation.core.attempts import Preemptions, Racer, TailRescue
 from fedpool.federation.core.clientbook import ClientBook
-from fedpool.federation.core.dispatch_types import DispatchConfig
 from fedpool.federation.core.errors import NoServerError
 from fedpool.federation.core.ledger import InflightLedger, StallClock
-from fedpool.federation.routing.policies import Hold, Policy
-from fedpool.federation.core.preempt import Preemptions
+from fedpool.federation.core.policy import Hold, Policy
 from fedpool.federation.core.routes import Route, Waiter
 from fedpool.federation.core.serverbook import ServerBook, ServerState
-from fedpool.federation.core.tail import Racer, TailRescue
-from fedpool.federation.core.types import InferenceRequest
+from fedpool.federation.core.types import DispatchConfig, InferenceRequest
 from fedpool.registry import PoolSnapshot
 
 log = logging.getLogger("fedpool.dispatcher")

@@ -14,12 +14,11 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from fedpool.federation.core.dispatch_types import ServerStats
 from fedpool.federation.core.errors import FailureKind
 from fedpool.federation.core.learning import LEARN_PERIOD_S, ServerLearning
 from fedpool.federation.core.ledger import InflightLedger, ServerSlots
 from fedpool.federation.core.routes import Route, RouteKey
-from fedpool.federation.gateway.transport import STREAMED_ENGINES
+from fedpool.federation.core.types import STREAMED_ENGINES, ServerStats
 from fedpool.registry import PoolSnapshot, ServerEntry, adapter_for
 
 log = logging.getLogger("fedpool.dispatcher")

@@ -1,13 +1,19 @@
-"""Requests and results on the dispatcher's path (frozen; built by clients, filled by the dispatcher)."""
+"""The dispatch core's value types: requests and results on the dispatcher's path (frozen; built by clients,
+filled by the dispatcher), how a dispatcher is configured and what it reports, and the `Transport` interface
+through which it reaches a server (implemented over HTTP in federation/gateway/transport.py, in process by tests
+and the simulator)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from fedpool.federation.core.errors import FailureKind
+from fedpool.registry import ServerEntry
+
+if TYPE_CHECKING:
+    from fedpool.federation.core.errors import FailureKind
 
 
 class Endpoint(StrEnum):
@@ -177,3 +183,176 @@ class InferenceResult:
     latency_s: float
     attempts: tuple[Attempt, ...] = field(default_factory=tuple)
     hedged: bool = False
+
+
+# ---- how the dispatcher reaches a server ----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Connect, first byte (time to the response head) and total, in seconds."""
+
+    connect_s: float = 5.0
+    first_byte_s: float = 120.0
+    total_s: float = 600.0
+
+
+class StreamProgress:
+    """Whether a streamed attempt's engine has sent any of its answer yet: its prompt is done and it decodes. The
+    dispatcher hands one to `Transport.complete` for an attempt it may give back; the transport marks it at the
+    body's first bytes (only a streamed attempt that decodes is given back: federation/core/attempts.py)."""
+
+    __slots__ = ("decoding",)
+
+    def __init__(self) -> None:
+        self.decoding = False
+
+
+class Target(Protocol):
+    """The server an attempt goes to (a dispatcher's ServerState): its id, base URL, whether its engine is
+    asked for streamed answers (`STREAMED_ENGINES`), and where it aborts a request by id (`abort_path`, from its
+    engine's adapter; None: it learns only from the closed connection)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def streamed(self) -> bool: ...
+
+    @property
+    def abort_path(self) -> str | None: ...
+
+
+class StreamBody(Protocol):
+    """An opened streaming response: its head, its body lines, and release() when done."""
+
+    @property
+    def headers(self) -> Any: ...
+
+    @property
+    def content(self) -> Any: ...  # `await content.readline()` -> bytes (b"" at the end)
+
+    def release(self) -> Any: ...
+
+
+class Transport(Protocol):
+    """One attempt at one server. Failures are AttemptError (typed); cancellation propagates as is. `progress`,
+    where given, is marked once a streamed answer's first bytes arrive."""
+
+    async def complete(self, server: Target, request: InferenceRequest,
+                       progress: StreamProgress | None = None) -> Completion: ...
+
+    async def open_stream(self, server: Target, request: InferenceRequest) -> StreamBody: ...
+
+
+# llama.cpp's server (this pool's build) runs a non-streamed request to its end after its client has gone but stops
+# a streamed one at its next token, so requests to these engines are sent as streams and assembled (every such
+# request asks for `Connection: close`: no pooled connection is reused after the engine closed it).
+STREAMED_ENGINES = frozenset({"llamacpp"})
+# Fields whose streamed form differs from the whole answer's by engine (several choices, per-token log
+# probabilities, the prompt echoed, the caller's own stream options): such requests are sent unstreamed.
+_WHOLE_ONLY = ("logprobs", "top_logprobs", "echo", "best_of", "stream_options", "suffix")
+
+
+def sends_stream(server: Target, request: InferenceRequest) -> bool:
+    """Whether `complete` sends this request to this server as a stream: its engine is asked for streams and a
+    stream can carry the whole answer."""
+    return server.streamed and assembles(request)
+
+
+def assembles(request: InferenceRequest) -> bool:
+    """Whether a stream can carry this request's whole answer as the engine would send it unstreamed: one prompt
+    (or messages), one choice, no log probabilities, no echo."""
+    extra = request.params.extra
+    if extra and (any(name in extra for name in _WHOLE_ONLY) or extra.get("n", 1) != 1):
+        return False
+    return request.prompt is None or isinstance(request.prompt, str)
+
+
+# ---- how a dispatcher is configured, and what it reports -------------------------------------------------------
+
+CLIENT_ORDERS = ("fair", "shortest_first", "longest_answers_first")
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    max_attempts: int = 8
+    backoff_base_s: float = 0.2
+    backoff_max_s: float = 5.0
+    no_server_timeout_s: float = 60.0
+    window_factor: float = 1.0  # admission window ceiling = engine capacity × this
+    adaptive_windows: bool = True  # grow/shrink each server's window from what the dispatcher observes
+    learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
+    # A server whose KV cache (ServerRecord.kv_cache_tokens) this dispatcher's attempts are expected to fill takes
+    # no more until some end: long prompts (video) do not pile up in the engine's queue behind a window sized on
+    # short ones. Off by default: on Table 7's pool it held the V100s below what their engines ran (federated
+    # 40.2-46.5 s over six runs, median 41.7, against 38.7-41.7, median 39.4, without; docs/architecture.md).
+    kv_admission: bool = False
+    # A scrape that shows most of this dispatcher's attempts on a server queued in its engine shrinks that
+    # server's window at once (learning.SCRAPE_QUEUE_SHARE), and with this on, the attempts beyond the new window
+    # started less than a second ago are taken back to their queues (on engines that drop a request whose client
+    # has gone): a plan or window that sent a server far more than it runs is undone at the next scrape instead of
+    # draining for seconds while other servers idle.
+    give_back_queued: bool = True
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 5.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    hedging: bool = True  # duplicate stragglers at the tail; only greedy requests (temperature 0)
+    hedge_factor: float = 2.0  # hedge once an attempt takes this × the model's median latency
+    hedge_min_delay_s: float = 0.2
+    learn_period_s: float = 2.0  # how often each server's throughput and admission window are re-decided
+    # Which waiting request is served first when the pool is full. "fair": the client with the fewest
+    # requests in flight per unit of weight (every eval progresses at the same pace). "shortest_first": the
+    # client with the least work left (as it reports with set_client_remaining), fair among equals: evals
+    # finish one after another, so results arrive sooner on average while the pool stays as busy.
+    client_order: str = "fair"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    server_id: str
+    answered: int
+    failures: dict[str, int]
+    inflight: int
+    window: int
+    completion_tokens: int
+    busy_s: float
+    learned_tokens_per_s: float | None = None
+    window_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStats:
+    submitted: int
+    completed: int
+    failed: int
+    retries: int
+    hedges: int
+    inflight_total: int
+    servers: tuple[ServerStats, ...]
+    waiting: int = 0  # requests waiting for a slot
+    decisions: int = 0  # slots granted (each a routing decision)
+    decision_s: float = 0.0  # CPU time spent granting them (queue order, policy, slot accounting)
+    loop_stalled_s: float = 0.0  # seconds this process's loop stood still with attempts in flight (not charged)
+    preempted: int = 0  # attempts that gave their slot back to a shrunk lease or window (federation/core/attempts.py)
+    preempted_lost_s: float = 0.0  # the engine time those attempts had used
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A place held in a server's admission window for one attempt of a client's request."""
+
+    server: ServerEntry
+    client_id: str
+    acquired_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    """An upstream response being streamed; read `response.content`."""
+
+    server: ServerEntry
+    response: StreamBody
+    attempts: tuple[Attempt, ...]

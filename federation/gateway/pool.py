@@ -12,12 +12,13 @@ from typing import Any
 
 import aiohttp
 
-from fedpool.federation.core.dispatch_types import DispatchConfig
 from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import FailureKind
+from fedpool.federation.core.types import DispatchConfig
 from fedpool.federation.gateway.leases import LeaseClient
+from fedpool.federation.gateway.transport import HttpTransport, new_session
+from fedpool.federation.routing.horizon import kind_costs
 from fedpool.federation.routing.policies import make_policy
-from fedpool.federation.gateway.transport import new_session
 from fedpool.registry import PoolRegistry, PoolSnapshot, SnapshotWatcher
 
 log = logging.getLogger("fedpool.pool")
@@ -86,12 +87,13 @@ class PoolConnection:
             self._registry, poll_timeout_s=self._poll_timeout_s, on_update=self._on_snapshot
         )
         self._dispatcher = Dispatcher(
-            self._session,
+            HttpTransport(self._session, self._config.timeouts),
             lambda: self._watcher.latest if self._watcher else None,
             make_policy(self._policy_name, rng, **self._policy_options),
             config=self._config,
             rng=rng,
             on_failure=self._report,
+            price_kinds=kind_costs,
         )
         await self._watcher.start()
         if self._leasing:

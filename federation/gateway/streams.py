@@ -29,11 +29,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from fedpool.federation.core.attempts import replicas
 from fedpool.federation.core.dispatcher import Dispatcher
-from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed, classify_exception
-from fedpool.federation.core.tail import replicas
-from fedpool.federation.gateway.transport import StreamBody, dumps, loads
-from fedpool.federation.core.types import Endpoint, InferenceRequest
+from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed
+from fedpool.federation.core.types import Endpoint, InferenceRequest, StreamBody
+from fedpool.federation.gateway.transport import classify_exception, dumps, loads
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.gateway")

@@ -14,13 +14,23 @@ import secrets
 import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
 
-from fedpool.federation.core.errors import AttemptError, FailureKind, classify_exception, kind_for_status
-from fedpool.federation.core.types import TYPED_FIELDS, Completion, Endpoint, EngineTimes, InferenceRequest
+from fedpool.federation.core.errors import AttemptError, FailureKind, kind_for_status
+from fedpool.federation.core.types import (
+    TYPED_FIELDS,
+    Completion,
+    Endpoint,
+    EngineTimes,
+    InferenceRequest,
+    StreamProgress,
+    Target,
+    Timeouts,
+    sends_stream,
+)
 from fedpool.federation.gateway.upstream import KeepAlivePool, pool_of
 
 log = logging.getLogger("fedpool.transport")
@@ -53,41 +63,19 @@ def dumps(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode()
 
 
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Connect, first byte (time to the response head) and total, in seconds."""
+def client_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s,
+                                 sock_read=timeouts.first_byte_s)
 
-    connect_s: float = 5.0
-    first_byte_s: float = 120.0
-    total_s: float = 600.0
 
-    def client_timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.total_s, sock_connect=self.connect_s, sock_read=self.first_byte_s)
-
-    def whole_answer_timeout(self) -> aiohttp.ClientTimeout:
-        """For an answer sent whole (not streamed): its first byte is its last, so the shorter of first byte and
-        total bounds it, with no read timer besides. aiohttp re-arms a read timeout on every chunk it receives: two
-        timer handles more a request, each a heap push on the loop (~3% of a pass-through request's CPU)."""
-        return aiohttp.ClientTimeout(total=min(self.first_byte_s, self.total_s), sock_connect=self.connect_s)
+def whole_answer_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
+    """For an answer sent whole (not streamed): its first byte is its last, so the shorter of first byte and total
+    bounds it, with no read timer besides. aiohttp re-arms a read timeout on every chunk it receives: two timer
+    handles more a request, each a heap push on the loop."""
+    return aiohttp.ClientTimeout(total=min(timeouts.first_byte_s, timeouts.total_s), sock_connect=timeouts.connect_s)
 
 
 _ATTEMPT: contextvars.ContextVar[SimpleNamespace | None] = contextvars.ContextVar("fedpool_attempt", default=None)
-
-
-class StreamProgress:
-    """Whether a streamed attempt's engine has sent any of its answer yet: its prompt is done and it decodes. The
-    caller of `complete` that wants to know sets one in `STREAM_PROGRESS` (its task's context) before the call;
-    `assemble_stream` marks it at the body's first bytes (the dispatcher gives back only a streamed attempt that
-    decodes: preempt.py)."""
-
-    __slots__ = ("decoding",)
-
-    def __init__(self) -> None:
-        self.decoding = False
-
-
-STREAM_PROGRESS: contextvars.ContextVar[StreamProgress | None] = contextvars.ContextVar(
-    "fedpool_stream_progress", default=None)
 
 
 class ReuseTrackingConnector(aiohttp.TCPConnector):
@@ -129,44 +117,6 @@ class ReuseTrackingConnector(aiohttp.TCPConnector):
         return connection
 
 
-class Target(Protocol):
-    """The server an attempt goes to (a dispatcher's ServerState): its id, base URL, whether its engine is
-    asked for streamed answers (`STREAMED_ENGINES`), and where it aborts a request by id (`abort_path`, from its
-    engine's adapter; None: it learns only from the closed connection)."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def url(self) -> str: ...
-
-    @property
-    def streamed(self) -> bool: ...
-
-    @property
-    def abort_path(self) -> str | None: ...
-
-
-class StreamBody(Protocol):
-    """An opened streaming response: its head, its body lines, and release() when done."""
-
-    @property
-    def headers(self) -> Any: ...
-
-    @property
-    def content(self) -> Any: ...  # `await content.readline()` -> bytes (b"" at the end)
-
-    def release(self) -> Any: ...
-
-
-class Transport(Protocol):
-    """One attempt at one server. Failures are AttemptError (typed); cancellation propagates as is."""
-
-    async def complete(self, server: Target, request: InferenceRequest) -> Completion: ...
-
-    async def open_stream(self, server: Target, request: InferenceRequest) -> StreamBody: ...
-
-
 class HttpTransport:
     """The Transport over one shared aiohttp session (no connection cap: admission windows bound the load).
 
@@ -178,8 +128,8 @@ class HttpTransport:
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts | None = None):
         self.session = session
         self.timeouts = timeouts or Timeouts()
-        self._timeout = self.timeouts.client_timeout()
-        self._whole_timeout = self.timeouts.whole_answer_timeout()
+        self._timeout = client_timeout(self.timeouts)
+        self._whole_timeout = whole_answer_timeout(self.timeouts)
         self._whole_s = min(self.timeouts.first_byte_s, self.timeouts.total_s)
         self._keepalive = pool_of(session)
         self._rid_prefix = f"fedpool-{secrets.token_hex(6)}-"  # ids unique across processes sharing an engine
@@ -187,12 +137,14 @@ class HttpTransport:
         self._aborts: set[asyncio.Task[None]] = set()  # abort calls under way (held until they end)
         self.aborted = 0  # abort calls that reached the engine
 
-    async def complete(self, server: Target, request: InferenceRequest) -> Completion:
+    async def complete(
+        self, server: Target, request: InferenceRequest, progress: StreamProgress | None = None
+    ) -> Completion:
         """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError. On a
         server whose engine is asked for streams, a request a stream can carry whole (`sends_stream`) is sent
         with stream=true and its events assembled into the completion."""
         if sends_stream(server, request):
-            return await self._assembled(server, request)
+            return await self._assembled(server, request, progress)
         body = request_body(request)
         abort_path = server.abort_path
         if abort_path is not None:
@@ -205,8 +157,13 @@ class HttpTransport:
         pool = self._keepalive
         if pool is not None and (destination := pool.destination(url)) is not None:
             try:
-                answer = await pool.post(destination, data, timeout_s=self._whole_s, connect_s=self.timeouts.connect_s,
-                                         limit=MAX_RESPONSE_BYTES)
+                answer = await pool.post(
+                    destination,
+                    data,
+                    timeout_s=self._whole_s,
+                    connect_s=self.timeouts.connect_s,
+                    limit=MAX_RESPONSE_BYTES,
+                )
             except AttemptError as exc:
                 if abort_path is not None and exc.kind in ABORTED_AFTER:
                     self._abort(server.url + abort_path, rid)
@@ -225,8 +182,11 @@ class HttpTransport:
                 if resp.status != 200:
                     raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
                 length = resp.content_length
-                raw = (await resp.read() if length is not None and length <= MAX_RESPONSE_BYTES
-                       else await read_body(resp, MAX_RESPONSE_BYTES))
+                raw = (
+                    await resp.read()
+                    if length is not None and length <= MAX_RESPONSE_BYTES
+                    else await read_body(resp, MAX_RESPONSE_BYTES)
+                )
         except AttemptError:
             raise
         except asyncio.CancelledError:
@@ -253,8 +213,9 @@ class HttpTransport:
 
     async def _post_abort(self, url: str, rid: str) -> None:
         try:
-            async with self.session.post(url, data=dumps({"rid": rid}), headers=JSON_HEADERS,
-                                         timeout=ABORT_TIMEOUT) as resp:
+            async with self.session.post(
+                url, data=dumps({"rid": rid}), headers=JSON_HEADERS, timeout=ABORT_TIMEOUT
+            ) as resp:
                 await resp.read()
                 if resp.status == 200:
                     self.aborted += 1
@@ -263,25 +224,27 @@ class HttpTransport:
         except Exception as exc:  # the session closing, the server gone: nothing is left to abort there
             log.debug("abort of %s at %s failed: %r", rid, url, exc)
 
-    async def _assembled(self, server: Target, request: InferenceRequest) -> Completion:
+    async def _assembled(
+        self, server: Target, request: InferenceRequest, progress: StreamProgress | None
+    ) -> Completion:
         attempt = SimpleNamespace(reused=False)
         _ATTEMPT.set(attempt)
         body = request_body(request, stream=True)
         body["stream_options"] = STREAM_USAGE
         try:
-            async with self.session.post(server.url + request.endpoint, data=dumps(body), headers=STREAM_HEADERS,
-                                         timeout=self._timeout) as resp:
+            async with self.session.post(
+                server.url + request.endpoint, data=dumps(body), headers=STREAM_HEADERS, timeout=self._timeout
+            ) as resp:
                 if resp.status != 200:
                     raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
-                return await assemble_stream(resp.content, request.endpoint)
+                return await assemble_stream(resp.content, request.endpoint, progress)
         except AttemptError:
             raise
         except Exception as exc:
             raise transport_error(exc, attempt.reused) from exc
 
     async def open_stream(self, server: Target, request: InferenceRequest) -> aiohttp.ClientResponse:
-        return await open_stream(self.session, server.url, request, self.timeouts, self._timeout,
-                                 close=server.streamed)
+        return await open_stream(self.session, server.url, request, self.timeouts, self._timeout, close=server.streamed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,35 +298,18 @@ def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, A
 # llama.cpp's server also closes the connection after every stream though its head says keep-alive: a streamed
 # request to these engines asks for `Connection: close`, so no pooled connection is reused after the engine closed
 # it (the next request on it would fail as a reset).
-STREAMED_ENGINES = frozenset({"llamacpp"})
 STREAM_HEADERS = {**JSON_HEADERS, "Connection": "close"}
 STREAM_USAGE = {"include_usage": True}  # OpenAI's stream option: the last event carries the token counts
-# Fields whose streamed form differs from the whole answer's by engine (several choices, per-token log
-# probabilities, the prompt echoed, the caller's own stream options): such requests are sent unstreamed.
-_WHOLE_ONLY = ("logprobs", "top_logprobs", "echo", "best_of", "stream_options", "suffix")
 
 
-def sends_stream(server: Target, request: InferenceRequest) -> bool:
-    """Whether `complete` sends this request to this server as a stream: its engine is asked for streams and a
-    stream can carry the whole answer."""
-    return server.streamed and assembles(request)
-
-
-def assembles(request: InferenceRequest) -> bool:
-    """Whether a stream can carry this request's whole answer as the engine would send it unstreamed: one prompt
-    (or messages), one choice, no log probabilities, no echo."""
-    extra = request.params.extra
-    if extra and (any(name in extra for name in _WHOLE_ONLY) or extra.get("n", 1) != 1):
-        return False
-    return request.prompt is None or isinstance(request.prompt, str)
-
-
-async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> Completion:
+async def assemble_stream(
+    content: aiohttp.StreamReader, endpoint: Endpoint, progress: StreamProgress | None = None
+) -> Completion:
     """Read an OpenAI event stream (`data: {...}` lines, `data: [DONE]` last) to its end into one completion:
     the text of every event joined, the last finish_reason, the usage of the event that carries it. Without a
     usage event the completion tokens are the events that carried text (one token an event on the engines in
     `STREAMED_ENGINES`) and the prompt tokens are unknown. An error event, a body past MAX_RESPONSE_BYTES, or a
-    stream that ends before its last event is an AttemptError."""
+    stream that ends before its last event is an AttemptError. `progress` is marked at the first bytes."""
     chat = endpoint is Endpoint.CHAT
     parts: list[str] = []
     thoughts: list[str] = []
@@ -372,15 +318,15 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
     events = 0
     done = False
     buffer = b""
-    progress = STREAM_PROGRESS.get()
     async for chunk in content.iter_any():
         if progress is not None:
             progress.decoding = True
             progress = None
         size += len(chunk)
         if size > MAX_RESPONSE_BYTES:
-            raise AttemptError(FailureKind.BAD_RESPONSE,
-                               f"response larger than {MAX_RESPONSE_BYTES // (1024 * 1024)} MiB")
+            raise AttemptError(
+                FailureKind.BAD_RESPONSE, f"response larger than {MAX_RESPONSE_BYTES // (1024 * 1024)} MiB"
+            )
         lines = (buffer + chunk).split(b"\n")
         buffer = lines.pop()
         for line in lines:
@@ -397,8 +343,9 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
             if type(event) is not dict:
                 raise AttemptError(FailureKind.BAD_RESPONSE, "stream event is not a JSON object")
             if "error" in event:
-                raise AttemptError(FailureKind.SERVER_ERROR, "error event in the stream",
-                                   upstream_message=upstream_message(payload))
+                raise AttemptError(
+                    FailureKind.SERVER_ERROR, "error event in the stream", upstream_message=upstream_message(payload)
+                )
             if model is None and type(event.get("model")) is str:
                 model = event["model"]
             if type(event.get("usage")) is dict:
@@ -435,8 +382,16 @@ async def assemble_stream(content: aiohttp.StreamReader, endpoint: Endpoint) -> 
     if usage is not None:
         prompt_tokens = usage.get("prompt_tokens") if type(usage.get("prompt_tokens")) is int else None
         completion_tokens = usage.get("completion_tokens") if type(usage.get("completion_tokens")) is int else events
-    return Completion("".join(parts), finish, prompt_tokens, completion_tokens,
-                      "".join(thoughts) if thoughts else None, None, model, engine_times(timings))
+    return Completion(
+        "".join(parts),
+        finish,
+        prompt_tokens,
+        completion_tokens,
+        "".join(thoughts) if thoughts else None,
+        None,
+        model,
+        engine_times(timings),
+    )
 
 
 def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError:
@@ -450,8 +405,9 @@ def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError
 def http_error(status: int, raw: bytes) -> AttemptError:
     """A non-200 answer as an AttemptError carrying the engine's own message (vLLM, SGLang and llama.cpp put
     it in `{"error": {"message": ...}}`, older SGLang in `{"message": ...}`; otherwise the body's text)."""
-    return AttemptError(kind_for_status(status), f"HTTP {status}", status=status,
-                        upstream_message=upstream_message(raw))
+    return AttemptError(
+        kind_for_status(status), f"HTTP {status}", status=status, upstream_message=upstream_message(raw)
+    )
 
 
 def upstream_message(raw: bytes, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | None:
@@ -477,7 +433,7 @@ def upstream_message(raw: bytes, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | 
 
 async def open_stream(
     session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts,
-    client_timeout: aiohttp.ClientTimeout | None = None, *, close: bool = False,
+    read_timeout: aiohttp.ClientTimeout | None = None, *, close: bool = False,
 ) -> aiohttp.ClientResponse:
     """POST with stream=true; returns the open response once its head says 200 (the caller reads and
     releases it), or raises AttemptError. Nothing has reached the caller's client yet, so a failure
@@ -489,7 +445,7 @@ async def open_stream(
     try:
         resp = await session.post(base_url + request.endpoint.value, data=dumps(request_body(request, stream=True)),
                                   headers=STREAM_HEADERS if close else JSON_HEADERS,
-                                  timeout=client_timeout or timeouts.client_timeout())
+                                  timeout=read_timeout or client_timeout(timeouts))
     except Exception as exc:
         raise transport_error(exc, attempt.reused) from exc
     if resp.status != 200:
@@ -562,9 +518,16 @@ def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
             completion_tokens = None
     finish = choice.get("finish_reason")
     model = body.get("model")
-    return Completion(text, finish if type(finish) is str else None, prompt_tokens, completion_tokens,
-                      reasoning if type(reasoning) is str else None, raw, model if type(model) is str else None,
-                      engine_times(body.get("timings"), body.get("metrics")))
+    return Completion(
+        text,
+        finish if type(finish) is str else None,
+        prompt_tokens,
+        completion_tokens,
+        reasoning if type(reasoning) is str else None,
+        raw,
+        model if type(model) is str else None,
+        engine_times(body.get("timings"), body.get("metrics")),
+    )
 
 
 def engine_times(timings: Any, metrics: Any = None) -> EngineTimes | None:
@@ -578,11 +541,34 @@ def engine_times(timings: Any, metrics: Any = None) -> EngineTimes | None:
         prefill, decode, tokens = metrics.get("time_to_first_token_ms"), metrics.get("generation_time_ms"), None
     else:
         return None
-    if not (isinstance(prefill, int | float) and isinstance(decode, int | float)) or type(prefill) is bool or \
-            type(decode) is bool:
+    if (
+        not (isinstance(prefill, int | float) and isinstance(decode, int | float))
+        or type(prefill) is bool
+        or type(decode) is bool
+    ):
         return None
     prefill_ms, decode_ms = float(prefill), float(decode)
     if not (math.isfinite(prefill_ms) and math.isfinite(decode_ms)) or prefill_ms < 0 or decode_ms < 0:
         return None
-    return EngineTimes(prefill_ms / 1000.0, decode_ms / 1000.0,
-                       tokens if type(tokens) is int and tokens >= 0 else None)
+    return EngineTimes(prefill_ms / 1000.0, decode_ms / 1000.0, tokens if type(tokens) is int and tokens >= 0 else None)
+
+
+def classify_exception(exc: BaseException, *, reused_connection: bool) -> FailureKind:
+    """Map a transport exception to a FailureKind. Order matters: subclasses before their bases."""
+    if isinstance(exc, AttemptError):
+        return exc.kind
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return FailureKind.TIMEOUT
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return FailureKind.CONNECT
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
+        # llama.cpp's server closes idle keep-alive connections early; a request written to such a socket
+        # fails before the server ever saw it. On a fresh connection the same error means the server died.
+        return FailureKind.RESET if reused_connection else FailureKind.CONNECT
+    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ContentTypeError, ValueError)):
+        return FailureKind.BAD_RESPONSE
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return kind_for_status(exc.status)
+    if isinstance(exc, aiohttp.ClientError):
+        return FailureKind.CONNECT  # the remaining transport failures (invalid URL, TLS, proxy) are the link's
+    return FailureKind.UNEXPECTED

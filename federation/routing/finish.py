@@ -15,7 +15,8 @@ prompt's chunks into the running batch's steps). A request of P prompt and C ans
 `now` is prefilled at `max(now, prefilled) + P·prefill` and finishes at `max(that + C·step, max(now, decoded) +
 P·prefill)`; a server with nothing of ours in flight starts from `now`.
 
-A decision, among the kinds the request may use (`federation/routing/horizon.py`, at `horizon_margin`: none where it alone
+A decision, among the kinds the request may use (`federation/routing/horizon.py`, at `horizon_margin`: none where it
+alone
 would outlast the run):
 per kind, `sample` servers with room drawn at random and the kind's two best members — the least `prefilled` and
 the least `decoded`, kept in lazy heaps — are priced; the earliest finish on a server with room wins. The request
@@ -54,17 +55,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedpool.federation.core.clientbook import DEFAULT_ANSWER_TOKENS, client_size
+from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.federation.routing.horizon import (
-    DEFAULT_ANSWER_TOKENS,
     MAX_ROUTES,
     Horizons,
     RouteHorizon,
-    client_size,
     demand_on,
 )
-from fedpool.federation.routing.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.routing.pricing import kind_key, server_cost, step_cost
-from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.federation.routing.wave import Waves
 from fedpool.federation.routing.waveplan import KindModel
 from fedpool.registry import ServerEntry

@@ -32,7 +32,6 @@ from fedpool.federation.routing.pricing import ServerCost, kind_key, server_cost
 from fedpool.registry import HORIZON_MARGIN, fluid_horizon, usable_kinds
 
 HORIZON_REFRESH_S = 0.25  # the horizon is estimated again at most this often (O(clients × kinds))
-DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 MAX_ROUTES = 256  # routes whose kinds are kept (a gateway's callers pick models and revisions at will)
 
 
@@ -143,13 +142,6 @@ class Horizons:
         if size is None:
             return tuple(kinds)
         return usable_kinds({k: kind.cost.of(*size) for k, kind in kinds.items()}, horizon.horizon, self._margin)
-
-
-def client_size(shape: Any) -> tuple[float, float] | None:
-    """(prompt tokens, answer tokens) of a `ClientShape` (None: unknown)."""
-    if shape is None:
-        return None
-    return float(shape.prompt_tokens), float(shape.max_tokens or DEFAULT_ANSWER_TOKENS)
 
 
 def kind_costs(entries: Iterable[Any], sizes: Iterable[tuple[int, tuple[float, float]]]) -> dict[str, float]:

@@ -31,11 +31,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedpool.federation.core.clientbook import DEFAULT_ANSWER_TOKENS
+from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.federation.routing.finish import RECHECK_S, EarliestFinish
 from fedpool.federation.routing.plan_lp import MIN_SHARE, preload_solver, solve_phased_plan, solve_plan
-from fedpool.federation.routing.policies import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.routing.pricing import CostFit, ServerCost, SpeedCalibration, kind_key
-from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.registry import ServerEntry
 
 log = logging.getLogger("fedpool.planner")
@@ -47,7 +48,6 @@ LATENCY_SLACK = 0.1  # a request may run this much past the plan's makespan on a
 FORBIDDEN_COST = 1e9  # a cost no LP solution pays
 TIEBREAK = 1e-3  # weight of the server time a plan spends, beside its makespan (plan_lp.solve_plan)
 MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
-DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 PACE_SLACK = 0.25  # a client may run this far ahead of the most-behind client's share of its quota on a kind
 
 

@@ -57,7 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fedpool.federation.routing.policies import Hold, RouteView
+from fedpool.federation.core.policy import Hold, RouteView
 from fedpool.federation.routing.waveplan import LONG_ANSWER_TOKENS, Assignment, Demand, KindModel, Room, assign
 
 MIN_PER_SERVER = 2.0  # a wave has at least this many requests a server (fewer: each nearly has a server alone)

@@ -1,4 +1,5 @@
-"""The assignment of one wave (`federation/routing/wave.py`): every request of a set of clients placed on a set of servers at
+"""The assignment of one wave (`federation/routing/wave.py`): every request of a set of clients placed on a set of
+servers at
 once, by a small engine model, with roles for the servers.
 
 The model, per server (continuous batching with chunked prefill): its prompts prefill one after another, its answers
