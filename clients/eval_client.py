@@ -44,9 +44,7 @@ from fedpool.pipeline.verifier import VerifierPool, judge_item, judge_prompt_wor
 log = logging.getLogger("fedpool.client")
 
 # A summary of fewer records is computed on a thread of the eval's process: it costs less than starting the
-# actor (a Ray worker process: 1.2 CPU-s to boot, measured) — 60 records: 5-25 ms of CPU; 1,000: 20 ms (exact
-# match), 63 ms (WER), 167 ms (corpus BLEU) — and the eval processes' CPU is taken from engines that share it
-# (four eval processes on 2 cores beside two llama.cpp servers: benchmarks/results/multiprocess.md).
+# actor (a Ray worker process), and the eval processes' CPU is taken from engines that share it.
 SUMMARY_ON_ACTORS_FROM = 2_000
 
 
@@ -180,6 +178,19 @@ class EvalRun:
         first request only once every one of them has loaded its samples and told the dispatcher how much
         work it has: the first grants then follow the client order, not which dataset loaded first."""
         started = self._clock()
+        samples, todo, data_hash, writer = await self._load(start_line)
+        if start_line is not None:
+            await start_line.wait()
+        total = len(samples)
+        if writer.resumed:
+            log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
+        workers, judges, loader = self._start_tasks(todo, writer, total, started)
+        await self._await_tasks(workers, judges, loader, writer)
+        return await self._conclude(samples, data_hash, writer, started)
+
+    async def _load(self, start_line: StartLine | None) -> tuple[list[Sample], list[Sample], str, ArtifactWriter]:
+        """(Samples, those still to do, the dataset's hash, the artifact's writer), the dispatcher told of the work
+        ahead; arrives at the start line whether or not the samples loaded."""
         # Ask for a share of the capacity now, while the samples load: evals in other processes started together
         # then start with their shares, not behind the one that loaded first (registry/leases.py, `loading`).
         # (A process that ran an eval of this name before — a jobs server — heard it had sent its last request.)
@@ -209,10 +220,11 @@ class EvalRun:
         finally:
             if start_line is not None:
                 start_line.arrive()  # an eval that failed to load must not hold the others back
-        if start_line is not None:
-            await start_line.wait()
-        if writer.resumed:
-            log.info("%s: resuming, %d of %d records already in %s", self.spec.name, writer.resumed, total, writer.path)
+        return samples, todo, data_hash, writer
+
+    def _start_tasks(self, todo: list[Sample], writer: ArtifactWriter, total: int, started: float
+                     ) -> tuple[list[asyncio.Task[None]], list[asyncio.Task[None]], asyncio.Task[None] | None]:
+        """(Workers, the verifier's judges, the prefetching loader if the samples need one), started on `todo`."""
         n_workers = min(self._concurrency, max(1, len(todo)))
         prefetching = self._stages.before is not None or bool(self.spec.prompt.media)
         # Prefetched samples wait in a bounded queue: loading runs ahead of the requests, but no further
@@ -237,6 +249,12 @@ class EvalRun:
                 asyncio.create_task(self._verify_stage(writer, total, started), name=f"{self.spec.name}-verify-{i}")
                 for i in range(2 * self._verifier.config.actors)
             ]
+        return workers, judges, loader
+
+    async def _await_tasks(self, workers: list[asyncio.Task[None]], judges: list[asyncio.Task[None]],
+                           loader: asyncio.Task[None] | None, writer: ArtifactWriter) -> None:
+        """Wait for the workers, the CPU stages after them and the verifier's queue; then (or on any error) cancel
+        what is left and close the artifact."""
         try:
             await asyncio.gather(*workers, *([loader] if loader is not None else []))
             while self._post:
@@ -249,6 +267,11 @@ class EvalRun:
                 task.cancel()
             await asyncio.gather(*workers, *judges, *self._post, *extra, return_exceptions=True)
             await asyncio.to_thread(writer.close)
+
+    async def _conclude(self, samples: list[Sample], data_hash: str, writer: ArtifactWriter,
+                        started: float) -> EvalSummary:
+        """Score the artifact's records (one per sample) and write the summary."""
+        total = len(samples)
         counted = await asyncio.to_thread(unique_records, writer.path, [s.sample_id for s in samples])
         for where in counted.duplicates:
             log.warning("%s: a second record of a sample, not scored (the first counts)", where)

@@ -43,9 +43,8 @@ async def run_evals_through_pool(
     scoring = StagePool(metric_actors, num_cpus=0.25, before_start=join_ray) if metric_actors > 0 else None
     try:
         # The judges and the media encoders are needed from the first records on: up before the first request.
-        # The scoring actors only at an eval's end, and only for a large eval: four eval processes started
-        # together on 2 cores, each booting its actor, spent 8.3 CPU-s beside one process's 2.9 (actors not
-        # counted), taken from the engines on the same cores.
+        # The scoring actors only at an eval's end, and only for a large eval: eval processes started together,
+        # each booting its actors, take that CPU from the engines on the same cores.
         await asyncio.gather(*(x.ready() for x in (judge, media) if x is not None))
         expect = [(s.name, target.model, s.at_once(concurrency)) for s in specs]
         async with PoolConnection(registry, policy=policy, config=dispatch, expect=expect,

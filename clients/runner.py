@@ -54,8 +54,7 @@ async def run_evals(
     ]
     # The first grants must already follow the client order: every eval waits at the start line until all have
     # loaded their samples and reported their work. Under fair too: an eval that started as soon as it had loaded
-    # filled every slot while the others loaded, and held them a whole answer (a long-answer eval that loaded
-    # first held all 8 slots 4 s; the short evals ended up to 1.4x later than when one of them loaded first).
+    # filled every slot while the others loaded, and held them a whole answer.
     start_line = StartLine(len(runs))
     tasks = [asyncio.ensure_future(run.run(start_line)) for run in runs]
     try:

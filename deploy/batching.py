@@ -1,24 +1,14 @@
 """A continuous-batching engine model: the timing core of the emulated vLLM/SGLang servers.
 
-What it models, step by step, as vLLM's V1 scheduler and SGLang's scheduler do:
-
-- **Admission**: waiting requests join the running batch first-come-first-served while the batch has
-  fewer than `max_running` sequences (vLLM `max_num_seqs`, SGLang `max_running_requests`) and the KV
-  cache has room for the request's prompt.
-- **Steps**: every step decodes one token for each running sequence that finished its prefill, and
-  spends what is left of the step's token budget (`max_batched_tokens`, chunked prefill) on prompts.
-  A step costs `decode_s_per_token × (1 + batch_slowdown × (n − 1))` (reading the weights once per
-  step, plus a per-sequence share) `+ attn_s_per_ctx_token × Σ context` (reading each sequence's KV)
-  `+ prefill_s_per_token × prefill tokens` (compute-bound prefill).
-- **KV budget and preemption**: each sequence holds prompt + generated tokens of KV. When a decode
-  step would not fit, the most recently admitted sequence is preempted and requeued at the front
-  (recompute preemption: its prompt and generated tokens are prefilled again on resumption).
-- **Prefix cache**: prompts are hashed in blocks of `BLOCK` tokens (a chain, as vLLM's block
-  hashes); leading blocks already computed are not prefilled again. LRU over a bounded block count.
-
-Steps with no prefill are taken in runs: the engine sleeps until the first sequence would finish or
-a new request arrives that could join (then it finishes the step in progress, as an engine cannot
-admit mid-step), so thousands of sequences cost a few wake-ups, not one per token.
+As vLLM's V1 scheduler and SGLang's scheduler do: waiting requests join the running batch first-come-first-served
+while it has fewer than `max_running` sequences and the KV cache has room for the prompt. Every step decodes one
+token for each running sequence past its prefill and spends the rest of its token budget (`max_batched_tokens`,
+chunked prefill) on prompts; it costs `decode_s_per_token × (1 + batch_slowdown × (n − 1))`
+`+ attn_s_per_ctx_token × Σ context + prefill_s_per_token × prefill tokens`. A decode step that would not fit the
+KV budget preempts the most recently admitted sequence (recompute preemption). Prompts are hashed in blocks of
+`BLOCK` tokens; leading blocks already computed are not prefilled again (an LRU prefix cache). Steps with no
+prefill are taken in runs — the engine sleeps until a sequence would finish or a request could join — so
+thousands of sequences cost a few wake-ups, not one per token.
 """
 
 from __future__ import annotations

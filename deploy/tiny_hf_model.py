@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Default shape: hidden 64, 2 layers, 2 heads of 32, vocabulary 2,048; 4k context (the engine is started
 # with a smaller --max-model-len). Changing any of these changes the timing the cpu-vllm-tiny profile was
-# calibrated against (deploy/emulator.py). `--hidden/--layers/--heads` build other shapes: the emulator
+# calibrated against (deploy/emulator_profiles.py). `--hidden/--layers/--heads` build other shapes: the emulator
 # fidelity benchmark's prefill model is hidden 256, 4 layers, 4 heads (PREFILL_SHAPE), where a 1,024-token
 # prompt costs real compute.
 HIDDEN = 64

@@ -3,10 +3,9 @@
 Ray starts worker processes at niceness 15 so that its own daemons stay responsive. fedpool's CPU actors
 do an eval's own work (loading, scoring, judging), on the eval's critical path: at niceness 15, any
 process beside them at the default 0 — a CPU inference engine on the same machine, the case of every
-llama.cpp or vLLM-CPU pool — takes about 97% of a shared core from them (scheduler weights 1024 against
-36). Measured on the real-engine speedup benchmark (2 cores, two llama.cpp servers generating): 16
-judgments took about 80 s on judge actors at niceness 15 and about 15 s at 0. So they run at the
-priority the eval's own process has, the one the conventional baseline's in-process stages have too.
+llama.cpp or vLLM-CPU pool — takes nearly all of a shared core from them (the scheduler's weights for the two
+nice levels). So they run at the priority the eval's own process has, the one the conventional baseline's
+in-process stages have too.
 """
 
 from __future__ import annotations

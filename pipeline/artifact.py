@@ -43,7 +43,7 @@ PACKAGES = (
 
 def package_versions(names: Iterable[str] = PACKAGES) -> dict[str, str]:
     """The installed version of each package that is installed, and Python's. Blocking (it reads each package's
-    metadata from disk: ~10 ms for the default list): call it off the event loop. Read once per process and names
+    metadata from disk): call it off the event loop. Read once per process and names
     (a process's installed packages are those it imported)."""
     return dict(_versions(tuple(names)))
 

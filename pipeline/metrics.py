@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-# numpy, jiwer, sacrebleu and rapidfuzz are imported where they are used: together 150 ms of CPU that every
-# eval process paid at its start (four processes starting at once on 2 cores wait for each other's imports),
-# though most benchmarks score by exact match and numpy is needed only for the summary at the end.
+# numpy, jiwer, sacrebleu and rapidfuzz are imported where they are used: CPU that every eval process paid at
+# its start (processes starting at once on shared cores wait for each other's imports), though most benchmarks
+# score by exact match and numpy is needed only for the summary at the end.
 
 BOOTSTRAP_RESAMPLES = 1000
 CI_LEVEL = 0.95

@@ -68,8 +68,8 @@ class StagePool:
             num_cpus = max(0.01, min(1.0, total / (2 * actors))) if total > 0 else 0.0
         self.num_cpus = num_cpus
         self._options = cpu_actor_options(num_cpus, actor_options)
-        # Started at the first `ready` or `run`, not here: each actor is a Ray worker process (1.2 CPU-s to boot
-        # on this project's 2-core machine), and a run whose work never needs them should not pay for them.
+        # Started at the first `ready` or `run`, not here: each actor is a Ray worker process (costly to boot),
+        # and a run whose work never needs them should not pay for them.
         self._actors: list[Any] = []  # Ray's handles are not typed for .remote
         self._busy = [0] * actors
         self.calls = 0  # calls answered (for reports and tests: the work did run here)

@@ -2,7 +2,7 @@
 
 The names that need Ray (the actor, its Ray client) are imported on first use: a process that reaches the
 registry over its HTTP API (`RegistryHttpClient`, an eval process that starts no CPU actors) never imports Ray,
-which cost each such process 0.4-0.5 CPU-s to import and 0.4 more to join the cluster and make its first call."""
+whose import and cluster join cost each such process CPU time."""
 
 from __future__ import annotations
 

@@ -220,8 +220,8 @@ class RegistryClient:
             self._members = (membership, {r.id: r for r in pickle.loads(records)})
         assert self._members is not None
         members = self._members[1]
-        # Unpickled on first use of the entries (~1 ms for 1,000 servers): a poll that only learns that a
-        # newer version exists costs the caller nothing more.
+        # Unpickled on first use of the entries: a poll that only learns that a newer version exists costs the
+        # caller nothing more.
         self._last = PoolSnapshot.from_rows(version, taken_at, functools.partial(pickle.loads, rows), members,
                                             prior_weight, count=len(members))
         return self._last

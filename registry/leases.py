@@ -1,43 +1,13 @@
 """Capacity leases: each server's slots shared among the processes (holders) whose dispatchers use it.
 
-Every dispatcher reports about twice a second what it wants, per model: for each of its clients, the slots it
-could use now (requests waiting plus in flight), its weight and its rank in the client order (smaller first:
-work left under `shortest_first`, attained service for a client that reports none); and, per server, what it
-has in flight and the lease it currently holds. The broker answers with a lease: slots per server this holder
-may keep in flight, for `ttl_s` seconds. The dispatcher decides locally within it, so nothing on the request
-path waits for the registry (Doorman's model: capacity leases refreshed in the background).
-
-How slots are shared (one model's servers at a time):
-
-1. Entitlements follow the same client order as inside one process, across every holder: clients of a smaller
-   rank first, each up to what it wants; clients of equal rank share what is left by weight (water-filling).
-   Clients ranked by the service they have attained (slot-seconds, answered and in flight) are one class while
-   within SERVICE_TIE_S of an equal share of each other: a client far behind goes first, near equals share.
-   A client not ready yet (an eval still reading its samples: `ClientDemand.loading`) shares the first class, so
-   evals started together in several processes start with their shares, as in one process, not behind whichever
-   loaded first. A holder's entitlement is the sum of its clients'. What nobody wants yet is given to the
-   holders that want something, in proportion to what they want (work-conserving: a burst needs no round
-   trip); a holder that wants nothing holds nothing.
-2. Entitlements are rounded to whole slots (largest remainder; equal remainders go to the holders nearest their
-   end, by the work their clients say they have left, and then to those holding the slot already) and placed on
-   servers: on a model served by several server kinds, each holder's entitlement is first split over the kinds
-   its work suits
-   (`placement.kind_targets`: the slowest kind to the holders whose requests cost least there, none to a
-   holder whose requests would outlast the pool's horizon there); each holder keeps the slots it has in
-   flight and those it holds up to its fair spread (its share of each kind in proportion to each server's
-   capacity; sticky: no churn of servers between holders), and the rest is dealt a slot at a time, the
-   holder owed most first, onto the server with the most room where it is under its spread — each holder
-   spread over the servers of its kinds.
-3. Slots are never granted twice: a slot another holder may be using — the larger of its new lease, the lease
-   it still holds (it may not have heard of a smaller one yet), every lease sent to it since the one its last
-   report acknowledges, and what it has in flight (in-flight work cannot be taken back) — is not room. So a
-   lease shrinks first and the slots move once its holder says it has let them go.
-
-Failure modes (docs/architecture.md, "Many processes, one pool"): a holder that stops reporting loses its lease
-after `ttl_s` (a killed process's slots come back within seconds); a broker that restarts (new incarnation)
-spends one TTL learning — it grants each holder at most what it reports holding, newcomers only what nobody
-holds — so it cannot hand out slots the previous broker had leased; a holder whose lease runs out unrenewed
-(the registry away) falls back to its `safe` share, the capacity divided among the holders last known.
+Every dispatcher reports about twice a second what it wants, per model (for each client: the slots it could use
+now, its weight and its rank in the client order; per server: what it has in flight and the lease it holds). The
+broker answers with a lease: slots per server this holder may keep in flight for `ttl_s` seconds, so nothing on
+the request path waits for the registry (Doorman's model: capacity leases refreshed in the background). One
+model's servers at a time, entitlements follow the client order across every holder (`_entitlements`), are
+rounded to whole slots and placed on servers (`placement.whole`, `placement.spread_slots`); a slot another holder
+may still be using is never granted twice. A holder that stops reporting loses its lease after `ttl_s`; a broker
+that restarts spends one TTL learning. The full account: docs/architecture.md, "Many processes, one pool".
 
 Pure bookkeeping: injected clock, no I/O; the registry actor wraps it.
 """
@@ -46,23 +16,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import math
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpool.registry.placement import kind_targets, water_fill, whole
+from fedpool.registry.placement import spread_slots, water_fill, whole
 
 LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
 RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
 MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
 MAX_UNACKED = 32  # leases kept per holder that it has not said it received (a silent holder expires at its TTL)
-SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
 
@@ -88,12 +56,11 @@ class ClientDemand(BaseModel):
     # Not ready yet: an eval still reading its samples (`wanted`: what it may send at most). Its rank says nothing
     # yet, so it shares the first class of the order by weight — without it, the process whose eval loaded a moment
     # sooner took every slot, and as slots are not taken back once its requests run, an eval of another process
-    # started together waited whole answers for its share (benchmarks/results/multiprocess.md).
+    # started together waited whole answers for its share.
     loading: bool = False
     # The work it says it has left, whatever the order (fedpool's evals; a gateway caller that declared its
     # requests); None where it says nothing. Shares that do not come out in whole slots are rounded towards the
-    # holders nearest their end: under `fair` an eval three-way tied with two long ones for 8 slots kept 2 while
-    # they took 3 each, and ended 1.24x later than in one process (benchmarks/results/multiprocess.md).
+    # holders nearest their end, so a short eval tied with long ones does not end later than in one process.
     work_left: float | None = Field(default=None, ge=0)
 
 
@@ -313,8 +280,7 @@ class LeaseBroker:
         clients[:0] = [(first[0], holder_id, weight, n, first[4]) for holder_id, weight, n in loading]
         # Clients ranked by the service they have attained are one class while they are within what an equal share
         # of the slots gives in SERVICE_TIE_S: ranked strictly, the one a hair behind got every slot it wanted and
-        # the other none until it fell behind in turn — whole requests later, as slots are not taken back (two
-        # gateway replicas' callers each went 5-11 s without a slot, benchmarks/results/multiprocess.md).
+        # the other none until it fell behind in turn — whole requests later, as slots are not taken back.
         by_service = sum(1 for c in clients if c[4])
         service_tie = SERVICE_TIE_S * capacity / by_service * (scale or 1.0) if by_service else 0.0
         out: dict[str, float] = {}
@@ -342,124 +308,29 @@ class LeaseBroker:
 
     def _spread(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool) -> dict[str, dict[str, int]]:
-        """Holder -> server -> whole slots. Each holder first keeps the slots it uses (in flight; then leased, up to
-        its fair spread) up to its entitlement — leases are sticky, no churn of servers between holders — then the
-        rest is dealt one slot at a time, the holder with the most still owed first, onto the server with the most
-        room where it is under its spread: each holder spread over the servers of the kinds its work suits
-        (`placement.kind_targets`), each server's slots never granted twice. A slot another holder may be using —
-        its last lease, the lease it says it holds, or its work in flight — is not room: a lease shrinks first and
-        the slots move once its holder has let them go. O(holders' servers + slots dealt × log servers)."""
-        capacity = {s.id: s.capacity for s in servers}
-        kind_of = {s.id: s.kind for s in servers}
-        occupied: dict[str, dict[str, int]] = {}
-        used = dict.fromkeys(capacity, 0)
-        for holder_id, holder in self._holders.items():
-            report = holder.report
-            held = report.held if learning or report.broker == self.incarnation else {}
-            mine: dict[str, int] = {}
-            for source in (held, report.inflight, holder.slots, *holder.unacked.values()):
-                for sid, n in source.items():
-                    if sid in capacity and n > mine.get(sid, 0):
-                        mine[sid] = n
-            occupied[holder_id] = mine
-            for sid, n in mine.items():
-                used[sid] += n
+        """Holder -> server -> whole slots (`placement.spread_slots`: sticky, each holder spread over the servers of
+        the kinds its work suits). A slot another holder may be using — its last lease, the lease it says it holds,
+        or its work in flight — is not room: a lease shrinks first and the slots move once its holder has let them
+        go. O(holders' servers + slots dealt × log servers)."""
+        ids = {s.id for s in servers}
+        occupied = {h: self._occupied(holder, ids, learning) for h, holder in self._holders.items()}
         if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
         demands = {h: d for h, holder in self._holders.items() for d in holder.report.models if d.model == model}
-        targets, allowed = kind_targets(servers, wants, demands)
-        kind_capacity: dict[str, int] = {}
-        for server in servers:
-            kind_capacity[server.kind] = kind_capacity.get(server.kind, 0) + server.capacity
-        out: dict[str, dict[str, int]] = {h: {} for h in self._holders}
-        owed: list[tuple[int, str]] = []
+        inflight = {h: holder.report.inflight for h, holder in self._holders.items()}
+        return spread_slots(servers, wants, demands, inflight, occupied)
 
-        def fair(holder_id: str, sid: str) -> int:
-            """A holder's fair spread on a server: its entitlement on the server's kind in proportion to the server's
-            capacity."""
-            kind = kind_of[sid]
-            target = targets.get(holder_id, {}).get(kind, 0.0)
-            return math.ceil(target * capacity[sid] / (kind_capacity[kind] or 1) - 1e-9)
-
-        for holder_id, want in wants.items():
-            left = int(want)
-            grant = out[holder_id]
-            # Where its requests are in flight first (those slots are taken either way), then the rest it holds
-            # up to its fair spread (its entitlement in proportion to each server's capacity): idle slots piled on
-            # one server go back, so one process's requests do not all land on one replica (a gateway replica's
-            # short requests kept 3 of 4 slots on one server: 75% of them there).
-            # A holder in flight beyond its entitlement keeps its fair spread of them on each server first (the rest
-            # it gives back, its youngest at once: federation/core/attempts.py), so a shrunk lease does not leave it all
-            # on the servers it happened to fill first (one replica's callers came to use one server only).
-            inflight = self._holders[holder_id].report.inflight
-            for source, spread in ((inflight, True), (inflight, False), (occupied[holder_id], True)):
-                for sid, n in sorted(source.items(), key=lambda kv: (-kv[1], kv[0])):
-                    if sid not in capacity:
-                        continue
-                    keep = min(n - grant.get(sid, 0), left)
-                    if spread:
-                        keep = min(keep, fair(holder_id, sid) - grant.get(sid, 0))
-                    if keep > 0:
-                        grant[sid] = grant.get(sid, 0) + keep
-                        left -= keep
-            if left > 0:
-                owed.append((-left, holder_id))
-        rooms: dict[str, list[tuple[int, str]]] = {}  # kind -> (-room, server), the most room first
-        for sid, cap in capacity.items():
-            if cap > used[sid]:
-                rooms.setdefault(kind_of[sid], []).append((used[sid] - cap, sid))
-        for heap in rooms.values():
-            heapq.heapify(heap)
-        heapq.heapify(owed)
-        placed: dict[str, dict[str, int]] = {}  # holder -> kind -> slots granted there so far
-
-        def room_in(holder_id: str) -> tuple[tuple[int, str], list[tuple[int, str]]] | None:
-            """The server to deal the holder's next slot onto: in the kind where it is owed most of its target
-            (then any with room), the one with the most room where it is under its fair spread (among the
-            SPREAD_LOOK with the most room), else the one with the most room."""
-            grant = out[holder_id]
-            mine = placed.setdefault(holder_id, {})
-            if not mine:
-                for sid, n in grant.items():
-                    mine[kind_of[sid]] = mine.get(kind_of[sid], 0) + n
-            target = targets.get(holder_id, {})
-            usable = allowed.get(holder_id)  # (None: every kind)
-            order = sorted((k for k in rooms if rooms[k] and (usable is None or k in usable)),
-                           key=lambda k: (mine.get(k, 0) - target.get(k, 0.0), k))
-            for kind in order:
-                heap = rooms[kind]
-                looked: list[tuple[int, str]] = []
-                chosen = None
-                while heap and len(looked) < SPREAD_LOOK:
-                    room = heapq.heappop(heap)
-                    if grant.get(room[1], 0) < fair(holder_id, room[1]):
-                        chosen = room
-                        break
-                    looked.append(room)
-                for room in looked:
-                    heapq.heappush(heap, room)
-                if chosen is not None:
-                    return chosen, heap
-            if not order:
-                return None
-            heap = rooms[order[0]]
-            return heapq.heappop(heap), heap
-
-        while owed:
-            minus_left, holder_id = heapq.heappop(owed)
-            found = room_in(holder_id)
-            if found is None:  # no room on a kind it may use: the rest of its entitlement stays idle
-                continue
-            (minus_room, sid), heap = found
-            grant = out[holder_id]
-            grant[sid] = grant.get(sid, 0) + 1
-            mine = placed[holder_id]
-            mine[kind_of[sid]] = mine.get(kind_of[sid], 0) + 1
-            if minus_room + 1 < 0:
-                heapq.heappush(heap, (minus_room + 1, sid))
-            if minus_left + 1 < 0:
-                heapq.heappush(owed, (minus_left + 1, holder_id))
-        return out
+    def _occupied(self, holder: _Holder, ids: Container[str], learning: bool) -> dict[str, int]:
+        """Server (of `ids`) -> the most slots the holder may be using there: the lease it says it holds (granted by
+        this incarnation, or any while learning), its work in flight, its lease and every lease it has not acked."""
+        report = holder.report
+        held = report.held if learning or report.broker == self.incarnation else {}
+        mine: dict[str, int] = {}
+        for source in (held, report.inflight, holder.slots, *holder.unacked.values()):
+            for sid, n in source.items():
+                if sid in ids and n > mine.get(sid, 0):
+                    mine[sid] = n
+        return mine
 
 
 class LeaseService:

@@ -1,9 +1,10 @@
 """Where a model's slots go among the lease broker's holders (registry/leases.py): entitlements in whole slots,
-the max-min fair split within a class of the client order, and the server kinds each holder's entitlement is
-placed on. Pure functions, no state."""
+the max-min fair split within a class of the client order, the server kinds each holder's entitlement is
+placed on, and the servers its slots are dealt onto. Pure functions: no state outlives a call."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -14,8 +15,9 @@ if TYPE_CHECKING:
 
 # The horizon rule, one for a process's own clients (federation/routing/horizon.py) and for the broker's holders:
 HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
-# full-batch price when long prompts share the batch: 0.1 let 20 s answers through at a 15 s bound)
+# full-batch price when long prompts share the batch)
 CHEAPEST_TIE = 0.05  # kinds within this of a request's cheapest price are its cheapest too
+SPREAD_LOOK = 8  # servers with the most room a dealt slot looks among for one under its holder's fair spread
 
 
 def fluid_horizon(slots: Mapping[str, float], demand: Iterable[tuple[float, Mapping[str, float]]]) -> float:
@@ -47,11 +49,9 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
     the fluid bound of every holder's work (`ModelDemand.kind_costs` × its clients' requests, each at its
     cheapest, over every kind's slots at the speed the mix runs there) — or its cheapest kinds: one process's
     rule for its own clients (federation/routing/horizon.py) across processes, so no request lands where it would
-    become the run's straggler (without it, 64 processes' videos went to the V100s as the captions there ended
-    and ran to 2.7× the ideal). The kinds the entitlements fill are the ones the work runs best on; each is
+    become the run's straggler. The kinds the entitlements fill are the ones the work runs best on; each is
     given, the slowest first, to the holders whose requests cost least there, among those that may use it (a
-    holder that sent no costs counts as the median one and may use every kind). Placed by capacity alone,
-    64 processes' captions ran on the A100s and their videos on the V100s (scale_sim_processes.md).
+    holder that sent no costs counts as the median one and may use every kind), rather than by capacity alone.
     O(holders × kinds × log holders)."""
     capacity: dict[str, int] = {}
     for server in servers:
@@ -96,6 +96,141 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
                 remaining[holder_id] -= give
                 room[kind] -= give
     return out, allowed
+
+
+def spread_slots(servers: Sequence[LeaseServer], wants: Mapping[str, float], demands: Mapping[str, ModelDemand],
+                 inflight: Mapping[str, Mapping[str, int]], occupied: Mapping[str, Mapping[str, int]]
+                 ) -> dict[str, dict[str, int]]:
+    """Holder -> server -> whole slots of one model. Each holder (of `occupied`, in its order) first keeps the slots
+    it uses (`inflight`; then those it may be using, `occupied`, up to its fair spread) up to its entitlement in
+    `wants` — leases are sticky, no churn of servers between holders — then the rest is dealt one slot at a time,
+    the holder with the most still owed first, onto the server with the most room where it is under its spread:
+    each holder spread over the servers of the kinds its work suits (`kind_targets`). Every holder's `occupied`
+    slots are taken: they are not room. O(holders' servers + slots dealt × log servers)."""
+    spread = _Spread(servers, occupied, *kind_targets(servers, wants, demands))
+    owed: list[tuple[int, str]] = []
+    for holder_id, want in wants.items():
+        left = spread.keep(holder_id, int(want), inflight[holder_id], occupied[holder_id])
+        if left > 0:
+            owed.append((-left, holder_id))
+    spread.open_rooms(occupied)
+    spread.deal(owed)
+    return spread.out
+
+
+class _Spread:
+    """One model's slots as `spread_slots` places them: the grants so far, each kind's servers by room left and
+    what each holder's fair spread on a server is."""
+
+    def __init__(self, servers: Sequence[LeaseServer], holders: Iterable[str], targets: dict[str, dict[str, float]],
+                 allowed: dict[str, set[str]]):
+        self.capacity = {s.id: s.capacity for s in servers}
+        self.kind_of = {s.id: s.kind for s in servers}
+        self.kind_capacity: dict[str, int] = {}
+        for server in servers:
+            self.kind_capacity[server.kind] = self.kind_capacity.get(server.kind, 0) + server.capacity
+        self.targets = targets
+        self.allowed = allowed  # holder -> the kinds it may be placed on (absent: every kind)
+        self.out: dict[str, dict[str, int]] = {h: {} for h in holders}
+        self.rooms: dict[str, list[tuple[int, str]]] = {}  # kind -> (-room, server), the most room first
+        self.placed: dict[str, dict[str, int]] = {}  # holder -> kind -> slots granted there so far
+
+    def fair(self, holder_id: str, sid: str) -> int:
+        """A holder's fair spread on a server: its entitlement on the server's kind in proportion to the server's
+        capacity."""
+        kind = self.kind_of[sid]
+        target = self.targets.get(holder_id, {}).get(kind, 0.0)
+        return math.ceil(target * self.capacity[sid] / (self.kind_capacity[kind] or 1) - 1e-9)
+
+    def keep(self, holder_id: str, want: int, inflight: Mapping[str, int], occupied: Mapping[str, int]) -> int:
+        """Grant the holder, up to `want`, the slots it uses; returns what is left to deal it."""
+        left = want
+        grant = self.out[holder_id]
+        # Where its requests are in flight first (those slots are taken either way), then the rest it holds
+        # up to its fair spread (its entitlement in proportion to each server's capacity): idle slots piled on
+        # one server go back, so one process's requests do not all land on one replica.
+        # A holder in flight beyond its entitlement keeps its fair spread of them on each server first (the rest
+        # it gives back, its youngest at once: federation/core/attempts.py), so a shrunk lease does not leave it all
+        # on the servers it happened to fill first.
+        for source, spread in ((inflight, True), (inflight, False), (occupied, True)):
+            for sid, n in sorted(source.items(), key=lambda kv: (-kv[1], kv[0])):
+                if sid not in self.capacity:
+                    continue
+                keep = min(n - grant.get(sid, 0), left)
+                if spread:
+                    keep = min(keep, self.fair(holder_id, sid) - grant.get(sid, 0))
+                if keep > 0:
+                    grant[sid] = grant.get(sid, 0) + keep
+                    left -= keep
+        return left
+
+    def open_rooms(self, occupied: Mapping[str, Mapping[str, int]]) -> None:
+        """Each kind's servers with room left once every holder's occupied slots are taken, the most room first."""
+        used = dict.fromkeys(self.capacity, 0)
+        for mine in occupied.values():
+            for sid, n in mine.items():
+                used[sid] += n
+        for sid, cap in self.capacity.items():
+            if cap > used[sid]:
+                self.rooms.setdefault(self.kind_of[sid], []).append((used[sid] - cap, sid))
+        for heap in self.rooms.values():
+            heapq.heapify(heap)
+
+    def deal(self, owed: list[tuple[int, str]]) -> None:
+        """Deal `owed` ((-slots owed, holder)) a slot at a time, the holder owed most first."""
+        heapq.heapify(owed)
+        while owed:
+            minus_left, holder_id = heapq.heappop(owed)
+            found = self._room_for(holder_id)
+            if found is None:  # no room on a kind it may use: the rest of its entitlement stays idle
+                continue
+            (minus_room, sid), heap = found
+            grant = self.out[holder_id]
+            grant[sid] = grant.get(sid, 0) + 1
+            mine = self.placed[holder_id]
+            mine[self.kind_of[sid]] = mine.get(self.kind_of[sid], 0) + 1
+            if minus_room + 1 < 0:
+                heapq.heappush(heap, (minus_room + 1, sid))
+            if minus_left + 1 < 0:
+                heapq.heappush(owed, (minus_left + 1, holder_id))
+
+    def _room_for(self, holder_id: str) -> tuple[tuple[int, str], list[tuple[int, str]]] | None:
+        """The server to deal the holder's next slot onto (popped from its kind's heap, returned with it): in the
+        kind where it is owed most of its target (then any with room), the one with the most room where it is under
+        its fair spread (among the SPREAD_LOOK with the most room), else the one with the most room."""
+        mine = self.placed.setdefault(holder_id, {})
+        if not mine:
+            for sid, n in self.out[holder_id].items():
+                mine[self.kind_of[sid]] = mine.get(self.kind_of[sid], 0) + n
+        target = self.targets.get(holder_id, {})
+        usable = self.allowed.get(holder_id)  # (None: every kind)
+        order = sorted((k for k in self.rooms if self.rooms[k] and (usable is None or k in usable)),
+                       key=lambda k: (mine.get(k, 0) - target.get(k, 0.0), k))
+        for kind in order:
+            heap = self.rooms[kind]
+            chosen = self._under_spread(holder_id, heap)
+            if chosen is not None:
+                return chosen, heap
+        if not order:
+            return None
+        heap = self.rooms[order[0]]
+        return heapq.heappop(heap), heap
+
+    def _under_spread(self, holder_id: str, heap: list[tuple[int, str]]) -> tuple[int, str] | None:
+        """Pop the server with the most room where the holder is under its fair spread, among the SPREAD_LOOK with
+        the most room (those passed over go back); None when there is none."""
+        grant = self.out[holder_id]
+        looked: list[tuple[int, str]] = []
+        chosen = None
+        while heap and len(looked) < SPREAD_LOOK:
+            room = heapq.heappop(heap)
+            if grant.get(room[1], 0) < self.fair(holder_id, room[1]):
+                chosen = room
+                break
+            looked.append(room)
+        for room in looked:
+            heapq.heappush(heap, room)
+        return chosen
 
 
 def whole(wants: Mapping[str, float], ends: Mapping[str, float] | None = None,

@@ -75,13 +75,19 @@ async def probe_server(
             if failed is not None:
                 return ProbeResult(record.id, False, perf() - start, clock(), failed, load, busy=busy)
         return ProbeResult(record.id, True, latency, clock(), error, load)
-    except TimeoutError:
-        why = f"no answer within {timeout_s:g}s" + (" (engine busy)" if busy else "")
-        return ProbeResult(record.id, False, perf() - start, clock(), why, busy=busy)
-    except aiohttp.ClientConnectorError as exc:
-        return ProbeResult(record.id, False, perf() - start, clock(), f"cannot connect: {exc.os_error}")
-    except aiohttp.ClientError as exc:
-        return ProbeResult(record.id, False, perf() - start, clock(), f"{type(exc).__name__}: {exc}")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        timed_out = isinstance(exc, TimeoutError)  # (only a probe that timed out says the engine was busy)
+        return ProbeResult(record.id, False, perf() - start, clock(), _failure(exc, timeout_s, busy),
+                           busy=busy and timed_out)
+
+
+def _failure(exc: TimeoutError | aiohttp.ClientError, timeout_s: float, busy: bool) -> str:
+    """Why a probe failed, in words, from the exception that ended it (a timeout first: some are client errors)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout_s:g}s" + (" (engine busy)" if busy else "")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect: {exc.os_error}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _generate_one_token(session: aiohttp.ClientSession, record: ServerRecord,

@@ -136,8 +136,8 @@ class ServerEntry:
 
 # One server's fast-changing facts on the wire: (id, status, capacity, running, waiting, kv, tokens_per_s,
 # generation_tokens_total, observed_at, probe_latency_s, consecutive_failures, last_error, probe_failures).
-# Built by `registry.state`; records travel only when membership changed, so a snapshot of 1,000 servers
-# costs ~0.2 ms to ship.
+# Built by `registry.state`; records travel only when membership changed, so a snapshot of many servers is
+# cheap to ship.
 WireRow = tuple[str, str, int, float | None, float | None, float | None, float | None, float | None,
                 float | None, float | None, int, str | None, int]
 

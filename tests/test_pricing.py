@@ -23,8 +23,8 @@ def _entry(sid: str, accelerator: str, capacity: int = 256) -> ServerEntry:
 
 
 def _emulator_efficiencies() -> dict[str, set[float]]:
-    """The keyword values deploy/emulator.py derives its GPU profiles from (mfu, bw_eff, overhead)."""
-    tree = ast.parse((ROOT / "deploy" / "emulator.py").read_text())
+    """The keyword values deploy/emulator_profiles.py derives its GPU profiles from (mfu, bw_eff, overhead)."""
+    tree = ast.parse((ROOT / "deploy" / "emulator_profiles.py").read_text())
     found: dict[str, set[float]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_derived":
@@ -62,7 +62,7 @@ def test_perturbing_the_emulator_leaves_the_priors_where_they_are() -> None:
             assert profile.decode_s_per_token != plain[sid].decode_s_per_token
             assert server_cost(entries[sid]) == priors[sid], (seed, sid)
     # and the prices cannot see the emulator: nothing in routing imports it
-    for module in ("routing/pricing.py", "routing/planner.py", "routing/plan_lp.py", "core/learning.py",
+    for module in ("routing/pricing.py", "routing/planner.py", "routing/plan_lp.py", "core/ledger.py",
                    "routing/policies.py", "core/dispatcher.py"):
         tree = ast.parse((ROOT / "federation" / module).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

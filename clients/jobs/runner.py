@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedpool.clients.eval_client import EvalProgress, EvalTarget
+from fedpool.clients.eval_client import EvalProgress, EvalSummary, EvalTarget
 from fedpool.clients.jobs.store import FINAL_STATES, JobRequest, JobStore
 from fedpool.clients.rundir import duplicate_names, wait_for_model
 from fedpool.clients.runner import run_evals
@@ -152,14 +152,7 @@ class JobRunner:
             await asyncio.to_thread(store.log, job_id, f"running (start {job.starts + 1}) on model {request.model}")
             specs = await asyncio.to_thread(resolve_specs, request, self.roots)
             await self.require_servers(request)
-            verifier = None
-            if any(s.verifier for s in specs):
-                if self._verifier is None:
-                    if self._verifier_factory is None:
-                        raise PipelineError("a spec asks for the verifier but this jobs server has none configured")
-                    self._verifier = self._verifier_factory()
-                    await self._verifier.ready()
-                verifier = self._verifier
+            verifier = await self._verifier_for(specs)
             self.live[job_id] = {}
             saver = asyncio.get_running_loop().create_task(self._save_progress(job_id))
             try:
@@ -171,35 +164,51 @@ class JobRunner:
                     retry_failed=job.starts > 0)  # a restarted job runs its failed records again
             finally:
                 saver.cancel()
-            scores = {s.benchmark: {"scores": s.summary["scores"], "records": s.summary["records"],
-                                    "failed": s.summary["failed"], "artifact_dir": str(s.artifact_dir)}
-                      for s in summaries}
-            if await asyncio.to_thread(store.update, job_id, only_from=("running",), state="done",
-                                       finished_at=self._clock(), scores=scores,
-                                       progress=self.live.get(job_id, {})):
-                lines = [f"{b}: " + ", ".join(f"{x['metric']} {x['value']:.1f}" for x in v["scores"])
-                         for b, v in scores.items()]
-                await asyncio.to_thread(store.log, job_id, "done: " + "; ".join(lines))
+            await self._done(job_id, summaries)
         except asyncio.CancelledError:
             current = await asyncio.to_thread(store.get, job_id)
             if current is not None and current.state == "running":  # a server stop: resumed at next start
                 await asyncio.to_thread(store.update, job_id, progress=self.live.get(job_id, {}))
             raise
         except (PipelineError, ValidationError, ValueError, OSError) as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            await asyncio.to_thread(store.update, job_id, only_from=("queued", "running"), state="failed",
-                                    finished_at=self._clock(), error=message)
-            await asyncio.to_thread(store.log, job_id, f"failed: {message}")
+            await self._failed(job_id, exc)
         except Exception as exc:  # anything else: the job fails with the error, the server goes on
             log.exception("job %s failed", job_id)
-            message = f"{type(exc).__name__}: {exc}"
-            await asyncio.to_thread(store.update, job_id, only_from=("queued", "running"), state="failed",
-                                    finished_at=self._clock(), error=message)
-            await asyncio.to_thread(store.log, job_id, f"failed: {message}")
+            await self._failed(job_id, exc)
         finally:
             self._tasks.pop(job_id, None)
             self.live.pop(job_id, None)
             self.poke()
+
+    async def _verifier_for(self, specs: Sequence[BenchmarkSpec]) -> Any:
+        """The verifier pool when a spec asks for it (started on first use and kept), else None."""
+        if not any(s.verifier for s in specs):
+            return None
+        if self._verifier is None:
+            if self._verifier_factory is None:
+                raise PipelineError("a spec asks for the verifier but this jobs server has none configured")
+            self._verifier = self._verifier_factory()
+            await self._verifier.ready()
+        return self._verifier
+
+    async def _done(self, job_id: str, summaries: Sequence[EvalSummary]) -> None:
+        """Record a job that ran to its end: its scores, its last progress and a line in its log (unless it was
+        cancelled meanwhile)."""
+        scores = {s.benchmark: {"scores": s.summary["scores"], "records": s.summary["records"],
+                                "failed": s.summary["failed"], "artifact_dir": str(s.artifact_dir)}
+                  for s in summaries}
+        if await asyncio.to_thread(self.store.update, job_id, only_from=("running",), state="done",
+                                   finished_at=self._clock(), scores=scores, progress=self.live.get(job_id, {})):
+            lines = [f"{b}: " + ", ".join(f"{x['metric']} {x['value']:.1f}" for x in v["scores"])
+                     for b, v in scores.items()]
+            await asyncio.to_thread(self.store.log, job_id, "done: " + "; ".join(lines))
+
+    async def _failed(self, job_id: str, exc: Exception) -> None:
+        """Record a job that failed, with the error (unless it was already final)."""
+        message = f"{type(exc).__name__}: {exc}"
+        await asyncio.to_thread(self.store.update, job_id, only_from=("queued", "running"), state="failed",
+                                finished_at=self._clock(), error=message)
+        await asyncio.to_thread(self.store.log, job_id, f"failed: {message}")
 
     async def require_servers(self, request: JobRequest) -> None:
         """PipelineError unless a registered server serves the job's model, after waiting up to
