@@ -62,8 +62,8 @@ def test_perturbing_the_emulator_leaves_the_priors_where_they_are() -> None:
             assert profile.decode_s_per_token != plain[sid].decode_s_per_token
             assert server_cost(entries[sid]) == priors[sid], (seed, sid)
     # and the prices cannot see the emulator: nothing in routing imports it
-    for module in ("routing/pricing.py", "routing/planner.py", "routing/plan_lp.py", "core/ledger.py",
-                   "routing/policies.py", "core/dispatcher.py"):
+    for module in ("routing/pricing.py", "routing/planner.py", "routing/plans.py", "routing/plan_lp.py",
+                   "core/ledger.py", "routing/policies.py", "core/dispatcher.py"):
         tree = ast.parse((ROOT / "federation" / module).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -1,48 +1,15 @@
-"""Earliest modelled finish: each request goes to the server where it is expected to be answered soonest, and waits
-when a server without room would answer it far sooner.
+"""Earliest modelled finish (policy `earliest_finish`): each request goes to the server where it is expected to be
+answered soonest, and waits when a server without room would answer it far sooner.
 
-Why. On a pool of mixed accelerators the schedule is decided by where each request lands: a long answer on a
-slow server can outlast the rest of the run, a long prompt on a server decoding long answers stalls all of them.
-`capacity_weighted` spreads requests by throughput and keeps them off kinds where they could outlast the run; in
-the simulated 256-server pool it ends 1.28–1.32× the ideal. A clairvoyant policy that places each request, in the
-dispatcher's own client order, where a simple engine model says it finishes earliest ends 1.08× the ideal there
-(`benchmarks/scale_oracle.py`); this is that policy with costs it learns and shapes it is told or measures.
+Why: on a pool of mixed accelerators the schedule is decided by where each request lands — a long answer on a slow
+server can outlast the rest of the run, a long prompt on a server decoding long answers stalls all of them.
 
-The model, per server: its placed prompts prefill one after another (`prefilled`: when they will have), its
-answers decode beside each other at one step a token (`decoded`: when the last will be done), and a prompt placed
-there stalls the answers decoding there by its prefill (continuous batching with chunked prefill puts the
-prompt's chunks into the running batch's steps). A request of P prompt and C answer tokens placed on a server at
-`now` is prefilled at `max(now, prefilled) + P·prefill` and finishes at `max(that + C·step, max(now, decoded) +
-P·prefill)`; a server with nothing of ours in flight starts from `now`.
-
-A decision, among the kinds the request may use (`federation/routing/horizon.py`, at `horizon_margin`: none where it
-alone
-would outlast the run):
-per kind, `sample` servers with room drawn at random and the kind's two best members — the least `prefilled` and
-the least `decoded`, kept in lazy heaps — are priced; the earliest finish on a server with room wins. The request
-waits instead (held) when
-
-- a server without room would finish it more than `hold_factor` × sooner, counted from now, plus `hold_slack_steps`
-  decode steps: parked until its kind has room, or — when the kind has room, only on servers far worse — until
-  one of the kind's full servers frees a slot (`Route.park(until_freed=True)`);
-- the servers that would finish it soonest are still prefilling more than `queue_tokens` prompt tokens placed
-  earlier: vLLM keeps a request waiting until its first chunk is scheduled, and a request found waiting in the
-  engine shrinks the server's window and is taken back (the simulated 256-server pool took ~900 back a world
-  before this rule); parked until a server frees a slot;
-
-and every held client is looked at again every `RECHECK_S` (the dispatcher's tick). O(kinds × (sample + 2)) a
-decision, plus heap pops; no copies at the tail (the model places the tail: `plans_the_tail`).
-
-Costs, per model and server kind (`pricing.kind_key`): prefill seconds a prompt token and seconds a decode step of a
-full batch. They start at the data-sheet priors (`pricing`, for 1 B parameters: only their ratios matter, every
-threshold is in tokens or steps) and are replaced from the answers: where the engine reports each answer's own
-prefill and decode times (`types.EngineTimes`: llama.cpp's `timings`, vLLM's per-request `metrics` with
-`--enable-per-request-metrics`), prefill is a low quantile of its prefill seconds a prompt token and the step the
-least decode seconds a token seen (stalls only lengthen them); where no member of the kind reports them (SGLang;
-vLLM without the flag), a low quantile of each answer's latency against its priced time scales both priors of its
-kind. Shapes: the request's prompt tokens as its client's answers counted them (before any, as the client
-announced or its characters suggest), its answer tokens as its client's answers averaged (before any, its
-`max_tokens`). No I/O, no clock of its own; every table is bounded (per client, per server, per route).
+The model, per server: its placed prompts prefill one after another (`prefilled`), its answers decode beside each
+other at one step a token (`decoded`), and a prompt placed there stalls them by its prefill. A decision prices, per
+kind the request may use (`horizon`), a sample of servers with room and the kind's two best members (lazy heaps);
+the earliest finish with room wins, unless a full server would be far sooner or the best are backlogged (held).
+Costs per (model, kind) start at the data-sheet priors (`pricing`) and are learned from the answers' engine times
+or latencies. No I/O, no clock of its own; every table is bounded (per client, per server, per route).
 """
 
 from __future__ import annotations
@@ -64,26 +31,29 @@ from fedpool.federation.routing.horizon import (
     RouteHorizon,
     demand_on,
 )
-from fedpool.federation.routing.pricing import kind_key, server_cost, step_cost
+from fedpool.federation.routing.pricing import (
+    DECODE_MIN_TOKENS,
+    PREFILL_MIN_TOKENS,
+    EngineTimedCosts,
+    kind_key,
+    quantile,
+    server_cost,
+    step_cost,
+)
 from fedpool.federation.routing.wave import Waves
 from fedpool.federation.routing.waveplan import KindModel
 from fedpool.registry import ServerEntry
 
 HOLD_FACTOR = 2.0  # a request waits when a kind without room would finish it this many times sooner ...
-HOLD_SLACK_STEPS = 50.0  # ... and by more than this many decode steps of that kind (about 0.5 s on an A100, 7 B)
+HOLD_SLACK_STEPS = 50.0  # ... and by more than this many decode steps of that kind
 PREFILL_QUEUE_TOKENS = 1024.0  # a server whose placed prompts keep it prefilling more tokens than this takes no
 # other now: vLLM keeps a request waiting until its first chunk is scheduled (`max_num_batched_tokens` a step), and
 # a request found waiting shrinks the server's window and is taken back
 HORIZON_MARGIN = 0.0  # a request may use a kind where it alone takes up to the route's fluid horizon (the hold
-# rule does the rest: capacity_weighted's 0.2 kept captions and videos off the V100s of the 4,096-server pool)
+# rule does the rest)
 RECHECK_S = 0.1  # held clients are looked at again this often (a server's backlog drains as time passes)
 SAMPLE = 2  # servers with room looked at per kind and decision
-PREFILL_MIN_TOKENS = 32  # answers whose engine prefilled at least this many prompt tokens measure prefill ...
-DECODE_MIN_TOKENS = 8  # ... and at least this many answer tokens the decode step
-PREFILL_QUANTILE = 0.1  # prefill cost: this quantile of prefill seconds a token, over the kind's latest rows
 LATENCY_QUANTILE = 0.1  # no engine times: this quantile of latency ÷ priced time scales the kind's priors
-PREFILL_ROWS = 200
-DECODE_ROWS = 1000
 LATENCY_ROWS = 200
 REFIT_EVERY = 10  # answers of a kind between refits of its costs
 SHAPE_ALPHA = 0.2  # one answer's weight in its client's mean prompt and answer tokens
@@ -97,37 +67,6 @@ class KindCosts:
     prefill_s: float
     step_s: float
     source: str  # "prior", "engine" (the engine's own times), "latency", or "scaled" (the prior on a learned scale)
-
-
-@dataclass
-class EngineTimedCosts:
-    """A kind's prefill and step costs read from its answers' own engine times (newest rows last): prefill the
-    `PREFILL_QUANTILE` of prefill seconds a prompt token (answers that prefilled at least `min_prompt_tokens`), the
-    step the least decode seconds a token after the first (answers of at least `DECODE_MIN_TOKENS`): stalls by other
-    prompts only lengthen them. The time to first token includes the step that samples it, so the answer's own
-    decode step comes off its prefill (an image's 1,100-token prompt alone on an A100 read 1.09× the engine model's
-    prefill cost with it, and the one-wave assignment priced that way ended 8.32 s where 7.72 s without it)."""
-
-    min_prompt_tokens: int = PREFILL_MIN_TOKENS
-    prefill: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_ROWS))  # s a prompt token
-    decode: deque[float] = field(default_factory=lambda: deque(maxlen=DECODE_ROWS))  # s a token after the first
-
-    def add(self, prefilled_tokens: int | None, completion_tokens: int | None, prefill_s: float,
-            decode_s: float) -> None:
-        step = 0.0
-        if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and decode_s > 0:
-            step = decode_s / (completion_tokens - 1)
-            self.decode.append(step)
-        if prefilled_tokens is not None and prefilled_tokens >= self.min_prompt_tokens and prefill_s > step:
-            self.prefill.append((prefill_s - step) / prefilled_tokens)
-
-    def fit(self, prior_prefill_s: float, prior_step_s: float) -> tuple[float, float] | None:
-        """(prefill, step) now; a cost not measured yet keeps the prior's ratio to the other (None: neither is)."""
-        prefill = _quantile(self.prefill, PREFILL_QUANTILE) if self.prefill else None
-        step = min(self.decode) if self.decode else None
-        if prefill is None:
-            return None if step is None else (step * prior_prefill_s / prior_step_s, step)
-        return prefill, (prefill * prior_step_s / prior_prefill_s if step is None else step)
 
 
 @dataclass
@@ -146,6 +85,26 @@ class _RouteState:
     horizon: RouteHorizon
     members: dict[str, dict[str, Any]]  # kind -> server id -> its route state
     heaps: dict[str, tuple[list[tuple[float, str]], list[tuple[float, str]]]]
+
+
+@dataclass(slots=True)
+class _Look:
+    """One decision: the request's shape, and the earliest finishes its look over the kinds found."""
+
+    now: float
+    model: str
+    prompt: float
+    answer: float
+    tried: set[str]
+    best: float = float("inf")  # the earliest finish on a server that may take it now ...
+    best_own: float = float("inf")  # ... and its prompt's prefill there
+    pick: Any = None
+    pick_kind: str = ""
+    anywhere: float = float("inf")  # the earliest finish seen anywhere, and its kind
+    anywhere_kind: str = ""
+    anywhere_full: bool = False
+    backlogged: bool = False  # a server with room was passed over: its placed prompts keep it prefilling
+    slack: float = 0.0
 
 
 class EarliestFinish(Policy, name="earliest_finish"):
@@ -216,82 +175,91 @@ class EarliestFinish(Policy, name="earliest_finish"):
 
     def _place(self, route: RouteView, request: InferenceRequest, tried: set[str], known: _RouteState,
                allowed: tuple[str, ...] | None, now: float) -> Any:
+        """The server that finishes the request soonest among those the kinds' looks price, or a Hold."""
         state = self._state
         assert state is not None
-        client, model = request.client_id, request.model
-        prompt, answer = self._shape(request)
+        client = request.client_id
+        look = _Look(now, request.model, *self._shape(request), tried)
         kinds = known.members
-        best = best_own = float("inf")  # the earliest finish on a server that may take it now, its prompt's prefill
-        pick, pick_kind = None, ""
-        anywhere, anywhere_kind, anywhere_full = float("inf"), "", False  # the earliest seen anywhere, its kind
-        backlogged = False  # a server with room was passed over: its placed prompts keep it prefilling
-        prefilled, decoded, queue_tokens = self._prefilled, self._decoded, self._queue_tokens
-        slack = 0.0
-        sample, draw, heaps_of, heappop = self._sample, self._rng.random, known.heaps, heapq.heappop
         for kind in (kinds if allowed is None else allowed):
             members = kinds.get(kind)
-            if members is None:
-                continue
-            costs = self._costs.get((model, kind)) or self._unlearned(model, kind, members)
-            prefill, chain = prompt * costs.prefill_s, answer * costs.step_s
-            queue_s = queue_tokens * costs.prefill_s
-            free = route.free_in(kind) if len(kinds) > 1 else route.free_candidates(None, _NO_TRIED, self._rng)
-            n_free = len(free)
-            # `sample` servers with room (drawn with replacement: a repeat only costs a look), then the kind's members
-            # that prefill and decode soonest (the heaps' tops, checked for room)
-            looked: list[Any] = list(free) if n_free <= sample else [free[int(draw() * n_free)] for _ in range(sample)]
-            sampled = len(looked)
-            heaps = heaps_of.get(kind) or self._rebuild(known, kind)
-            for heap, times in ((heaps[0], prefilled), (heaps[1], decoded)):
-                while heap:  # (stale entries, departed servers and ones not taking requests are dropped on the way)
-                    t, sid = heap[0]
-                    top = members.get(sid)
-                    if top is not None and times.get(sid) == t and top.window > 0 and top.open_until is None:
-                        looked.append(top)
-                        break
-                    heappop(heap)
-            for n, server in enumerate(looked):
-                sid = server.id
-                if server.inflight == 0:
-                    start = done = now
-                else:
-                    start, done = prefilled.get(sid, now), decoded.get(sid, now)
-                    if start < now:
-                        start = now
-                    if done < now:
-                        done = now
-                own = start + prefill
-                finish = own + chain
-                if done + prefill > finish:  # its prompt stalls the answers decoding there
-                    finish = done + prefill
-                if finish < anywhere:
-                    anywhere, anywhere_kind, anywhere_full = finish, kind, not n_free
-                    slack = self._hold_slack * costs.step_s
-                if finish < best and (n < sampled or route.usable(server)) and not (tried and sid in tried):
-                    if start - now > queue_s:
-                        backlogged = True
-                    else:
-                        best, best_own, pick, pick_kind = finish, own, server, kind
+            if members is not None:
+                self._price_kind(route, known, kind, members, look)
+        pick = look.pick
         if pick is None:
-            if tried:  # (only servers it failed on looked good, or none had room: the interface's way)
-                return super().place(route, request, tried)
-            if backlogged:  # until a server frees a slot, or the next look (their prompts prefill meanwhile)
-                route.park(client, allowed or tuple(kinds), state.clients.key(client), until_freed=True)
-                return Hold.CLIENT_HELD
-            if allowed is not None and route.free_candidates(1, _NO_TRIED, self._rng):
-                route.park(client, allowed, state.clients.key(client))
-                return Hold.CLIENT_HELD  # the kinds it may use are full; others have room for other clients
-            return Hold.ROUTE_FULL
-        if best - now > (anywhere - now) * self._hold_factor + slack:
+            return self._no_pick(route, request, tried, tuple(kinds), allowed, look.backlogged)
+        if look.best - now > (look.anywhere - now) * self._hold_factor + look.slack:
             # A server without room finishes it far sooner: wait for it (parked until its kind has room, when the
             # whole kind is full; else until one of its full servers frees a slot, or the next look).
-            route.park(client, (anywhere_kind,), state.clients.key(client), until_freed=not anywhere_full)
+            route.park(client, (look.anywhere_kind,), state.clients.key(client), until_freed=not look.anywhere_full)
             return Hold.CLIENT_HELD
         sid = pick.id
-        prefilled[sid] = best_own
-        decoded[sid] = best
-        self._push(known, pick_kind, sid, best_own, best)
+        self._prefilled[sid] = look.best_own
+        self._decoded[sid] = look.best
+        self._push(known, look.pick_kind, sid, look.best_own, look.best)
         return pick
+
+    def _price_kind(self, route: RouteView, known: _RouteState, kind: str, members: Mapping[str, Any],
+                    look: _Look) -> None:
+        """Price the request on the servers `_looked` picks of the kind; `look` keeps the earliest finishes."""
+        costs = self._costs.get((look.model, kind)) or self._unlearned(look.model, kind, members)
+        prefill, chain = look.prompt * costs.prefill_s, look.answer * costs.step_s
+        queue_s = self._queue_tokens * costs.prefill_s
+        if len(known.members) > 1:
+            free = route.free_in(kind)
+        else:
+            free = route.free_candidates(None, _NO_TRIED, self._rng)
+        looked, sampled = self._looked(known, kind, members, free)
+        prefilled, decoded, now, tried = self._prefilled, self._decoded, look.now, look.tried
+        for n, server in enumerate(looked):
+            sid = server.id
+            if server.inflight == 0:
+                start = done = now
+            else:
+                start, done = max(prefilled.get(sid, now), now), max(decoded.get(sid, now), now)
+            own = start + prefill
+            finish = max(own + chain, done + prefill)  # (its prompt stalls the answers decoding there)
+            if finish < look.anywhere:
+                look.anywhere, look.anywhere_kind, look.anywhere_full = finish, kind, not free
+                look.slack = self._hold_slack * costs.step_s
+            if finish < look.best and (n < sampled or route.usable(server)) and not (tried and sid in tried):
+                if start - now > queue_s:
+                    look.backlogged = True
+                else:
+                    look.best, look.best_own, look.pick, look.pick_kind = finish, own, server, kind
+
+    def _looked(self, known: _RouteState, kind: str, members: Mapping[str, Any],
+                free: Sequence[Any]) -> tuple[list[Any], int]:
+        """`sample` servers with room (drawn with replacement: a repeat only costs a look), then the kind's members
+        that prefill and decode soonest (the heaps' tops, checked for room); and how many were sampled."""
+        n_free, sample, draw = len(free), self._sample, self._rng.random
+        looked: list[Any] = list(free) if n_free <= sample else [free[int(draw() * n_free)] for _ in range(sample)]
+        sampled = len(looked)
+        heaps = known.heaps.get(kind) or self._rebuild(known, kind)
+        for heap, times in ((heaps[0], self._prefilled), (heaps[1], self._decoded)):
+            while heap:  # (stale entries, departed servers and ones not taking requests are dropped on the way)
+                t, sid = heap[0]
+                top = members.get(sid)
+                if top is not None and times.get(sid) == t and top.window > 0 and top.open_until is None:
+                    looked.append(top)
+                    break
+                heapq.heappop(heap)
+        return looked, sampled
+
+    def _no_pick(self, route: RouteView, request: InferenceRequest, tried: set[str], kinds: tuple[str, ...],
+                 allowed: tuple[str, ...] | None, backlogged: bool) -> Any:
+        """No server with room may take the request now: the interface's way, or held, or the route is full."""
+        if tried:  # (only servers it failed on looked good, or none had room: the interface's way)
+            return super().place(route, request, tried)
+        assert self._state is not None
+        client = request.client_id
+        if backlogged:  # until a server frees a slot, or the next look (their prompts prefill meanwhile)
+            route.park(client, allowed or kinds, self._state.clients.key(client), until_freed=True)
+            return Hold.CLIENT_HELD
+        if allowed is not None and route.free_candidates(1, _NO_TRIED, self._rng):
+            route.park(client, allowed, self._state.clients.key(client))
+            return Hold.CLIENT_HELD  # the kinds it may use are full; others have room for other clients
+        return Hold.ROUTE_FULL
 
     def recheck_s(self) -> float | None:
         return RECHECK_S
@@ -334,7 +302,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
     def _unlearned(self, model: str, kind: str, members: Mapping[str, Any]) -> KindCosts:
         """A kind none of whose answers has priced it yet for the model: its data-sheet prior, on the scale of the
         model's learned kinds (the prior × their mean learned ÷ prior ratio). The priors are for 1 B parameters:
-        unscaled beside a 7 B model's learned costs, a kind not heard from yet looked ~7× faster than it is, and
+        unscaled beside a larger model's learned costs, a kind not heard from yet looked faster than it is, and
         took every request until its own answers came back."""
         costs = self._on_learned_scale(model, self._prior(kind, members))
         if costs.source == "scaled":
@@ -471,7 +439,7 @@ class EarliestFinish(Policy, name="earliest_finish"):
         if fitted is not None:
             self._costs[(model, kind)] = KindCosts(*fitted, "engine")
         elif rows.latency:
-            factor = _quantile(rows.latency, LATENCY_QUANTILE)
+            factor = quantile(rows.latency, LATENCY_QUANTILE)
             self._costs[(model, kind)] = KindCosts(prior.prefill_s * factor, prior.step_s * factor, "latency")
         else:
             return
@@ -526,7 +494,3 @@ def _alone(prior: KindCosts, prompt_tokens: int | None, completion_tokens: int |
     priced = prompt_tokens * prior.prefill_s + completion_tokens * prior.step_s
     return None if priced <= 0 else (prior.prefill_s * latency_s / priced, prior.step_s * latency_s / priced)
 
-
-def _quantile(values: Sequence[float] | deque[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]

@@ -1,25 +1,14 @@
 """The run's horizon on a route of mixed server kinds: which kinds a client's requests may go to.
 
-Why. A pool mixes fast and slow accelerators, and requests differ by an order of magnitude in work. Placed by
-capacity alone, a long-answer request lands on a slow server as often as any other, and one of them can take
-longer there than the whole pool needs for everything: in the simulated 256-server pool (A100s and V100s, 64
-evals) chain-of-thought answers sent to V100s at the start ran 28 s, the pool's fluid bound being 13 s, and the
-makespan was 2.2× that bound — behind a proxy that just sends each request to the server with the least
-outstanding work (1.3×).
+Why: placed by capacity alone, a long-answer request lands on a slow server as often as any other, and one of them
+can take longer there than the whole pool needs for everything.
 
-What. Every `refresh_s` the route's *horizon* is estimated: the work its clients have waiting and in flight,
-each request priced on the kind where it is cheapest, spread over every kind's slots at the speed the mix runs
-there (a fluid bound; O(clients × kinds)). A client's request may go to a kind where it takes at most
-(1 − `margin`) × the horizon — it cannot become the run's straggler there — or to its cheapest kinds (within
-`tie`). Elsewhere it is held for a kind it may use, and the free slot goes to the next client in the serving
-order that may use it. When the horizon falls below a request's time on every kind but its cheapest (the end of
-a run), only the cheapest take it: slow servers sit out the tail rather than lengthen it.
-
-Prices are the data-sheet priors (`pricing.server_cost`: prefill by compute, decode by bandwidth); shapes are
-the clients' own (announced, or guessed from their first request: `ClientBook.shape`). The learned per-sequence
-speed (`ServerState.weight`) is not used to correct the priors: it depends on what each server happened to run
-(a V100 given short answers looks fast), and scaling by it let long answers back onto the V100s (2.06× the bound
-against 1.24× on the same world); the planner fits each kind's speed on priced work instead (`CostFit`). No I/O.
+What. Every `refresh_s` the route's *horizon* is estimated: the work its clients have waiting and in flight, each
+request priced on the kind where it is cheapest, spread over every kind's slots at the speed the mix runs there (a
+fluid bound; O(clients × kinds)). A client's request may go to a kind where it takes at most (1 − `margin`) × the
+horizon — it cannot become the run's straggler there — or to its cheapest kinds (within `tie`); elsewhere it is
+held for a kind it may use. Prices are the data-sheet priors (`pricing.server_cost`), not corrected by the learned
+per-sequence speed (it depends on what each server happened to run); shapes are the clients' own. No I/O.
 """
 
 from __future__ import annotations

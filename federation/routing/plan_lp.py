@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from scipy.optimize import linprog
 else:
     def linprog(*args: object, **kwargs: object) -> object:
-        """SciPy's, imported on the first plan: importing scipy.optimize costs ~0.45 s of CPU, which every eval
-        process, gateway and Ray worker paid at start-up though only the `planned` policy solves LPs."""
+        """SciPy's, imported on the first plan: importing scipy.optimize is costly, and every eval process, gateway
+        and Ray worker paid it at start-up though only the `planned` policy solves LPs."""
         from scipy.optimize import linprog as solve
 
         return solve(*args, **kwargs)
@@ -24,9 +24,8 @@ _LOADER = "fedpool-import-scipy"
 def preload_solver() -> threading.Thread:
     """Import SciPy's solver in a background thread, once per process (a policy that plans calls this when it is
     made, and `prepare_policy` earlier still): the first plan is made on the grant path, and an import there held
-    the event loop ~0.5 s just as the evals started sending (the 19-benchmark suite's engines got their first
-    request 1 s after launch); begun only when the policy was attached, the import (~0.45 s of CPU, sharing the
-    GIL with a busy loop) was still running at the first plan, which waited 0.18 s for it."""
+    the event loop just as the evals started sending; begun only when the policy was attached, the import (sharing
+    the GIL with a busy loop) was still running at the first plan, which waited for it."""
     for thread in threading.enumerate():
         if thread.name == _LOADER:
             return thread  # (already loading)

@@ -1,23 +1,15 @@
 """Planned routing (policy `planned`): which client's requests go to which servers, from a min-makespan plan.
 
-Why. Evals differ in shape: image and video prompts are thousands of tokens of compute-bound prefill with a
-word or two back; chain-of-thought text is a short prompt and hundreds of decode steps. On a continuous-
-batching engine with chunked prefill, every step that carries a prompt chunk is a slow step for every
-sequence decoding beside it, so a long answer on a server flooded with prompts becomes the run's straggler.
-And accelerators differ more in prefill (compute) than in decode (bandwidth). Spreading every eval over
+Why: evals differ in shape (long compute-bound prompts against long decode chains), a prompt chunk slows every
+sequence decoding beside it, and accelerators differ more in prefill than in decode; spreading every eval over
 every server in proportion to capacity ignores both.
 
-What. Every `period_s` the policy solves (`plan_lp.solve_plan`): minimise T subject to each client's unsent
-requests placed and each server kind's share of that work at most T (servers of one kind are one column, their
-members sharing by measured speed); prices from `pricing` (a data-sheet prior, then fitted per kind). The
-solution is a vertex: each client lands on few server kinds, decode-heavy clients apart from prefill-heavy
-ones. A client's request is then placed only on a server of its plan (the kind with the most quota left,
-round-robin within it); when those are full the request is held for them (a later plan may move it). With a
-client order other than `fair`, a phased plan makes clients finish in that order within `makespan_slack` of
-the shortest makespan.
-
-Shapes are learned per client from the answers' usage, with the client's announced or guessed shape
-(`ClientBook`) until then. In-flight counts and busy time are the dispatcher's ledger. No I/O.
+What. Every `period_s` the policy makes each route's plan (`plans`, `plan_lp`): each client's unsent requests
+split over server kinds at the least makespan, priced by `pricing`. A client's request is then placed only on a
+server of its plan (the kind with the most of its quota left, at the pace of the others planned there), and held
+while those are full (a later plan may move it). Shapes are learned per client from the answers' usage, with the
+client's announced or guessed shape (`ClientBook`) until then; in-flight counts and busy time are the dispatcher's
+ledger. No I/O.
 """
 
 from __future__ import annotations
@@ -28,14 +20,23 @@ import random
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fedpool.federation.core.clientbook import DEFAULT_ANSWER_TOKENS
 from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView, V
 from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.federation.routing.finish import RECHECK_S, EarliestFinish
-from fedpool.federation.routing.plan_lp import MIN_SHARE, preload_solver, solve_phased_plan, solve_plan
+from fedpool.federation.routing.plan_lp import MIN_SHARE, preload_solver
+from fedpool.federation.routing.plans import (
+    Plan,
+    RoutePlan,
+    due_kinds,
+    held_work,
+    kind_columns,
+    kind_paces,
+    make_plan,
+)
 from fedpool.federation.routing.pricing import CostFit, ServerCost, SpeedCalibration, kind_key
 from fedpool.registry import ServerEntry
 
@@ -43,12 +44,6 @@ log = logging.getLogger("fedpool.planner")
 
 MAX_ROUTE_PLANS = 64  # routes planned at once (a gateway's callers pick models and revisions at will)
 PICK_SAMPLE = 16  # servers with room of one kind a pick compares
-LATENCY_ROUNDS = 3  # re-solves that move a client off kinds where one of its requests outlasts the makespan
-LATENCY_SLACK = 0.1  # a request may run this much past the plan's makespan on a kind before the kind is off
-FORBIDDEN_COST = 1e9  # a cost no LP solution pays
-TIEBREAK = 1e-3  # weight of the server time a plan spends, beside its makespan (plan_lp.solve_plan)
-MAX_PHASE_VARIABLES = 20_000  # clients² × server kinds above which only the makespan plan is made
-PACE_SLACK = 0.25  # a client may run this far ahead of the most-behind client's share of its quota on a kind
 
 
 @dataclass(slots=True)
@@ -59,31 +54,6 @@ class _Shape:
     answered: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    made_at: float
-    makespan: float  # nominal seconds (ServerCost units)
-    quotas: Mapping[str, Mapping[str, float]]  # client -> server -> requests to send there
-    kind_quotas: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # client -> kind -> requests
-    members: Mapping[str, Sequence[Any]] = field(default_factory=dict)  # kind -> its servers
-    kind_of: Mapping[str, str] = field(default_factory=dict)  # server id -> kind
-    cost: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (client, kind) -> one request's price
-
-
-@dataclass
-class _RoutePlan:
-    """One route's plan and what was placed on it since."""
-
-    plan: Plan | None = None
-    made_at: float = float("-inf")
-    servers_key: tuple[str, ...] = ()
-    servers_ref: Sequence[Any] | None = None
-    sent: dict[str, Counter[str]] = field(default_factory=dict)  # since the plan: client -> kind -> placed
-    clients: set[str] = field(default_factory=set)  # clients that sent on this route
-    replanning: bool = False  # a re-plan is scheduled (off the grant path)
-    route: RouteView | None = None  # where its held clients park (back in the order under a new plan)
-
-
 _NO_TRIED: set[str] = set()
 
 
@@ -92,21 +62,14 @@ def _kind_of_state(server: Any) -> str:
     return kind_key(server.entry)
 
 
-def _next_share(sent: Counter[str] | None, kind: str, quota: float) -> float:
-    """The share of a client's quota on a kind that its next request there would reach (the pace's measure)."""
-    return ((sent.get(kind, 0) if sent else 0) + 1) / quota
-
-
 def _expected_wait(c: Any) -> float:
     return float(c.expected_wait)
 
 
-
-
 class PlannedRouting(Policy, name="planned"):
     """Routes by the plan; the dispatcher tells it, through the ledger and the client book, what it sends. The
-    plan makes every server kind finish together, so the tail's hedging and stealing are off under it: on Table 7
-    they moved and copied requests against the plan (makespan 42.1 s with them, 40.2 s without, one run each)."""
+    plan makes every server kind finish together, so the tail's hedging and stealing are off under it (they moved
+    and copied requests against the plan)."""
 
     plans_the_tail = True
     observes_answers = True
@@ -137,7 +100,7 @@ class PlannedRouting(Policy, name="planned"):
         self._speed: SpeedCalibration | None = None
         self._fit: CostFit | None = None
         self._shapes: dict[str, _Shape] = {}
-        self._routes: dict[object, _RoutePlan] = {}  # one plan per route (model, revision, pins)
+        self._routes: dict[object, RoutePlan] = {}  # one plan per route (model, revision, pins)
         self._placed: set[str] = set()  # clients that have sent on some route
         # Interference, by shape: clients whose prompts are long, and those whose answers are (kept current at
         # each plan and answer, so a pick reads a set, not a shape).
@@ -286,7 +249,7 @@ class PlannedRouting(Policy, name="planned"):
         return max(0.0, self._first_place_at + self.warmup_s - self._st.clock())
 
     # ---- following the plan -------------------------------------------------------------------------
-    def _pick(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], route: RouteView,
+    def _pick(self, client_id: str, plans: RoutePlan, quotas: Mapping[str, float], route: RouteView,
               tried: set[str], *, avoid_tried: bool) -> Any:
         """A server with room of the kind with the most of this client's quota left (the one with the least priced
         work among a sample of that kind's servers with room), not one whose long answers its long prompts would
@@ -303,17 +266,14 @@ class PlannedRouting(Policy, name="planned"):
             pool.extend(free if len(free) <= PICK_SAMPLE else self._rng.sample(free, PICK_SAMPLE))
         return self._best(client_id, plans, quotas, pool, route.memo)
 
-    def _due(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float],
+    def _due(self, client_id: str, plans: RoutePlan, quotas: Mapping[str, float],
              route: RouteView) -> Mapping[str, float]:
         """The client's planned kinds where it is not ahead of its plan's pace: a kind's slots go to the waiting
         clients planned on it in proportion to their quotas there (the one whose next request there is the
-        smallest share of its quota goes first), not in the client order alone. A plan that gives a kind 340 of an
-        audio eval's quick prompts beside 30 video prompts is then carried out: in the client order (`fair`, a
-        few slots each) the audio eval held ~5 of an A100's ~20 slots while its plan had it there, and the plan
-        moved it onto the V100s after 10 s, which then ran 2.5 s past the idle A100s. Clients with long answers
+        smallest share of its quota goes first), not in the client order alone, so that a plan giving a kind many
+        of one client's quick prompts beside another's few long ones is carried out. Clients with long answers
         are outside the pace (neither held nor holding): each request is a long chain, and paced with the others
-        their last ones started last and ended seconds after everything else (256 × 64 simulated, quota pick:
-        1.38× the ideal with them paced, 1.26× without; the suite 1.06× and 1.05×)."""
+        their last ones started last and ended after everything else."""
         if client_id in self._long_answers:
             return quotas
         plan = plans.plan
@@ -322,47 +282,16 @@ class PlannedRouting(Policy, name="planned"):
         paces = memo.get("pace")
         if paces is None:
             paces = memo["pace"] = self._paces(plans, plan, route)
-        sent = plans.sent.get(client_id)
-        due: dict[str, float] = {}
-        for kind, quota in quotas.items():
-            if quota <= MIN_SHARE:
-                continue
-            share = _next_share(sent, kind, quota)
-            pace = paces.get(kind)
-            if pace is None or share <= pace * (1 + PACE_SLACK):
-                due[kind] = quota
-        return due
+        return due_kinds(quotas, plans.sent.get(client_id), paces)
 
-    def _paces(self, plans: _RoutePlan, plan: Plan, route: RouteView) -> dict[str, float]:
-        """Kind -> the smallest share of its quota there that the next request of a waiting client bound for it
-        would reach. A client sets the pace only on the kind with room where that share is smallest (where its
-        pick goes): counted on every kind, a client that always picked another would hold the others off a kind
-        it never used. Clients whose long prompts the interference rule may hold set no pace (a slot they cannot
-        take would stay empty)."""
-        waiting = self._st.clients.waiting
-        paces: dict[str, float] = {}
-        room: dict[str, bool] = {}
-        for client, quotas in plan.kind_quotas.items():
-            if not waiting.get(client) or self._stalls(client) or client in self._long_answers:
-                continue
-            sent = plans.sent.get(client)
-            best_kind, best = None, float("inf")
-            for kind, quota in quotas.items():
-                if quota <= MIN_SHARE:
-                    continue
-                has_room = room.get(kind)
-                if has_room is None:
-                    has_room = room[kind] = bool(route.free_in(kind))
-                if not has_room:
-                    continue
-                share = _next_share(sent, kind, quota)
-                if share < best:
-                    best_kind, best = kind, share
-            if best_kind is not None and best < paces.get(best_kind, float("inf")):
-                paces[best_kind] = best
-        return paces
+    def _paces(self, plans: RoutePlan, plan: Plan, route: RouteView) -> dict[str, float]:
+        """Kind -> its pace (`plans.kind_paces`). Clients whose long prompts the interference rule may hold set no
+        pace (a slot they cannot take would stay empty), nor do clients with long answers."""
+        waiting, long_answers = self._st.clients.waiting, self._long_answers
+        return kind_paces(plan, plans.sent, lambda c: bool(waiting.get(c)) and not self._stalls(c)
+                          and c not in long_answers, route.free_in)
 
-    def _best(self, client_id: str, plans: _RoutePlan, quotas: Mapping[str, float], servers: Sequence[Any],
+    def _best(self, client_id: str, plans: RoutePlan, quotas: Mapping[str, float], servers: Sequence[Any],
               memo: dict[str, Any]) -> Any:
         plan = plans.plan
         assert plan is not None
@@ -391,8 +320,8 @@ class PlannedRouting(Policy, name="planned"):
 
     def _work(self, server_id: str, kind: str, plan: Plan, memo: dict[str, Any]) -> float:
         """The priced work in flight on the server (its clients' requests at their prices on its kind), once per
-        server and pass: within a kind, the server with the least goes first (counting requests put a kind's
-        video prompts on one replica and its short answers on the other; it then ran 36 s past its twin)."""
+        server and pass: within a kind, the server with the least goes first (counting requests instead put one
+        client's long prompts on one replica and another's short answers on its twin)."""
         works = memo.setdefault("work", {})
         work = works.get(server_id)
         if work is None:
@@ -406,9 +335,7 @@ class PlannedRouting(Policy, name="planned"):
         """Whether the client's prompts are long and its answers short (a prefill-heavy eval: video, documents),
         the prompts the interference rule keeps off servers decoding long answers. A client whose own answers are
         long is not held by it: its requests are the run's longest chains, and holding them until the other long
-        answers drained put them at the run's end (the suite's math500, 25 prompts of ~1,000 tokens and answers
-        of ~400, waited 20 s for the V100s' and A100s' long answers to drain, then ran 5 s past everything else;
-        its prefill costs the answers beside it one step of a few hundred ms of engine time)."""
+        answers drained put them at the run's end, while their prefill costs the answers beside them little."""
         return client_id in self._long_prompts and client_id not in self._long_answers
 
     def _runs_long_answers(self, client_id: str, server_id: str) -> bool:
@@ -437,16 +364,16 @@ class PlannedRouting(Policy, name="planned"):
                 members.discard(client_id)
 
     # ---- making the plan ----------------------------------------------------------------------------
-    def _route_plan(self, route: RouteView) -> _RoutePlan:
+    def _route_plan(self, route: RouteView) -> RoutePlan:
         plans = self._routes.get(route.key)
         if plans is None:
             if len(self._routes) >= MAX_ROUTE_PLANS:  # the route planned longest ago gives way
                 oldest = min(self._routes, key=lambda k: self._routes[k].made_at)
                 del self._routes[oldest]
-            plans = self._routes[route.key] = _RoutePlan()
+            plans = self._routes[route.key] = RoutePlan()
         return plans
 
-    def _replan_soon(self, plans: _RoutePlan, servers: Sequence[Any], client_id: str) -> None:
+    def _replan_soon(self, plans: RoutePlan, servers: Sequence[Any], client_id: str) -> None:
         if plans.replanning:
             return
         try:
@@ -466,7 +393,7 @@ class PlannedRouting(Policy, name="planned"):
 
         loop.call_soon(replan)
 
-    def _current_plan(self, plans: _RoutePlan, servers: Sequence[Any], client_id: str, now: float) -> Plan:
+    def _current_plan(self, plans: RoutePlan, servers: Sequence[Any], client_id: str, now: float) -> Plan:
         """The route's plan, made again when a period has passed, its servers changed or a client it does not
         cover has a shape: at most once per period per route, whatever other routes do."""
         if servers is not plans.servers_ref:  # the dispatcher keeps one list per route and snapshot
@@ -497,6 +424,7 @@ class PlannedRouting(Policy, name="planned"):
         return out
 
     def _solve(self, route: Sequence[Any], route_clients: set[str], now: float) -> Plan:
+        """A new plan for the route's servers and its clients' unsent requests (`plans.make_plan`)."""
         unsent = self._unsent(route_clients)
         shapes = {c: s for c in unsent if (s := self.shape(c)) is not None}
         clients = sorted(shapes)
@@ -505,89 +433,30 @@ class PlannedRouting(Policy, name="planned"):
         servers = list(route)
         if not clients or not servers:
             return Plan(now, 0.0, {})  # nothing to plan: every client waits for the next plan
-        # Servers of one kind (accelerator, GPUs, capacity) form one LP column: the LP is as small as the number
-        # of kinds, and identical servers cannot swap roles from one plan to the next (a degenerate LP flipped
-        # a client between two equal V100s every period). A kind's cost per request is fitted from its
-        # members' answers (`CostFit`, the data sheet's prior until then); its members share its work by their
-        # measured speeds relative to each other.
-        assert self._speed is not None and self._fit is not None
-        columns: dict[str, list[Any]] = {}  # kind -> its servers (ServerViews with the registry's `entry`)
-        entries: dict[str, list[ServerEntry]] = {}
-        for server in servers:
-            columns.setdefault(kind_key(server.entry), []).append(server)
-            entries.setdefault(kind_key(server.entry), []).append(server.entry)
+        assert self._speed is not None
+        columns = kind_columns(servers)
         speed = self._speed.factors([s.entry for s in servers])
-        within = {}
-        for members in columns.values():
-            mean = sum(speed[m.id] for m in members) / len(members)
-            within.update({m.id: speed[m.id] / mean for m in members})
-        weight = {col: float(len(members)) for col, members in columns.items()}
-        kind_cost = self._fit.costs(entries)
-        if self._finish is not None:  # the costs its picks use (learned from the answers' engine times or latencies)
-            model = servers[0].entry.record.model
+        kind_cost = self._kind_costs(columns)
+        # What the kinds hold now counts: a kind busy for seconds with long answers is not free capacity for the
+        # unsent work.
+        held = held_work(columns, shapes, kind_cost, self._st.ledger.clients_on, self.shape)
+        book = self._st.clients
+        phase_key = None if book.order == "fair" else (lambda c: (book.first(c), c))
+        return make_plan(now, columns, {c: unsent[c] for c in clients}, shapes, kind_cost, held, speed, phase_key,
+                         self.makespan_slack)
+
+    def _kind_costs(self, columns: Mapping[str, Sequence[Any]]) -> dict[str, ServerCost]:
+        """Each kind's cost per request: fitted from its members' answers (`CostFit`, the data sheet's prior until
+        then), or with `pick="finish"` the costs its picks use, once learned from answers."""
+        assert self._fit is not None
+        kind_cost = self._fit.costs({col: [s.entry for s in members] for col, members in columns.items()})
+        if self._finish is not None:  # (learned from the answers' engine times or latencies)
+            model = next(iter(columns.values()))[0].entry.record.model
             timed = {col: self._finish.kind_costs(model, members[0].entry) for col, members in columns.items()}
             if any(c.source != "prior" and c.source != "scaled" for c in timed.values()):
                 kind_cost = {col: ServerCost(c.prefill_s, c.step_s / max(1, columns[col][0].capacity))
                              for col, c in timed.items()}
-        cost = {(c, col): max(1e-12, kind_cost[col].of(*shapes[c])) for col in columns for c in clients}
-        price = dict(cost)  # (the latency bound below forbids pairs by raising their cost)
-        ids = sorted(columns)
-        counts = {c: unsent[c] for c in clients}
-        # What the kinds hold now counts: a kind busy for seconds with long answers is not free capacity for the
-        # unsent work (without it, short evals' last requests started on V100s full of long answers, 7 s each,
-        # and finished seconds after everything else: 1.53× the ideal against 1.18 in the simulator). The
-        # tie-break keeps the plan from piling the rest on one kind when one kind's held work sets T.
-        held = self._held(columns, shapes, kind_cost)
-        makespan, by_kind = solve_plan(clients, ids, counts, cost, held, weight, tiebreak=TIEBREAK)
-        # The per-request latency bound: one request of a client alone takes its prefill plus its answer's decode
-        # steps at a full batch there. No client's requests go to a kind where one of them would outlast the
-        # plan's makespan (its fastest kind is always allowed): at a run's end, the last requests of a short
-        # eval no longer start on a slow kind where each would hold the run up by seconds.
-        # A request's latency there is priced (its prefill, and its answer's steps at a full batch), not measured:
-        # bounds from measured latencies (where a client had run, or the price scaled by what answers on a kind
-        # took against theirs) moved work onto kinds whose busy engines then stretched it far more: 2.4× the ideal
-        # over six simulated worlds, against 1.21 priced.
-        latency = {(c, col): shapes[c][0] * kind_cost[col].prefill_s_per_token
-                   + shapes[c][1] * kind_cost[col].decode_s_per_token * max(1, columns[col][0].capacity)
-                   for col in columns for c in clients}
-        fastest = {c: min(latency[c, col] for col in columns) for c in clients}
-        for _ in range(LATENCY_ROUNDS):
-            late = [(c, col) for c, quotas in by_kind.items() for col in quotas
-                    if latency[c, col] > max(makespan, fastest[c]) * (1 + LATENCY_SLACK)]
-            if not late:
-                break
-            for pair in late:
-                cost[pair] = FORBIDDEN_COST
-            makespan, by_kind = solve_plan(clients, ids, counts, cost, held, weight, tiebreak=TIEBREAK)
-        book = self._st.clients
-        if book.order != "fair" and 1 < len(clients) and len(clients) ** 2 * len(ids) <= MAX_PHASE_VARIABLES:
-            ranked = sorted(clients, key=lambda c: (book.first(c), c))
-            phased = solve_phased_plan(ranked, ids, counts, cost, {}, makespan * (1 + self.makespan_slack), weight)
-            if phased is not None:
-                by_kind = phased
-        x: dict[str, dict[str, float]] = {}
-        for c, quotas in by_kind.items():
-            for col, n in quotas.items():
-                for member in columns[col]:  # a kind's share split by each member's speed
-                    x.setdefault(c, {})[member.id] = n * within[member.id] / weight[col]
-        kind_of = {m.id: col for col, members in columns.items() for m in members}
-        return Plan(now, makespan, x, by_kind, columns, kind_of, price)
-
-
-    def _held(self, columns: Mapping[str, Sequence[Any]], shapes: Mapping[str, tuple[float, float]],
-              kind_cost: Mapping[str, Any]) -> dict[str, float]:
-        """Work each kind holds now (its requests in flight, priced by their clients' shapes): the plan's
-        makespan counts from when each kind will have drained it. O(servers), once per plan."""
-        held: dict[str, float] = {}
-        for col, members in columns.items():
-            total = 0.0
-            for server in members:
-                for client, n in self._st.ledger.clients_on(server.id).items():
-                    shape = shapes.get(client) or self.shape(client)
-                    if shape is not None:
-                        total += n * kind_cost[col].of(*shape)
-            held[col] = total
-        return held
+        return kind_cost
 
     # ---- bounded state --------------------------------------------------------------------------------
     def forget_server(self, server_id: str) -> None:
@@ -609,8 +478,7 @@ class PlannedRouting(Policy, name="planned"):
 class PlannedFinish(PlannedRouting, name="planned_finish"):
     """`planned` choosing the server by `earliest_finish`'s engine model (`pick="finish"`): the plan decides which
     kinds each client uses (comparative advantage: prompt-heavy evals where prefill is fastest, long answers where
-    they may run), the model which server of them answers each request soonest. 1.16× the ideal in the simulated
-    256-server pool (`pick="quota"`: 1.26×); on the suite's four servers on the wall clock `planned` is better."""
+    they may run), the model which server of them answers each request soonest."""
 
     def __init__(self, rng: random.Random | None = None, **options: Any):
         options.setdefault("pick", "finish")

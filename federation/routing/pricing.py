@@ -1,27 +1,21 @@
-"""What a request costs on a server, for planned routing: a prior from the accelerator's data sheet, replaced by
-what the server's answers show.
+"""What a request costs on a server, for the routing policies: a prior from the accelerator's data sheet, replaced
+by what the server's answers show.
 
-**Priors** (not fitted; round figures, each a stated share of the data sheet's peak, deliberately not anyone's
-measurement of the pool at hand): prefill is compute-bound — 2 FLOP per parameter per token at the data
-sheet's dense fp16 TFLOPS × `PREFILL_EFFICIENCY`; a decode step reads the weights once — 2 bytes per
-parameter at the data sheet's HBM bandwidth × `DECODE_BW_EFFICIENCY` — for the whole batch, and a full
-batch's step costs `FULL_BATCH_STEP_FACTOR` × a batch-of-one step (KV reads, a wider MLP). Costs are for a
-nominal model of 1 B parameters.
+**Priors** (not fitted; round figures, each a stated share of the data sheet's peak): prefill is compute-bound — 2
+FLOP per parameter per token at the dense fp16 TFLOPS × `PREFILL_EFFICIENCY`; a decode step reads the weights once —
+2 bytes per parameter at the HBM bandwidth × `DECODE_BW_EFFICIENCY` — for the whole batch, and a full batch's step
+costs `FULL_BATCH_STEP_FACTOR` × a batch-of-one step. Costs are for a nominal model of 1 B parameters.
 
-**Fitted** (per server kind, from its answers): `CostFit` measures each kind's speed against the prior —
-busy seconds ÷ prior-priced seconds of what its servers answered, over windows of a few seconds, decayed:
-speed = Σ busy / Σ (prefill prior · P + step prior(n) · C / n), where P and C are the prompt and completion
-tokens answered, n the mean number of sequences running (the ledger's attempt-seconds ÷ busy seconds: C / n
-decode steps, each costing the prior's step at that batch). The kind's prefill-to-decode ratio stays the
-data sheets': a two-factor regression (prefill and decode apart) was tried and was unstable — decode factors
-from 0.04 to 80 across windows of the Table 7 design — because busy time does not split additively when
-prompt chunks and decode steps share the engine's steps. Within a kind, `SpeedCalibration` (priced work per
-busy second) splits the kind's share among its members.
+**Fitted**: `CostFit` scales each kind's prior by busy seconds ÷ prior-priced seconds of what its servers answered
+(decayed); the prefill-to-decode ratio stays the data sheets', since busy time does not split additively when prompt
+chunks and decode steps share the engine's steps. `SpeedCalibration` splits a kind's share among its members;
+`EngineTimedCosts` reads a kind's costs from its answers' own engine times (`earliest_finish`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +28,11 @@ DECODE_BW_EFFICIENCY = 0.8  # prior: a memory-bound step streams weights at abou
 FULL_BATCH_STEP_FACTOR = 1.5  # prior: a full batch's decode step against a batch of one
 FIT_WINDOW_S = 2.0  # seconds of answers per regression row (per server)
 FIT_MIN_ROWS = 3  # rows a kind needs before its fit replaces the prior
+PREFILL_MIN_TOKENS = 32  # answers whose engine prefilled at least this many prompt tokens measure prefill ...
+DECODE_MIN_TOKENS = 8  # ... and at least this many answer tokens the decode step
+PREFILL_QUANTILE = 0.1  # prefill cost: this quantile of prefill seconds a token, over the kind's latest rows
+PREFILL_ROWS = 200
+DECODE_ROWS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,3 +186,39 @@ class SpeedCalibration:
                     known[s.id] = value
         mean = sum(known.values()) / len(known) if known else 1.0
         return {s.id: known.get(s.id, mean) / mean for s in servers}
+
+
+@dataclass
+class EngineTimedCosts:
+    """A kind's prefill and step costs read from its answers' own engine times (newest rows last): prefill the
+    `PREFILL_QUANTILE` of prefill seconds a prompt token (answers that prefilled at least `min_prompt_tokens`), the
+    step the least decode seconds a token after the first (answers of at least `DECODE_MIN_TOKENS`): stalls by other
+    prompts only lengthen them. The time to first token includes the step that samples it, so the answer's own
+    decode step comes off its prefill."""
+
+    min_prompt_tokens: int = PREFILL_MIN_TOKENS
+    prefill: deque[float] = field(default_factory=lambda: deque(maxlen=PREFILL_ROWS))  # s a prompt token
+    decode: deque[float] = field(default_factory=lambda: deque(maxlen=DECODE_ROWS))  # s a token after the first
+
+    def add(self, prefilled_tokens: int | None, completion_tokens: int | None, prefill_s: float,
+            decode_s: float) -> None:
+        step = 0.0
+        if completion_tokens is not None and completion_tokens >= DECODE_MIN_TOKENS and decode_s > 0:
+            step = decode_s / (completion_tokens - 1)
+            self.decode.append(step)
+        if prefilled_tokens is not None and prefilled_tokens >= self.min_prompt_tokens and prefill_s > step:
+            self.prefill.append((prefill_s - step) / prefilled_tokens)
+
+    def fit(self, prior_prefill_s: float, prior_step_s: float) -> tuple[float, float] | None:
+        """(prefill, step) now; a cost not measured yet keeps the prior's ratio to the other (None: neither is)."""
+        prefill = quantile(self.prefill, PREFILL_QUANTILE) if self.prefill else None
+        step = min(self.decode) if self.decode else None
+        if prefill is None:
+            return None if step is None else (step * prior_prefill_s / prior_step_s, step)
+        return prefill, (prefill * prior_step_s / prior_prefill_s if step is None else step)
+
+
+def quantile(values: Sequence[float] | deque[float], q: float) -> float:
+    """The `q` quantile of the values (the lower of two neighbours; at least one value)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]

@@ -1,54 +1,16 @@
 """One wave: when everything a route's clients have left fits the room its servers have now, measure each server
 kind once, then place all of it together.
 
-Why. In a pool larger than its work (the simulated 4,096 servers of 16 slots against 61,884 requests) every
-request is placed in the first grant pass, before any answer has come back: placed one at a time in the client
-order, by the data-sheet priors, the long answers spread over every server of the fastest-decoding kind and the
-long prompts placed after them stall them there (`earliest_finish`: 1.44× the ideal). A placement that sees the
-whole wave at once — long answers packed a full batch to a server, requests kept off kinds where their decode
-chain is far longer, the rest where the modelled completion ends soonest — reaches 1.11× there with the engine
-model's own costs (`benchmarks/scale_oracle.py`, which uses `assign`), but 1.40× with the priors, whose prefill
-reads 0.61–0.77× the engine model's and whose full-batch step 1.14–1.29× it; and the assignment is sensitive to
-its costs (steps 1.25× too long: 1.39×). So each kind is measured first, by one request alone.
+Why: in a pool larger than its work every request is placed before any answer has come back; placed one at a time
+by the data-sheet priors, the long answers spread over the fastest kind and the long prompts placed after stall them.
 
-When. A route is in a wave when it has more than one server kind, at least `min_per_server` × its servers
-requests waiting and no more than its servers have free slots for, every waiting client has said how many requests
-it has left and has sent all of them (they wait, or are in flight), and the route is idle (at most `IDLE_SHARE` of
-that in flight: later in a run every answer has shared its server, and costs learned from them would misplace the
-wave). Checked at most once a grant pass, after cheap bounds (waiting against servers, against servers with room ×
-the widest window, against what is in flight).
-
-What, per route (a small state machine, forgotten when its wave is placed):
-
-1. Probe. Each kind no probe has measured yet for the model gets one request alone on an idle server (one whose
-   engine reports its own times where the kind has one: `TIMED_ENGINES`): the waiting request quickest there
-   among those whose prompt and answer are long enough to measure prefill and decode (`min_prompt`,
-   `min_answer`). Its answer gives the kind's prefill seconds a prompt token and its step (`Waves.measured`: from
-   the engine's own times, else its latency scaling the priors), kept per (model, kind).
-2. The long answers (≥ `LONG_ANSWER_TOKENS`) are assigned at once, by the costs as the policy has them: their
-   kinds (by decode chain) and their packing hardly depend on the costs, and waiting would add the probes' time
-   to the run's longest chains. Every other request waits (held, asked again on every grant pass and tick) until
-   each probe has answered, or for at most `probe_limit_s`.
-3. Assign (`waveplan.assign`, O(requests × kinds × log servers), once): every waiting request not assigned yet, the
-   longest alone first, at the measured costs, counting the long answers where they went. A request may use a
-   kind where its decode chain is within `CHAIN_TOLERANCE` of its quickest kind's, or shorter than
-   `SHORT_CHAIN_STEPS` of that kind's steps. A long answer fills one server of its kinds a full batch before the
-   next is opened — its decode chain is paid once per server, not once per request; the rest go where the
-   modelled completion (below) ends soonest: the least loaded server of each kind it may use, and the least
-   loaded of them that runs no long answers. Free slots are not a limit: a server's requests beyond them wait in
-   fedpool for its slots, as they would in its engine.
-4. Follow. Each request the grant pass asks about goes to one of its client's assigned servers with room whose
-   prompts sent before leave fewer than `queue_tokens` to prefill (no prompt waits in the engine for its first
-   chunk, where a scrape would see it and the dispatcher take it back); while every one is full or prefilling it
-   is held (parked until a full server of those kinds frees a slot, or the next tick). An assigned server that is
-   gone or whose breaker is open is given up; what the assignment does not cover is placed as usual. The
-   policy's model of each server starts from the assignment's.
-
-The model, per server (continuous batching with chunked prefill): its prompts prefill one after another, its answers
-decode beside each other — the longest answer's steps, or the steps its answers' tokens take at a full batch,
-whichever is more — after its prompts (a step that carries a prefill chunk takes the chunk's time), and what it
-already runs decodes on, stalled by the prompts placed after it. No I/O, no clock of its own; what it keeps is per
-route (`MAX_WAVES`), per (model, kind) measured (`MAX_MEASURED`), and per client of a wave in progress.
+Per route, a small state machine (forgotten when its wave is placed; `Waves._start` says when a route is in one):
+1. Probe: each kind no probe has measured yet for the model gets one request alone on an idle server.
+2. The long answers (≥ `LONG_ANSWER_TOKENS`) are assigned at once; the rest wait for the probes (`probe_limit_s`).
+3. Assign (`waveplan.assign`, once): every waiting request not assigned yet, at the measured costs.
+4. Follow: each request goes to one of its client's assigned servers with room whose earlier prompts leave fewer
+   than `queue_tokens` to prefill; held while every one is full or prefilling.
+No I/O, no clock of its own; what it keeps is bounded (`MAX_WAVES`, `MAX_MEASURED`, the clients of a wave).
 """
 
 from __future__ import annotations
@@ -145,7 +107,7 @@ class Waves:
         self._probe_limit_s = probe_limit_s
         self._waves: dict[Any, _Wave] = {}
         # (model, kind) -> (prefill s a prompt token, step s) from a probe's answer alone: answers that shared their
-        # server price its prompts by whatever shared its steps (~7× in a shared wave), so only probes are kept
+        # server price its prompts by whatever shared its steps, so only probes are kept
         self._measured: dict[tuple[str, str], tuple[float, float]] = {}
         self._failed: set[tuple[str, str]] = set()  # probes whose answer could not price their kind
         self._probes: set[str] = set()  # servers a probe went to, until it is answered
@@ -204,12 +166,37 @@ class Waves:
     # ---- the state machine ----------------------------------------------------------------------------
     def _start(self, route: RouteView, model: str, now: float, members: Mapping[str, Mapping[str, Any]],
                context: Any) -> _Wave | None:
-        """A new wave on the route if it is in one now (see the module docstring), else None (once a grant pass):
-        its probes chosen, its long answers assigned."""
+        """A new wave on the route if it is in one now, else None (looked at once a grant pass): its probes chosen,
+        its long answers assigned. A route is in a wave when it has more than one server kind, at least
+        `min_per_server` × its servers requests waiting and no more than its servers have free slots for, every
+        waiting client has said how many requests it has left and has sent all of them (they wait, or are in
+        flight), and the route is idle (at most `IDLE_SHARE` of that in flight: later in a run every answer has
+        shared its server, and costs learned from them would misplace the wave)."""
         memo = route.memo
         if memo.get(_NOT_A_WAVE):
             return None
         memo[_NOT_A_WAVE] = True
+        room = self._room(route, members)
+        shapes = self._waiting_shapes(route, room) if room is not None else None
+        if shapes is None:
+            return None
+        if route.key not in self._waves and len(self._waves) >= MAX_WAVES:
+            del self._waves[next(iter(self._waves))]
+        models = {kind: self._model(model, kind, m) for kind, m in members.items()}
+        unlearned = {kind for kind in members if (model, kind) not in self._measured}
+        self._failed.difference_update((model, kind) for kind in unlearned)
+        probes = self._probe_clients(models, unlearned, shapes)
+        wave = self._waves[route.key] = _Wave(now, probes, unlearned & probes.keys(), models)
+        self.stats.waves += 1
+        memo.pop(_NOT_A_WAVE, None)
+        if wave.unlearned:
+            self._pin_long_answers(route, wave, shapes, now, members, context)
+        return wave
+
+    def _room(self, route: RouteView, members: Mapping[str, Mapping[str, Any]]) -> int | None:
+        """The free slots of the route's servers with room, if its kinds, its waiting requests and what is in flight
+        allow a wave (cheap bounds first: waiting against servers, against servers with room × the widest window,
+        against what is in flight); else None."""
         if len(members) < 2:
             return None
         waiting, servers = route.waiting, len(route.servers)
@@ -222,8 +209,11 @@ class Waves:
         if len(free) * widest < waiting:
             return None
         room = sum(max(0, s.window - s.inflight) for s in free)
-        if room < waiting:
-            return None
+        return None if room < waiting else room
+
+    def _waiting_shapes(self, route: RouteView, room: int) -> dict[str, tuple[int, float, float]] | None:
+        """Each waiting client's (requests waiting, prompt tokens, answer tokens), if every one has a shape and has
+        sent all it has, and together they fit the room and fill the route's servers enough; else None."""
         host, live = self._host, 0
         shapes: dict[str, tuple[int, float, float]] = {}
         for client, queue in route.queues.items():
@@ -235,34 +225,27 @@ class Waves:
                 return None
             live += n
             shapes[client] = (n, *shape)
-        if live > room or live < self._min_per_server * servers:
+        if live > room or live < self._min_per_server * len(route.servers):
             return None
-        if route.key not in self._waves and len(self._waves) >= MAX_WAVES:
-            del self._waves[next(iter(self._waves))]
-        models = {kind: self._model(model, kind, m) for kind, m in members.items()}
-        unlearned = {kind for kind in members if (model, kind) not in self._measured}
-        self._failed.difference_update((model, kind) for kind in unlearned)
-        probes = self._probe_clients(models, unlearned, shapes)
-        wave = self._waves[route.key] = _Wave(now, probes, unlearned & probes.keys(), models)
-        self.stats.waves += 1
-        memo.pop(_NOT_A_WAVE, None)
-        if wave.unlearned:
-            # The long answers go now: their kinds and packing hardly depend on the costs (their decode chains are
-            # the run's longest, and waiting for the probes would add the probes' time to them).
-            long = [Demand(c, n, p, a) for c, (n, p, a) in shapes.items() if a >= LONG_ANSWER_TOKENS]
-            if long:
-                result = self._place_all(route, wave, long, models, now, members, context)
-                for client, placed in result.servers.items():
-                    _, prompt, answer = shapes[client]
-                    for server in placed:
-                        kind, tokens, longest, answers = wave.pinned.get(server.id, (wave.kind_of[server.id], 0.0,
-                                                                                      0.0, 0.0))
-                        wave.pinned[server.id] = (kind, tokens + prompt, max(longest, answer), answers + answer)
-            for kind in list(wave.unlearned):  # (a kind the long answers filled has no server for a probe alone)
-                if not any(not s.inflight and s.id not in wave.pinned and route.usable(s) for s in route.free_in(kind)):
-                    wave.unlearned.discard(kind)
-                    wave.probes.pop(kind, None)
-        return wave
+        return shapes
+
+    def _pin_long_answers(self, route: RouteView, wave: _Wave, shapes: Mapping[str, tuple[int, float, float]],
+                          now: float, members: Mapping[str, Mapping[str, Any]], context: Any) -> None:
+        """The long answers go now: their kinds and packing hardly depend on the costs (their decode chains are the
+        run's longest, and waiting for the probes would add the probes' time to them)."""
+        long = [Demand(c, n, p, a) for c, (n, p, a) in shapes.items() if a >= LONG_ANSWER_TOKENS]
+        if long:
+            result = self._place_all(route, wave, long, wave.models, now, members, context)
+            for client, placed in result.servers.items():
+                _, prompt, answer = shapes[client]
+                for server in placed:
+                    kind, tokens, longest, answers = wave.pinned.get(server.id, (wave.kind_of[server.id], 0.0,
+                                                                                  0.0, 0.0))
+                    wave.pinned[server.id] = (kind, tokens + prompt, max(longest, answer), answers + answer)
+        for kind in list(wave.unlearned):  # (a kind the long answers filled has no server for a probe alone)
+            if not any(not s.inflight and s.id not in wave.pinned and route.usable(s) for s in route.free_in(kind)):
+                wave.unlearned.discard(kind)
+                wave.probes.pop(kind, None)
 
     def _probe_clients(self, models: Mapping[str, KindModel], kinds: set[str],
                        shapes: Mapping[str, tuple[int, float, float]]) -> dict[str, str]:
@@ -409,7 +392,7 @@ class Waves:
     def _model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
         """The kind's costs for the model: measured by a probe; else, where other kinds were, its data-sheet prior on
         their scale (their measured ÷ prior costs: answers that shared their servers price prompts by whatever shared
-        their steps, ~16× a prompt's own prefill where 16 long answers started together); else the policy's."""
+        their steps); else the policy's."""
         measured = self._measured.get((model, kind))
         priced = self._host.wave_model(model, kind, members)
         if measured is not None:

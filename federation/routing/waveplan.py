@@ -1,19 +1,14 @@
 """The assignment of one wave (`federation/routing/wave.py`): every request of a set of clients placed on a set of
-servers at
-once, by a small engine model, with roles for the servers.
+servers at once, by a small engine model, with roles for the servers.
+
+Why: seeing the whole wave at once, long answers can be packed a full batch to a server and kept off kinds where
+their decode chain is far longer, and the rest go where the modelled completion ends soonest.
 
 The model, per server (continuous batching with chunked prefill): its prompts prefill one after another, its answers
-decode beside each other — the longest answer's steps, or the steps its answers' tokens take at a full batch,
-whichever is more — after its prompts (a step that carries a prefill chunk takes the chunk's time), and what it
-already runs (`Room`) decodes on, stalled by the prompts placed after it. The roles: a request may use a kind where
-its decode chain is within `CHAIN_TOLERANCE` of its quickest kind's, or shorter than `SHORT_CHAIN_STEPS` of that
-kind's steps; a long answer (≥ `LONG_ANSWER_TOKENS`) fills one server of its kinds a full batch before the next is
-opened — its decode chain is paid once per server, not once per request; once every server of those kinds holds a
-full batch, any kind may take the next where it completes soonest; the rest, the longest alone first, go
-where the modelled completion ends soonest: the least loaded server of each kind they may use, and the least loaded
-of them that runs no long answers (lazy heaps: O(requests × kinds × log servers)). Free slots are not a limit.
-`benchmarks/scale_oracle.py` runs the same assignment with the engine model's own costs (a bound: 1.114× the ideal
-at 4,096 × 512). Pure: no I/O, no clock.
+decode beside each other after them, and what it already runs (`Room`) decodes on, stalled by the prompts placed
+after it. A request may use a kind where its decode chain is within `CHAIN_TOLERANCE` of its quickest kind's (or
+shorter than `SHORT_CHAIN_STEPS` steps); a long answer (≥ `LONG_ANSWER_TOKENS`) fills one server a full batch before
+the next is opened. O(requests × kinds × log servers); free slots are not a limit. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from typing import Any
 LONG_ANSWER_TOKENS = 128  # answers this long are packed a full batch to a server of the kinds that may take them
 CHAIN_TOLERANCE = 1.1  # a kind whose decode chain for a request is within this of its quickest kind's may take it
 SHORT_CHAIN_STEPS = 100.0  # a decode chain shorter than this many of the quickest kind's steps is no reason to keep
-# a request off a kind (a caption's 96 tokens: 1.0 s on an A100, 2.4 s on a V100; a video's 32 on a V100: 0.8 s)
+# a request off a kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,38 +86,14 @@ class Assignment:
 
 
 def assign(demand: Sequence[Demand], rooms: Iterable[Room], models: Mapping[str, KindModel]) -> Assignment:
-    """Place every request of `demand` on one of `rooms` (see the module docstring)."""
-    loads: list[_Load] = []  # (a server is its index in `servers_of`)
-    servers_of: list[Any] = []
-    heaps: dict[str, list[tuple[float, int]]] = {}  # kind -> its servers with room, least completion first
-    short: dict[str, list[tuple[float, int]]] = {}  # kind -> those of them running no long answers
-    for room in rooms:
-        if room.kind not in models:
-            continue
-        n = len(loads)
-        load = _Load(room.kind, room.prefilled_s, room.decoded_s)
-        loads.append(load)
-        servers_of.append(room.server)
-        now = load.completion(models[room.kind])
-        heaps.setdefault(room.kind, []).append((now, n))
-        short.setdefault(room.kind, []).append((now, n))
-    for heap in (*heaps.values(), *short.values()):
-        heapq.heapify(heap)
-    current = [load.completion(models[load.kind]) for load in loads]
-    long_servers: set[int] = set()
-
-    def least(heap: list[tuple[float, int]], skip_long: bool) -> int | None:
-        while heap:
-            t, sid = heap[0]
-            if t == current[sid] and not (skip_long and sid in long_servers):
-                return sid
-            heapq.heappop(heap)
-        return None
-
-    kinds = {k: models[k] for k in heaps}
+    """Place every request of `demand` on one of `rooms` (see the module docstring): the longest alone first; a long
+    answer on the server of its kinds being filled (once every server of those kinds holds a full batch, any kind
+    may take the next), the rest on the least loaded server of each kind they may use or the least loaded of those
+    that run no long answers, where the modelled completion ends soonest."""
+    pool = _Pool(rooms, models)
+    kinds = {k: models[k] for k in pool.heaps}
     order = sorted(range(len(demand)), key=lambda i: (-min((m.alone(demand[i].prompt, demand[i].answer)
                                                             for m in kinds.values()), default=0.0), i))
-    packing: dict[str, int] = {}  # kind -> the server its long answers fill now
     servers: dict[str, list[Any]] = {}
     unplaced = 0
     for i in order:
@@ -131,53 +102,105 @@ def assign(demand: Sequence[Demand], rooms: Iterable[Room], models: Mapping[str,
         allowed = _allowed(kinds, answer)
         out = servers.setdefault(want.client, [])
         for _ in range(want.requests):
-            best: tuple[float, str, int] | None = None
-            if is_long and len(allowed) < len(kinds) and all(
-                    least(short[k], True) is None and (packing.get(k) is None
-                                                      or loads[packing[k]].long_answers % kinds[k].batch == 0)
-                    for k in allowed):
+            if is_long and len(allowed) < len(kinds) and pool.packed_full(kinds, allowed):
                 # every server of its quickest kinds holds a full batch of long answers: a next batch there
                 # waits for a whole chain, so every kind may take one, where it completes soonest
                 allowed = list(kinds)
-            for kind in allowed:
-                model = kinds[kind]
-                if is_long:
-                    open_one = packing.get(kind)
-                    if open_one is None or loads[open_one].long_answers % model.batch == 0:
-                        open_one = least(short[kind], True)
-                        if open_one is None:
-                            open_one = least(heaps[kind], False)
-                    candidates: tuple[int | None, ...] = (open_one,)
-                else:
-                    candidates = (least(heaps[kind], False), least(short[kind], True))
-                for sid in candidates:
-                    if sid is None:
-                        continue
-                    t = loads[sid].completion(model, prompt, answer)
-                    if best is None or t < best[0]:
-                        best = (t, kind, sid)
+            best = pool.best(kinds, allowed, prompt, answer, is_long)
             if best is None:
                 unplaced += 1
                 continue
-            t, kind, sid = best
-            load, model = loads[sid], kinds[kind]
-            load.prefill_s += prompt * model.prefill_s
-            load.stall_s += prompt * model.prefill_s
-            load.longest = max(load.longest, answer)
-            load.answers += answer
-            if is_long:
-                load.long_answers += 1
-                packing[kind] = sid
-                long_servers.add(sid)
-            current[sid] = t
-            heapq.heappush(heaps[kind], (t, sid))
-            if sid not in long_servers:
-                heapq.heappush(short[kind], (t, sid))
-            out.append(servers_of[sid])
-    used = {servers_of[n]: (load.kind, load.prefill_s, current[n]) for n, load in enumerate(loads)
+            out.append(pool.add(*best, kinds[best[1]], prompt, answer, is_long))
+    used = {pool.servers_of[n]: (load.kind, load.prefill_s, pool.current[n]) for n, load in enumerate(pool.loads)
             if load.answers or load.stall_s}
     return Assignment({c: q for c, q in servers.items() if q}, used,
                       max((t for _, _, t in used.values()), default=0.0), unplaced)
+
+
+class _Pool:
+    """The wave's servers as `assign` fills them: each one's load, and per kind lazy heaps of them by modelled
+    completion (all of them, and those running no long answers); a server is its index in `servers_of`."""
+
+    def __init__(self, rooms: Iterable[Room], models: Mapping[str, KindModel]):
+        self.loads: list[_Load] = []
+        self.servers_of: list[Any] = []
+        self.heaps: dict[str, list[tuple[float, int]]] = {}  # kind -> its servers with room, least completion first
+        self.short: dict[str, list[tuple[float, int]]] = {}  # kind -> those of them running no long answers
+        for room in rooms:
+            if room.kind not in models:
+                continue
+            n = len(self.loads)
+            load = _Load(room.kind, room.prefilled_s, room.decoded_s)
+            self.loads.append(load)
+            self.servers_of.append(room.server)
+            now = load.completion(models[room.kind])
+            self.heaps.setdefault(room.kind, []).append((now, n))
+            self.short.setdefault(room.kind, []).append((now, n))
+        for heap in (*self.heaps.values(), *self.short.values()):
+            heapq.heapify(heap)
+        self.current = [load.completion(models[load.kind]) for load in self.loads]
+        self.long_servers: set[int] = set()
+        self.packing: dict[str, int] = {}  # kind -> the server its long answers fill now
+
+    def least(self, heap: list[tuple[float, int]], skip_long: bool) -> int | None:
+        """The heap's server with the least completion (stale entries, and long-answer servers where skipped, are
+        dropped on the way)."""
+        while heap:
+            t, sid = heap[0]
+            if t == self.current[sid] and not (skip_long and sid in self.long_servers):
+                return sid
+            heapq.heappop(heap)
+        return None
+
+    def packed_full(self, kinds: Mapping[str, KindModel], allowed: Sequence[str]) -> bool:
+        """Whether every server of the allowed kinds holds a full batch of long answers."""
+        return all(self.least(self.short[k], True) is None
+                   and (self.packing.get(k) is None or self.loads[self.packing[k]].long_answers % kinds[k].batch == 0)
+                   for k in allowed)
+
+    def best(self, kinds: Mapping[str, KindModel], allowed: Sequence[str], prompt: float, answer: float,
+             is_long: bool) -> tuple[float, str, int] | None:
+        """(completion, kind, server) where one more request of this shape completes soonest (None: no server)."""
+        best: tuple[float, str, int] | None = None
+        for kind in allowed:
+            model = kinds[kind]
+            for sid in self._candidates(kind, model, is_long):
+                if sid is None:
+                    continue
+                t = self.loads[sid].completion(model, prompt, answer)
+                if best is None or t < best[0]:
+                    best = (t, kind, sid)
+        return best
+
+    def _candidates(self, kind: str, model: KindModel, is_long: bool) -> tuple[int | None, ...]:
+        """A long answer: the kind's server being filled, else the next to open; the rest: the least loaded server of
+        the kind and the least loaded running no long answers."""
+        if is_long:
+            open_one = self.packing.get(kind)
+            if open_one is None or self.loads[open_one].long_answers % model.batch == 0:
+                open_one = self.least(self.short[kind], True)
+                if open_one is None:
+                    open_one = self.least(self.heaps[kind], False)
+            return (open_one,)
+        return (self.least(self.heaps[kind], False), self.least(self.short[kind], True))
+
+    def add(self, t: float, kind: str, sid: int, model: KindModel, prompt: float, answer: float,
+            is_long: bool) -> Any:
+        """One request placed on the server, completing at `t`; the server (as its room gave it)."""
+        load = self.loads[sid]
+        load.prefill_s += prompt * model.prefill_s
+        load.stall_s += prompt * model.prefill_s
+        load.longest = max(load.longest, answer)
+        load.answers += answer
+        if is_long:
+            load.long_answers += 1
+            self.packing[kind] = sid
+            self.long_servers.add(sid)
+        self.current[sid] = t
+        heapq.heappush(self.heaps[kind], (t, sid))
+        if sid not in self.long_servers:
+            heapq.heappush(self.short[kind], (t, sid))
+        return self.servers_of[sid]
 
 
 def _allowed(kinds: Mapping[str, KindModel], answer: float) -> list[str]:
