@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ray
 
+import fedpool.benchmarks.baselines  # noqa: F401 (registers the baseline policies it routes by)
 from fedpool.benchmarks.costs import StageCosts, actor_hooks
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.clients import EvalTarget, run_evals

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import fedpool.benchmarks.baselines  # noqa: F401 (registers the baseline policies it routes by)
 from fedpool.benchmarks.assignment import saturated_cost
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile

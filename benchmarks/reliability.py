@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+import fedpool.benchmarks.baselines  # noqa: F401 (registers the baseline policies it routes by)
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.clients import EvalProgress, EvalTarget, run_evals
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_process
@@ -430,7 +431,7 @@ async def scenario_jobs_server_killed(pool: ChaosPool, out: Path, baseline: floa
     token_file.write_text("chaos-jobs-token-0123456789\n")
     port = free_port()
     argv = ["jobs", "serve", "--port", str(port), "--jobs-dir", str(jobs_dir), "--jobs-token-file",
-            str(token_file), "--policy", "least_inflight", "--root", str(bundled_spec_paths()[0].parent)]
+            str(token_file), "--policy", "capacity_weighted", "--root", str(bundled_spec_paths()[0].parent)]
     from fedpool.clients.jobs import AsyncJobsClient
 
     url = f"http://127.0.0.1:{port}"

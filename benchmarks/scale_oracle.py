@@ -75,7 +75,7 @@ from fedpool.benchmarks.simulator import (
 )
 from fedpool.deploy.emulator import EmulatorProfile
 from fedpool.federation.core.dispatcher import Dispatcher
-from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView
+from fedpool.federation.core.policy import DispatchState, Hold, Policy, PolicyHooks, RouteView
 from fedpool.federation.core.types import DispatchConfig, Endpoint, InferenceRequest
 from fedpool.federation.gateway.transport import UrlTarget
 from fedpool.federation.routing.finish import REFIT_EVERY, EngineTimedCosts
@@ -138,7 +138,6 @@ class FinishOracle(Policy):
     decoded; a server with nothing in flight starts from now. O(servers) a decision: a benchmark, not a policy."""
 
     name = "finish_oracle"
-    plans_the_tail = True  # (copies at the tail would run against the model: no hedging or stealing)
 
     def __init__(self, models: dict[str, KindModel], kind_of: dict[str, str], shapes: dict[str, tuple[int, int]]):
         super().__init__()
@@ -150,11 +149,9 @@ class FinishOracle(Policy):
         self._decoded: dict[str, float] = {}  # server -> when the answers placed there are decoded
         self._state: DispatchState | None = None
 
-    def attach(self, state: DispatchState) -> None:
+    def attach(self, state: DispatchState) -> PolicyHooks:
         self._state = state
-
-    def choose(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
-        return candidates[0]  # (place decides; choose is the interface's fallback)
+        return PolicyHooks(plans_the_tail=True)  # (copies at the tail would run against the model)
 
     def costs(self, kind: str) -> KindModel:
         """The kind's costs as the policy has them now."""

@@ -401,7 +401,7 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
         attempts=transport.attempts, servers=server_outcomes(world),
         extra={"preempted": sum(s.preempted for s in stats),
-               "waves": [w for d in dispatchers if (w := (d.policy.describe() or {}).get("waves"))]})
+               "waves": [w for d in dispatchers if (w := (d.policy_state() or {}).get("waves"))]})
     await world.close()
     return result
 

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+import fedpool.benchmarks.baselines  # noqa: F401 (registers the baseline policies it routes by)
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.federation.gateway.transport import HttpTransport
 

@@ -19,6 +19,7 @@ import psutil
 import pytest
 import ray
 
+import fedpool.benchmarks.baselines  # noqa: F401 (registers the baseline policies the tests route by)
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile, Faults
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
 from fedpool.deploy.models import GEMMA_ALIAS, ensure_gemma

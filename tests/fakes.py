@@ -40,7 +40,7 @@ from fedpool.federation import (
     Timeouts,
     Transport,
 )
-from fedpool.federation.core.types import StreamProgress, Target, sends_stream
+from fedpool.federation.core.types import StreamProgress, Target
 from fedpool.federation.gateway.transport import http_error, parse_completion, request_body, transport_error
 from fedpool.registry import PoolSnapshot
 
@@ -237,7 +237,7 @@ class FakeTransport(Transport):
         # On an engine that aborts by id (SGLang), the attempt carries one and a cancel aborts it at once, as the
         # HTTP transport does.
         rid = f"fake-{self.attempts}" if server.abort_path is not None else None
-        progress = progress if sends_stream(server, request) else None
+        progress = progress if server.streamed and request.streamable else None
         try:
             async with asyncio.timeout(min(self.timeouts.first_byte_s, self.timeouts.total_s)):
                 return await fake.complete(request, rid, progress)

@@ -257,7 +257,8 @@ def test_a_caller_s_requests_in_flight_count_as_what_its_answers_hold_else_as_it
     """ClientBook under shortest_first: a caller's rank counts each attempt holding a slot as one request's
     expected slot-seconds — its answers' mean; before its first, its answer budget at the pool's slot-seconds per
     answer token (a sequence holds its slot about a decode step per answer token), or its work where more."""
-    clients = ClientBook("shortest_first", InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0))
+    ledger = InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0)
+    clients, slots = ClientBook("shortest_first", ledger), ledger.slots("s")
     for client, max_tokens in (("short", 4), ("long", 64)):
         clients.note_request(client, InferenceRequest.from_body(
             {"prompt": "x" * 80, "max_tokens": max_tokens}, request_id=client, model="m",
@@ -265,15 +266,15 @@ def test_a_caller_s_requests_in_flight_count_as_what_its_answers_hold_else_as_it
     assert clients.expected_s("long") == 0.0  # nothing answered anywhere: no seconds to go by
     assert clients.expected_work("long") > clients.expected_work("short") > 0  # the shapes rank them apart
     for _ in range(3):
-        clients.started("short", 0.0)
-        clients.started("long", 0.0)
-    clients.ended("short")
+        ledger.take(slots, "short")
+        ledger.take(slots, "long")
+    ledger.release(slots, "short")
     clients.note_served("short", 60, 3, 0.47)
     assert clients.expected_s("short") == pytest.approx(0.47)
     assert clients.expected_s("long") == pytest.approx(64 * 0.47 / 3)  # answer budget × 0.157 s per token
     # Ranked on one scale: short's answered 0.47 s and two in flight at 0.47 s; long's three at 10 s each.
     assert clients.served("long") / clients.served("short") == pytest.approx((3 * 64 * 0.47 / 3) / (3 * 0.47))
-    clients.ended("long")
+    ledger.release(slots, "long")
     clients.note_served("long", 20, 64, 5.0)
     assert clients.expected_s("long") == pytest.approx(5.0)  # its own answer from now on
     clients.forget("long")
@@ -593,7 +594,7 @@ async def test_copies_race_only_on_replicas_of_the_first_server(fakes: FakePool)
 async def test_a_copy_cancelled_before_it_starts_gives_its_slot_back(fakes: FakePool) -> None:
     """A task cancelled before its first step never runs its body: a hedge copy launched and cancelled in
     the same tick used to keep its slot (and its server's in-flight count) for ever."""
-    from fedpool.federation.core.attempts import Racer
+    from fedpool.federation.core.attempts import InFlight
 
     server = fakes.start(max_running=2, decode_s=0.01)
     snap = snapshot_of([server], capacity=2)
@@ -601,13 +602,13 @@ async def test_a_copy_cancelled_before_it_starts_gives_its_slot_back(fakes: Fake
     dispatcher.notify_snapshot()
     route = dispatcher._book.route(("emu-model", None, None, None), "emu-model", None, None, None)
     (state,) = route.servers
-    racer = Racer(request(1), state, route, 0.0, None)
+    racer = InFlight(request(1), state, route, 0.0, None)
     dispatcher._start_copy(racer, state)
     assert dispatcher.inflight() == {"s0": 1}
     await dispatcher._drop_copy(racer)  # cancelled in the same tick it was launched
     assert dispatcher.inflight() == {} and server.received == 0
     # and one that did start releases exactly once
-    racer = Racer(request(2), state, route, 0.0, None)
+    racer = InFlight(request(2), state, route, 0.0, None)
     dispatcher._start_copy(racer, state)
     assert racer.copy is not None
     await racer.copy

@@ -26,6 +26,7 @@ from fedpool.federation.core.policy import Policy
 from fedpool.federation.core.types import Endpoint, SamplingParams
 from fedpool.federation.gateway.handlers import SHARED_CLIENT, Gateway, serving
 from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
+from fedpool.federation.routing.policies import SampledPolicy
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from tests.conftest import EmulatorFactory
 
@@ -445,25 +446,32 @@ async def test_a_reset_on_a_reused_keepalive_connection_is_told_from_a_fresh_one
         await server.wait_closed()
 
 
-class PreferFirst(Policy):
+class PreferFirst(SampledPolicy):
     """Least in flight, but `first` whenever it has room (tests need the broken engine picked first)."""
 
     def __init__(self, first: str):
-        super().__init__()
+        super().__init__(_First(first))
+
+
+class _First:
+    def __init__(self, first: str):
         self.first = first
 
-    def choose(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
+    def pick(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
         for candidate in candidates:
             if candidate.id == self.first:
                 return candidate
         return min(candidates, key=lambda c: c.inflight)
 
+    def forget_server(self, server_id: str) -> None:
+        return None
 
-class Stray(Policy):
+
+class Stray(SampledPolicy):
     """Answers its first placement with a server of another route (a policy bug); fine afterwards."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(_First(""))
         self.seen: dict[str, Any] = {}
         self.strays = 0
 
@@ -476,15 +484,12 @@ class Stray(Policy):
             return foreign[0]
         return super().place(route, request, tried)
 
-    def choose(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
-        return candidates[0]
 
-
-class Failing(Policy):
+class Failing(SampledPolicy):
     """Raises on its first placement (a policy bug); fine afterwards."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(_First(""))
         self.raised = False
 
     def place(self, route: Any, request: InferenceRequest, tried: set[str]) -> Any:
@@ -492,9 +497,6 @@ class Failing(Policy):
             self.raised = True
             raise RuntimeError("a bug in a policy")
         return super().place(route, request, tried)
-
-    def choose(self, candidates: Sequence[Any], request: InferenceRequest) -> Any:
-        return candidates[0]
 
 
 async def test_a_policy_that_strays_outside_the_route_or_raises_does_not_stall_the_grant_passes(

@@ -66,7 +66,7 @@ def test_a_caller_that_declares_its_requests_is_ranked_by_them_times_one_request
     assert one > 0
     assert clients.first("declared") == 10 * one
     assert not clients.by_service("declared") and clients.by_service("unsaid")
-    assert clients.served_s("declared", 0.0) is None  # the broker ranks it by its remaining work, not service
+    assert clients.served_s("declared") is None  # the broker ranks it by its remaining work, not service
     assert clients.requests_left_of("declared") == 10
     clients.note_served("declared", 20, 8, 2.0)  # its answers say what one request takes
     assert clients.first("declared") == 10 * clients.expected_work("declared")

@@ -44,7 +44,7 @@ async def test_streams_survive_a_server_killed_mid_stream(registry: RegistryClie
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "gateway.log"
     argv = [sys.executable, "-m", "fedpool.cli", "gateway", "--address", ray.get_runtime_context().gcs_address,
-            "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), "--policy", "least_inflight"]
+            "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), "--policy", "capacity_weighted"]
     gateway = await asyncio.to_thread(subprocess.Popen, argv, cwd=ROOT, stdout=log_path.open("w"),
                                       stderr=subprocess.STDOUT, text=True)
     try:

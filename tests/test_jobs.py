@@ -35,7 +35,7 @@ def server_argv(tmp_path: Path, port: int) -> list[str]:
     return [sys.executable, "-m", "fedpool.cli", "jobs", "serve", "--address", ray.get_runtime_context().gcs_address,
             "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), "--jobs-dir",
             str(tmp_path / "jobs"), "--jobs-token-file", str(tmp_path / "jobs.token.given"), "--policy",
-            "least_inflight", "--root", str(BUNDLED)]
+            "capacity_weighted", "--root", str(BUNDLED)]
 
 
 def start_server(tmp_path: Path, port: int) -> subprocess.Popen[str]:

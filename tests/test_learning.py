@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from fedpool.federation.core.learning import BusyRate, WindowController, WindowObservation
-from fedpool.federation.core.ledger import HISTORY_S, InflightLedger, StallClock
+from fedpool.federation.core.ledger import (
+    HISTORY_S,
+    BusyRate,
+    InflightLedger,
+    StallClock,
+)
+from fedpool.federation.core.windows import WindowController, WindowObservation
 
 
 def test_throughput_counts_busy_time_only() -> None:

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from fedpool.federation.core.attempts import PREEMPT_MAX_AGE_S
-from fedpool.federation.core.dispatcher import EXPECT_HOLD_S, Dispatcher
+from fedpool.federation.core.dispatcher import Dispatcher
+from fedpool.federation.core.grants import EXPECT_HOLD_S
 from fedpool.federation.core.types import DispatchConfig, Endpoint, InferenceRequest
 from fedpool.federation.gateway.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.routing.policies import make_policy

@@ -54,8 +54,16 @@ class View:
     def usable(self, server: Server, tried: set[str] | None = None) -> bool:
         return self._usable(server)
 
-    def free_candidates(self, limit: int | None, tried: set[str], rng: object) -> list[Server]:
+    @property
+    def free(self) -> list[Server]:
         return [s for s in self.servers if self._usable(s)]
+
+    @property
+    def kinds(self) -> int:
+        return len({s.entry.kind for s in self.servers})
+
+    def free_candidates(self, limit: int | None, tried: set[str], rng: object) -> list[Server]:
+        return self.free
 
     def group_by(self, group_of: Callable[[Server], str]) -> None:
         self._group_of = group_of

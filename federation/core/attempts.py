@@ -15,23 +15,30 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fedpool.federation.core.clientbook import ClientBook
-from fedpool.federation.core.errors import AttemptError
-from fedpool.federation.core.learning import HedgeTimer
-from fedpool.federation.core.policy import Policy
+from fedpool.federation.core.errors import AttemptError, FailureKind, RequestFailed, RetryState, backoff_s
+from fedpool.federation.core.ledger import HedgeTimer
 from fedpool.federation.core.routes import Route
 from fedpool.federation.core.serverbook import ServerBook, ServerState
-from fedpool.federation.core.types import Completion, InferenceRequest, StreamProgress
+from fedpool.federation.core.types import (
+    Attempt,
+    Completion,
+    DispatchConfig,
+    InferenceRequest,
+    StreamProgress,
+    Transport,
+)
 from fedpool.registry import Engine, ServerEntry, adapter_for
 
 HEDGE_RECHECK_S = 0.1  # how often, at a tail, stragglers look for a server to be copied onto
 UNSPECIFIED_REVISION = "unspecified"
 
-StartCopy = Callable[["Racer", ServerState], None]
+StartCopy = Callable[["InFlight", ServerState], None]
+Pick = Callable[[Sequence[ServerState], InferenceRequest], ServerState]
 TailKey = tuple[Route, str, str, str]  # a route and a replica class: engine, model, revision
 
 
@@ -57,14 +64,18 @@ def may_race(a: ServerEntry, b: ServerEntry) -> bool:
 
 
 @dataclass(eq=False, slots=True)
-class Racer:
-    """A hedgeable request in flight on `server`, awaited by `task`; at most one copy of it runs elsewhere."""
+class InFlight:
+    """One attempt in flight on `server`, awaited by `task`: the dispatcher's record of it. A hedgeable one is a
+    racer (at most one copy of its request runs elsewhere at a tail); one on an engine that lets a cancelled request
+    go (`cancel_s` not None) may be given back, and is noted on its server (`ServerState.attempts`)."""
 
     request: InferenceRequest
     server: ServerState
     route: Route
     started: float
     task: asyncio.Task[object] | None
+    cancel_s: float | None = None  # its engine lets the request go this long after a cancel (None: never taken)
+    progress: StreamProgress | None = None  # streamed: taken only once its engine decodes (marked by the transport)
     racing: bool = True  # the first attempt has not returned yet
     copy: asyncio.Task[None] | None = None
     copy_server: ServerState | None = None
@@ -75,24 +86,29 @@ class Racer:
     copy_error: AttemptError | None = None
     cancelled_task: bool = False  # the copy answered first and cancelled `task` to hand it the answer
 
+    @property
+    def client(self) -> str:
+        return self.request.client_id
+
 
 class TailRescue:
-    def __init__(self, *, enabled: bool, timer: HedgeTimer, racers: dict[asyncio.Task[object], Racer],
-                 clients: ClientBook, book: ServerBook, policy: Policy, rng: random.Random,
+    def __init__(self, *, enabled: bool, timer: HedgeTimer, racers: dict[asyncio.Task[object], InFlight],
+                 clients: ClientBook, book: ServerBook, pick: Pick, sample: int | None, rng: random.Random,
                  clock: Callable[[], float], waiting: Callable[[], int], start_copy: StartCopy):
         self.enabled = enabled
         self.timer = timer
         self._racers = racers  # the dispatcher's: hedgeable requests in flight, by the task awaiting each
         self._clients = clients
         self._book = book
-        self._policy = policy
+        self._pick = pick  # how a copy picks among replicas with room (the policy's picker, or the least wait) ...
+        self._sample = sample  # ... from a sample of this many (None: all)
         self._rng = rng
         self._clock = clock
         self._waiting = waiting
         self._start_copy = start_copy
         self._look: asyncio.TimerHandle | None = None
         self.hedges = 0
-        self._groups: dict[TailKey, dict[ServerState, list[Racer]]] | None = None  # _tail_groups, when grouped
+        self._groups: dict[TailKey, dict[ServerState, list[InFlight]]] | None = None  # _tail_groups, when grouped
         self._grouped_at = 0.0
 
     def client_done(self) -> None:
@@ -124,19 +140,19 @@ class TailRescue:
                     self._hedge(racer)
         self.client_done()
 
-    def _hedge(self, racer: Racer) -> None:
+    def _hedge(self, racer: InFlight) -> None:
         primary = racer.server.entry
         if primary is None:
             return
-        limit = self._policy.candidate_limit
+        limit = self._sample
         free = self._replicas_free(racer, primary, racer.route.free, limit)
         if not free:
             return
         if limit is not None and len(free) > limit:
             free = self._rng.sample(free, limit)
-        self._start_copy(racer, self._policy.choose(free, racer.request))
+        self._start_copy(racer, self._pick(free, racer.request))
 
-    def _replicas_free(self, racer: Racer, primary: ServerEntry, free: Sequence[ServerState],
+    def _replicas_free(self, racer: InFlight, primary: ServerEntry, free: Sequence[ServerState],
                        limit: int | None) -> list[ServerState]:
         """The route's servers with room that may race the racer's server: from a sample of 4 × the policy's
         candidates where the route has more (every hedge scanned every free server: O(servers) a straggler at
@@ -172,13 +188,12 @@ class TailRescue:
         """The clients done sending changed: the tail's racers are grouped afresh at the next release."""
         self._groups = None
 
-    def _tail_groups(self) -> dict[TailKey, dict[ServerState, list[Racer]]]:
+    def _tail_groups(self) -> dict[TailKey, dict[ServerState, list[InFlight]]]:
         """The racers of clients done sending that may still be copied (racing, no copy yet), by route and
         replica class (engine, model, revision: who may race whom), then by server, oldest first. Grouped at most
         every HEDGE_RECHECK_S, and when a client is done sending or a request of such a client starts an attempt
-        (a retry, a request given back by a shrunk lease), not at every release: grouping every racer at every
-        release at a tail was 99% of the 10,000-server simulation's CPU (py-spy). A racer that stopped qualifying
-        is dropped as it comes up."""
+        (a retry, a request given back by a shrunk lease), not at every release (grouping at every release at a tail
+        cost O(racers) a release). A racer that stopped qualifying is dropped as it comes up."""
         now = self._clock()
         groups = self._groups
         if groups is not None and now - self._grouped_at < HEDGE_RECHECK_S:
@@ -202,10 +217,9 @@ class TailRescue:
         self._groups, self._grouped_at = groups, now
         return groups
 
-    def _stealable(self, thief: ServerState, queued_on: dict[ServerState, list[Racer]]) -> Iterator[Racer]:
+    def _stealable(self, thief: ServerState, queued_on: dict[ServerState, list[InFlight]]) -> Iterator[InFlight]:
         """While the thief has room: the racer queued last on the server whose queue drains slowest (in flight
-        ÷ learned rate, as it is now: drains ranked as grouped, 0.1 s stale, made the 4,096-server world 3%
-        slower), if slower than the thief would drain with one more."""
+        ÷ learned rate, as it is now, not as grouped), if slower than the thief would drain with one more."""
         book = self._book
         done = self._clients.done_sending
         while queued_on and book.has_room(thief):
@@ -227,23 +241,13 @@ class TailRescue:
 
 
 # ---- give-backs -----------------------------------------------------------------------------------------------
+STALL_MIN_S = 1.0  # a raced-out attempt this old whose server answered nothing since it started: `stalled`
 PREEMPT_MAX_AGE_S = 1.0  # attempts younger than this may give their slot back to a shrunk lease
-# How long an engine goes on with a request whose connection closed, by engine: the slot stays counted that long
-# after the give-back, so no request lands on an engine still running the one it replaced. vLLM's API server
-# cancels a handler as its client disconnects (as fedpool's emulator does). llama.cpp's server (this pool's build)
-# runs a non-streamed request to its end after its client has gone — four cancelled 200-token requests kept all 4
-# slots busy 6 s later, and a give-back there queued the next requests in the engine (4 deep for 5 s,
-# benchmarks/multiprocess.py) — but stops a streamed one at its next token, so the transport asks it for streams
-# (transport.STREAMED_ENGINES) and only those are given back, and only once they decode: llama.cpp reads a cancel
-# between its batches, and a prompt is one batch, so a stream cancelled in its prompt holds its slot to the
-# prompt's end — four streams of ~400 prompt tokens cancelled 0.1 s in (no token yet) kept all 4 slots 3.6–6.9 s,
-# where four decoding streams let go of theirs 0.06 s after the cancel (the engine's requests_processing, 50 ms
-# samples, 2 runs each; 0.5 s held here before, and the multiprocess run's engine queued 4 as leases settled).
-# So a streamed attempt is taken only once its engine has sent a byte (`transport.StreamProgress`), and its slot
-# stays counted 0.2 s more (over 3× what was measured). SGLang notices a closed connection only on the first 4 s
-# timeout of its wait for the request's output (`_wait_one_response`; deploy/emulator.py `abort_check_s`), but the
-# transport aborts a cancelled attempt there at once by its id (`HttpTransport`, /abort_request). Other servers
-# are not checked: never asked to give a slot back.
+# How long an engine goes on with a request whose connection closed, by engine (None: until its end, so never
+# taken): the slot stays counted that long after the give-back, so no request lands on an engine still running the
+# one it replaced. vLLM drops it at once; llama.cpp stops only a streamed request, at its next token (so only those
+# are given back there, once they decode: a prompt is one batch it does not interrupt); SGLang is aborted by id by
+# the transport. docs/architecture.md has the measurements.
 ENGINE_CANCEL_S = {"vllm": 0.0, "sglang": 0.0}
 STREAMED_CANCEL_S = {"vllm": 0.0, "llamacpp": 0.2}
 
@@ -258,44 +262,32 @@ Task = asyncio.Task[Any]
 
 
 class Preemptions:
+    """Attempts taken to give their slot back: which, how many, and what they had cost. The attempts themselves are
+    noted on their servers (`ServerState.attempts`, youngest last) by the dispatcher as each starts."""
+
     def __init__(self, clock: Callable[[], float], max_age_s: float = PREEMPT_MAX_AGE_S):
         self._clock = clock
         self._max_age_s = max_age_s
-        self.running: dict[str, dict[Task, float]] = {}  # server id -> attempt's task -> when it started
-        self.client_of: dict[Task, str] = {}  # the client of each attempt in `running`
         self._taken: dict[Task, str] = {}  # attempts cancelled to give their slot back -> their server
-        # Streamed attempts running: taken only once their engine sends (`StreamProgress.decoding`; see above).
-        self.streams: dict[Task, StreamProgress] = {}
         self.count = 0  # attempts given back
         self.lost_s = 0.0  # the engine time they had used
 
-    def ended(self, server_id: str, task: Task | None) -> None:
-        """The attempt let its slot go (answered, failed, cancelled or taken)."""
-        running = self.running.get(server_id)
-        if running is not None and task is not None and running.pop(task, None) is not None and not running:
-            del self.running[server_id]
-        if task is not None:
-            self.client_of.pop(task, None)
-        if self.streams and task is not None:
-            self.streams.pop(task, None)
-
-    def over_limit(self, server_id: str, excess: int, racers: Mapping[Task, Racer] | None,
-                   max_age_s: float | None = None) -> int:
+    def over_limit(self, server: ServerState, excess: int, max_age_s: float | None = None) -> int:
         """Take up to `excess` attempts on the server (beyond those already taken), the youngest first and only
         those younger than the age limit (`max_age_s`, else the one given at construction) and racing no copy;
         returns how many were taken now."""
         max_age = self._max_age_s if max_age_s is None else max_age_s
         self.pending()  # (drops the taken ones that ended before they could see their cancel)
-        running = self.running.get(server_id)
+        running = server.attempts
         if not running or excess <= 0:
             return 0
         excess -= sum(1 for t in running if t in self._taken)
         now = self._clock()
         taken = 0
-        for task, started in reversed(running.items()):  # (noted as each attempt starts: the youngest last)
-            if taken >= excess or now - started >= max_age:
+        for attempt in reversed(running.values()):  # (noted as each attempt starts: the youngest last)
+            if taken >= excess or now - attempt.started >= max_age:
                 break
-            taken += self._take(task, server_id, started, now, racers)
+            taken += self._take(attempt, now)
         return taken
 
     def pending(self) -> int:
@@ -304,35 +296,32 @@ class Preemptions:
             del self._taken[gone]
         return len(self._taken)
 
-    def take_for(self, client: str, servers: set[str], count: int, racers: Mapping[Task, Racer] | None) -> int:
+    def take_for(self, client: str, servers: Iterable[ServerState], count: int) -> int:
         """Take up to `count` of `client`'s attempts on those servers, the youngest first, each younger than the age
         limit and racing no copy (and, streamed, decoding); returns how many were taken."""
         now = self._clock()
-        young = [(started, task, sid) for sid in servers if (running := self.running.get(sid))
-                 for task, started in running.items()
-                 if now - started < self._max_age_s and self.client_of.get(task) == client]
-        young.sort(key=lambda t: t[0], reverse=True)
+        young = [a for s in servers for a in s.attempts.values()
+                 if now - a.started < self._max_age_s and a.client == client]
+        young.sort(key=lambda a: a.started, reverse=True)
         taken = 0
-        for started, task, sid in young:
+        for attempt in young:
             if taken >= count:
                 break
-            taken += self._take(task, sid, started, now, racers)
+            taken += self._take(attempt, now)
         return taken
 
-    def _take(self, task: Task, server_id: str, started: float, now: float,
-              racers: Mapping[Task, Racer] | None) -> bool:
+    def _take(self, attempt: InFlight, now: float) -> bool:
         """Cancel the attempt to give its slot back, unless it is taken already, ended, racing a copy or (streamed)
         still in its prompt; whether it was taken."""
-        racer = racers.get(task) if racers is not None else None
-        if task in self._taken or task.done() or (racer is not None and racer.copy_server is not None):
+        task = attempt.task
+        if task is None or task in self._taken or task.done() or attempt.copy_server is not None:
             return False
-        progress = self.streams.get(task)
+        progress = attempt.progress
         if progress is not None and not progress.decoding:
             return False  # still in its prompt: the engine would hold the slot to the prompt's end anyway
-        if racer is not None:
-            racer.racing = False  # no copy may start for it now
-        self._taken[task] = server_id
-        self.lost_s += now - started
+        attempt.racing = False  # no copy may start for it now
+        self._taken[task] = attempt.server.id
+        self.lost_s += now - attempt.started
         task.cancel()
         return True
 
@@ -346,3 +335,141 @@ class Preemptions:
         task.uncancel()
         self.count += 1
         return True
+
+
+# ---- how an attempt ends, other than answered -----------------------------------------------------------------
+class AttemptEnds:
+    """Failed attempts recorded and retried, and copies at the tail started, raced and dropped: the part of the
+    dispatcher (federation/core/dispatcher.py, which extends this) that ends attempts that were not simply answered.
+    The state it works on is the dispatcher's, declared here."""
+
+    _book: ServerBook
+    _tail: TailRescue
+    _transport: Transport
+    _config: DispatchConfig
+    _hedge_timer: HedgeTimer
+    _clock: Callable[[], float]
+    _rng: random.Random
+    _sleep: Callable[[float], Awaitable[None]]
+    _on_failure: Callable[[str, FailureKind], None] | None
+    _failed: int
+    _retries: int
+    _release: Callable[..., None]
+
+    # ---- failures ---------------------------------------------------------------------------------------------
+    def _record_failure(self, state: ServerState, started: float, err: AttemptError, retry: RetryState) -> None:
+        retry.record(state.id, started, self._clock(), err)
+        self._note_failure(state, err.kind)
+
+    async def _after_failure(self, request: InferenceRequest, state: ServerState, started: float,
+                             err: AttemptError, retry: RetryState) -> None:
+        """Record a failed attempt; return to retry (at once or after a backoff) or raise RequestFailed."""
+        self._record_failure(state, started, err, retry)
+        if err.kind.retriable:
+            self._retries += 1
+        try:
+            at_once = retry.retry_at_once(request.request_id, state.id, err, self._config.max_attempts)
+        except RequestFailed:
+            self._failed += 1
+            raise
+        if not at_once:
+            await self._sleep(backoff_s(retry.counted, self._config.backoff_base_s, self._config.backoff_max_s,
+                                        self._rng))
+
+    def _note_failure(self, state: ServerState, kind: FailureKind) -> None:
+        self._book.note_failure(state, kind)
+        if kind.counts_against_server and self._on_failure is not None:
+            self._on_failure(state.id, kind)
+
+    def note_stream_failure(self, server_id: str, kind: FailureKind) -> None:
+        """A stream broke after its first byte (the caller saw it): counted against the server."""
+        state = self._book.get(server_id)
+        if state is not None:
+            self._note_failure(state, kind)
+        elif kind.counts_against_server and self._on_failure is not None:
+            self._on_failure(server_id, kind)
+
+    async def _lost_copy(self, attempt: InFlight, answered_at: float, retry: RetryState | None) -> RetryState | None:
+        """The first attempt answered while its copy ran: the copy is cancelled, and noted as a lost race."""
+        await self._drop_copy(attempt)
+        if attempt.copy_server is None:
+            return retry
+        retry = retry or RetryState()
+        if attempt.copy_error is None:  # (a failed copy was counted against its server already)
+            retry.attempts.append(Attempt(attempt.copy_server.id, attempt.copy_started,
+                                          answered_at - attempt.copy_started, lost_race=True))
+        return retry
+
+    # ---- copies at the tail (TailRescue decides when and where) -----------------------------------------------
+    def _start_copy(self, racer: InFlight, state: ServerState) -> None:
+        """A second attempt of a racer's request on `state` (a hedge or a steal), counted like any other."""
+        client = racer.request.client_id
+        now = self._clock()
+        self._book.take(state, client, now)
+        racer.copy_server, racer.copy_started = state, now
+        self._tail.hedges += 1
+        racer.copy = asyncio.get_running_loop().create_task(self._run_copy(racer, state))
+
+        def release_if_never_ran(task: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step never runs its body (nor its `finally`).
+            if not racer.copy_ran:
+                self._release(state, client)
+
+        racer.copy.add_done_callback(release_if_never_ran)
+
+    async def _run_copy(self, racer: InFlight, state: ServerState) -> None:
+        racer.copy_ran = True
+        try:
+            completion = await self._transport.complete(state, racer.request)
+        except AttemptError as err:
+            racer.copy_error = err
+            self._note_failure(state, err.kind)
+            return
+        finally:
+            self._release(state, racer.request.client_id)
+        racer.won, racer.won_at = completion, self._clock()
+        if racer.racing and racer.task is not None:
+            racer.racing = False
+            racer.cancelled_task = True
+            racer.task.cancel()  # the first attempt's task takes the copy's answer (Dispatcher.submit)
+
+    async def _copy_outcome(self, racer: InFlight, retry: RetryState | None
+                            ) -> tuple[ServerState, RetryState] | None:
+        """The first attempt failed: a copy still running may answer instead."""
+        copy = racer.copy
+        if copy is None or racer.copy_server is None:
+            return None
+        if not copy.done():
+            await asyncio.wait([copy])
+        retry = retry or RetryState()
+        if racer.copy_error is not None:  # (counted against its server when it failed)
+            retry.record(racer.copy_server.id, racer.copy_started, self._clock(), racer.copy_error)
+            return None
+        if racer.won is None:
+            return None
+        return racer.copy_server, retry
+
+    async def _drop_copy(self, racer: InFlight) -> None:
+        """Cancel a copy that lost (or whose request is gone) and wait for it: its slot is back on return."""
+        copy = racer.copy
+        if copy is None:
+            return
+        racer.racing = False
+        if not copy.done():
+            copy.cancel()
+            await asyncio.gather(copy, return_exceptions=True)
+
+    def _settle_lost_race(self, state: ServerState, started: float, retry: RetryState) -> None:
+        """The first attempt was cancelled because a copy answered first. If its server answered nothing at all
+        while it ran (long enough to tell), the server accepts requests and does not answer them: a passive
+        failure (`stalled`), reported like any other, so a hung server cannot come out of a run looking healthy."""
+        now = self._clock()
+        age = now - started
+        entry = state.entry
+        delay = self._hedge_timer.delay(entry.record.model if entry is not None else "") or 0.0
+        if state.last_answer_at < started and age >= max(STALL_MIN_S, 2 * delay):
+            self._record_failure(state, started, AttemptError(
+                FailureKind.STALLED, f"no answer in {age:.1f}s while a copy elsewhere answered"), retry)
+            return
+        retry.attempts.append(Attempt(state.id, started, age, lost_race=True))
+

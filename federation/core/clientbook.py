@@ -1,25 +1,14 @@
-"""What the dispatcher knows about each client (an eval, a gateway caller): its weight, what it says it has
-left, the shape it announced, whether it has sent everything, how many of its requests wait; and the order
-clients are served in when the pool is full (`DispatchConfig.client_order`).
+"""What the dispatcher knows about each client (an eval, a gateway caller) and the order clients are served in
+when the pool is full (`DispatchConfig.client_order`): its weight, what it says it has left, its shape, whether it
+has sent everything, how many of its requests wait.
 
-`fair`: the client with the fewest requests in flight per unit of weight first. `shortest_first`: the
-client with the least work left, as it reports it (fedpool's evals do); a caller that says only how many
-requests it has left (a tool behind the gateway with `X-Fedpool-Requests`) by those × what one of its requests
-is expected to take (its answers' mean service, below) — least remaining first, as SRPT; a client that reports
-nothing (a tool behind the gateway) is ranked by the service it has had so far instead, least first (least
-attained service),
-so a short eval is not queued behind a long one it cannot tell apart from; fair among equals. Service is the
-seconds its answered requests held an engine slot, on the reported work's scale (× the pool's work per
-slot-second): counting tokens instead ranked a short-answer eval with long prompts behind a long-answer eval
-whose requests each held a slot six times longer (prompt tokens are processed many per step, answer tokens
-one per step per sequence). A request in flight counts from the moment it takes its slot, as the slot-seconds
-its client's answers have held on average (before its first answer: its shape's work, prompt + 2 × max_tokens):
-counted only once answered, a caller whose requests hold a slot 5 s each stayed unserved for
-those 5 s while a short-answer caller's answers counted at once, so the long caller took every slot the short
-one freed and the short eval finished later than on a server of its own. `longest_answers_first`: the
-client asking for the longest answers (max_tokens) first, fair among equals. In-flight counts are the
-ledger's.
-Pure bookkeeping, no I/O.
+`fair`: the fewest requests in flight per unit of weight first. `shortest_first`: the least work left, as the client
+reports it (fedpool's evals do); a caller that says only how many requests it has left (`X-Fedpool-Requests`) by
+those x one of its requests' expected service (SRPT); a caller that says nothing by the service it has had so far
+(least attained service): the slot-seconds its answers held, on the reported work's scale, a request in flight
+counted from the moment it takes its slot. `longest_answers_first`: the longest answers (max_tokens) first. Fair
+among equals in every order. In-flight counts are the ledger's. Pure bookkeeping, no I/O; docs/architecture.md
+says why service is counted in slot-seconds and from the slot's start.
 """
 
 from __future__ import annotations
@@ -62,9 +51,6 @@ class ClientBook:
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
         self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests ...
         self._answers: dict[str, int] = {}  # ... and how many there were (their mean: one request's expected)
-        # shortest_first: per client, attempts in flight and the sum of when they took their slots (the service
-        # they have had so far, for the lease broker's ranks across processes; see `served_s`)
-        self._running: dict[str, tuple[int, float]] = {}
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._all_answer_tokens = 0.0  # every answer's completion tokens (a request's slot-seconds, guessed)
@@ -132,24 +118,7 @@ class ClientBook:
         self._all_s += slot_s
         self._all_answer_tokens += completion_tokens or 0
 
-    def started(self, client_id: str, now: float) -> None:
-        """An attempt of the client's took a slot at `now` (counted under shortest_first only)."""
-        if self.order == "shortest_first":
-            n, since = self._running.get(client_id, (0, 0.0))
-            self._running[client_id] = (n + 1, since + now)
-
-    def ended(self, client_id: str) -> None:
-        """One of the client's attempts let its slot go. Which one is not said: the sum of start times loses their
-        mean (exact when it was the last, and `note_served` adds the answered one's own slot-seconds)."""
-        running = self._running.get(client_id)
-        if running is not None:
-            n, since = running
-            if n <= 1:
-                del self._running[client_id]
-            else:
-                self._running[client_id] = (n - 1, since - since / n)
-
-    def served_s(self, client_id: str, now: float) -> float | None:
+    def served_s(self, client_id: str) -> float | None:
         """The service a client ranked by its service (shortest_first, no work left reported) has attained by
         `now`: the slot-seconds of its answered requests and of those in flight — each counted as one request's
         expected slot-seconds from when it took its slot (as `served` ranks inside the process), or as the
@@ -159,8 +128,9 @@ class ClientBook:
         lands."""
         if self.order != "shortest_first" or client_id in self._work_left or client_id in self._declared:
             return None
-        n, since = self._running.get(client_id, (0, 0.0))
-        return self._served_s.get(client_id, 0.0) + max(0.0, n * now - since, n * self.expected_s(client_id))
+        n = self._ledger.of_client(client_id)
+        return self._served_s.get(client_id, 0.0) + max(0.0, self._ledger.held_s(client_id),
+                                                         n * self.expected_s(client_id))
 
     def served_totals(self) -> tuple[float, float]:
         """Every answer's work and slot-seconds (the scale `served` uses)."""
@@ -173,9 +143,9 @@ class ClientBook:
         touched then), not as time passes."""
         scale = self._scale()
         served = self._served_s.get(client_id, 0.0) * scale
-        running = self._running.get(client_id)
-        if running is not None:
-            served += running[0] * self._expected_work(client_id, scale)
+        running = self._ledger.of_client(client_id)
+        if running:
+            served += running * self._expected_work(client_id, scale)
         return served
 
     def by_service(self, client_id: str) -> bool:
@@ -215,10 +185,9 @@ class ClientBook:
     def expected_s(self, client_id: str) -> float:
         """The slot-seconds one of the client's requests is expected to hold: its answers' mean. Before its first,
         the more of its shape's work at the pool's slot-seconds per unit of work and its answer budget at the
-        pool's slot-seconds per answer token — a sequence holds its slot about one decode step per answer token,
-        and a prompt is a step or a few: a caller asking for 64 tokens beside one whose 3-token answers took
-        0.47 s each was guessed at 1 s a request by work, held its slots 5 s, and kept them from the short
-        caller. 0 before any answer anywhere."""
+        pool's slot-seconds per answer token (a sequence holds its slot about one decode step per answer token, a
+        prompt a step or a few: guessed by work alone, a long-answer caller was ranked as short). 0 before any
+        answer anywhere."""
         answers = self._answers.get(client_id)
         if answers:
             return self._served_s[client_id] / answers
@@ -248,7 +217,6 @@ class ClientBook:
         self._answers.pop(client_id, None)
         self._requests_left.pop(client_id, None)
         self._declared.discard(client_id)
-        self._running.pop(client_id, None)
         self._shapes.pop(client_id, None)
         self.done_sending.discard(client_id)
 

@@ -15,20 +15,27 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from fedpool.federation.core.attempts import Preemptions, Racer, TailRescue
-from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.attempts import InFlight, Preemptions, TailRescue
+from fedpool.federation.core.clientbook import ClientBook, client_size
 from fedpool.federation.core.errors import NoServerError
 from fedpool.federation.core.ledger import InflightLedger, StallClock
-from fedpool.federation.core.policy import Hold, Policy
+from fedpool.federation.core.policy import Hold, Policy, PolicyHooks
 from fedpool.federation.core.routes import Route, Waiter
 from fedpool.federation.core.serverbook import ServerBook, ServerState
 from fedpool.federation.core.types import DispatchConfig, InferenceRequest
-from fedpool.registry import PoolSnapshot
+from fedpool.registry import ClientDemand, ModelDemand, PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.dispatcher")
 
+# A client that said it is about to send (`expect`: an eval that has loaded its samples) counts as demand for the
+# capacity lease until its requests arrive, or this long: the lease is asked for while the client gets ready, not
+# at its first request.
+EXPECT_HOLD_S = 2.0
+# Kind -> what the mean of these requests ((requests, (prompt, answer tokens)) per client) costs on one server of
+# that kind, over the routable servers of one model (federation/routing/horizon.py `kind_costs`).
+KindPricer = Callable[[Iterable[ServerEntry], Iterable[tuple[int, tuple[float, float]]]], dict[str, float]]
 WAIT_POLL_S = 0.25  # while requests wait: breakers half-open, deadlines pass, snapshots are looked at again
 CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
@@ -45,12 +52,13 @@ class GrantPass:
     _book: ServerBook
     _clients: ClientBook
     _policy: Policy
+    _hooks: PolicyHooks
     _config: DispatchConfig
     _ledger: InflightLedger
     _stalls: StallClock | None
     _preempt: Preemptions
     _tail: TailRescue
-    _racers: dict[asyncio.Task[object], Racer] | None
+    _racers: dict[asyncio.Task[object], InFlight] | None
     _clock: Callable[[], float]
     _snapshots: Callable[[], PoolSnapshot | None]
     _rng: random.Random
@@ -68,6 +76,8 @@ class GrantPass:
     loop_lag_at: float
     on_demand: Callable[[bool], None] | None
     on_over_lease_release: Callable[[], None] | None
+    _expected: dict[str, tuple[str, int, float, bool]]  # client -> (model, requests, since, loading): `expect`
+    _price_kinds: KindPricer | None
     _order_takes: bool  # young attempts give their slots back to a client first in the order (`_take_for_order`)
 
     def _grant_now(self, request: InferenceRequest, tried: set[str]) -> tuple[ServerState, Route] | None:
@@ -75,7 +85,7 @@ class GrantPass:
         placed at once (None: it waits in `_acquire`). The grant pass that this turn schedules still runs (it
         measures the loop's lag); the turn's later requests wait for it and are granted there in the client order,
         and so is any request that would take the route's last slot. Placing the first at once saves the pass's
-        waiter, its future and a turn of the loop (one request at a time through `submit`: 35 to 25 µs of CPU).
+        waiter, its future and a turn of the loop.
         It can take a slot a later request of the same turn comes before in the client order only when that turn
         brings more requests than the route has room for."""
         if self._grant_soon is not None:
@@ -96,14 +106,13 @@ class GrantPass:
             placed = self._policy.place(route, request, tried)
         except Exception:
             return None  # (the grant pass asks again, and says what went wrong)
-        if placed.__class__ is Hold or route not in getattr(placed, "routes", ()):
+        if isinstance(placed, Hold) or route not in placed.routes:
             return None
         if len(route.free) < 2 and placed.inflight + 1 >= placed.window:
             return None  # the route's last slot: the turn's requests compete for it in the client order
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
             self.on_demand(True)  # idle until now
         self._book.take(placed, client, now)
-        self._clients.started(client, now)
         self._decisions += 1
         self._ask_grant_pass(asyncio.get_running_loop())
         if now - self._swept_at >= CLIENT_TTL_S / 10:
@@ -193,8 +202,8 @@ class GrantPass:
         if not route.waiting:
             route.unpark_all()  # (nothing is parked, as a rule)
             return
-        # perf_counter, not process_time: the CPU clock of a process with Ray's threads is a syscall that cost ~10%
-        # of the gateway's time here (py-spy); the pass is synchronous, so its wall time is its CPU time.
+        # perf_counter, not process_time: the CPU clock of a process with Ray's threads is a syscall; the pass is
+        # synchronous, so its wall time is its CPU time.
         began = time.perf_counter()
         now = self._clock()
         key, policy, book = self._clients.key, self._policy, self._book
@@ -213,7 +222,7 @@ class GrantPass:
             except Exception:
                 placed = self._misplaced(route, head, None)
             else:
-                if placed.__class__ is not Hold and route not in getattr(placed, "routes", ()):
+                if not isinstance(placed, Hold) and route not in placed.routes:
                     placed = self._misplaced(route, head, placed)
             if placed is Hold.ROUTE_FULL:
                 break
@@ -222,12 +231,11 @@ class GrantPass:
                 continue
             route.granted(head)
             book.take(placed, head.request.client_id, now)
-            self._clients.started(head.request.client_id, now)
             head.future.set_result(placed)
             self._decisions += 1
         if held:
             route.unskip(held, key)
-        if self._order_takes and route.waiting and not route.free and self._preempt.running:
+        if self._order_takes and route.waiting and not route.free:
             self._take_for_order(route)
         # The tick only for requests still ungranted (`waiting` counts the granted ones until they resume): a
         # request that found room arms no timer.
@@ -265,7 +273,7 @@ class GrantPass:
             swaps += 1
         swaps -= self._preempt.pending()
         if swaps > 0:
-            self._preempt.take_for(victim, {s.id for s in route.servers}, swaps, self._racers)
+            self._preempt.take_for(victim, route.servers, swaps)
 
     def _misplaced(self, route: Route, head: Waiter, placed: object) -> ServerState | Hold:
         """A policy's bug (it raised: `placed` None; or it answered with a server outside the route) costs that one
@@ -281,7 +289,8 @@ class GrantPass:
         return free[0] if free else Hold.ROUTE_FULL
 
     def _arm_tick(self) -> None:
-        delay = min(WAIT_POLL_S, self._policy.recheck_s() or WAIT_POLL_S)
+        recheck = self._hooks.recheck_s
+        delay = min(WAIT_POLL_S, (recheck() if recheck is not None else None) or WAIT_POLL_S)
         cooldown = self._book.next_cooldown()
         if cooldown is not None:
             delay = max(0.0, min(delay, cooldown - self._clock()))
@@ -304,17 +313,20 @@ class GrantPass:
             route.unpark_all()  # a policy's reasons to hold a client are looked at again every tick
             self._grant(route)  # (re-arms the tick while requests there are still ungranted)
 
-    def _release(self, state: ServerState, client: str) -> None:
+    def _release(self, state: ServerState, client: str, attempt: InFlight | None = None, after_s: float = 0.0) -> None:
+        """A slot back on `state` (an attempt answered, failed, was cancelled; a copy ended), `after_s` from now (the
+        time its engine takes to let a cancelled request go). With its attempt, the attempt's record ends at once: it
+        may no longer be given back or raced."""
+        if attempt is not None and (task := attempt.task) is not None:
+            attempt.racing = False
+            if state.attempts.get(task) is attempt:
+                del state.attempts[task]
+            if self._racers is not None and self._racers.get(task) is attempt:
+                del self._racers[task]
+        if after_s > 0:
+            asyncio.get_running_loop().call_later(after_s, self._release, state, client)
+            return
         self._book.release(state, client)
-        self._clients.ended(client)
-        running = self._preempt.running.get(state.id)  # (Preemptions.ended, inlined: every release passes here)
-        if running is not None:
-            current = asyncio.current_task()
-            if running.pop(current, None) is not None and not running:  # type: ignore[arg-type]
-                del self._preempt.running[state.id]
-            self._preempt.client_of.pop(current, None)  # type: ignore[arg-type]
-            if self._preempt.streams:
-                self._preempt.streams.pop(current, None)  # type: ignore[arg-type]
         if state.lease is not None and self.on_over_lease_release is not None and state.inflight >= state.lease:
             self.on_over_lease_release()  # (it held one more than its lease there until now)
         if not self._waiting and self.on_demand is not None and not self._ledger.total():
@@ -325,6 +337,49 @@ class GrantPass:
             if route.waiting:
                 route.touch(client, self._clients.key(client))
                 self._grant(route)
+
+    # ---- what this process wants of the lease broker ----------------------------------------------------------
+    def demand(self) -> tuple[ModelDemand, ...]:
+        """What this process wants, per model: each client with requests waiting or in flight (or about to send
+        them: `expect`), how many slots it could use now, its rank in the client order (smaller first) and its
+        weight. O(waiting + busy servers + clients expected)."""
+        wanted: dict[str, dict[str, int]] = {}
+        for route in self._waiting_routes:
+            per = wanted.setdefault(route.model, {})
+            for client, queue in route.queues.items():
+                live = sum(1 for w in queue if not w.future.done())
+                if live:
+                    per[client] = per.get(client, 0) + live
+        for state in self._book.states.values():
+            if state.inflight and state.entry is not None:
+                per = wanted.setdefault(state.entry.record.model, {})
+                for client, n in state.by_client.items():
+                    per[client] = per.get(client, 0) + n
+        clients, now = self._clients, self._clock()
+        loading: set[str] = set()
+        for client, (model, n, since, still_loading) in list(self._expected.items()):
+            per = wanted.setdefault(model, {})
+            if client in per or now - since >= EXPECT_HOLD_S:  # its requests speak for it now, or never came
+                del self._expected[client]
+            else:
+                per[client] = n
+                if still_loading:
+                    loading.add(client)
+        snapshot = self._snapshots() if wanted else None
+        entries = snapshot.entries if snapshot is not None else ()
+        return tuple(ModelDemand(model=model, clients=tuple(
+            ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
+                         served_s=None if c in loading else clients.served_s(c), loading=c in loading,
+                         work_left=clients.work_left(c))
+            for c, n in sorted(per.items())), kind_costs=self._kind_costs(model, entries, per))
+            for model, per in sorted(wanted.items()) if per)
+
+    def _kind_costs(self, model: str, entries: Iterable[ServerEntry], per: Mapping[str, int]) -> dict[str, float]:
+        if self._price_kinds is None:
+            return {}
+        shape = self._clients.shape
+        return self._price_kinds((e for e in entries if e.record.model == model),
+                                 ((n, size) for c, n in per.items() if (size := client_size(shape(c))) is not None))
 
     def _touch(self, client: str) -> None:
         """The client's serving key moved: its waiting requests take their new place."""
@@ -340,4 +395,5 @@ class GrantPass:
         for client in self._clients.idle(now, CLIENT_TTL_S):
             self._clients.forget(client)
             self._book.forget_client(client)
-            self._policy.forget_client(client)
+            if self._hooks.forget_client is not None:
+                self._hooks.forget_client(client)

@@ -1,36 +1,27 @@
-"""The in-flight ledger: every attempt a dispatcher has on a server, counted once.
+"""What a dispatcher counts and learns of each server from its own traffic.
 
-Counted per server, per client and per server × client in the same step as the choice that sends it
-(`take`) and given back when the attempt ends however it ends (`release`), so nothing else counts: the
-admission windows and the index of servers with room, the planner's unsent work and interference rule, tail
-stealing's drain estimates and the learned rates all read it. Each server's figures live on one object,
-`ServerSlots` (the dispatcher's per-server state extends it), so the hot path reads attributes, not dicts:
+The in-flight ledger: every attempt counted once, per server, per client and per server x client, in the same
+step as the choice that sends it (`take`) and given back however it ends (`release`); everything else reads it.
+Each server's figures live on one object, `ServerSlots` (the dispatcher's `ServerState` extends it): in flight,
+a coarse wall-clock history of the count (to line up with the registry's scrapes), busy seconds and occupancy,
+kept on a `StallClock` (the monotonic clock less the seconds this process's own loop stood still).
 
-- `inflight` and `by_client`: attempts there now, in total and per client;
-- a coarse wall-clock history of the count, to line up with the registry's scrapes (stamped with wall time
-  and up to a probe interval old): `at(t)`;
-- busy seconds (monotonic time with at least one attempt in flight), the one busy-time measurement every
-  rate is computed from, and occupancy (attempt-seconds: ∫ count dt), for per-sequence speeds.
-
-A server's slots are forgotten (`forget`) once it has left the pool and nothing of it is in flight.
-
-Busy time and occupancy are what server speeds are measured on, so they are kept on a `StallClock`: the
-monotonic clock less the seconds this process's own loop stood still. When the client's loop stops (a long
-callback, a garbage-collection pause, the process descheduled on a busy machine), answers that arrived
-meanwhile wait unread and every attempt in flight is charged the wait: one 150 ms stall at a light load made
-one of two identical servers measure several times slower than its twin. The probe is the dispatcher's own
-grant pass, scheduled with `call_soon` whenever requests arrive: one that runs more than a tolerance late
-means the loop was stopped (or busy) for the excess, and the clock stands still for it. No timer of its own:
-a stall is seen when a grant pass is pending (under load, nearly always); an idle dispatcher schedules nothing.
-Pure bookkeeping: clocks injected, no I/O.
+What is learned from it (`ServerLearning`): each server's throughput and per-sequence speed, an adaptive admission
+window re-decided once per learning period, and each model's hedge delay (`HedgeTimer`). Pure bookkeeping: clocks
+injected, no I/O. docs/architecture.md says why each measure is what it is.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from fedpool.federation.core.windows import WindowController, WindowDecision, WindowObservation
 
 HISTORY_BUCKET_S = 0.05  # the count's history keeps one entry per this much wall time (the largest count seen)
 HISTORY_S = 30.0  # ... over this much of the past: scrapes are at most a few probe intervals old
@@ -105,6 +96,7 @@ class InflightLedger:
         self._wall_clock = wall_clock
         self._servers: dict[str, ServerSlots] = {}
         self.clients: dict[str, int] = {}  # client -> attempts in flight (read-only to everyone else)
+        self._since: dict[str, float] = {}  # client -> the sum of when its attempts in flight took their slots
         self._total = 0
 
     def slots(self, server_id: str, factory: Callable[[str], ServerSlots] = ServerSlots) -> ServerSlots:
@@ -135,6 +127,7 @@ class InflightLedger:
         slots.inflight = n = n + 1
         slots.by_client[client_id] = slots.by_client.get(client_id, 0) + 1
         self.clients[client_id] = self.clients.get(client_id, 0) + 1
+        self._since[client_id] = self._since.get(client_id, 0.0) + now
         self._total += 1
         # The count's coarse history (one bucket per HISTORY_BUCKET_S of wall time; inlined here and in
         # release: it runs for every attempt).
@@ -167,8 +160,11 @@ class InflightLedger:
         left = self.clients[client_id] - 1
         if left:
             self.clients[client_id] = left
+            # Which attempt ended is not said: the sum of start times keeps their mean (exact for the last one).
+            self._since[client_id] -= self._since[client_id] / (left + 1)
         else:
             del self.clients[client_id]
+            del self._since[client_id]
         self._total -= 1
         wall, history = self._wall_clock(), slots.history
         if history and wall < history[-1][0] + HISTORY_BUCKET_S:
@@ -192,6 +188,11 @@ class InflightLedger:
 
     def of_client(self, client_id: str) -> int:
         return self.clients.get(client_id, 0)
+
+    def held_s(self, client_id: str) -> float:
+        """Seconds the client's attempts in flight have held their slots so far, together (on the ledger's clock)."""
+        n = self.clients.get(client_id, 0)
+        return n * self._clock() - self._since[client_id] if n else 0.0
 
     def clients_on(self, server_id: str) -> Mapping[str, int]:
         """Client -> attempts in flight on that server (a live view: do not keep it)."""
@@ -234,3 +235,169 @@ class InflightLedger:
 
 
 _EMPTY: Mapping[str, int] = {}
+
+
+# ---- what is learned from it -----------------------------------------------------------------------------------
+
+LEARN_PERIOD_S = 2.0  # throughput and window decisions are made at most this often per server
+
+
+@dataclass
+class BusyRate:
+    """An amount (generated tokens, priced work) per busy second, both exponentially decayed with time
+    constant `tau_s`. Busy seconds are the ledger's (`InflightLedger.busy_s`, cumulative), so every rate a
+    dispatcher learns is measured against the same busy time: seconds with at least one of its requests on
+    the server, idle gaps not counted."""
+
+    tau_s: float
+    amount: float = 0.0
+    busy: float = 0.0
+    answered: int = 0
+    _at: float | None = None
+    _busy_seen: float = 0.0
+
+    def add(self, now: float, busy_total_s: float, amount: float) -> float | None:
+        """Add an amount; returns the rate after it (None while there is no busy time yet)."""
+        at = self._at
+        if at is not None and now > at:
+            keep = math.exp(-(now - at) / self.tau_s)
+            self.amount *= keep
+            self.busy *= keep
+        busy = busy_total_s - self._busy_seen
+        if busy > 0:
+            self.busy += busy
+        self._busy_seen = busy_total_s
+        self._at = now
+        self.amount += amount
+        self.answered += 1
+        return self.amount / self.busy if self.busy > 0 and self.amount > 0 else None
+
+    def value(self, now: float, busy_total_s: float, min_answers: int = 1) -> float | None:
+        self._advance(now, busy_total_s)
+        if self.answered < min_answers or self.busy <= 0 or self.amount <= 0:
+            return None
+        return self.amount / self.busy
+
+    def _advance(self, now: float, busy_total_s: float) -> None:
+        if self._at is not None and now > self._at:
+            keep = math.exp(-(now - self._at) / self.tau_s)
+            self.amount *= keep
+            self.busy *= keep
+        self.busy += max(0.0, busy_total_s - self._busy_seen)
+        self._busy_seen = busy_total_s
+        self._at = now
+
+
+@dataclass
+class ServerLearning:
+    """Everything one dispatcher learns about one server: its throughput (tokens per busy second, decayed
+    over ~3 learning periods) and its admission window, re-decided once per period."""
+
+    rate: BusyRate
+    controller: WindowController
+    period_s: float = LEARN_PERIOD_S
+    adaptive: bool = True
+    last_decision: WindowDecision | None = None
+    tokens_per_s: float | None = None  # tokens per busy second as of the last closed period (the window's view)
+    # One sequence's speed, as of its latest answer: the answers' reference latencies (each client's mean latency
+    # over every server, ServerBook) per attempt-second here: 1.0 for a server as fast as the pool's average for the
+    # same requests, whatever mix it was given. Neither the traffic a server is given nor the shape of its requests
+    # moves it (tokens per busy second, or per attempt-second, did), and it is renewed at each answer, not at the end
+    # of a period (docs/architecture.md).
+    sequence_speed: float | None = None
+    speed_at: float | None = None  # when sequence_speed was last measured (an answer)
+    sequence_rate: BusyRate = field(default_factory=lambda: BusyRate(tau_s=3 * LEARN_PERIOD_S))
+    _latencies: list[float] = field(default_factory=list)
+    _rate_limited: int = 0
+    full: bool = False  # the window was full at some point this period
+    period_start: float | None = None
+
+    @classmethod
+    def for_capacity(
+        cls, capacity: int, *, adaptive: bool, max_factor: float, period_s: float = LEARN_PERIOD_S
+    ) -> ServerLearning:
+        return cls(BusyRate(tau_s=3 * period_s), WindowController(capacity, max_factor=max_factor), period_s, adaptive,
+                   sequence_rate=BusyRate(tau_s=3 * period_s))
+
+    def window(self, capacity: int) -> int:
+        if self.controller.capacity != capacity:  # the registry learned a new capacity: start over from it
+            self.controller = WindowController(capacity, max_factor=self.controller.max_factor)
+        return self.controller.limit if self.adaptive else max(1, int(capacity * self.controller.max_factor))
+
+    def on_start(self, now: float, inflight_after: int, window: int) -> None:
+        if self.period_start is None:
+            self.period_start = now
+        if inflight_after >= window:
+            self.full = True
+
+    def on_rate_limited(self) -> None:
+        self._rate_limited += 1
+
+    def on_scrape(self, waiting: float, inflight: int) -> WindowDecision | None:
+        """A new scrape of the engine (`inflight`: this dispatcher's attempts there when it was taken)."""
+        if not self.adaptive:
+            return None
+        decision = self.controller.on_scrape(waiting, inflight)
+        if decision is not None:
+            self.last_decision = decision
+        return decision
+
+    def on_finish(self, tokens: int, latency_s: float, now: float, busy_total_s: float, scraped_waiting: float,
+                  inflight: int, occupancy_s: float = 0.0, reference_s: float = 0.0) -> WindowDecision | None:
+        """An answer (or a failure, with 0 tokens) came back; at most once a period, the window is re-decided."""
+        if tokens > 0:
+            self._latencies.append(latency_s / tokens)
+            self.rate.add(now, busy_total_s, tokens)
+        if reference_s > 0:
+            self.sequence_speed = self.sequence_rate.add(now, occupancy_s, reference_s)
+            self.speed_at = now
+        if self.period_start is None or now - self.period_start < self.period_s:
+            return None
+        self.period_start = now
+        rate = self.rate.value(now, busy_total_s)
+        if rate is None:
+            return None
+        self.tokens_per_s = rate
+        if not self.adaptive:
+            return None
+        ordered = sorted(self._latencies)
+        obs = WindowObservation(
+            throughput=rate,
+            per_token_latency_s=ordered[len(ordered) // 2] if ordered else None,
+            scraped_waiting=scraped_waiting,
+            rate_limited=self._rate_limited,
+            window_was_full=self.full,
+            inflight=inflight,
+        )
+        self._latencies, self._rate_limited, self.full = [], 0, False
+        self.last_decision = self.controller.decide(obs)
+        return self.last_decision
+
+
+class HedgeTimer:
+    """When to hedge a straggler: `factor` × the median latency of recent answers for a model, never sooner
+    than `min_delay_s`, and not at all before `min_samples` answers have been seen."""
+
+    def __init__(self, factor: float = 2.0, min_delay_s: float = 0.2, min_samples: int = 8, window: int = 200):
+        self._factor = factor
+        self._min_delay_s = min_delay_s
+        self._min_samples = min_samples
+        self.window = window
+        self.latencies: dict[str, deque[float]] = {}  # model -> recent answer latencies (the dispatcher appends)
+
+    def observe(self, model: str, latency_s: float) -> None:
+        seen = self.latencies.get(model)
+        if seen is None:
+            seen = self.latencies[model] = deque(maxlen=self.window)
+        seen.append(latency_s)
+
+    def delay(self, model: str) -> float | None:
+        seen = self.latencies.get(model)
+        if not seen or len(seen) < self._min_samples:
+            return None
+        return max(self._min_delay_s, self._factor * statistics.median(seen))
+
+    def forget(self, models: set[str]) -> None:
+        """Keep only these models' latencies (a model no server serves any more is forgotten)."""
+        for model in [m for m in self.latencies if m not in models]:
+            del self.latencies[model]

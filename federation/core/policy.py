@@ -66,6 +66,7 @@ class Candidate:
 
 
 V = TypeVar("V", bound=ServerView)
+S = TypeVar("S", bound=ServerView)
 
 
 class Hold(StrEnum):
@@ -75,32 +76,41 @@ class Hold(StrEnum):
     CLIENT_HELD = "client_held"  # this client waits (for its own planned servers, or untried ones); others may go
 
 
-class RouteView(Protocol):
-    """One waiting request's route as the dispatcher shows it to a policy (federation/core/routes.py's Route)."""
+class RouteView(Protocol[S]):
+    """One waiting request's route as the dispatcher shows it to a policy (federation/core/routes.py's Route, whose
+    servers are the dispatcher's `ServerState`s)."""
 
     @property
     def key(self) -> Any:
         """What identifies the route (model, revision, pins): stable across snapshots."""
 
     @property
-    def servers(self) -> Sequence[Any]:
+    def servers(self) -> Sequence[S]:
         """Every routable server of the route (ServerViews with `entry`, the registry's ServerEntry), room or not."""
 
     @property
     def memo(self) -> dict[Any, Any]:
         """Scratch a policy may fill during one grant pass (cleared between passes)."""
 
-    def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> Sequence[Any]:
+    @property
+    def kinds(self) -> int:
+        """How many server kinds (`ServerEntry.kind`) the route's servers are of."""
+
+    @property
+    def free(self) -> Sequence[S]:
+        """The route's servers with room (window and breaker) now: its index (a live list: do not keep it)."""
+
+    def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> Sequence[S]:
         """Servers with room (window and breaker), avoiding the request's tried servers where others can serve;
         at most `limit` of them, sampled in O(limit)."""
 
-    def usable(self, server: Any, tried: set[str] | None = None) -> bool:
+    def usable(self, server: S, tried: set[str] | None = None) -> bool:
         """Whether the request may be sent to `server` now (room, breaker, not one it failed on)."""
 
-    def group_by(self, group_of: Callable[[Any], str]) -> None:
+    def group_by(self, group_of: Callable[[S], str]) -> None:
         """Also keep the servers with room by `group_of` (the same function every time: it is done once)."""
 
-    def free_in(self, group: str) -> Sequence[Any]:
+    def free_in(self, group: str) -> Sequence[S]:
         """The servers with room in that group (after `group_by`)."""
 
     @property
@@ -129,57 +139,35 @@ class DispatchState:
     clock: Callable[[], float]
 
 
+AnswerHook = Callable[[str, ServerEntry, int | None, int | None, float, EngineTimes | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyHooks:
+    """What a policy asks of its dispatcher besides `place`, each optional (what `Policy.attach` returns).
+
+    `on_answer(client, server, prompt_tokens, completion_tokens, latency_s, engine_times)`: told of every answer.
+    `recheck_s()`: while requests wait, look again within this many seconds (None: on events and the usual poll).
+    `forget_client` / `forget_server`: the client or server is gone for good; drop what is kept about it.
+    `plans_the_tail`: the policy places a run's last requests itself: no copies at the tail (hedging, stealing).
+    `pick(candidates, request)` with `sample`: how a copy at the tail picks among replicas with room (default: the
+    lowest expected wait). `describe()`: the policy's own state worth logging (JSON-able)."""
+
+    on_answer: AnswerHook | None = None
+    recheck_s: Callable[[], float | None] | None = None
+    forget_client: Callable[[str], None] | None = None
+    forget_server: Callable[[str], None] | None = None
+    plans_the_tail: bool = False
+    pick: Callable[[Sequence[Any], InferenceRequest], Any] | None = None
+    sample: int | None = None
+    describe: Callable[[], dict[str, Any] | None] | None = None
+
+
 class Policy(ABC):
-    """Choose one of the candidates. Subclasses register with `name=`."""
+    """Where a waiting request goes. Subclasses implement `place`, register with `name=`, and say in `attach` what
+    else they need of the dispatcher."""
 
     name: ClassVar[str]
-    candidate_limit: int | None = None  # a policy that looks at a random sample of k servers says k
-    # A policy that places by a makespan plan balances the finish itself: the tail's hedging and stealing
-    # (which move and copy requests against the plan) stay off under it.
-    plans_the_tail: ClassVar[bool] = False
-    observes_answers: ClassVar[bool] = False  # whether the dispatcher tells it of every answer (observe_answer)
-
-    @classmethod
-    def prepare(cls) -> None:
-        """Start loading, in the background, what this policy's first decision needs (the planner: SciPy's
-        solver); `prepare_policy` calls it as early as a process knows its policy. Default: nothing."""
-        return None
-
-    def attach(self, state: DispatchState) -> None:
-        """Called once by the dispatcher that uses this policy. Policies that need more than the candidates
-        (the planner) keep the state."""
-        return None
-
-    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
-        """The server for one waiting request (one of `route.servers`), or why it waits (a `Hold`). Default:
-        `choose` among sampled candidates."""
-        free = route.free_candidates(self.candidate_limit, tried, self._rng)
-        if not free:
-            return Hold.CLIENT_HELD if tried and route.free_candidates(None, set(), self._rng) else Hold.ROUTE_FULL
-        return self.choose(free, request)
-
-    def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
-                       completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
-        """An answer came back (usage and, where it says them, its own times as the engine reported them; how long
-        the attempt took). Default: nothing
-        to learn (the dispatcher calls it only for policies that set `observes_answers`)."""
-        return None
-
-    def recheck_s(self) -> float | None:
-        """While requests wait, look again within this many seconds (None: on events and the usual poll)."""
-        return None
-
-    def describe(self) -> dict[str, Any] | None:
-        """The policy's own state worth logging (JSON-able), if it keeps any."""
-        return None
-
-    def forget_server(self, server_id: str) -> None:
-        """The server left the pool for good: drop what the policy keeps about it."""
-        return None
-
-    def forget_client(self, client_id: str) -> None:
-        """The client has gone (nothing in flight or waiting for a while): drop what the policy keeps about it."""
-        return None
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -191,16 +179,31 @@ class Policy(ABC):
         self._rng = rng or random.Random(0)
 
     @abstractmethod
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        """One of `candidates` (never empty), handed back as given."""
+    def place(self, route: RouteView[S], request: InferenceRequest, tried: set[str]) -> S | Hold:
+        """The server for one waiting request (one of `route.servers`, handed back as given), or why it waits."""
 
-    def _least(self, candidates: Sequence[V], key: Callable[[V], float]) -> V:
-        """Lowest key; ties broken at random so no server always wins a tie."""
-        best, tied = None, []
-        for c in candidates:
-            k = key(c)
-            if best is None or k < best:
-                best, tied = k, [c]
-            elif k == best:
-                tied.append(c)
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+    def attach(self, state: DispatchState) -> PolicyHooks:
+        """Called once by the dispatcher that adopts this policy, with read-only views of its books; returns what
+        else the policy wants of it (default: nothing)."""
+        return PolicyHooks()
+
+    @classmethod
+    def prepare(cls) -> None:
+        """Start loading, in the background, what this policy's first decision needs (the planner: SciPy's
+        solver); called as early as a process knows its policy. Default: nothing."""
+        return None
+
+
+def least_expected_wait(candidates: Sequence[V], request: InferenceRequest) -> V:
+    """The candidate with the lowest expected wait (the first of equals): how a copy at the tail picks among
+    replicas where the policy names no picker of its own."""
+    return min(candidates, key=_expected_wait)
+
+
+def _expected_wait(c: ServerView) -> float:
+    return c.expected_wait
+
+
+def registered_policies() -> Mapping[str, type[Policy]]:
+    """Every policy registered so far, by name (the built-in ones register as federation/routing/ is imported)."""
+    return _POLICIES

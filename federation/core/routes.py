@@ -53,6 +53,7 @@ class Route:
         self._ids = frozenset(server_ids) if server_ids is not None else None
         self.servers: list[ServerState] = []  # every routable server of the route, room or not
         self.free: list[ServerState] = []  # those with room now (unordered)
+        self.kinds = 0  # how many server kinds (`ServerEntry.kind`) its servers are of
         self._pos: dict[ServerState, int] = {}
         self.memo: dict[Any, Any] = {}  # a policy's scratch for one grant pass (the dispatcher clears it)
         # Servers with room by a group a policy names (the planner: its server kinds), kept like `free`.
@@ -85,6 +86,7 @@ class Route:
 
     def set_servers(self, servers: list[ServerState]) -> None:
         self.servers = servers
+        self.kinds = _kinds(servers)
         self.free, self._pos = [], {}
         self._groups, self._gpos = {}, {}
         self.unpark_all()
@@ -141,6 +143,7 @@ class Route:
         self.set_free(state, False)
         if state in self.servers:
             self.servers.remove(state)
+            self.kinds = _kinds(self.servers)
 
     def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> list[ServerState]:
         """Up to `limit` servers with room (all when None), sampled in O(limit). Servers the request failed on
@@ -325,3 +328,7 @@ def _sample_untried(free: list[ServerState], limit: int, tried: set[str], rng: r
             if len(picked) == limit:
                 break
     return list(picked.values()) or [s for s in free if s.id not in tried]
+
+
+def _kinds(servers: list[ServerState]) -> int:
+    return len({s.entry.kind for s in servers if s.entry is not None})

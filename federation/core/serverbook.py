@@ -9,17 +9,22 @@ in flight any more (long-running processes hold no state for servers that are go
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fedpool.federation.core.errors import FailureKind
-from fedpool.federation.core.learning import LEARN_PERIOD_S, ServerLearning
-from fedpool.federation.core.ledger import InflightLedger, ServerSlots
+from fedpool.federation.core.ledger import LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
 from fedpool.federation.core.routes import Route, RouteKey
 from fedpool.federation.core.types import STREAMED_ENGINES, ServerStats
+from fedpool.federation.core.windows import kv_budget, kv_share_back
 from fedpool.registry import PoolSnapshot, ServerEntry, adapter_for
+
+if TYPE_CHECKING:
+    from fedpool.federation.core.attempts import InFlight
 
 log = logging.getLogger("fedpool.dispatcher")
 
@@ -49,10 +54,11 @@ class ServerState(ServerSlots):
     """One server as the dispatcher sees it. Policies read `id`, `inflight`, `window`, `capacity`, `weight`,
     `scraped_waiting`, `scraped_running` and `expected_wait`; only the book and the ledger change it."""
 
-    __slots__ = ("abort_path", "answer_s", "answered", "breaker_failures", "capacity", "entry", "failures", "half_open",
-                 "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning", "lease", "open_until",
-                 "present", "queue_clear", "queue_full", "routes", "scrape_at", "scrape_inflight", "scraped_running",
-                 "scraped_waiting", "streamed", "tokens", "trial", "url", "weight", "window")
+    __slots__ = ("abort_path", "answer_s", "answered", "attempts", "breaker_failures", "capacity", "entry",
+                 "failures", "half_open", "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning",
+                 "lease", "open_until", "present", "queue_clear", "queue_full", "routes", "scrape_at",
+                 "scrape_inflight", "scraped_running", "scraped_waiting", "streamed", "tokens", "trial", "url",
+                 "weight", "window")
 
     def __init__(self, server_id: str):
         super().__init__(server_id)
@@ -67,6 +73,9 @@ class ServerState(ServerSlots):
         self.scraped_running = 0.0
         self.learning: ServerLearning | None = None
         self.routes: list[Route] = []
+        # The dispatcher's attempts here that may give their slot back, by the task awaiting each (youngest last):
+        # it notes each as it starts and drops it as it lets its slot go (federation/core/attempts.py).
+        self.attempts: dict[asyncio.Task[object], InFlight] = {}
         self.present = False  # in the current snapshot, routable
         self.lease: int | None = None  # slots the registry leases this process there (None: not leasing)
         self.queue_full = False  # the engine queues beyond what we know: no new grants until it drains
@@ -248,11 +257,8 @@ class ServerBook:
         n = self.ledger.take(state, client_id)
         learning = state.learning
         assert learning is not None
-        if learning.period_start is None:  # (inlined ServerLearning.on_start: this runs for every grant)
-            learning.period_start = now
+        learning.on_start(now, n, state.window)
         full = n >= state.window
-        if full:
-            learning.full = True
         if state.kv_budget is not None and self.kv_cost is not None:
             cost = self.kv_cost(client_id)
             state.kv_inflight += cost
@@ -267,7 +273,7 @@ class ServerBook:
     def release(self, state: ServerState, client_id: str) -> None:
         kv_freed = False
         if state.kv_by_client:
-            kv_freed = self._release_kv(state, client_id)
+            kv_freed = kv_share_back(state, client_id)
         n = self.ledger.release(state, client_id)
         if n == state.window - 1 or not n or kv_freed:
             room = self.has_room(state)
@@ -276,34 +282,12 @@ class ServerBook:
         if not n and not state.present:
             self._forget_if_idle(state)
 
-    def _release_kv(self, state: ServerState, client_id: str) -> bool:
-        """Give back one of the client's attempts' share of the KV it holds there (its mean there: the estimate
-        may have moved since the attempt took it, and the client's share drops to exactly 0 with its last one);
-        True when that made room under the budget."""
-        held = state.kv_by_client.get(client_id)
-        count = state.by_client.get(client_id, 0)
-        if held is None or count <= 0:
-            return False
-        share = held / count
-        if count == 1:
-            del state.kv_by_client[client_id]
-        else:
-            state.kv_by_client[client_id] = held - share
-        budget = state.kv_budget
-        was_full = budget is not None and state.kv_inflight >= budget
-        state.kv_inflight = max(0.0, state.kv_inflight - share) if state.kv_by_client else 0.0
-        return was_full and budget is not None and state.kv_inflight < budget
-
     def _set_kv_budget(self, state: ServerState) -> None:
         """The engine's KV cache (its record's, discovered at registration), this process's share of it under a
         lease: the same fraction of the cache as of the slots."""
         entry = state.entry
-        kv = entry.record.kv_cache_tokens if entry is not None else None
-        budget: float | None = None
-        if kv is not None and self.kv_cost is not None:
-            budget = float(kv)
-            if state.lease is not None:
-                budget *= min(1.0, state.lease / max(1, state.capacity))
+        budget = kv_budget(entry.record.kv_cache_tokens if entry is not None else None, state.lease, state.capacity,
+                           admits_by_kv=self.kv_cost is not None)
         if budget != state.kv_budget:
             state.kv_budget = budget
             room = self.has_room(state)
@@ -388,8 +372,8 @@ class ServerBook:
             busy = state.busy_total + (at - state.busy_since if state.busy_since is not None else 0.0)
             occupancy = state.occupancy_total + (state.inflight * (at - state.occupancy_at)
                                                  if state.occupancy_at is not None else 0.0)
-            # The engine-queue rule compares the scrape's queue with what was in flight here when it was taken,
-            # not now: a scrape of 110 queued of 137, read after 100 answers, cut an SGLang A100's window to 1.
+            # The engine-queue rule compares the scrape's queue with what was in flight here when it was taken, not
+            # now (the answers since would make an old queue look like a flood).
             decision = learning.on_finish(tokens, latency_s, now, busy, state.scraped_waiting, state.scrape_inflight,
                                           occupancy, reference_s=reference)
             if decision is not None:

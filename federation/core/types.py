@@ -91,6 +91,12 @@ class InferenceRequest:
     pinned_engines: tuple[str, ...] | None = None
     pinned_servers: tuple[str, ...] | None = None
     reproducible: bool = False  # bit-for-bit results asked for: never raced against a copy elsewhere
+    # A stream can carry its whole answer as the engine would send it unstreamed (`assembles`): set at construction,
+    # read on the request path for servers whose engine is asked for streams (`sends_stream`).
+    streamable: bool = field(init=False, default=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "streamable", assembles(self))
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any], **fields: Any) -> InferenceRequest:
@@ -259,7 +265,7 @@ _WHOLE_ONLY = ("logprobs", "top_logprobs", "echo", "best_of", "stream_options", 
 def sends_stream(server: Target, request: InferenceRequest) -> bool:
     """Whether `complete` sends this request to this server as a stream: its engine is asked for streams and a
     stream can carry the whole answer."""
-    return server.streamed and assembles(request)
+    return server.streamed and request.streamable
 
 
 def assembles(request: InferenceRequest) -> bool:
@@ -287,8 +293,8 @@ class DispatchConfig:
     learn_throughput: bool = True  # weigh servers by observed tokens/s once known (prior: accelerator)
     # A server whose KV cache (ServerRecord.kv_cache_tokens) this dispatcher's attempts are expected to fill takes
     # no more until some end: long prompts (video) do not pile up in the engine's queue behind a window sized on
-    # short ones. Off by default: on Table 7's pool it held the V100s below what their engines ran (federated
-    # 40.2-46.5 s over six runs, median 41.7, against 38.7-41.7, median 39.4, without; docs/architecture.md).
+    # short ones. Off by default: on Table 7's pool it held the V100s below what their engines ran
+    # (docs/architecture.md).
     kv_admission: bool = False
     # A scrape that shows most of this dispatcher's attempts on a server queued in its engine shrinks that
     # server's window at once (learning.SCRAPE_QUEUE_SHARE), and with this on, the attempts beyond the new window

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedpool.federation.core.clientbook import DEFAULT_ANSWER_TOKENS, client_size
-from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.core.policy import DispatchState, Hold, Policy, PolicyHooks, RouteView, S
 from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.federation.routing.horizon import (
     MAX_ROUTES,
@@ -31,6 +31,7 @@ from fedpool.federation.routing.horizon import (
     RouteHorizon,
     demand_on,
 )
+from fedpool.federation.routing.policies import LeastExpectedWait, SampledPolicy
 from fedpool.federation.routing.pricing import (
     DECODE_MIN_TOKENS,
     PREFILL_MIN_TOKENS,
@@ -110,8 +111,6 @@ class _Look:
 class EarliestFinish(Policy, name="earliest_finish"):
     """Earliest modelled finish (see the module docstring)."""
 
-    plans_the_tail = True  # (a copy at the tail would run against the model's placement: no hedging or stealing)
-    observes_answers = True
 
     def __init__(self, rng: random.Random | None = None, sample: int = SAMPLE, hold_factor: float = HOLD_FACTOR,
                  hold_slack_steps: float = HOLD_SLACK_STEPS, horizon: bool = True,
@@ -120,8 +119,10 @@ class EarliestFinish(Policy, name="earliest_finish"):
         super().__init__(rng)
         self._queue_tokens = queue_tokens
         self._horizon = horizon
-        self.candidate_limit = sample
         self._sample = sample
+        # Outside the model (no dispatcher's state, or only servers it failed on): a sample of the servers with
+        # room, the lowest expected wait.
+        self._fallback = SampledPolicy(LeastExpectedWait(self._rng), self._rng, sample=sample)
         self._hold_factor = hold_factor
         self._hold_slack = hold_slack_steps
         self._state: DispatchState | None = None
@@ -137,18 +138,17 @@ class EarliestFinish(Policy, name="earliest_finish"):
         # A route whose clients' every request fits its servers' room at once: probed, then assigned together
         self.waves = Waves(self, min_prompt=PREFILL_MIN_TOKENS, min_answer=DECODE_MIN_TOKENS) if waves else None
 
-    def attach(self, state: DispatchState) -> None:
+    def attach(self, state: DispatchState) -> PolicyHooks:
         self._state = state
+        # It places a run's last requests itself (a copy at the tail would run against the model's placement).
+        return PolicyHooks(on_answer=self.observe_answer, recheck_s=self.recheck_s, forget_client=self.forget_client,
+                           forget_server=self.forget_server, plans_the_tail=True, describe=self.describe)
 
     # ---- placing ----------------------------------------------------------------------------------
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        """(The interface's fallback: `place` decides; without a dispatcher's state, the least loaded.)"""
-        return self._least(candidates, lambda c: c.expected_wait)
-
-    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
+    def place(self, route: RouteView[S], request: InferenceRequest, tried: set[str]) -> S | Hold:
         state = self._state
         if state is None:
-            return super().place(route, request, tried)
+            return self._fallback.place(route, request, tried)
         now = state.clock()
         client = request.client_id
         known = self._route(route)
@@ -249,8 +249,8 @@ class EarliestFinish(Policy, name="earliest_finish"):
     def _no_pick(self, route: RouteView, request: InferenceRequest, tried: set[str], kinds: tuple[str, ...],
                  allowed: tuple[str, ...] | None, backlogged: bool) -> Any:
         """No server with room may take the request now: the interface's way, or held, or the route is full."""
-        if tried:  # (only servers it failed on looked good, or none had room: the interface's way)
-            return super().place(route, request, tried)
+        if tried:  # (only servers it failed on looked good, or none had room: outside the model)
+            return self._fallback.place(route, request, tried)
         assert self._state is not None
         client = request.client_id
         if backlogged:  # until a server frees a slot, or the next look (their prompts prefill meanwhile)

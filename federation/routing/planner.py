@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedpool.federation.core.clientbook import DEFAULT_ANSWER_TOKENS
-from fedpool.federation.core.policy import DispatchState, Hold, Policy, RouteView, V
+from fedpool.federation.core.policy import DispatchState, Hold, Policy, PolicyHooks, RouteView, S
 from fedpool.federation.core.types import EngineTimes, InferenceRequest
 from fedpool.federation.routing.finish import RECHECK_S, EarliestFinish
 from fedpool.federation.routing.plan_lp import MIN_SHARE, preload_solver
@@ -62,17 +62,11 @@ def _kind_of_state(server: Any) -> str:
     return kind_key(server.entry)
 
 
-def _expected_wait(c: Any) -> float:
-    return float(c.expected_wait)
-
-
 class PlannedRouting(Policy, name="planned"):
     """Routes by the plan; the dispatcher tells it, through the ledger and the client book, what it sends. The
     plan makes every server kind finish together, so the tail's hedging and stealing are off under it (they moved
     and copied requests against the plan)."""
 
-    plans_the_tail = True
-    observes_answers = True
 
     def __init__(self, rng: random.Random | None = None, *, period_s: float = 1.0, warmup_periods: float = 5.0,
                  makespan_slack: float = 0.02, long_answer_tokens: float | None = 128.0,
@@ -115,7 +109,7 @@ class PlannedRouting(Policy, name="planned"):
     def prepare(cls) -> None:
         preload_solver()
 
-    def attach(self, state: DispatchState) -> None:
+    def attach(self, state: DispatchState) -> PolicyHooks:
         self._state = state
         self.prepare()  # (the first plan is made on the grant path: the solver is imported by then)
         if self._finish is not None:
@@ -123,6 +117,9 @@ class PlannedRouting(Policy, name="planned"):
         self._speed = SpeedCalibration(state.ledger, state.clock, tau_s=20 * self.period_s,
                                        min_answers=self._calibration_answers, enabled=self._calibrate)
         self._fit = CostFit(state.ledger, state.clock, tau_s=20 * self.period_s, enabled=self._calibrate)
+        # The plan makes every kind finish together: no copies at the tail (they would run against it).
+        return PolicyHooks(on_answer=self.observe_answer, recheck_s=self.recheck_s, forget_client=self.forget_client,
+                           forget_server=self.forget_server, plans_the_tail=True, describe=self.describe)
 
     @property
     def _st(self) -> DispatchState:
@@ -130,11 +127,7 @@ class PlannedRouting(Policy, name="planned"):
         return self._state
 
     # ---- the policy interface ----------------------------------------------------------------------
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        """Outside the plan (hedge copies): the lowest expected wait."""
-        return self._least(candidates, _expected_wait)
-
-    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
+    def place(self, route: RouteView[S], request: InferenceRequest, tried: set[str]) -> S | Hold:
         now = self._st.clock()
         if self._first_place_at is None:
             self._first_place_at = now

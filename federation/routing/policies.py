@@ -1,148 +1,126 @@
-"""The simple routing policies: each samples servers with room from the route's index and picks one.
+"""Policies composed of small parts: the route's servers with room, narrowed by filters, then a picker.
 
-`capacity_weighted` (the default) keeps long requests off kinds where they would outlast the run (the horizon
-rule, federation/routing/horizon.py) and picks the lowest expected wait, taking turns among near-ties in
-proportion to speed. The planning policies live beside it (planner.py, finish.py). `make_policy` builds any
-registered policy by name.
+`SampledPolicy` is the composition: a sample of the route's index of servers with room (window and breaker; the
+request's failed servers avoided), optionally narrowed to the server kinds the horizon rule allows the request's
+client (federation/routing/horizon.py), then a `Picker` chooses one. `capacity_weighted`, the default, is that with
+`LeastWait`. The planning policies live beside it (planner.py, finish.py); the baselines benchmarks compare against
+(round robin, random, least in flight, power of two, prefix affinity) are pickers in benchmarks/baselines.py.
+`make_policy` builds any registered policy by name.
 """
 
 from __future__ import annotations
 
-import bisect
-import hashlib
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fedpool.federation.core.clientbook import client_size
-from fedpool.federation.core.policy import _POLICIES, DispatchState, Hold, Policy, RouteView, ServerView, V
+from fedpool.federation.core.policy import (
+    DispatchState,
+    Hold,
+    Policy,
+    PolicyHooks,
+    RouteView,
+    S,
+    V,
+    registered_policies,
+)
 from fedpool.federation.core.types import InferenceRequest
-from fedpool.federation.routing import finish, planner  # noqa: F401 (they register `earliest_finish`, `planned`, ...)
 from fedpool.federation.routing.horizon import HORIZON_MARGIN, Horizons, demand_on, free_in_kinds
 
 _NO_TRIED: set[str] = set()
 
 
-class RoundRobin(Policy, name="round_robin"):
-    def __init__(self, rng: random.Random | None = None):
+class Picker(Protocol):
+    """Chooses one of a request's candidate servers (never empty), handed back as given."""
+
+    def pick(self, candidates: Sequence[V], request: InferenceRequest) -> V: ...
+
+    def forget_server(self, server_id: str) -> None: ...
+
+
+class SampledPolicy(Policy):
+    """Filters, then a picker: up to `sample` of the route's servers with room (all where None), on a route of
+    several server kinds only those of the kinds the horizon rule allows the client (`horizon`), then `picker`."""
+
+    def __init__(self, picker: Picker, rng: random.Random | None = None, *, sample: int | None = None,
+                 horizon: bool = False, horizon_margin: float = HORIZON_MARGIN):
         super().__init__(rng)
-        self._next = 0
-
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        ordered = sorted(candidates, key=lambda c: c.id)
-        pick = ordered[self._next % len(ordered)]
-        self._next += 1
-        return pick
-
-
-class RandomChoice(Policy, name="random"):
-    candidate_limit = 1
-
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        return self._rng.choice(candidates)
-
-
-class LeastInflight(Policy, name="least_inflight"):
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        return self._least(candidates, _inflight)
-
-
-class PowerOfTwo(Policy, name="power_of_two"):
-    candidate_limit = 2
-
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        pair = self._rng.sample(list(candidates), min(2, len(candidates))) if len(candidates) > 2 else candidates
-        return self._least(pair, _load)
-
-
-class CapacityWeighted(Policy, name="capacity_weighted"):
-    """On a route of mixed server kinds, a request goes only to a kind where it cannot outlast the run
-    (`federation/routing/horizon.py`: at most 0.8 × the route's fluid horizon there, or its cheapest kind); else it is
-    held and the free slot goes to the next client that may use it. Among those servers with room:
-
-    Lowest expected wait, (in-flight + waiting + 1) / weight, over a sample of candidates. Expected waits
-    within `tie_tolerance` of the lowest are a tie: learned weights of identical servers always differ a
-    little, and an exact comparison sent every request that found both idle to the one that happened to
-    measure faster (92/8 between two equal servers at 100 req/s).
-
-    Idle servers, and near-equal waits, take turns in proportion to speed by stride scheduling over a virtual clock:
-    each server has a pass, the pick is the lowest, and a pick advances its pass by 1 / weight *at that
-    moment*. A server's pass is never behind the clock (one that sat out, new or busy, rejoins at the clock:
-    no burst of catch-up turns). Counting turns since the start instead (fewest picks per unit of the
-    current weight) made every past turn count at today's weight: one slow measurement after 200 turns
-    gave a server no turn for the rest of a run, so its speed was never measured again (276/24 between two
-    equal servers at a light load)."""
-
-    def __init__(self, rng: random.Random | None = None, sample_size: int = 4, tie_tolerance: float = 0.1,
-                 horizon: bool = True, horizon_margin: float = HORIZON_MARGIN):
-        super().__init__(rng)
-        self._sample_size = sample_size
-        self._tolerance = tie_tolerance
-        self.candidate_limit = sample_size
-        self._clock = 0.0  # virtual time: the pass of the latest turn
-        self._pass: dict[str, float] = {}  # server -> its next turn on the virtual clock (one entry per server)
+        self._picker = picker
+        self._sample = sample
         self._horizons = Horizons(margin=horizon_margin) if horizon else None
         self._state: DispatchState | None = None
 
-    def attach(self, state: DispatchState) -> None:
+    def attach(self, state: DispatchState) -> PolicyHooks:
         self._state = state
+        horizons = self._horizons
+        return PolicyHooks(forget_client=horizons.forget_client if horizons is not None else None,
+                           forget_server=self._picker.forget_server, pick=self._picker.pick, sample=self._sample)
 
-    def place(self, route: RouteView, request: InferenceRequest, tried: set[str]) -> Any:
-        state, horizons = self._state, self._horizons
-        if horizons is None or state is None or tried:
-            return super().place(route, request, tried)
-        kinds, servers = horizons.routes.get(route.key), route.servers
-        if kinds is None or kinds.servers_ref is not servers or kinds.servers_len != len(servers):  # (inlined)
-            kinds = horizons.of(route)
-        if len(kinds.kinds) < 2:  # one kind: nothing to keep off
-            return super().place(route, request, tried)
+    def place(self, route: RouteView[S], request: InferenceRequest, tried: set[str]) -> S | Hold:
+        if self._horizons is not None and route.kinds > 1 and not tried and self._state is not None:
+            return self._within_horizon(route, request, self._horizons, self._state)
+        free = route.free_candidates(self._sample, tried, self._rng)
+        if not free:
+            return Hold.CLIENT_HELD if tried and route.free_candidates(None, _NO_TRIED, self._rng) else Hold.ROUTE_FULL
+        return self._picker.pick(free, request)
+
+    def _within_horizon(self, route: RouteView[S], request: InferenceRequest, horizons: Horizons,
+                        state: DispatchState) -> S | Hold:
+        """On a route of mixed kinds a request goes only to a kind where it cannot outlast the run (at most
+        (1 - margin) x the route's fluid horizon there, or its cheapest kind); else it is held, out of the grant
+        passes until one of its kinds has room, and the free slot goes to the next client that may use it."""
         clients, inflight = state.clients, state.ledger.clients
-        allowed = horizons.allowed(kinds, request.client_id, lambda c: client_size(clients.shape(c)), state.clock(),
-                                   lambda: demand_on(route, inflight))
+        allowed = horizons.allowed(horizons.of(route), request.client_id, lambda c: client_size(clients.shape(c)),
+                                   state.clock(), lambda: demand_on(route, inflight))
         memo = route.memo  # within one grant pass servers only fill: kinds found full stay full
         held = memo.get(allowed)
         if held is None:
-            free = free_in_kinds(route, allowed, self._sample_size, self._rng)
+            free = free_in_kinds(route, allowed, self._sample or len(route.servers), self._rng)
             if free:
-                return self.choose(free, request)
+                return self._picker.pick(free, request)
             held = memo[allowed] = (Hold.CLIENT_HELD if route.free_candidates(1, _NO_TRIED, self._rng)
                                     else Hold.ROUTE_FULL)
-        if held is Hold.CLIENT_HELD:  # out of the grant passes until one of its kinds has room
+        if held is Hold.CLIENT_HELD:
             route.park(request.client_id, allowed, clients.key(request.client_id))
         return held
 
-    def forget_client(self, client_id: str) -> None:
-        if self._horizons is not None:
-            self._horizons.forget_client(client_id)
 
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        pool = candidates
-        if len(pool) > self._sample_size:
-            pool = self._rng.sample(list(pool), self._sample_size)
+class LeastWait:
+    """The lowest expected wait, (in flight + queued + 1) / weight, over the candidates; waits within `tolerance` of
+    the lowest are a tie (learned weights of identical servers always differ a little), and idle servers and ties
+    take turns in proportion to speed (stride scheduling over a virtual clock: a pick advances the server's pass by
+    1 / weight at that moment; a server that sat out rejoins at the clock, with no burst of catch-up turns).
+    docs/architecture.md says why turns, and why not by count."""
+
+    def __init__(self, rng: random.Random, tolerance: float = 0.1):
+        self._rng = rng
+        self._tolerance = tolerance
+        self._clock = 0.0  # virtual time: the pass of the latest turn
+        self._pass: dict[str, float] = {}  # server -> its next turn on the virtual clock (one entry per server)
+
+    def pick(self, candidates: Sequence[V], request: InferenceRequest) -> V:
         idle, waits, best = [], [], float("inf")
-        for c in pool:
-            if c.inflight == 0 and c.scraped_waiting <= 0:
+        for c in candidates:
+            inflight, queued, weight = c.inflight, c.scraped_waiting, c.weight
+            if inflight == 0 and queued <= 0:
                 idle.append(c)
-            wait = c.expected_wait
+            wait = (inflight + queued + 1) / (weight if weight > 1e-9 else 1e-9)  # this scorer's measure
             waits.append(wait)
             if wait < best:
                 best = wait
-        if len(idle) > 1:
-            # Several idle servers: each would start the request at once, so they take turns in proportion
-            # to speed, not the fastest always (that starved the other of the answers that measure it).
+        if len(idle) > 1:  # each would start it at once: they take turns (the fastest always starves the rest)
             return self._take_turn(idle)
         limit = best * (1 + self._tolerance)
-        near = [c for c, wait in zip(pool, waits, strict=True) if wait <= limit]
+        near = [c for c, wait in zip(candidates, waits, strict=True) if wait <= limit]
         return near[0] if len(near) == 1 else self._take_turn(near)
 
     def forget_server(self, server_id: str) -> None:
         self._pass.pop(server_id, None)
 
     def _take_turn(self, tied: Sequence[V]) -> V:
-        """The tied server whose turn it is (equal passes: a random one of them). Only ties take turns: a
-        request that had one place to go (the others busy) is no turn of anyone's. Counted as turns, those
-        moved the clock between ties, so the order in which the forced picks came decided who won the next
-        tie: one of two equal servers got two thirds of the turns."""
+        """The tied server whose turn it is (equal passes: a random one of them). Only ties take turns: a request
+        that had one place to go is no turn of anyone's (counted, forced picks would decide who wins the next tie)."""
         clock, passes = self._clock, self._pass
         first, due = float("inf"), []
         for c in tied:
@@ -159,56 +137,43 @@ class CapacityWeighted(Policy, name="capacity_weighted"):
         return pick
 
 
-class PrefixAffinity(Policy, name="prefix_affinity"):
-    """Consistent hashing of the prompt prefix with bounded load (≤ (1+ε) × average in-flight)."""
+class LeastExpectedWait:
+    """The lowest expected wait, ties broken at random (the fallback of the planning policies, outside a plan)."""
 
-    VIRTUAL_NODES = 64
+    def __init__(self, rng: random.Random):
+        self._rng = rng
 
-    def __init__(self, rng: random.Random | None = None, epsilon: float = 0.25):
-        super().__init__(rng)
-        self._epsilon = epsilon
+    def pick(self, candidates: Sequence[V], request: InferenceRequest) -> V:
+        best, tied = None, []
+        for c in candidates:
+            wait = c.expected_wait
+            if best is None or wait < best:
+                best, tied = wait, [c]
+            elif wait == best:
+                tied.append(c)
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
-    def choose(self, candidates: Sequence[V], request: InferenceRequest) -> V:
-        ring: list[tuple[int, int]] = sorted(
-            (_hash(f"{c.id}#{i}"), n) for n, c in enumerate(candidates) for i in range(self.VIRTUAL_NODES)
-        )
-        keys = [k for k, _ in ring]
-        total = sum(c.inflight for c in candidates) + 1
-        bound = max(1.0, (1 + self._epsilon) * total / len(candidates))
-        start = bisect.bisect(keys, _hash(request.prefix_text()))
-        seen: set[int] = set()
-        for offset in range(len(ring)):
-            n = ring[(start + offset) % len(ring)][1]
-            if n in seen:
-                continue
-            seen.add(n)
-            if candidates[n].inflight + 1 <= bound:
-                return candidates[n]  # the prefix's home, or the next on the ring when the home is full
-        return self._least(candidates, _expected_wait)  # all over the bound
+    def forget_server(self, server_id: str) -> None:
+        return None
 
 
-def _inflight(c: ServerView) -> float:
-    return c.inflight
+class CapacityWeighted(SampledPolicy, name="capacity_weighted"):
+    """A sample of 4 servers with room, within the horizon rule's kinds, picked by the lowest expected wait."""
 
-
-def _load(c: ServerView) -> float:
-    return c.inflight + c.scraped_waiting
-
-
-def _expected_wait(c: ServerView) -> float:
-    return c.expected_wait
-
-
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+    def __init__(self, rng: random.Random | None = None, sample_size: int = 4, tie_tolerance: float = 0.1,
+                 horizon: bool = True, horizon_margin: float = HORIZON_MARGIN):
+        rng = rng or random.Random(0)
+        super().__init__(LeastWait(rng, tie_tolerance), rng, sample=sample_size, horizon=horizon,
+                         horizon_margin=horizon_margin)
 
 
 def make_policy(name: str, rng: random.Random | None = None, **options: Any) -> Policy:
     """Build a policy by its registered name; unknown names list the known ones."""
+    policies = registered_policies()
     try:
-        cls = _POLICIES[name]
+        cls = policies[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_POLICIES))}") from None
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(policies))}") from None
     return cls(rng, **options)
 
 
@@ -216,10 +181,10 @@ def prepare_policy(name: str) -> None:
     """What the named policy's first decision needs, loading in the background from now (a process that will
     route by it calls this before its slower start-up steps: joining Ray, starting its CPU actors). Unknown
     names are left to `make_policy` to refuse."""
-    cls = _POLICIES.get(name)
+    cls = registered_policies().get(name)
     if cls is not None:
         cls.prepare()
 
 
 def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+    return sorted(registered_policies())

@@ -19,8 +19,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fedpool.federation.core.learning import BusyRate
-from fedpool.federation.core.ledger import InflightLedger
+from fedpool.federation.core.ledger import BusyRate, InflightLedger
 from fedpool.registry import ServerEntry, accelerator_roofline
 
 PREFILL_EFFICIENCY = 0.6  # prior: long prompts reach about 50-70% of dense fp16 peak in FlashAttention-class kernels

@@ -62,7 +62,7 @@ async def main(cluster: Cluster, worker: Node, worker_id: str) -> dict[str, obje
             cluster.remove_node(worker)  # the worker node is gone, with the actors on it
 
     started = time.perf_counter()
-    async with PoolConnection(registry, policy="least_inflight") as pool:
+    async with PoolConnection(registry, policy="capacity_weighted") as pool:
         summaries = await run_evals(specs, pool.dispatcher, work / "run", EvalTarget(model=MODEL), concurrency=8,
                                     on_progress=progress, stages={s.name: hooks for s in specs})
     wall = time.perf_counter() - started

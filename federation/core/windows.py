@@ -1,0 +1,149 @@
+"""How much one dispatcher may put on a server: the adaptive admission window's rule (grow while throughput rises
+and the engine's queue stays empty; shrink on queueing, latency inflation or 429) and the KV-cache budget of KV
+admission. Pure: no I/O, no clock of its own."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedpool.federation.core.serverbook import ServerState
+
+# Between answers, a scrape shrinks a window only when at least this share of this dispatcher's attempts on the
+# engine wait in its queue (three waiting for every one running: the last wait three batches); a smaller queue keeps
+# a KV-bound engine's batch full (docs/architecture.md).
+SCRAPE_QUEUE_SHARE = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class WindowObservation:
+    """One period at one server, as the dispatcher and the registry saw it."""
+
+    throughput: float  # tokens/s this period
+    per_token_latency_s: float | None  # median request latency / output tokens this period
+    scraped_waiting: float  # the engine's own queue (all clients), from the registry
+    rate_limited: int  # HTTP 429s this period
+    window_was_full: bool  # this dispatcher used the whole window at some point
+    inflight: int | None = None  # what this dispatcher had on the server when its engine was last scraped
+
+
+@dataclass(frozen=True, slots=True)
+class WindowDecision:
+    window: float
+    reason: str
+
+
+@dataclass
+class WindowController:
+    """Grow while throughput rises and the engine's queue stays empty; shrink on queueing, latency
+    inflation or 429. Starts at the engine's capacity: enough to fill its batch."""
+
+    capacity: int
+    window: float = field(default=0.0)
+    max_factor: float = 1.0  # never more than capacity × this in flight from one dispatcher
+    shrink: float = 0.75
+    # A short engine queue keeps the batch full; only a queue longer than this fraction of the capacity (and at
+    # least 2) is excess that would lengthen the tail. Of the capacity, not the window (which would ratchet down).
+    queue_tolerance: float = 0.05
+    growth: float = 1.25  # a full window over an engine with no excess queue grows by this factor (≥ +1)
+    # Shrink when this period's median per-token latency exceeds this × the median of the last `baseline_periods`
+    # periods (a queue building inside the engine). Off by default (None): mix shifts read as inflation; the
+    # engine-queue rule catches the queueing engines report (docs/architecture.md).
+    inflation_limit: float | None = None
+    baseline_periods: int = 8
+    _last_throughput: float = 0.0
+    _recent_latency: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.window <= 0:
+            self.window = float(self.capacity)
+
+    @property
+    def limit(self) -> int:
+        return max(1, int(self.window))
+
+    @property
+    def queue_allowance(self) -> float:
+        return max(2.0, self.queue_tolerance * self.capacity)
+
+    def decide(self, obs: WindowObservation) -> WindowDecision:
+        ceiling = max(1.0, self.capacity * self.max_factor)
+        inflated = False
+        if obs.per_token_latency_s is not None:
+            recent = self._recent_latency
+            if self.inflation_limit is not None and len(recent) >= 2:
+                inflated = obs.per_token_latency_s > self.inflation_limit * statistics.median(recent)
+            recent.append(obs.per_token_latency_s)
+            while len(recent) > self.baseline_periods:
+                recent.popleft()
+        if obs.rate_limited:
+            decision = WindowDecision(max(1.0, self.window * self.shrink), f"{obs.rate_limited} × HTTP 429")
+        elif obs.scraped_waiting >= self.queue_allowance:
+            if obs.inflight is not None:
+                # What the engine was running for us when the scrape was taken (`inflight`: ours there then; the
+                # queue counted at most what we had there), plus a short queue: one step to the right size, not a
+                # shrink per period while a queue we built earlier drains.
+                target = obs.inflight - min(obs.scraped_waiting, obs.inflight) + self.queue_allowance
+                new = max(1.0, min(self.window, target))
+            else:
+                new = max(1.0, self.window * self.shrink)
+            decision = WindowDecision(new, f"engine queue {obs.scraped_waiting:g}")
+        elif inflated:
+            decision = WindowDecision(max(1.0, self.window * self.shrink), "latency inflation")
+        elif obs.window_was_full and obs.scraped_waiting < self.queue_allowance / 2:
+            grown = max(self.window + 1, self.window * self.growth)
+            decision = WindowDecision(min(ceiling, grown), "full window, engine not queueing")
+        elif obs.window_was_full and obs.throughput >= 0.98 * self._last_throughput:
+            decision = WindowDecision(min(ceiling, self.window + 1), "throughput held or rose at a full window")
+        else:
+            decision = WindowDecision(min(ceiling, self.window), "steady")
+        self.window = decision.window
+        self._last_throughput = obs.throughput
+        return decision
+
+    def on_scrape(self, waiting: float, inflight: int) -> WindowDecision | None:
+        """The engine's queue as a scrape shows it, between answers (`waiting`: this dispatcher's attempts queued
+        there, of `inflight` it had there then): the engine-queue rule of `decide`, shrinking only, at the probe
+        rate, and only for a queue of most of those attempts (`SCRAPE_QUEUE_SHARE`). At the answers' rate alone a
+        deep queue went unseen for as long as no answer came: a V100 whose 256 slots held long answers kept a
+        window of 256, and 200 prompts in its queue, for 12 s."""
+        if waiting < max(self.queue_allowance, SCRAPE_QUEUE_SHARE * inflight):
+            return None
+        target = max(1.0, inflight - waiting + self.queue_allowance)
+        if target >= self.window:
+            return None
+        self.window = target
+        return WindowDecision(target, f"engine queue {waiting:g} (scrape)")
+
+
+def kv_share_back(state: ServerState, client_id: str) -> bool:
+    """Give back one of the client's attempts' share of the KV it holds on `state` (its mean there: the estimate may
+    have moved since the attempt took it, and the client's share drops to exactly 0 with its last one); True when
+    that made room under the budget."""
+    held = state.kv_by_client.get(client_id)
+    count = state.by_client.get(client_id, 0)
+    if held is None or count <= 0:
+        return False
+    share = held / count
+    if count == 1:
+        del state.kv_by_client[client_id]
+    else:
+        state.kv_by_client[client_id] = held - share
+    budget = state.kv_budget
+    was_full = budget is not None and state.kv_inflight >= budget
+    state.kv_inflight = max(0.0, state.kv_inflight - share) if state.kv_by_client else 0.0
+    return was_full and budget is not None and state.kv_inflight < budget
+
+
+def kv_budget(kv_cache_tokens: int | None, lease: int | None, capacity: int, *, admits_by_kv: bool) -> float | None:
+    """The KV cache this dispatcher may fill on a server (None: no limit): the engine's cache (its record's,
+    discovered at registration), under a lease the same fraction of it as of the slots."""
+    if kv_cache_tokens is None or not admits_by_kv:
+        return None
+    budget = float(kv_cache_tokens)
+    if lease is not None:
+        budget *= min(1.0, lease / max(1, capacity))
+    return budget
