@@ -5,16 +5,13 @@ windows, retried elsewhere on failure, shared between clients in the dispatcher'
 that lose their server mid-way are continued on another replica (`federation/gateway/streams.py`). Errors follow
 OpenAI's shape on every route: `{"error": {"message", "type", "param", "code"}}`.
 
-Who is a client (for fair share and the serving order): with an API key file, the key's client name; else a
-bearer token the caller presents (each lm-eval process with its own OPENAI_API_KEY is its own client; the
-token itself is never kept, only a short digest); else the `X-Fedpool-Client` header; else the caller's
-address. Without keys the gateway binds to loopback only (the CLI refuses otherwise). Those last three are
-the caller's to choose, so the ids told apart at once are capped (`ClientIds`) and forgotten when idle.
+Who is a client (fair share, serving order): an API key's client name; else a digest of the caller's bearer token
+(never the token); else the `X-Fedpool-Client` header; else the caller's address. Without keys the gateway binds
+to loopback only; the ids callers choose are capped (`ClientIds`) and forgotten when idle.
 
-Per request the gateway does what it must and no more: the engine's answer goes back as the engine's bytes
-(only a `model` field that differs is rewritten); what it reads of the snapshot is computed once per snapshot
-(`PoolFacts`); no timer runs per request or at a high rate (overload is the dispatcher's own measure of its
-loop's lag, `Overload`).
+Per request the gateway does what it must and no more: the engine's bytes go back as they came (only a `model`
+field that differs is rewritten); snapshot facts are computed once per snapshot (`PoolFacts`); no timer runs per
+request (overload is the dispatcher's own measure of its loop's lag, `Overload`).
 """
 
 from __future__ import annotations
@@ -181,10 +178,10 @@ class Gateway:
         return app
 
     async def _settle_gc(self, _app: web.Application) -> None:
-        """The periodic ~100-300 ms stall under load was CPython's full collection walking every object the
-        process holds (~110k after imports; ~140k with Ray), about every 10 s at 2k req/s. What is alive at
-        startup lives for the process: frozen, full collections walk only what came later; and young
-        collections run every ~20k allocations instead of 700 (no request leaves cyclic garbage)."""
+        """Under load, CPython's full collections (walking every object the process holds) stalled the loop
+        periodically. What is alive at startup lives for the process: frozen, full collections walk only what
+        came later; and young collections run every ~20k allocations instead of 700 (no request leaves cyclic
+        garbage)."""
         if not self._tune_gc:
             return
         gc.collect()
@@ -250,17 +247,15 @@ class Gateway:
 
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         """/v1/completions and /v1/chat/completions (the route is the endpoint; one coroutine a request, not a
-        chain: a coroutine frame more is walked at every resumption of the request's task)."""
+        chain: a coroutine frame more is walked at every resumption of the request's task). Refusals are built
+        by helpers and carry their own status; a stream is relayed in a coroutine of its own (`_stream`)."""
         started = time.perf_counter()
         endpoint = _ENDPOINTS[request.path]
         status = "500"
         try:
             if self.overload.check():  # before reading the body: refusing must cost as little as possible
-                self._metrics.shed.inc()
                 status = "503"
-                return _error(503, "the gateway is overloaded (its event loop is "
-                              f"{self.overload.lag_s() * 1000:.0f} ms behind); retry shortly", "service_unavailable",
-                              code="gateway_overloaded", headers={"Retry-After": "1"})
+                return self._overloaded()
             client = self._client(request)
             if isinstance(client, web.Response):
                 status = str(client.status)
@@ -273,44 +268,20 @@ class Gateway:
                 declared = None  # (many callers in one bucket: no one caller's size)
             try:
                 body = loads(await request.read())
-            except web.HTTPRequestEntityTooLarge:
-                status = "413"
-                return _error(413, f"request body larger than {self._max_body} bytes", "invalid_request_error")
-            except (ValueError, UnicodeDecodeError):  # json.JSONDecodeError is a ValueError
-                status = "400"
-                return _error(400, "request body is not valid JSON", "invalid_request_error")
-            problem = _check_body(body, endpoint)
-            if problem is not None:
-                status = "400"
-                return problem
-            model = body["model"]
-            facts = self.facts()
-            if model not in facts.served:
-                status = "404"
-                return self._unknown_model(model, facts.served)
-            limit = self._max_inflight if self._max_inflight is not None else max(256, 2 * facts.capacity)
-            if self._inflight >= limit:
-                self._metrics.shed.inc()
-                status = "429"
-                return _error(429, "the gateway is at capacity; retry shortly", "rate_limit_error",
-                              code="gateway_overloaded", headers={"Retry-After": "1"})
-            try:
-                req = InferenceRequest.from_body(
-                    body, request_id=f"{self._id_prefix}{next(self._request_ids)}", model=model, endpoint=endpoint,
-                    client_id=client, revision=request.headers.get("X-Model-Revision") or None,
-                )
-            except ValueError as exc:
-                status = "400"
-                return _error(400, str(exc), "invalid_request_error")
+            except (web.HTTPRequestEntityTooLarge, ValueError, UnicodeDecodeError) as exc:
+                unreadable = self._unreadable(exc)
+                status = str(unreadable.status)
+                return unreadable
+            req = self._admit(body, endpoint, client, request)
+            if isinstance(req, web.Response):
+                status = str(req.status)
+                return req
+            model = req.model
             self._inflight += 1
             self.runs.arrive(client, declared)
             try:
                 if body.get("stream"):
-                    relay = StreamRelay(self._dispatcher, self._snapshot, request, req, model)
-                    response = await relay.run()
-                    self._metrics.migrations.inc(relay.outcome.migrations)
-                    status = ("client_closed" if relay.outcome.client_gone else
-                              "broken" if relay.outcome.broken else str(response.status))
+                    response, status = await self._stream(request, req, model)
                     return response
                 result = await self._dispatcher.submit(req)
             except NoServerError as exc:
@@ -332,6 +303,53 @@ class Gateway:
             raise
         finally:
             self._metrics.observe(endpoint, status, time.perf_counter() - started)  # (a StrEnum: its own value)
+
+    def _overloaded(self) -> web.Response:
+        """A 503 at once: the gateway's event loop is behind (`Overload`)."""
+        self._metrics.shed.inc()
+        return _error(503, "the gateway is overloaded (its event loop is "
+                      f"{self.overload.lag_s() * 1000:.0f} ms behind); retry shortly", "service_unavailable",
+                      code="gateway_overloaded", headers={"Retry-After": "1"})
+
+    def _unreadable(self, exc: Exception) -> web.Response:
+        """The refusal of a body that could not be read: too large (413), or not JSON (400)."""
+        if isinstance(exc, web.HTTPRequestEntityTooLarge):
+            return _error(413, f"request body larger than {self._max_body} bytes", "invalid_request_error")
+        return _error(400, "request body is not valid JSON", "invalid_request_error")  # (JSONDecodeError: a ValueError)
+
+    def _admit(self, body: Any, endpoint: Endpoint, client: str,
+               request: web.Request) -> InferenceRequest | web.Response:
+        """The request `body` asks for, or the response that refuses it: a body its endpoint cannot serve (400),
+        a model no server serves (404), the gateway at its in-flight limit (429)."""
+        problem = _check_body(body, endpoint)
+        if problem is not None:
+            return problem
+        model = body["model"]
+        facts = self.facts()
+        if model not in facts.served:
+            return self._unknown_model(model, facts.served)
+        limit = self._max_inflight if self._max_inflight is not None else max(256, 2 * facts.capacity)
+        if self._inflight >= limit:
+            self._metrics.shed.inc()
+            return _error(429, "the gateway is at capacity; retry shortly", "rate_limit_error",
+                          code="gateway_overloaded", headers={"Retry-After": "1"})
+        try:
+            return InferenceRequest.from_body(
+                body, request_id=f"{self._id_prefix}{next(self._request_ids)}", model=model, endpoint=endpoint,
+                client_id=client, revision=request.headers.get("X-Model-Revision") or None,
+            )
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+
+    async def _stream(self, request: web.Request, req: InferenceRequest,
+                      model: str) -> tuple[web.StreamResponse, str]:
+        """Relay a streamed request (`StreamRelay`): its response, and how it ended for the metrics."""
+        relay = StreamRelay(self._dispatcher, self._snapshot, request, req, model)
+        response = await relay.run()
+        self._metrics.migrations.inc(relay.outcome.migrations)
+        status = ("client_closed" if relay.outcome.client_gone else
+                  "broken" if relay.outcome.broken else str(response.status))
+        return response, status
 
     def _failed(self, exc: RequestFailed) -> tuple[web.Response, str]:
         """An upstream refusal keeps the engine's own status and message (its culprit field), attributed to the

@@ -1,24 +1,16 @@
 """This process's capacity lease: what its dispatcher may keep in flight on each server, shared with every
 other process by the registry's broker (registry/leases.py; docs/architecture.md, "Many processes, one pool").
 
-The lease client reports the dispatcher's demand (per model: clients, what each could use now, their rank in
-the client order and weight) and what it holds, and applies the lease that comes back; the dispatcher decides
-locally within it, so nothing on the request path waits for the registry. Calls are long polls: a report is
-answered at once when this process's slots changed, else after `renew_s` — so a lease that grows (another
-process let slots go) arrives within a round trip, and a steady process renews twice a second. The dispatcher
-pokes the client when it goes from idle to wanting slots, so a new eval does not wait for a renewal, and when it
-lets go of a slot its lease no longer covers (the lease shrank: another process waits for that slot); a process
-that goes idle reports its last demand for `IDLE_HOLD_S` more (a gateway between two callers' requests keeps
-its slots: the next request needs no round trip) and then nothing: an idle process holds nothing. Clients that
-have sent their last request (a finished eval) are not held for: their slots go back as their last answer comes.
+The lease client reports the dispatcher's demand and what it holds, and applies the lease that comes back; the
+dispatcher decides locally within it, so nothing on the request path waits for the registry. Calls are long polls,
+answered at once when this process's slots changed, else after `renew_s`. The dispatcher pokes the client when
+it goes from idle to wanting slots, and when it lets go of a slot its lease no longer covers. An idle process
+reports its last demand for `IDLE_HOLD_S` more, then nothing; clients that sent their last request are not held for.
 
-A lease runs `ttl_s` from when the report that earned it was *sent*: the broker forgets a silent holder
-`ttl_s` after it *received* the report, later, so a holder never keeps slots the broker has already given to
-another. When a lease runs out unrenewed (the registry away, or a call too slow), the process keeps at most what
-it held, server by server, capped by its safe share (each server's capacity divided among the holders last
-known) for one more TTL, and then takes its safe share: by then every holder has lost its lease too if the
-registry is really away, so safe shares add up to at most each server's capacity. Reports go on, and a lease
-from the registry — the same or a restarted one — replaces the fallback when it comes.
+A lease runs `ttl_s` from when the report that earned it was *sent* (the broker forgets a silent holder `ttl_s`
+after it *received* it, later). A lease that runs out unrenewed leaves the process at most what it held, capped
+by its safe share, for one more TTL, and then its safe share (these add up to at most each server's capacity);
+a lease from the registry replaces the fallback when it comes.
 """
 
 from __future__ import annotations
@@ -39,9 +31,8 @@ RENEW_S = 0.5  # a steady process renews its lease this often (the broker's TTL 
 CALL_TIMEOUT_S = 5.0  # a lease call that takes longer than its wait plus this is given up (the registry is away)
 RETRY_S = 0.5  # after a failed call, the next one waits this long
 MIN_POKE_S = 0.05  # pokes closer than this share one report
-# A process that goes idle keeps asking for what it last wanted this long. Giving the lease back at once made a
-# gateway between requests (20 ms apart) wait a registry round trip for most of them: p90 58 ms against 12.6 ms
-# without leases (benchmarks/gateway_capacity.py, paced).
+# A process that goes idle keeps asking for what it last wanted this long: giving the lease back at once made a
+# gateway between two callers' requests wait a registry round trip for the next one.
 IDLE_HOLD_S = 1.0
 
 
@@ -115,13 +106,13 @@ class LeaseClient:
         for slots) or back (nothing to do: renewals report the last demand for IDLE_HOLD_S, then nothing)."""
         if busy:
             if not self._wanted:  # (else the last report still asks for its slots, held for IDLE_HOLD_S: a paced
-                self._poked.set()  # gateway going idle between requests made 20 reports a second, not 2)
+                self._poked.set()  # gateway going idle between requests would report at every request)
         else:
             self._wanted_at = self._clock()  # it wanted slots until now: the hold counts from here
             if self._wanted and not self._coming(self._wanted):
                 # Every client it asked for has sent its last request (finished evals): nothing will come to use
-                # a held slot, so the slots go back now. Held for IDLE_HOLD_S, a finished eval's process kept
-                # its 2 slots idle about a second while the others' requests waited (multiprocess.md).
+                # a held slot, so the slots go back now (held for IDLE_HOLD_S, a finished eval's process kept
+                # its slots idle while the others' requests waited).
                 self._wanted = ()
                 self._poked.set()
 

@@ -2,21 +2,16 @@
 
 Before the first byte reaches the client, a failed upstream is retried elsewhere like any request (the
 dispatcher does it). After tokens were sent, the stream is *migrated*: continued from another replica of the
-same model and revision (same engine: continuation is engine-specific), so the client sees one well-formed
-stream. The continuation asks for what is left:
+same model, revision and engine (continuation is engine-specific), so the client sees one well-formed stream.
+The continuation asks for what is left: the prompt plus the text already sent (completions), or the messages
+plus an assistant message holding it (chat, where the engine can continue one: `CHAT_CONTINUATION`; llama.cpp's
+server does unless started with `--no-prefill-assistant`), with the remaining `max_tokens`.
 
-- completions: the prompt plus the text already sent, and the remaining `max_tokens`;
-- chat: the messages plus an assistant message holding the text already sent, continued where the engine
-  can: vLLM and SGLang with `continue_final_message: true` (vLLM also `add_generation_prompt: false`, which it
-  requires), llama.cpp's server by default (it continues a trailing assistant message unless started with
-  `--no-prefill-assistant`).
-
-Tokens sent are counted one per streamed chunk (vLLM, SGLang and llama.cpp stream one token a chunk), so the
-remaining `max_tokens` can be off where an engine batches tokens into a chunk. Where continuation is not
-possible (n > 1, logprobs, echo, an engine fedpool cannot continue for chat, no other replica) the stream ends
-with an OpenAI-style error event (`data: {"error": {...}}`) and `data: [DONE]`. A greedy request continues
-greedily, but the joined text can differ from an uninterrupted run: the continuation re-tokenizes the text at
-the join, and batch composition changes the numerics.
+Tokens sent are counted one per streamed chunk (as vLLM, SGLang and llama.cpp stream them), so the remaining
+`max_tokens` can be off where an engine batches tokens into a chunk. Where continuation is not possible (n > 1,
+logprobs, echo, an engine fedpool cannot continue for chat, no other replica) the stream ends with an OpenAI-style
+error event and `data: [DONE]`. A greedy continuation can still differ from an uninterrupted run (the join is
+re-tokenized; batch composition changes the numerics).
 """
 
 from __future__ import annotations
