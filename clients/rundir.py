@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -16,6 +18,8 @@ from fedpool.pipeline import BenchmarkSpec, PipelineError, load_samples, load_sp
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.ownership import LOCK_FILE, DirectoryLock
 from fedpool.pipeline.reproduce import SavedBenchmark
+
+log = logging.getLogger("fedpool.eval")
 
 EVAL_FILE = "eval.json"
 REPLAYED_SPECS = "replayed-specs"  # a replay's specs as saved, so that `fedpool eval resume` works on it too
@@ -139,6 +143,27 @@ async def wait_for_model(registered: Callable[[], Awaitable[Mapping[str, Collect
             raise NoServerError(f"no registered server serves model {model!r}{rev}{waited} (the pool serves: "
                                 f"{', '.join(sorted(served)) or 'nothing'}); {how_to_wait}")
         await asyncio.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+
+
+async def require_servers(client: Any, model: str, revision: str | None, wait_s: float | None,
+                          announce: object | None = None) -> None:
+    """Refuse a model no registered server serves before anything is written, or wait up to `wait_s` for one; then
+    send `announce` (the run's DemandReport) to the lease broker (best effort). `client` is the registry; its
+    connections are let go after (they belong to this event loop; the run starts another)."""
+
+    async def registered() -> dict[str, set[str]]:
+        return (await client.snapshot()).revisions()
+
+    try:
+        await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
+                             "SECONDS")
+        if announce is not None:
+            try:
+                await asyncio.wait_for(client.lease(announce), 2.0)
+            except Exception as exc:  # (the run's own lease client reports in a moment anyway)
+                log.debug("could not announce this run's evals to the lease broker: %s", type(exc).__name__)
+    finally:
+        await client.aclose()
 
 
 def replay_plan(source: Path, saved: Sequence[SavedBenchmark], out: Path) -> RunPlan:

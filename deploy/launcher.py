@@ -90,6 +90,17 @@ class ServerLauncher:
         except Exception as exc:
             log.warning("could not deregister %s (%s); its lease will expire", self.record.id, type(exc).__name__)
 
+    async def serve_until(self, stop: asyncio.Event) -> bool:
+        """Once started: wait until `stop` is set or the engine exits, then stop it and deregister. Whether the
+        engine exited by itself."""
+        stopped = asyncio.create_task(stop.wait())
+        died = asyncio.create_task(self.exited.wait())
+        await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stopped, died):
+            task.cancel()
+        await self.stop()
+        return self.exited.is_set() and not stop.is_set()
+
     async def stop(self) -> None:
         current = asyncio.current_task()
         for task in self._tasks:

@@ -28,10 +28,8 @@ from fedpool.cli_support import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
-    command_stdout,
     pool_page,
     pool_registry,
-    ray_token_auth_if_available,
     registry_client,
     run_server,
     stop_on_signals,
@@ -66,11 +64,11 @@ class Chosen:
 
 # ---- commands -----------------------------------------------------------------------------------
 def cmd_demo(args: opt.DemoOptions) -> int:
-    from fedpool.demo import report_json, run_demo
+    from fedpool.demo import run_demo
 
     report = run_demo(args, out=sys.stderr if args.json_output else sys.stdout)
     if args.json_output:
-        print(report_json(report))
+        print(json.dumps(report.as_json(), indent=2, default=str))
     return EXIT_OK
 
 
@@ -83,6 +81,7 @@ def cmd_bench_speedup(bench_args: Sequence[str]) -> int:
 
 
 def cmd_gateway(args: opt.GatewayOptions) -> int:
+    from fedpool.clients.jobs.api import ensure_jobs_token
     from fedpool.federation.gateway.handlers import parse_api_keys
 
     keys = None
@@ -94,12 +93,8 @@ def cmd_gateway(args: opt.GatewayOptions) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         raise CliError("refusing to serve on a non-loopback address without --api-key-file", EXIT_USAGE)
     jobs_dir = args.jobs_dir.expanduser().resolve() if args.jobs_dir else None
-    jobs_token = None
-    if jobs_dir is not None:
-        from fedpool.clients.jobs.api import ensure_jobs_token
-
-        given = args.jobs_token_file.read_text(encoding="utf-8").strip() if args.jobs_token_file else None
-        jobs_token = ensure_jobs_token(jobs_dir, given)
+    given = args.jobs_token_file.read_text(encoding="utf-8").strip() if jobs_dir and args.jobs_token_file else None
+    jobs_token = ensure_jobs_token(jobs_dir, given) if jobs_dir is not None else None
     # Without jobs the gateway needs nothing of Ray but the registry: over its HTTP API where found (no Ray driver in
     # the gateway's process). Jobs may need CPU actors (judges, media encoders): that server joins Ray.
     if jobs_dir is not None and args.registry_url and not args.quiet:
@@ -112,41 +107,33 @@ def cmd_gateway(args: opt.GatewayOptions) -> int:
 
 async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_dir: Path | None,
                          jobs_token: str | None) -> None:
-    from fedpool.clients.poolapp import raise_open_files_limit
-    from fedpool.federation import DispatchConfig
+    from fedpool.clients.jobs import JobRunner, JobStore
+    from fedpool.clients.poolapp import raise_open_files_limit, serving_pool
+    from fedpool.federation import DispatchConfig, PoolConnection
+    from fedpool.pipeline.ownership import private_dir
 
     raise_open_files_limit()
     # A model whose servers are all unroutable is answered 503 (with Retry-After) after 10 s, not a minute.
     config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
     try:
-        await _serve_pool(client, args, keys, jobs_dir, jobs_token, config)
+        async with PoolConnection(client, policy=args.policy, config=config) as pool:
+            runner = None if jobs_dir is None else JobRunner(
+                JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
+                verifier_factory=lambda: evals.verifier_pool(args),
+                roots=[r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")])
+            async with serving_pool(pool, pool_page(), args.host, args.port, api_keys=keys,
+                                    max_inflight=args.max_inflight, runner=runner, jobs_token=jobs_token,
+                                    reuse_port=args.reuse_port or None, backlog=1024) as base:
+                stop = stop_on_signals()
+                print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
+                      f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)
+                if jobs_dir is not None:
+                    print(f"jobs API on {base}/jobs (token in {jobs_dir / 'jobs.token'}, jobs in {jobs_dir})",
+                          flush=True)
+                print("Ctrl-C to stop", flush=True)
+                await stop.wait()
     finally:
         await client.aclose()
-
-
-async def _serve_pool(client: Any, args: opt.GatewayOptions, keys: Any, jobs_dir: Path | None, jobs_token: str | None,
-                      config: Any) -> None:
-    from fedpool.clients.jobs import JobRunner, JobStore
-    from fedpool.clients.poolapp import serving_pool
-    from fedpool.federation import PoolConnection
-    from fedpool.pipeline.ownership import private_dir
-
-    async with PoolConnection(client, policy=args.policy, config=config) as pool:
-        job_runner = None
-        if jobs_dir is not None:
-            roots = [r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")]
-            job_runner = JobRunner(JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
-                                   verifier_factory=lambda: evals.verifier_pool(args), roots=roots)
-        async with serving_pool(pool, pool_page(), args.host, args.port, api_keys=keys, max_inflight=args.max_inflight,
-                                runner=job_runner, jobs_token=jobs_token, reuse_port=args.reuse_port or None,
-                                backlog=1024) as base:
-            stop = stop_on_signals()
-            print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
-                  f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)
-            if jobs_dir is not None:
-                print(f"jobs API on {base}/jobs (token in {jobs_dir / 'jobs.token'}, jobs in {jobs_dir})", flush=True)
-            print("Ctrl-C to stop", flush=True)
-            await stop.wait()
 
 
 LEAVES = (
@@ -163,7 +150,7 @@ LEAVES = (
     Leaf("down", opt.DownOptions, up.cmd_down, "stop the pool `fedpool up --detach` started"),
     Leaf("registry start", opt.RegistryStartOptions, servers.cmd_registry_start, "create the registry actor (detached, "
          "namespace fedpool)"),
-    Leaf("registry status", opt.RayJsonOptions, servers.cmd_registry_status, "show whether the registry runs and how"),
+    Leaf("registry status", opt.PoolJsonOptions, servers.cmd_registry_status, "show whether the registry runs and how"),
     Leaf("gateway", opt.GatewayOptions, cmd_gateway, "serve an OpenAI-compatible endpoint that routes through the "
          "pool", "OpenAI-compatible /v1/completions, /v1/chat/completions (streaming too) and /v1/models in front of "
          "every registered server; /metrics for Prometheus; the pool page at /."),
@@ -176,7 +163,7 @@ LEAVES = (
     Leaf("jobs show", opt.JobOptions, jobs.cmd_jobs_show, "one job: state, progress, scores"),
     Leaf("jobs cancel", opt.JobOptions, jobs.cmd_jobs_cancel, "cancel a queued or running job"),
     Leaf("jobs logs", opt.JobOptions, jobs.cmd_jobs_logs, "a job's log"),
-    Leaf("pool status", opt.RayJsonOptions, servers.cmd_pool_status, "servers by status, engine and accelerator; "
+    Leaf("pool status", opt.PoolJsonOptions, servers.cmd_pool_status, "servers by status, engine and accelerator; "
          "capacity and load"),
     Leaf("eval run", opt.EvalRunOptions, evals.cmd_eval_run, "run benchmark specs concurrently through the pool"),
     Leaf("eval resume", opt.EvalResumeOptions, evals.cmd_eval_resume, "finish a run in RUN_DIR: its missing records, "
@@ -324,6 +311,8 @@ def _file_problem(exc: OSError | UnicodeDecodeError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from fedpool.deploy.raycluster import command_stdout, ray_token_auth_if_available
+
     ray_token_auth_if_available()  # before Ray is imported (the policy names import it): it reads the mode once
     cli = build_parser()
     try:
@@ -351,34 +340,42 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(leaf: Leaf, settings: Options) -> int:
     """The command, its failures as one line on stderr and an exit code (docs/reference.md)."""
+    try:
+        return leaf.run(settings)
+    except KeyboardInterrupt:
+        print("fedpool: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        code = _exit_code(exc)
+        if code is None:
+            raise
+        print(f"fedpool: error: {_file_problem(exc) if isinstance(exc, FILE_PROBLEMS) else exc}", file=sys.stderr)
+        return code
+
+
+FILE_PROBLEMS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, PermissionError, UnicodeDecodeError)
+
+
+def _exit_code(exc: Exception) -> int | None:
+    """The exit code of a failure the command reports in one line; None for a bug (its traceback is shown)."""
     from fedpool.clients.rundir import NoServerError
     from fedpool.deploy import EngineStartError, LlamaServerNotInstalled
     from fedpool.pipeline import PipelineError
     from fedpool.pipeline.errors import ArtifactWriteError, OwnershipError
     from fedpool.registry import RegistryError
+    from fedpool.registry.httpclient import RegistryUnreachable
 
-    try:
-        return leaf.run(settings)
-    except CliError as exc:
-        print(f"fedpool: error: {exc}", file=sys.stderr)
+    if isinstance(exc, CliError):
         return exc.code
-    except NoServerError as exc:  # nothing serves the model: the pool, not the command, is wanting
-        print(f"fedpool: error: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except (PipelineError, RegistryError) as exc:
-        print(f"fedpool: error: {exc}", file=sys.stderr)
-        if isinstance(exc, OwnershipError):
-            return EXIT_BUSY  # a run or jobs directory another process holds (named in the message)
-        return EXIT_USAGE if isinstance(exc, PipelineError) and not isinstance(exc, ArtifactWriteError) else EXIT_FAILED
-    except (IsADirectoryError, NotADirectoryError, FileNotFoundError, PermissionError, UnicodeDecodeError) as exc:
-        print(f"fedpool: error: {_file_problem(exc)}", file=sys.stderr)  # a path given is not what it must be
-        return EXIT_USAGE
-    except (EngineStartError, LlamaServerNotInstalled, OSError) as exc:
-        print(f"fedpool: error: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except KeyboardInterrupt:
-        print("fedpool: interrupted", file=sys.stderr)
-        return 130
+    if isinstance(exc, OwnershipError):
+        return EXIT_BUSY  # a run or jobs directory another process holds (named in the message)
+    if isinstance(exc, NoServerError | RegistryUnreachable | EngineStartError | LlamaServerNotInstalled):
+        return EXIT_UNAVAILABLE  # the pool, a server or an engine is wanting, not the command
+    if isinstance(exc, ArtifactWriteError | RegistryError):
+        return EXIT_FAILED
+    if isinstance(exc, (PipelineError, *FILE_PROBLEMS)):
+        return EXIT_USAGE  # a spec, a dataset, an artifact or a path given is not what it must be
+    return EXIT_UNAVAILABLE if isinstance(exc, OSError) else None
 
 
 if __name__ == "__main__":

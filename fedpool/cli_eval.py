@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpool import options as opt
-from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, connect_ray, emit, pool_registry
-from fedpool.registry import DemandReport, holder_id, loading_report
+from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, ask, connect_ray, emit, pool_registry
+from fedpool.registry import holder_id, loading_report
 
 if TYPE_CHECKING:
     from fedpool.clients.rundir import RunPlan
-
-log = logging.getLogger("fedpool.eval")
+    from fedpool.pipeline.verifier import VerifierPool
 
 
 def cmd_eval_run(args: opt.EvalRunOptions) -> int:
@@ -28,10 +26,7 @@ def cmd_eval_run(args: opt.EvalRunOptions) -> int:
     # Every input is checked before anything is written: a refused run leaves nothing behind.
     refuse_existing_run(out)
     specs = check_specs([Path(p) for p in plan.specs], plan.limit, given=args.spec)
-    client = pool_registry(args)
-    holder = holder_id()
-    asyncio.run(require_servers(client, args.model, args.revision, args.wait_for_servers,
-                                announce=announcement(holder, args.model, specs, plan.concurrency)))
+    client, holder = _reach_pool(args, plan, specs)
     with owned(out, "fedpool eval run"):
         refuse_existing_run(out)  # another run may have started here meanwhile
         plan.write(out)
@@ -45,41 +40,22 @@ def cmd_eval_resume(args: opt.EvalResumeOptions) -> int:
     with owned(out, "fedpool eval resume"):
         plan = RunPlan.read(out)
         specs = check_specs([Path(p) for p in plan.specs], plan.limit)
-        client = pool_registry(args)
-        holder = holder_id()
-        asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers,
-                                    announce=announcement(holder, plan.model, specs, plan.concurrency)))
+        client, holder = _reach_pool(args, plan, specs)
         return _run_eval(args, out, plan, specs, client, retry_failed=not args.keep_failed, holder=holder)
 
 
-async def require_servers(client: Any, model: str, revision: str | None, wait_s: float | None,
-                          announce: DemandReport | None = None) -> None:
-    """Refuse a model no registered server serves before anything is written, or wait up to `wait_s` for one; then
-    send `announce` to the lease broker (best effort)."""
-    from fedpool.clients.rundir import wait_for_model
+def _reach_pool(args: opt.PoolEvalOptions, plan: RunPlan, specs: list[Any], announce: bool = True
+                ) -> tuple[Any, str | None]:
+    """The registry, once some registered server serves the plan's model (NoServerError, before anything is
+    written, when none does), and this process's name at the lease broker, to which it announced its evals, each
+    loading: known to the broker before the run's heavier start-up, they keep their loading shares when it asks."""
+    from fedpool.clients.rundir import require_servers
 
-    async def registered() -> dict[str, set[str]]:
-        return (await client.snapshot()).revisions()
-
-    try:
-        await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
-                             "SECONDS")
-        if announce is not None:
-            try:
-                await asyncio.wait_for(client.lease(announce), 2.0)
-            except Exception as exc:  # (the run's own lease client reports in a moment anyway)
-                log.debug("could not announce this run's evals to the lease broker: %s", type(exc).__name__)
-    finally:
-        await client.aclose()  # (its connections belong to this event loop; the run starts another)
-
-
-def announcement(holder: str, model: str, specs: list[Any], concurrency: int) -> DemandReport:
-    """The evals this process is about to run, each loading: sent as soon as the specs are checked and the model
-    is served, before the run's heavier start-up. Four eval processes launched together finished starting 0.5 to
-    3.3 s apart on 2 cores (the first one's requests took the cores the others' start-up needed): the first to
-    report what it wanted was leased all 8 slots and held them a whole long answer, while the others, unknown to
-    the broker yet, waited; known from here on, they hold their loading shares when it asks."""
-    return loading_report(holder, model, ((s.name, s.at_once(concurrency)) for s in specs))
+    client, holder = pool_registry(args), holder_id() if announce else None
+    report = None if holder is None else loading_report(holder, plan.model, ((s.name, s.at_once(plan.concurrency))
+                                                                             for s in specs))
+    asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers, announce=report))
+    return client, holder
 
 
 def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
@@ -90,8 +66,7 @@ def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
     saved = replay_specs(source)  # an ArtifactError names what is wrong with it (exit code 2)
     plan = replay_plan(source, saved, out)
     refuse_existing_run(out)
-    client = pool_registry(args)
-    asyncio.run(require_servers(client, plan.model, plan.revision, args.wait_for_servers))
+    client, _ = _reach_pool(args, plan, [], announce=False)
     with owned(out, "fedpool eval replay"):
         refuse_existing_run(out)
         write_replayed_specs(out, saved)
@@ -116,14 +91,16 @@ def cmd_eval_rescore(args: opt.EvalRescoreOptions) -> int:
     return EXIT_OK
 
 
-def verifier_pool(args: opt.VerifierOptions) -> Any:
+def verifier_pool(args: opt.VerifierOptions, default_model: Path | None = None,
+                  shares_engine_cores: bool = False) -> VerifierPool:
+    """The judges of specs with `verifier: true`: --verifier-model, else `default_model` or the bundled Gemma."""
     from fedpool.deploy.models import ensure_gemma
     from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 
-    model = args.verifier_model or ensure_gemma()
+    model = args.verifier_model or ensure_gemma(default_model)
     try:
         return VerifierPool(VerifierConfig(model_path=str(model), actors=args.verifier_actors,
-                                           threads=args.verifier_threads))
+                                           threads=args.verifier_threads, shares_engine_cores=shares_engine_cores))
     except FileNotFoundError as exc:
         raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
 
@@ -142,21 +119,13 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
     from fedpool.federation import DispatchConfig
 
     dispatch = DispatchConfig(client_order=plan.client_order, no_server_timeout_s=args.no_server_timeout)
-
-    async def run() -> Any:
-        try:
-            return await run_evals_through_pool(
-                client, specs, out, EvalTarget(model=plan.model, revision=plan.revision), policy=plan.routing,
-                dispatch=dispatch, concurrency=plan.concurrency, verifier=lambda: verifier_pool(args),
-                media_actors=args.media_actors, metric_actors=args.metric_actors,
-                progress="quiet" if args.quiet else "auto", retry_failed=retry_failed,
-                join_ray=lambda: connect_ray(args), holder=holder,
-                run_info={"policy": plan.policy, "concurrency": plan.concurrency, "client_order": plan.client_order,
-                          "planned": plan.routing == "planned"})
-        finally:
-            await client.aclose()
-
-    summaries = asyncio.run(run())
+    summaries = ask(client, lambda c: run_evals_through_pool(
+        c, specs, out, EvalTarget(model=plan.model, revision=plan.revision), policy=plan.routing, dispatch=dispatch,
+        concurrency=plan.concurrency, verifier=lambda: verifier_pool(args), media_actors=args.media_actors,
+        metric_actors=args.metric_actors, progress="quiet" if args.quiet else "auto", retry_failed=retry_failed,
+        join_ray=lambda: connect_ray(args), holder=holder,
+        run_info={"policy": plan.policy, "concurrency": plan.concurrency, "client_order": plan.client_order,
+                  "planned": plan.routing == "planned"}))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
     emit(args, {"run_dir": str(out), "benchmarks": rows}, lambda _: "\n".join(

@@ -6,7 +6,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedpool import options as opt
 from fedpool.cli_support import (
@@ -14,12 +14,16 @@ from fedpool.cli_support import (
     EXIT_OK,
     EXIT_USAGE,
     CliError,
+    ask,
     connect_ray,
     emit,
+    pool_registry,
     registry_client,
     stop_on_signals,
-    validation_message,
 )
+
+if TYPE_CHECKING:
+    from fedpool.registry import ServerRecord
 
 
 def cmd_registry_start(args: opt.RegistryStartOptions) -> int:
@@ -43,16 +47,15 @@ def cmd_registry_start(args: opt.RegistryStartOptions) -> int:
     return EXIT_OK
 
 
-def cmd_registry_status(args: opt.RayJsonOptions) -> int:
-    client = registry_client(args)
-    info = asyncio.run(client.ping())
+def cmd_registry_status(args: opt.PoolJsonOptions) -> int:
+    info = ask(pool_registry(args), lambda c: c.ping())
     emit(args, info, lambda i: f"registry up: version {i['version']}, {i['servers']} server(s), "
          f"{i['probe_cycles']} probe cycles, last cycle {i['last_probe_cycle_s'] * 1000:.0f} ms"
          + (f"; HTTP API {i['api_url']}" if i.get("api_url") else ""))
     return EXIT_OK
 
 
-def cmd_pool_status(args: opt.RayJsonOptions) -> int:
+def cmd_pool_status(args: opt.PoolJsonOptions) -> int:
     def text(r: dict[str, Any]) -> str:
         lines = [f"{r['servers']} server(s): " + ", ".join(f"{n} {s}" for s, n in sorted(r["by_status"].items())),
                  f"routable capacity {r['capacity_routable']} sequences; running {r['running']:.0f}, waiting "
@@ -61,18 +64,15 @@ def cmd_pool_status(args: opt.RayJsonOptions) -> int:
         lines += [f"  model {m}: {n} server(s)" for m, n in sorted(r["models"].items())]
         return "\n".join(lines)
 
-    emit(args, asyncio.run(registry_client(args).snapshot()).summary(), text)
+    emit(args, ask(pool_registry(args), lambda c: c.snapshot()).summary(), text)
     return EXIT_OK
 
 
 def cmd_serve(args: opt.ServeOptions) -> int:
     import socket
 
-    from pydantic import ValidationError
-
     from fedpool.deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
     from fedpool.deploy.process import engine_variables, free_port, key_values
-    from fedpool.registry import ServerRecord
 
     port = args.port or free_port(args.host)
     spec = EngineSpec(engine=args.engine, model=args.model, port=port, host=args.host, model_path=args.model_path,
@@ -88,14 +88,10 @@ def cmd_serve(args: opt.ServeOptions) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     accelerator, gpus = (args.accelerator, args.gpus or 0) if args.accelerator else detect_accelerator()
     server_id = args.id or f"{socket.gethostname().split('.')[0]}-{args.engine}-{port}"
-    try:
-        record = ServerRecord.model_validate({
-            "id": server_id, "url": args.advertise_url or f"http://{args.host}:{port}", "engine": adapter,
-            "model": args.model, "revision": args.revision, "accelerator": accelerator,
-            "gpu_count": args.gpus or gpus, "capacity": args.capacity,
-            "labels": {**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine}})
-    except ValidationError as exc:
-        raise CliError(validation_message(exc), EXIT_USAGE) from None
+    record = server_record({
+        "id": server_id, "url": args.advertise_url or f"http://{args.host}:{port}", "engine": adapter,
+        "model": args.model, "revision": args.revision, "accelerator": accelerator, "gpu_count": args.gpus or gpus,
+        "capacity": args.capacity, "labels": {**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine}})
     client = registry_client(args)
     return asyncio.run(_serve_engine(client, record, argv, engine_env, args))
 
@@ -113,13 +109,7 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: d
     took = await launcher.start()
     print(f"{record.id} healthy after {took:.1f}s and registered ({record.engine.value}, {record.model}, "
           f"{record.accelerator}); Ctrl-C to stop and deregister", flush=True)
-    stopped = asyncio.create_task(stop.wait())
-    died = asyncio.create_task(launcher.exited.wait())
-    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (stopped, died):
-        task.cancel()
-    await launcher.stop()
-    if launcher.exited.is_set() and not stop.is_set():
+    if await launcher.serve_until(stop):
         print(f"fedpool: error: the engine of {record.id} exited (code {process.returncode}); deregistered; "
               f"see {log_path}", file=sys.stderr)
         return EXIT_FAILED
@@ -127,32 +117,37 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: d
     return EXIT_OK
 
 
-def cmd_server_add(args: opt.ServerAddOptions) -> int:
+def server_record(fields: dict[str, Any]) -> ServerRecord:
+    """A server's record from the flags; every field that is wrong named at once (exit code 2)."""
     from pydantic import ValidationError
 
-    from fedpool.deploy.process import key_values
     from fedpool.registry import ServerRecord
+
+    try:
+        return ServerRecord.model_validate(fields)
+    except ValidationError as exc:
+        raise CliError("; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}"
+                                 for err in exc.errors()), EXIT_USAGE) from None
+
+
+def cmd_server_add(args: opt.ServerAddOptions) -> int:
+    from fedpool.deploy.process import key_values
 
     try:
         labels = key_values(args.label)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    try:
-        record = ServerRecord.model_validate({
-            "id": args.id, "url": args.url, "engine": args.engine, "model": args.model, "revision": args.revision,
-            "accelerator": args.accelerator, "gpu_count": args.gpus, "capacity": args.capacity, "labels": labels})
-    except ValidationError as exc:
-        raise CliError(validation_message(exc), EXIT_USAGE) from None
-    client = registry_client(args)
-    entry = asyncio.run(client.register(record, replace=args.replace))
+    record = server_record({
+        "id": args.id, "url": args.url, "engine": args.engine, "model": args.model, "revision": args.revision,
+        "accelerator": args.accelerator, "gpu_count": args.gpus, "capacity": args.capacity, "labels": labels})
+    entry = ask(pool_registry(args), lambda c: c.register(record, replace=args.replace))
     emit(args, entry.describe(), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
          f"{e['accelerator']}), capacity {e['capacity']}, status {e['status']}")
     return EXIT_OK
 
 
 def cmd_server_list(args: opt.ServerListOptions) -> int:
-    client = registry_client(args)
-    snapshot = asyncio.run(client.snapshot())
+    snapshot = ask(pool_registry(args), lambda c: c.snapshot())
     if args.model:
         snapshot = snapshot.filter(model=args.model)
     rows = [e.describe() for e in snapshot.entries]
@@ -161,22 +156,19 @@ def cmd_server_list(args: opt.ServerListOptions) -> int:
 
 
 def cmd_server_show(args: opt.ServerOptions) -> int:
-    client = registry_client(args)
-    entry = asyncio.run(client.get(args.server_id))
+    entry = ask(pool_registry(args), lambda c: c.get(args.server_id))
     emit(args, entry.describe(), lambda e: "\n".join(f"{k:>16}: {v}" for k, v in e.items()))
     return EXIT_OK
 
 
 def cmd_server_drain(args: opt.ServerOptions) -> int:
-    client = registry_client(args)
-    entry = asyncio.run(client.drain(args.server_id))
+    entry = ask(pool_registry(args), lambda c: c.drain(args.server_id))
     emit(args, entry.describe(), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
     return EXIT_OK
 
 
 def cmd_server_remove(args: opt.ServerOptions) -> int:
-    client = registry_client(args)
-    record = asyncio.run(client.deregister(args.server_id))
+    record = ask(pool_registry(args), lambda c: c.deregister(args.server_id))
     emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
     return EXIT_OK
 

@@ -137,7 +137,9 @@ class Layers:
     def culprit(self, key: str, field: FieldInfo) -> str:
         if key in self.flags:
             return flag_names(key, field)[-1]
-        return f"environment {env_name(key)}" if key in self.env else self.where[key]
+        if key in self.env:
+            return f"environment {env_name(key)}"
+        return self.where.get(key, f"the default of {flag_names(key, field)[-1]}")  # (a default no longer valid)
 
 
 def load_settings(model: type[Options], command: str, flags: dict[str, Any],

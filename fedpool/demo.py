@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import tempfile
@@ -15,16 +14,15 @@ from typing import Any, TextIO
 
 import ray
 
+from fedpool.cli_eval import verifier_pool
 from fedpool.clients import EvalSummary, EvalTarget
 from fedpool.clients.poolrun import run_evals_through_pool
-from fedpool.deploy import ensure_gemma
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig
 from fedpool.options import DemoOptions
 from fedpool.pipeline import BenchmarkSpec, load_specs, package_versions
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.bundled import bundled_spec_paths
-from fedpool.pipeline.verifier import VerifierConfig, VerifierPool
 from fedpool.registry import RegistryClient
 
 log = logging.getLogger("fedpool.demo")
@@ -55,23 +53,18 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> DemoReport:
     run_dir.mkdir(parents=True, exist_ok=True)
     print("[fedpool] starting local Ray (namespace fedpool)", file=out, flush=True)
     init_local_ray()
+    # The registry's state (and its token) live outside the run directory: artifacts carry no secrets.
     try:
-        return asyncio.run(_run(options, specs, run_dir, out))
+        with tempfile.TemporaryDirectory(prefix="fedpool-demo-registry-") as state_dir:
+            return asyncio.run(_run_pool(options, specs, run_dir, out, Path(state_dir)))
     finally:
         ray.shutdown()
 
 
-async def _run(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO) -> DemoReport:
-    # The registry's state (and its token) live outside the run directory: artifacts carry no secrets.
-    with tempfile.TemporaryDirectory(prefix="fedpool-demo-registry-") as state_dir:
-        registry = await RegistryClient.start(Path(state_dir), probe_interval_s=2.0)
-        await registry.ping()
-        return await _run_pool(options, specs, run_dir, out, registry)
-
-
-async def _run_pool(
-    options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO, registry: RegistryClient
-) -> DemoReport:
+async def _run_pool(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: Path, out: TextIO,
+                    state_dir: Path) -> DemoReport:
+    registry = await RegistryClient.start(state_dir, probe_interval_s=2.0)
+    await registry.ping()
     servers = LocalServerSpec(count=options.servers, slots=options.slots, threads=options.threads,
                               model_path=options.model_path)
     print(f"[fedpool] registry actor up; starting {servers.count} llama.cpp servers "
@@ -91,9 +84,10 @@ async def _run_pool(
             specs = [s.model_copy(update={"verifier": True}) for s in specs]
             print("[fedpool] verifier: Ray CPU actors judging every prediction as it completes", file=out)
         started = time.monotonic()
-        summaries = await run_evals_through_pool(
+        summaries = await run_evals_through_pool(  # (the judges run beside the llama.cpp servers, on their cores)
             registry, specs, run_dir, EvalTarget(model=launchers[0].record.model), policy=options.policy,
-            dispatch=DispatchConfig(), concurrency=options.concurrency, verifier=lambda: _judges(options),
+            dispatch=DispatchConfig(), concurrency=options.concurrency,
+            verifier=lambda: verifier_pool(options, options.model_path, shares_engine_cores=True),
             media_actors=options.media_actors, metric_actors=options.metric_actors, progress="plain",
             run_info=run_info)
         wall = time.monotonic() - started
@@ -105,13 +99,6 @@ async def _run_pool(
     write_json_atomic(run_dir / "report.json", report.as_json())
     _print_report(report, out)
     return report
-
-
-def _judges(options: DemoOptions) -> VerifierPool:
-    """The judges run beside the local llama.cpp servers, on the same cores."""
-    model = options.verifier_model or ensure_gemma(options.model_path)
-    return VerifierPool(VerifierConfig(model_path=str(model), actors=options.verifier_actors,
-                                       threads=options.verifier_threads, shares_engine_cores=True))
 
 
 def _print_report(report: DemoReport, out: TextIO) -> None:
@@ -135,7 +122,3 @@ def _print_report(report: DemoReport, out: TextIO) -> None:
         print(f"  {s.artifact_dir}/records.jsonl, summary.json", file=out)
     print(f"  {report.run_dir}/run.json, report.json; engine logs in {report.run_dir}/logs", file=out)
     out.flush()
-
-
-def report_json(report: DemoReport) -> str:
-    return json.dumps(report.as_json(), indent=2, default=str)

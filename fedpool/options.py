@@ -143,8 +143,10 @@ class Options(BaseSettings):
 
 
 class RayOptions(Options):
-    address: str = option("auto", "Ray cluster address")
-    state_dir: Path = option(Path("~/.fedpool/registry"), "registry state directory")
+    address: str = option("auto", "Ray cluster address (auto: the one the `fedpool up` of STATE_DIR recorded, else "
+                          "RAY_ADDRESS, else the cluster started last on this machine)")
+    state_dir: Path = option(Path("~/.fedpool/registry"), "registry state directory, or a `fedpool up`'s (the "
+                             "default: the default `fedpool up`'s while it is up and no registry keeps its state here)")
     token_path: Annotated[Path | None, Flag(("--token-file-path",))] = option(None, "registry token file for changes")
     quiet: Annotated[bool, Flag(("-q", "--quiet"))] = option(False, "no cluster line on stderr, no progress display")
 
@@ -176,7 +178,7 @@ class DemoOptions(VerifierOptions):
     servers: PositiveInt = option(2, "llama.cpp servers to start")
     slots: PositiveInt = option(4, "parallel slots per server, -np")
     threads: PositiveInt = option(1, "CPU threads per server")
-    policy: Policy = option("least_inflight", "routing policy")
+    policy: Policy = option("capacity_weighted", "routing policy")
     concurrency: PositiveInt = option(16, "requests in flight per eval")
     limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
     spec: Paths = option([], "benchmark spec YAML (repeatable; default: the bundled ones)")
@@ -205,11 +207,12 @@ class DownOptions(Options):
     state_dir: Path = option(Path("~/.fedpool/up"), "as given to `fedpool up`")
 
 
-class RayJsonOptions(RayOptions):
+class PoolJsonOptions(PoolApiOptions):
     json_output: JsonOutput = False
 
 
-class RegistryStartOptions(RayJsonOptions):
+class RegistryStartOptions(RayOptions):
+    json_output: JsonOutput = False
     probe_interval: float = option(2.0, "seconds between probe cycles")
     token_file: Path | None = option(None, "file holding the token to use (default: generate one)")
     metrics_port: Port | None = option(None, "serve the pool's Prometheus metrics on this port")
@@ -331,7 +334,7 @@ class ServeOptions(RayOptions):
     engine_args: Annotated[Words, Positional(rest=True)] = option([], "-- then arguments for the engine")
 
 
-class ServerAddOptions(RayJsonOptions):
+class ServerAddOptions(PoolJsonOptions):
     id: str = option(help="stable server id (not the URL)")
     url: str = option(help="base URL, e.g. http://10.0.0.5:8000")
     engine: Annotated[str, one_of("vllm", "sglang", "llamacpp", "openai")] = option(help="what serves at URL")
@@ -344,9 +347,9 @@ class ServerAddOptions(RayJsonOptions):
     replace: bool = option(False, "replace an existing id that has another URL")
 
 
-class ServerListOptions(RayJsonOptions):
+class ServerListOptions(PoolJsonOptions):
     model: str | None = option(None, "only servers of this model")
 
 
-class ServerOptions(RayJsonOptions):
+class ServerOptions(PoolJsonOptions):
     server_id: Annotated[str, Positional()]

@@ -4,46 +4,26 @@ One process brings up local Ray (started on loopback, or an existing cluster joi
 servers (llama.cpp with the bundled Gemma by default, vLLM's CPU build, or the emulator), the OpenAI-compatible
 gateway and the pool page; prints the base URL and paste-ready commands; and on Ctrl-C / SIGTERM stops
 everything it started. `--detach` runs that process in the background (its pid in STATE_DIR/up.pid, its log
-in STATE_DIR/up.log); `fedpool down` stops it (deploy/background.py supervises both).
-"""
+in STATE_DIR/up.log); `fedpool down` stops it (deploy/updir.py keeps the state dir)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from fedpool.cli_support import (
-    EXIT_BUSY,
-    EXIT_FAILED,
-    EXIT_USAGE,
-    UP_READY_FILE,
-    UP_REGISTRY_DIR,
-    CliError,
-    pool_page,
-    run_server,
-    stop_on_signals,
-)
+from fedpool.cli_support import EXIT_BUSY, EXIT_FAILED, EXIT_USAGE, CliError, pool_page, run_server, stop_on_signals
 from fedpool.options import DownOptions, UpOptions
 
 if TYPE_CHECKING:
     from fedpool.deploy.localpool import LocalPoolSpec
 
-PID_FILE = "up.pid"
-READY_FILE = UP_READY_FILE  # the pool's URL, model and Ray address, once it is up (client commands look for it)
-LOG_FILE = "up.log"
-
-
-class PoolAlreadyUp(RuntimeError):
-    """A `fedpool up` of this state dir is running."""
-
 
 def cmd_up(args: UpOptions) -> int:
     from fedpool.deploy.localpool import LocalPoolSpec
+    from fedpool.deploy.updir import PoolAlreadyUp
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         raise CliError("`fedpool up` serves loopback only (its gateway has no keys); for a shared pool use "
@@ -56,10 +36,6 @@ def cmd_up(args: UpOptions) -> int:
         raise CliError(str(exc), EXIT_BUSY) from None
     except RuntimeError as exc:
         raise CliError(str(exc), EXIT_FAILED) from None
-
-
-def cmd_down(args: DownOptions) -> int:
-    return down(args.state_dir)
 
 
 def recipes(base: str, model: str, state_dir: Path | None = None) -> str:
@@ -96,16 +72,12 @@ def run_up(options: UpOptions, spec: LocalPoolSpec, out: TextIO = sys.stdout, er
     """Bring the pool up in this process and keep it up until SIGINT or SIGTERM; 0 after a clean stop."""
     import ray
 
-    from fedpool.deploy.background import running_pid
     from fedpool.deploy.localpool import init_loopback_ray
+    from fedpool.deploy.updir import claim_state_dir, release_state_dir
     from fedpool.pipeline.ownership import private_dir
 
     state = private_dir(options.state_dir.expanduser().resolve())
-    other = running_pid(state / PID_FILE)
-    if other is not None and other != os.getpid():
-        raise PoolAlreadyUp(f"a pool is already up from {state} (pid {other}); `fedpool down --state-dir {state}` "
-                            "stops it")
-    (state / PID_FILE).write_text(f"{os.getpid()}\n")
+    claim_state_dir(state)
     try:
         how = init_loopback_ray(options.address)
         print(f"[fedpool up] Ray: {how}", file=err, flush=True)
@@ -114,9 +86,7 @@ def run_up(options: UpOptions, spec: LocalPoolSpec, out: TextIO = sys.stdout, er
         finally:
             ray.shutdown()
     finally:
-        for name in (PID_FILE, READY_FILE):
-            with contextlib.suppress(FileNotFoundError):
-                (state / name).unlink()
+        release_state_dir(state)
 
 
 async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO, err: TextIO) -> int:
@@ -124,17 +94,19 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
 
     from fedpool.clients.poolapp import serving_pool
     from fedpool.deploy.localpool import local_servers
+    from fedpool.deploy.updir import REGISTRY_DIR, write_ready
     from fedpool.federation import DispatchConfig, PoolConnection
     from fedpool.registry import RegistryClient
 
+    def say(line: str) -> None:
+        print(f"[fedpool up] {line}", file=err, flush=True)
+
     stop = stop_on_signals()
-    registry = await RegistryClient.start(state / UP_REGISTRY_DIR, probe_interval_s=2.0)
-    info = await registry.ping()
-    print(f"[fedpool up] registry: namespace fedpool, state dir {info['state_dir']}", file=err, flush=True)
+    registry = await RegistryClient.start(state / REGISTRY_DIR, probe_interval_s=2.0)
+    say(f"registry: namespace fedpool, state dir {(await registry.ping())['state_dir']}")
     try:
-        print(f"[fedpool up] starting {spec.count} {spec.engine} server(s)", file=err, flush=True)
-        async with local_servers(registry, spec, state / "logs",
-                                 on_progress=lambda line: print(f"[fedpool up] {line}", file=err, flush=True)):
+        say(f"starting {spec.count} {spec.engine} server(s)")
+        async with local_servers(registry, spec, state / "logs", on_progress=say):
             config = DispatchConfig(no_server_timeout_s=10.0, client_order="shortest_first")
             async with PoolConnection(registry, policy=options.policy, config=config) as pool:
                 await pool.refresh()
@@ -143,13 +115,13 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
                     ready = {"url": base, "model": model, "pid": os.getpid(), "servers": spec.count,
                              "engine": spec.engine, "ray_address": ray.get_runtime_context().gcs_address,
                              "state_dir": str(state), "started_at": time.time()}
-                    (state / READY_FILE).write_text(json.dumps(ready, indent=2) + "\n")
+                    write_ready(state, ready)
                     print(f"fedpool pool up: {spec.count} {spec.engine} server(s) serving {model!r} at {base}/v1 "
                           f"(Ray {ready['ray_address']})\n", file=out, flush=True)
                     print(recipes(base, model, state), file=out, flush=True)
                     print("\nCtrl-C (or `fedpool down`) stops everything this started.", file=out, flush=True)
                     await stop.wait()
-                    print("[fedpool up] stopping", file=err, flush=True)
+                    say("stopping")
     finally:
         await registry.terminate()
     return 0
@@ -157,44 +129,31 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
 
 def detach(argv: list[str], options: UpOptions, out: TextIO = sys.stdout, timeout_s: float = 900.0) -> int:
     """Start `fedpool up` (these arguments, without --detach) in the background and wait until it is up."""
-    from fedpool.deploy.background import running_pid, start_detached
+    from fedpool.deploy.updir import LOG_FILE, start_up_detached
     from fedpool.pipeline.ownership import private_dir
 
     state = private_dir(options.state_dir.expanduser().resolve())
-    if running_pid(state / PID_FILE) is not None:
-        raise PoolAlreadyUp(f"a pool is already up from {state}; `fedpool down --state-dir {state}` stops it")
-    with contextlib.suppress(FileNotFoundError):
-        (state / READY_FILE).unlink()
-    log_path = state / LOG_FILE
     command = [sys.executable, "-m", "fedpool.cli", *(a for a in argv if a != "--detach")]
-    try:
-        proc, ready = start_detached(command, log_path, state / READY_FILE, timeout_s)
-    except TimeoutError:
-        raise RuntimeError(f"the pool was not up after {timeout_s:g} s; see {log_path}") from None
-    if ready is None:
-        tail = log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"`fedpool up` exited with {proc.returncode} before the pool was up; {log_path}:\n{tail}")
-    print(f"fedpool pool up in the background (pid {proc.pid}, log {log_path}): {ready['servers']} "
+    pid, ready = start_up_detached(command, state, timeout_s)
+    print(f"fedpool pool up in the background (pid {pid}, log {state / LOG_FILE}): {ready['servers']} "
           f"{ready['engine']} server(s) serving {ready['model']!r} at {ready['url']}/v1\n", file=out)
     print(recipes(ready["url"], ready["model"], Path(ready["state_dir"])), file=out)
     print(f"\n`fedpool down --state-dir {state}` stops it.", file=out, flush=True)
     return 0
 
 
-def down(state_dir: Path, out: TextIO = sys.stdout, timeout_s: float = 60.0) -> int:
+def cmd_down(args: DownOptions, out: TextIO = sys.stdout, timeout_s: float = 60.0) -> int:
     """Stop the `fedpool up` of this state dir and every process of its pool (SIGTERM to it; SIGKILL to whatever
     is left after `timeout_s`). Returns once all of them are gone: 0 when they stopped by themselves."""
-    from fedpool.deploy.background import running_pid, stop_all
+    from fedpool.deploy.updir import stop_pool
 
-    state = state_dir.expanduser().resolve()
-    pid = running_pid(state / PID_FILE)
+    state = args.state_dir.expanduser().resolve()
+    pid, killed = stop_pool(state, timeout_s)
     if pid is None:
         print(f"no pool is up from {state}", file=out)
-        return 0
-    killed = stop_all(pid, timeout_s)
-    if killed is None:
+    elif killed is None:
         print(f"stopped the pool of {state} (pid {pid})", file=out)
-        return 0
-    print(f"the pool of {state} (pid {pid}) did not stop in {timeout_s:g} s; killed {len(killed)} process(es) of it",
-          file=out)
-    return 1
+    else:
+        print(f"the pool of {state} (pid {pid}) did not stop in {timeout_s:g} s; killed {killed} process(es) of it",
+              file=out)
+    return 0 if killed is None else 1

@@ -1,5 +1,6 @@
 """The registry over its HTTP API (registry/api.py): what a client process needs of it — snapshots, capacity
-leases, failure reports — without being a Ray driver. Meets `PoolRegistry` as the Ray client does.
+leases, failure reports — and what the operator commands need (register, get, drain, deregister, ping), without
+being a Ray driver. Meets `PoolRegistry`, and the operator commands' use of the Ray client, as the Ray client does.
 
 Where a client finds the API: the URL it is given (`--registry-url`, FEDPOOL_REGISTRY_URL), else the one the
 registry wrote beside its token (STATE_DIR/registry.url). A URL found in the state dir is read again after a
@@ -13,6 +14,7 @@ import json
 import logging
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, cast
@@ -20,11 +22,11 @@ from typing import Any, cast
 import aiohttp
 import orjson
 
-from fedpool.registry.api import lease_from_json, read_api_file
+from fedpool.registry.api import ENTRY, lease_from_json, read_api_file, registry_error_of
 from fedpool.registry.errors import AuthError, RegistryError
 from fedpool.registry.leases import DemandReport, Lease
 from fedpool.registry.records import ServerRecord
-from fedpool.registry.snapshot import PoolSnapshot, WireRow
+from fedpool.registry.snapshot import PoolSnapshot, ServerEntry, WireRow
 from fedpool.registry.weights import prior_weight
 
 log = logging.getLogger("fedpool.registry")
@@ -32,6 +34,7 @@ log = logging.getLogger("fedpool.registry")
 URL_ENV = "FEDPOOL_REGISTRY_URL"
 CALL_MARGIN_S = 10.0  # a call may take its long poll plus this before it is given up
 PING_TIMEOUT_S = 2.0
+REGISTER_WAIT_S = 120.0  # a registration waits for the registry's checks of the server (each up to its timeout)
 
 
 class RegistryUnreachable(RegistryError):
@@ -113,8 +116,13 @@ class RegistryHttpClient:
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise RegistryUnreachable(f"{self.url}{path} answered {status} with a body that is not JSON") from None
+        typed = registry_error_of(answer) if status in (400, 404) else None
+        if typed is not None:
+            raise typed
         if status == 401:
             raise AuthError(f"the registry API at {self.url} refused this process's token: {answer.get('error')}")
+        if status == 409:  # the registry refused the operation: its own words, as through Ray
+            raise RegistryError(str(answer.get("error")))
         if status != 200:
             raise RegistryError(f"the registry API at {self.url}{path} answered {status}: {answer.get('error')}")
         return answer
@@ -131,8 +139,27 @@ class RegistryHttpClient:
         return True
 
     async def ping(self) -> dict[str, Any]:
-        info: dict[str, Any] = await self._call("GET", "/v1/ping")
+        """The registry's state as the Ray client's `ping` gives it (`fedpool registry status`)."""
+        info: dict[str, Any] = await self._call("GET", "/v1/status")
         return info
+
+    def _server_path(self, server_id: str, action: str = "") -> str:
+        return f"/v1/servers/{urllib.parse.quote(server_id, safe='')}{action}"
+
+    async def get(self, server_id: str) -> ServerEntry:
+        return ENTRY.validate_python(await self._call("GET", self._server_path(server_id)))
+
+    async def register(self, record: ServerRecord, *, lease_ttl_s: float | None = None, replace: bool = False,
+                       verify: bool = True) -> ServerEntry:
+        body = {"record": record.model_dump(mode="json"), "lease_ttl_s": lease_ttl_s, "replace": replace,
+                "verify": verify}
+        return ENTRY.validate_python(await self._call("POST", "/v1/servers", wait_s=REGISTER_WAIT_S, body=body))
+
+    async def drain(self, server_id: str) -> ServerEntry:
+        return ENTRY.validate_python(await self._call("POST", self._server_path(server_id, "/drain"), body={}))
+
+    async def deregister(self, server_id: str) -> ServerRecord:
+        return ServerRecord.model_validate(await self._call("DELETE", self._server_path(server_id)))
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
         """The pool now, or once it is newer than `since_version` (waiting up to `timeout_s`); as the Ray client's,

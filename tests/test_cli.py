@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 
+from fedpool.deploy.process import free_port
 from fedpool.registry import RegistryClient
 from tests.conftest import TEST_TOKEN, EmulatorFactory, files_containing, read_jsonl
 
@@ -62,14 +67,14 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> N
 @pytest.mark.slow  # ~20 runs of the CLI, each a new interpreter: 17 s
 def test_configuration_precedence_flags_then_environment_then_file(tmp_path: Path) -> None:
     config = tmp_path / "fedpool.toml"
-    config.write_text('policy = "least_inflight"\naddress = "10.0.0.1:6379"\n[gateway]\nport = 9999\n'
+    config.write_text('policy = "earliest_finish"\naddress = "10.0.0.1:6379"\n[gateway]\nport = 9999\n'
                       '["eval run"]\nconcurrency = 7\n')
     shown = run("--config", str(config), "gateway", "--port", "1234", "--show-config",
-                env={"FEDPOOL_PORT": "7777", "FEDPOOL_POLICY": "random", "FEDPOOL_HOST": "::1"})
+                env={"FEDPOOL_PORT": "7777", "FEDPOOL_POLICY": "planned", "FEDPOOL_HOST": "::1"})
     assert shown.returncode == 0, shown.stderr
     options = json.loads(shown.stdout)["options"]
     assert options["port"] == {"value": 1234, "from": "flag"}  # over the environment's 7777 and the file's 9999
-    assert options["policy"] == {"value": "random", "from": "env FEDPOOL_POLICY"}  # over the file
+    assert options["policy"] == {"value": "planned", "from": "env FEDPOOL_POLICY"}  # over the file
     assert options["host"] == {"value": "::1", "from": "env FEDPOOL_HOST"}
     assert options["address"]["value"] == "10.0.0.1:6379" and options["address"]["from"].startswith("config file")
     run_cfg = json.loads(run("eval", "run", "--spec", "s.yaml", "--model", "m", "--out", "o", "--config", str(config),
@@ -112,6 +117,74 @@ def test_bad_spec_is_named_before_anything_starts(tmp_path: Path) -> None:
 def test_registry_commands_without_a_cluster_say_what_to_do(tmp_path: Path) -> None:
     result = run("server", "list", "--address", "127.0.0.1:1", timeout=120, env={"RAY_ADDRESS": ""})
     assert result.returncode == 3 and "ray start --head" in result.stderr
+
+
+def stale_up_dir(root: Path, ray_address: str, api_url: str) -> Path:
+    """A `fedpool up` state dir as a pool that is gone (killed) leaves it: its ready file with the Ray address, its
+    registry's token and the URL of its registry's API."""
+    (root / "registry").mkdir(parents=True)
+    (root / "up.json").write_text(json.dumps({"ray_address": ray_address, "state_dir": str(root)}))
+    (root / "registry" / "registry.token").write_text("t" * 32)
+    (root / "registry" / "registry.url").write_text(json.dumps({"url": api_url, "incarnation": "gone"}))
+    return root
+
+
+@pytest.mark.parametrize("command", [["pool", "status"], ["server", "list"], ["server", "drain", "x"]])
+def test_a_pool_that_is_gone_is_named_with_the_flags_that_reach_one(tmp_path: Path, command: list[str]) -> None:
+    """Nothing at the address a `fedpool up` recorded, nor at its registry's API: exit code 3 at once (the bound is
+    generous: it used to wait on Ray's retries for a minute), naming both and the flags that point at a pool."""
+    ray_port, api_port = free_port(), free_port()
+    up = stale_up_dir(tmp_path / "up", f"127.0.0.1:{ray_port}", f"http://127.0.0.1:{api_port}")
+    result = run(*command, "--state-dir", str(up), timeout=30)
+    assert result.returncode == 3, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert f"127.0.0.1:{ray_port}" in error and f"http://127.0.0.1:{api_port}" in error, error
+    assert all(flag in error for flag in ("--state-dir", "--address", "--registry-url")), error
+
+
+@contextlib.contextmanager
+def silent_port() -> Iterator[int]:
+    """A port that takes connections and never answers: a Ray cluster whose GCS does not reply."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)])
+def test_sigterm_or_ctrl_c_ends_a_command_waiting_for_ray(tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    """Ray's connect loop lets no signal through: the command waits for it on another thread, so SIGTERM or Ctrl-C
+    ends it at once. The bound is generous (a behaviour check): were the signal ignored, the command would end
+    only at its join deadline, with exit code 3."""
+    with silent_port() as port:
+        up = stale_up_dir(tmp_path / "up", f"127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}")
+        proc = subprocess.Popen([*FEDPOOL, "-v", "pool", "status", "--state-dir", str(up)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stderr is not None
+            seen = []
+            for line in proc.stderr:  # (debug lines: -v) until it waits for Ray
+                seen.append(line)
+                if f"joining the Ray cluster at 127.0.0.1:{port}" in line:
+                    break
+            else:
+                raise AssertionError("".join(seen[-20:]))
+            proc.send_signal(sig)
+            _, rest = proc.communicate(timeout=10)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, rest[-2000:]
+    assert sig != signal.SIGINT or "fedpool: interrupted" in rest
+
+
+@pytest.mark.slow  # waits out the join deadline
+def test_a_ray_cluster_that_never_answers_is_given_up_on_and_named(tmp_path: Path) -> None:
+    with silent_port() as port:
+        up = stale_up_dir(tmp_path / "up", f"127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}")
+        result = run("server", "list", "--state-dir", str(up), timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert f"no Ray cluster answered at '127.0.0.1:{port}'" in result.stderr and "--state-dir" in result.stderr
 
 
 @pytest.mark.ray
@@ -418,32 +491,42 @@ async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
     assert not (tmp_path / "refused").exists()
 
 
-def test_client_commands_find_the_registry_of_a_fedpool_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`fedpool up --state-dir X` keeps its registry's state in X/registry: `eval run --state-dir X` looks there, and
-    with no --state-dir, in the default `fedpool up`'s while that pool is up and no registry keeps its state in the
-    default registry dir (without it, an eval beside `fedpool up` joined Ray as a driver instead of using the
-    registry's HTTP API)."""
-    from fedpool.cli_support import registry_state_dir
+def test_client_commands_find_the_pool_of_a_fedpool_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fedpool up --state-dir X` keeps its registry's state in X/registry and its Ray address in X/up.json: a command
+    given `--state-dir X` looks there, and with no --state-dir, in the default `fedpool up`'s while that pool is up
+    and no registry keeps its state in the default registry dir (without it, a command beside `fedpool up` joined
+    Ray by Ray's own guess of an address, which was not the loopback address the pool listens on, and hung)."""
+    from fedpool.deploy.reach import PoolAccess
+    from fedpool.deploy.updir import PoolPlace, locate_pool
+
+    def place(state_dir: Path) -> PoolPlace:
+        return locate_pool(state_dir, Path("~/.fedpool/registry"), Path("~/.fedpool/up"))
 
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     default_registry, default_up = tmp_path / ".fedpool" / "registry", tmp_path / ".fedpool" / "up"
-    assert registry_state_dir(Path("~/.fedpool/registry")) == default_registry  # nothing anywhere: as given
+    assert place(Path("~/.fedpool/registry")) == PoolPlace(default_registry)  # nothing anywhere: as given
     up = tmp_path / "up"
     (up / "registry").mkdir(parents=True)
     (up / "registry" / "registry.token").write_text("t" * 32)
-    assert registry_state_dir(up) == up  # the pool is not up (no up.json): as given
-    (up / "up.json").write_text("{}")
-    assert registry_state_dir(up) == up / "registry"
-    assert registry_state_dir(up / "registry") == up / "registry"
-    assert registry_state_dir(Path("~/.fedpool/registry")) == default_registry  # another state dir's pool
+    assert place(up) == PoolPlace(up)  # the pool is not up (no up.json): as given
+    (up / "up.json").write_text(json.dumps({"ray_address": "127.0.0.1:6390"}))
+    assert place(up) == place(up / "registry") == PoolPlace(up / "registry", up, "127.0.0.1:6390")
+    assert place(Path("~/.fedpool/registry")) == PoolPlace(default_registry)  # another state dir's pool
     (default_up / "registry").mkdir(parents=True)
     (default_up / "registry" / "registry.url").write_text("{}")
     (default_up / "up.json").write_text("{}")
-    assert registry_state_dir(Path("~/.fedpool/registry")) == default_up / "registry"
+    assert place(Path("~/.fedpool/registry")) == PoolPlace(default_up / "registry", default_up)
     default_registry.mkdir(parents=True)
     (default_registry / "registry.token").write_text("t" * 32)  # a registry of its own there: that one
-    assert registry_state_dir(Path("~/.fedpool/registry")) == default_registry
-    assert registry_state_dir(tmp_path / "elsewhere") == tmp_path / "elsewhere"
+    assert place(Path("~/.fedpool/registry")) == PoolPlace(default_registry)
+    assert place(tmp_path / "elsewhere") == PoolPlace(tmp_path / "elsewhere")
+    # Ray: --address when given; else the address the pool's `fedpool up` recorded; else Ray's own search.
+    recorded = PoolAccess("auto", place(up))
+    assert recorded.ray_address() == ("127.0.0.1:6390", f"the address `fedpool up` recorded in {up / 'up.json'}")
+    assert "--state-dir" in recorded.advice() and str(up) in recorded.advice()
+    assert PoolAccess("10.0.0.9:6379", place(up)).ray_address() == ("10.0.0.9:6379", "--address")
+    assert PoolAccess("auto", place(tmp_path / "elsewhere")).ray_address()[0] == "auto"
 
 
 def test_ray_driver_messages_go_to_stderr_and_the_commands_output_to_stdout(
@@ -452,7 +535,7 @@ def test_ray_driver_messages_go_to_stderr_and_the_commands_output_to_stdout(
     runs, so `--json` piped to a parser reads only JSON; the thread is the one this Ray's drivers start."""
     import threading
 
-    from fedpool.cli_support import RAY_MESSAGE_THREADS, command_stdout
+    from fedpool.deploy.raycluster import RAY_MESSAGE_THREADS, command_stdout
 
     # this Ray's drivers run the thread by that name (a Ray that renamed it would print to stdout again)
     assert ray.is_initialized()

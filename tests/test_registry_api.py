@@ -1,6 +1,6 @@
 """The registry's HTTP API (registry/api.py) on a real registry actor, through the real HTTP client: the same pool
-as through Ray, leases and failure reports, refused without the token, bad bodies named, a stale URL file, and
-an actor Ray restarted on another port found again."""
+as through Ray, leases and failure reports, the operator calls, refused without the token, bad bodies named, a
+stale URL file, and an actor Ray restarted on another port found again."""
 
 from __future__ import annotations
 
@@ -18,7 +18,17 @@ import pytest
 import ray
 
 from fedpool.deploy.process import free_port
-from fedpool.registry import AuthError, DemandReport, Engine, RegistryClient, RegistryError, ServerRecord
+from fedpool.registry import (
+    AuthError,
+    DemandReport,
+    Engine,
+    RegistrationError,
+    RegistryClient,
+    RegistryError,
+    ServerRecord,
+    ServerStatus,
+    UnknownServerError,
+)
 from fedpool.registry.actor import get_registry_actor
 from fedpool.registry.api import API_FILE, read_api_file
 from fedpool.registry.httpclient import RegistryHttpClient, RegistryUnreachable, find_registry_api
@@ -121,6 +131,39 @@ async def test_the_api_refuses_without_the_token_and_names_bad_input(registry: R
         await asyncio.to_thread(find_registry_api, url=api.url, token=None, state_dir=None, environ={})
     with pytest.raises(RegistryError, match="http:// or https://"):
         RegistryHttpClient("file:///etc/passwd", TEST_TOKEN)
+
+
+async def test_operator_calls_over_the_api_as_through_ray(registry: RegistryClient,
+                                                           emulators: EmulatorFactory) -> None:
+    """`fedpool registry status` and `server add | show | drain | remove` over the HTTP API (a command beside a pool
+    needs no Ray driver): the same entries and the same typed errors as through Ray; refused without the token."""
+    server, other = await emulators.start(), await emulators.start()
+    api, _ = await api_of(registry)
+    try:
+        added = await api.register(ServerRecord(id="emu-op", url=server.url, engine=Engine.VLLM, model="emu-model",
+                                                accelerator="A100", capacity=4, labels={"rack": "r1"}))
+        shown, through_ray = await api.get("emu-op"), await registry.get("emu-op")
+        assert added.record == shown.record == through_ray.record and shown.capacity == through_ray.capacity == 4
+        with pytest.raises(UnknownServerError, match="no server with id 'nope' is registered"):
+            await api.get("nope")
+        with pytest.raises(RegistrationError) as refused:  # the registry's check of the server, as through Ray
+            await api.register(ServerRecord(id="emu-x", url=other.url, engine=Engine.VLLM, model="other-model"))
+        assert refused.value.check == "model" and refused.value.server_id == "emu-x"
+        assert (await api.drain("emu-op")).status is ServerStatus.DRAINING
+        await api.register(ServerRecord(id="emu-gone", url=other.url, engine=Engine.VLLM, model="emu-model"))
+        assert (await api.deregister("emu-gone")).url == other.url
+        assert "emu-gone" not in (await registry.snapshot()).ids()
+        await api.register(ServerRecord(id="emu-keep", url=other.url, engine=Engine.VLLM, model="emu-model"))
+        status = await api.ping()
+        assert status["api_url"] == api.url and status["state_dir"] == (await registry.ping())["state_dir"]
+    finally:
+        await api.aclose()
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer " + "x" * 32}) as session:
+        for method, path in (("POST", "/v1/servers"), ("POST", "/v1/servers/emu-keep/drain"), ("GET", "/v1/status"),
+                             ("DELETE", "/v1/servers/emu-keep"), ("GET", "/v1/servers/emu-keep")):
+            async with session.request(method, f"{api.url}{path}", json={}) as response:
+                assert response.status == 401, (method, path)
+    assert (await registry.get("emu-keep")).status is not ServerStatus.DRAINING  # (the refused calls changed nothing)
 
 
 async def test_a_stale_url_file_means_ray_and_a_given_url_must_answer(tmp_path: Path) -> None:

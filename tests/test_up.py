@@ -15,8 +15,9 @@ import pytest
 
 from fedpool.deploy.process import free_port
 
-pytestmark = [pytest.mark.llamacpp, pytest.mark.lmeval]
+pytestmark = pytest.mark.llamacpp
 ROOT = Path(__file__).resolve().parent.parent
+ANSWER_WITHIN_S = 5.0  # a client or operator command against a running pool (they used to hang 40 s and more)
 LM_EVAL_TASK = """\
 task: fedpool_up_check
 dataset_path: json
@@ -56,6 +57,7 @@ def session_of(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.lmeval
 def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
     state = tmp_path / "up"
     port = free_port()
@@ -115,3 +117,32 @@ def test_up_serves_tools_and_down_leaves_nothing(tmp_path: Path) -> None:
     stragglers = [p for p in psutil.process_iter() if session_of(p.pid) == ready["pid"] and running(p)]
     assert not stragglers, [(p.pid, p.name()) for p in stragglers]
     assert not (state / "up.pid").exists() and not (state / "up.json").exists()
+
+
+def test_commands_find_a_fedpool_up_by_its_state_dir_alone(tmp_path: Path) -> None:
+    """`fedpool pool status` and `fedpool server list` reach a `fedpool up` pool given only its state dir, and given
+    nothing when it is the default one (here under a temporary HOME): over its registry's HTTP API, not by Ray's
+    guess of an address (the machine's outside address, where a loopback-only cluster does not listen)."""
+    from fedpool.deploy.models import ensure_gemma
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "RAY_ADDRESS": ""}
+    state = home / ".fedpool" / "up"  # the default state dir of `fedpool up` under this HOME
+    started = fedpool("up", "--servers", "1", "--slots", "1", "--port", str(free_port()), "--model-path",
+                      str(ensure_gemma()), "--detach", env=env)
+    assert started.returncode == 0, started.stderr + started.stdout
+    try:
+        model = json.loads((state / "up.json").read_text())["model"]
+        for where in (["--state-dir", str(state)], []):
+            status = fedpool("pool", "status", *where, timeout=ANSWER_WITHIN_S, env=env)
+            assert status.returncode == 0, status.stderr
+            assert status.stdout.startswith("1 server(s):") and f"model {model}: 1 server(s)" in status.stdout
+            listed = fedpool("server", "list", *where, timeout=ANSWER_WITHIN_S, env=env)
+            assert listed.returncode == 0, listed.stderr
+            header, row = listed.stdout.splitlines()
+            assert header.split()[0] == "ID" and row.split()[:4] == ["llamacpp-0", "llamacpp", "cpu", model]
+            assert all("fedpool: registry API http://127.0.0.1:" in r.stderr for r in (status, listed))
+    finally:
+        stopped = fedpool("down", timeout=120, env=env)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
