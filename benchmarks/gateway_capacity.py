@@ -10,7 +10,7 @@ one thread, 16 connections, POST /v1/completions with a small body. Paths (each 
 - direct: wrk against one nginx port;
 - bare, bare+uvloop: `aiohttp` pass-through proxy (read the body, POST it round-robin to a backend on one shared
   session, answer its bytes), on asyncio's loop and on uvloop's;
-- bare+keepalive: the same proxy on uvloop relaying through fedpool's own HTTP client (federation/gateway/upstream.py,
+- bare+keepalive: the same proxy on uvloop relaying through fedpool's own HTTP client (federation/gateway/transport.py,
   which the gateway's plain answers take) instead of aiohttp's: the floor of fedpool's data path, shown beside
   the headline's bare proxy (the issue's floor, aiohttp's client);
 - fedpool: `fedpool gateway` (the CLI, as an operator runs it) over the registry;
@@ -77,11 +77,11 @@ PATHS = ("direct", "bare", "bare+uvloop", "bare+keepalive", "fedpool", "fedpool+
 def serve_bare(port: int, backends: Sequence[str], loop: str, cprofile: Path | None = None,
                client: str = "aiohttp") -> None:
     """A bare aiohttp pass-through proxy: what any Python proxy of this shape costs at the least. `client`:
-    aiohttp's, or fedpool's keep-alive pool (federation/gateway/upstream.py)."""
+    aiohttp's, or fedpool's keep-alive pool (federation/gateway/transport.py)."""
     import aiohttp
     from aiohttp import web
 
-    from fedpool.federation.gateway.upstream import KeepAlivePool
+    from fedpool.federation.gateway.transport import KeepAlivePool
 
     async def main() -> None:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))

@@ -77,7 +77,7 @@ from fedpool.deploy.emulator import EmulatorProfile
 from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.policy import DispatchState, Hold, Policy, PolicyHooks, RouteView
 from fedpool.federation.core.types import DispatchConfig, Endpoint, InferenceRequest
-from fedpool.federation.gateway.transport import UrlTarget
+from fedpool.federation.gateway.unpooled import UrlTarget
 from fedpool.federation.routing.finish import REFIT_EVERY, EngineTimedCosts
 from fedpool.federation.routing.pricing import server_cost, step_cost
 from fedpool.federation.routing.waveplan import Demand, Room

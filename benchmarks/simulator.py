@@ -20,7 +20,7 @@ import contextlib
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,8 @@ from fedpool.federation import (
 )
 from fedpool.federation.core.types import EngineTimes, StreamProgress, Target
 from fedpool.federation.gateway.leases import LeaseClient
-from fedpool.federation.gateway.transport import UrlTarget, request_body
+from fedpool.federation.gateway.transport import request_body
+from fedpool.federation.gateway.unpooled import UrlTarget
 from fedpool.registry import (
     DemandReport,
     Engine,
@@ -493,7 +494,7 @@ class SimRegistry:
 
 
 @contextlib.asynccontextmanager
-async def leasing(world: World, dispatchers: Sequence[Dispatcher]) -> Any:
+async def leasing(world: World, dispatchers: Sequence[Dispatcher]) -> AsyncIterator[SimRegistry]:
     """Every dispatcher leases its slots from one in-process registry, as separate processes would."""
     registry = SimRegistry(world, asyncio.get_running_loop().time)
     clients = [LeaseClient(registry, d, holder=f"process-{i}", clock=asyncio.get_running_loop().time)

@@ -61,6 +61,7 @@ class ErrorKind(StrEnum):
 
     CONNECT = "connect"
     RESET = "reset"
+    DROPPED = "dropped"
     TIMEOUT = "timeout"
     STALLED = "stalled"
     RATE_LIMITED = "rate_limited"

@@ -41,7 +41,8 @@ from fedpool.federation import (
     Transport,
 )
 from fedpool.federation.core.types import StreamProgress, Target
-from fedpool.federation.gateway.transport import http_error, parse_completion, request_body, transport_error
+from fedpool.federation.gateway.transport import parse_completion, request_body
+from fedpool.federation.gateway.unpooled import http_error, transport_error
 from fedpool.registry import PoolSnapshot
 
 WALL_EPOCH_S = 1_800_000_000.0  # the fake wall clock reads this plus the loop's time

@@ -278,7 +278,7 @@ def _request_field(body: dict[str, object]) -> str:
 
 
 def _upstream_reason() -> str:
-    from fedpool.federation.gateway.transport import http_error
+    from fedpool.federation.gateway.unpooled import http_error
 
     raw = (b'{"error": {"code": 400, "message": "request (1502 tokens) exceeds the available context size (1024 '
            b'tokens), try increasing it", "type": "exceed_context_size_error"}}')

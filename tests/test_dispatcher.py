@@ -713,7 +713,7 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 def test_failures_are_classified_by_type_not_message() -> None:
     from fedpool.federation.core.errors import kind_for_status
-    from fedpool.federation.gateway.transport import classify_exception
+    from fedpool.federation.gateway.unpooled import classify_exception
 
     disconnected = aiohttp.ServerDisconnectedError()
     assert classify_exception(disconnected, reused_connection=True) is FailureKind.RESET  # stale keep-alive
@@ -752,7 +752,7 @@ def test_retry_state_tries_again_at_once_after_a_backoff_or_not_at_all() -> None
 
 
 def test_an_unexpected_exception_is_its_own_kind_and_never_counts_against_a_server() -> None:
-    from fedpool.federation.gateway.transport import classify_exception
+    from fedpool.federation.gateway.unpooled import classify_exception
 
     kind = classify_exception(RuntimeError("a bug on our side"), reused_connection=False)
     assert kind is FailureKind.UNEXPECTED

@@ -11,7 +11,8 @@ import pytest
 from fedpool.deploy.batching import BLOCK, BatchEngine, PromptTooLong, prompt_blocks
 from fedpool.deploy.emulator import PROFILES, EmulatedServer, EmulatorProfile, profile_from_json
 from fedpool.federation.core.types import Endpoint, InferenceRequest
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget, new_session
+from fedpool.federation.gateway.transport import HttpTransport, new_session
+from fedpool.federation.gateway.unpooled import UrlTarget
 from fedpool.registry import adapter_for
 
 FAST = 10.0  # engine seconds per wall second in these tests (slow enough that timing is the model)
@@ -95,10 +96,10 @@ async def test_an_attempt_cancelled_on_sglang_is_aborted_there_by_its_id(engine:
             await asyncio.gather(*attempts, return_exceptions=True)
             await transport.settle()
             if engine == "sglang":
-                assert transport.aborted == 2
+                assert transport.aborts.reached == 2
                 assert server.engine.running == 0 and server.engine.waiting == 0
             else:
-                assert transport.aborted == 0
+                assert transport.aborts.reached == 0
                 for _ in range(500):  # the handler is cancelled once aiohttp sees the connection closed
                     if server.engine.running + server.engine.waiting == 0:
                         break

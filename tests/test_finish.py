@@ -17,7 +17,9 @@ from fedpool.benchmarks.simulator import MODEL, SimTransport, World, build_world
 from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
 from fedpool.federation.core.types import Endpoint, EngineTimes, InferenceRequest
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget, engine_times, new_session
+from fedpool.federation.gateway.answers import engine_times
+from fedpool.federation.gateway.transport import HttpTransport, new_session
+from fedpool.federation.gateway.unpooled import UrlTarget
 from fedpool.federation.routing.finish import REFIT_EVERY
 from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus, prior_weight
 from tests.conftest import LlamaServers

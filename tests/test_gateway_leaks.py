@@ -25,7 +25,8 @@ from fedpool.federation.core.errors import FailureKind
 from fedpool.federation.core.policy import Policy
 from fedpool.federation.core.types import Endpoint, SamplingParams
 from fedpool.federation.gateway.handlers import SHARED_CLIENT, Gateway, serving
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
+from fedpool.federation.gateway.transport import HttpTransport
+from fedpool.federation.gateway.unpooled import UrlTarget
 from fedpool.federation.routing.policies import SampledPolicy
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
 from tests.conftest import EmulatorFactory

@@ -1,4 +1,4 @@
-"""The keep-alive pool the dispatcher's plain answers go over (federation/gateway/upstream.py), against real sockets on
+"""The keep-alive pool the dispatcher's plain answers go over (federation/gateway/transport.py), against real sockets on
 loopback: purpose-built servers (asyncio streams writing exact bytes) for the framings, failures and closes an
 engine can produce; the dispatcher's transport over it against a real emulated engine. Timeouts and the idle
 sweep run on looptime's virtual clock."""
@@ -14,8 +14,8 @@ import pytest
 from fedpool.federation import new_session
 from fedpool.federation.core.errors import AttemptError, FailureKind
 from fedpool.federation.core.types import Endpoint, InferenceRequest
-from fedpool.federation.gateway.transport import HttpTransport, UrlTarget
-from fedpool.federation.gateway.upstream import KeepAlivePool, pool_of
+from fedpool.federation.gateway.transport import HttpTransport, KeepAlivePool, pool_of
+from fedpool.federation.gateway.unpooled import STALE_CLOSE_S, AttemptTrace, UrlTarget
 from tests.conftest import EmulatorFactory
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Seen"], Awaitable[None]]
@@ -323,3 +323,74 @@ async def test_the_dispatchers_transport_uses_the_pool_and_the_session_closes_it
     assert pool.connections() == 0 and pool.closed
     async with new_session(limit=2) as capped:
         assert pool_of(capped) is None  # a connection cap is aiohttp's to keep
+
+
+@pytest.mark.looptime
+@pytest.mark.timeout(60)
+async def test_the_idle_sweep_never_spins_on_a_deadline_that_rounds_below_now() -> None:
+    """22.702 + 15 - 15 < 22.702 in floats: a sweep that compared `idle_since <= now - idle_s` found the connection
+    not yet due at its own deadline and re-armed itself for that same moment, forever (the loop's clock stuck)."""
+    pool = KeepAlivePool(idle_s=15.0)
+    try:
+        async with server(keep_alive(b"{}")) as (url, seen):
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(22.702 - loop.time())
+            await post(pool, url)
+            await asyncio.sleep(15.5)
+            await until(lambda: seen.ended == 1)
+            assert pool.connections() == 0
+    finally:
+        pool.close()
+
+
+COMPLETION = (b'{"choices":[{"text":"ok","finish_reason":"stop"}],"model":"m",'
+              b'"usage":{"prompt_tokens":1,"completion_tokens":1}}')
+
+
+def request() -> InferenceRequest:
+    return InferenceRequest.from_body({"prompt": "hello", "max_tokens": 1}, request_id="r", model="m",
+                                      endpoint=Endpoint.COMPLETIONS)
+
+
+async def test_with_the_pool_off_every_request_is_aiohttps() -> None:
+    async with server(keep_alive(COMPLETION)) as (url, seen), new_session(keepalive_pool=False) as session:
+        assert pool_of(session) is None
+        transport = HttpTransport(session)
+        base = url.removesuffix("/v1/completions")
+        for _ in range(2):
+            assert (await transport.complete(UrlTarget("s", base), request())).text == "ok"
+        assert len(seen.requests) == 2 and seen.connections == 1  # aiohttp's own keep-alive
+        assert all(b"aiohttp" in head for head, _ in seen.requests)  # its User-Agent: not the pool's head
+    async with server(keep_alive(COMPLETION)) as (url, seen), new_session() as session:
+        assert (await HttpTransport(session).complete(UrlTarget("s", url.removesuffix("/v1/completions")),
+                                                      request())).text == "ok"
+        assert b"aiohttp" not in seen.requests[0][0]  # (the pool's own head, for contrast)
+
+
+async def test_aiohttps_attempts_learn_of_a_kept_connection_through_their_trace_context() -> None:
+    async with server(keep_alive(b"{}")) as (url, _), new_session(keepalive_pool=False) as session:
+        attempts = [AttemptTrace(), AttemptTrace()]
+        for attempt in attempts:
+            async with session.post(url, data=b"{}", trace_request_ctx=attempt) as resp:
+                assert await resp.read() == b"{}"
+        assert attempts[0].reused_at is None and attempts[1].reused_at is not None
+
+
+@pytest.mark.looptime
+async def test_aiohttps_closes_on_a_kept_connection_are_reset_at_once_and_dropped_later() -> None:
+    for pause, kind in ((0.0, FailureKind.RESET), (2 * STALE_CLOSE_S, FailureKind.DROPPED)):
+        async def answer_then_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seen: Seen,
+                                   pause: float = pause) -> None:
+            await read_request(reader, seen)
+            writer.write(answer(COMPLETION))
+            await writer.drain()
+            await read_request(reader, seen)
+            await asyncio.sleep(pause)  # then closed, unanswered
+
+        async with server(answer_then_drop) as (url, seen), new_session(keepalive_pool=False) as session:
+            transport = HttpTransport(session)
+            target = UrlTarget("s", url.removesuffix("/v1/completions"))
+            assert (await transport.complete(target, request())).text == "ok"
+            with pytest.raises(AttemptError) as failed:
+                await transport.complete(target, request())
+            assert failed.value.kind is kind and seen.connections == 1

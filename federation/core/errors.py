@@ -12,8 +12,14 @@ from fedpool.federation.core.types import Attempt
 
 
 class FailureKind(StrEnum):
-    CONNECT = "connect"  # nothing listening, refused, DNS
-    RESET = "reset"  # a reused keep-alive connection closed by the server: retried at once, not its fault
+    """How an attempt failed. A connection the server closed before a whole answer is one of three: CONNECT on a
+    fresh connection (nothing of an answer came: the server is gone), RESET on a kept one closed at once (the
+    server had closed it while idle, before the request reached it), DROPPED where the server took the request:
+    a kept connection closed later than a round trip after the write, or any connection closed mid-answer."""
+
+    CONNECT = "connect"  # nothing listening, refused, DNS; a fresh connection closed before any byte of an answer
+    RESET = "reset"  # a kept connection the server had closed while idle: retried at once, not the server's fault
+    DROPPED = "dropped"  # the server took the request and closed without a whole answer: counted, retried elsewhere
     TIMEOUT = "timeout"  # connect, first byte or total deadline passed
     STALLED = "stalled"  # no first byte within the first-byte timeout, and a copy elsewhere answered first
     RATE_LIMITED = "rate_limited"  # HTTP 429
@@ -25,6 +31,7 @@ class FailureKind(StrEnum):
 
     @property
     def retriable(self) -> bool:
+        """Whether another attempt may succeed (at once after a RESET, after a backoff otherwise: RetryState)."""
         return self not in (FailureKind.REQUEST_ERROR, FailureKind.UNEXPECTED, FailureKind.NO_SERVER)
 
     @property

@@ -92,7 +92,7 @@ class InferenceRequest:
     pinned_servers: tuple[str, ...] | None = None
     reproducible: bool = False  # bit-for-bit results asked for: never raced against a copy elsewhere
     # A stream can carry its whole answer as the engine would send it unstreamed (`assembles`): set at construction,
-    # read on the request path for servers whose engine is asked for streams (`sends_stream`).
+    # read on the request path: a server whose engine is asked for streams (`Target.streamed`) gets it as one.
     streamable: bool = field(init=False, default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -260,12 +260,6 @@ STREAMED_ENGINES = frozenset({"llamacpp"})
 # Fields whose streamed form differs from the whole answer's by engine (several choices, per-token log
 # probabilities, the prompt echoed, the caller's own stream options): such requests are sent unstreamed.
 _WHOLE_ONLY = ("logprobs", "top_logprobs", "echo", "best_of", "stream_options", "suffix")
-
-
-def sends_stream(server: Target, request: InferenceRequest) -> bool:
-    """Whether `complete` sends this request to this server as a stream: its engine is asked for streams and a
-    stream can carry the whole answer."""
-    return server.streamed and request.streamable
 
 
 def assembles(request: InferenceRequest) -> bool:

@@ -35,6 +35,7 @@ from prometheus_client import generate_latest
 from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import FailureKind, NoServerError, RequestFailed
 from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.gateway.answers import dumps, loads
 from fedpool.federation.gateway.auth import bearer, matches
 from fedpool.federation.gateway.state import (
     CLIENT_TTL_S,
@@ -50,7 +51,6 @@ from fedpool.federation.gateway.state import (
     PoolFacts,
 )
 from fedpool.federation.gateway.streams import StreamRelay
-from fedpool.federation.gateway.transport import dumps, loads
 from fedpool.registry import PoolSnapshot
 
 __all__ = ["RUNNER_OPTIONS", "SHARED_CLIENT", "ApiKey", "AppTask", "Gateway", "parse_api_keys", "serving"]

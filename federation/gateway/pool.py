@@ -36,6 +36,7 @@ class PoolConnection:
     same servers share their slots instead of each filling them. `expect`: (client, model, requests at most) of
     the clients this process is about to run, reported as loading from its first lease report on; `holder`: this
     process's name at the lease broker (default: a new one), as a report sent before connecting named it.
+    `keepalive_pool=False`: every request over aiohttp's client, none over fedpool's keep-alive pool.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class PoolConnection:
         leases: bool = True,
         expect: Sequence[tuple[str, str, int]] = (),
         holder: str | None = None,
+        keepalive_pool: bool = True,
     ):
         self._registry = registry
         self._policy_name = policy
@@ -61,6 +63,7 @@ class PoolConnection:
         self._leasing = leases
         self._expect = tuple(expect)
         self._holder = holder
+        self._keepalive_pool = keepalive_pool
         self._leases: LeaseClient | None = None
         self._watcher: SnapshotWatcher | None = None
         self._dispatcher: Dispatcher | None = None
@@ -82,7 +85,7 @@ class PoolConnection:
 
     async def __aenter__(self) -> PoolConnection:
         rng = random.Random(self._seed)
-        self._session = new_session()
+        self._session = new_session(keepalive_pool=self._keepalive_pool)
         self._watcher = SnapshotWatcher.for_client(
             self._registry, poll_timeout_s=self._poll_timeout_s, on_update=self._on_snapshot
         )
@@ -103,9 +106,8 @@ class PoolConnection:
             await self._leases.start()
             # The clients this process is about to run, as loading, in its very first report (the report task has
             # not run yet: nothing awaits between here and it). Said only by each eval once connected, they came
-            # a report late: four eval processes started together each first reported nothing, the first to say
-            # what it wanted got all 8 slots and filled them, and the others' first requests waited 0.8-1.1 s for
-            # those attempts to be given back.
+            # a report late: of processes started together, the first to say what it wanted got every slot and
+            # filled it, and the others' first requests waited for those attempts to be given back.
             for client, model, requests in self._expect:
                 self._dispatcher.expect(client, model, requests, loading=True)
         return self

@@ -28,7 +28,8 @@ from fedpool.federation.core.attempts import replicas
 from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from fedpool.federation.core.types import Endpoint, InferenceRequest, StreamBody
-from fedpool.federation.gateway.transport import classify_exception, dumps, loads
+from fedpool.federation.gateway.answers import dumps, loads
+from fedpool.federation.gateway.unpooled import classify_exception
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry
 
 log = logging.getLogger("fedpool.gateway")

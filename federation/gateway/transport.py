@@ -1,152 +1,79 @@
-"""How the dispatcher reaches a server: the `Transport` interface (one attempt, or one opened stream, typed
-failures) and its implementation over HTTP (aiohttp). Tests and the simulator in benchmarks/ implement the
-same interface in process."""
+"""The Transport over HTTP: how the dispatcher reaches a server, a plain answer end to end in this file.
+
+A plain (unstreamed) answer goes over fedpool's own keep-alive HTTP/1.1 pool: asyncio protocols with httptools'
+parser, one write of a prepared head and the body, four parser callbacks filling its answer. A connection is idle
+in the pool or carries one request: `post` gives it back once, after a whole answer that allows another; anything
+else closes it. 1xx answers are skipped; idle connections close after `idle_s`; a close before a whole answer is
+classed by `_Connection._lost`. Streams, aborts, TLS and the rest go over aiohttp (unpooled.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import itertools
 import json
 import logging
-import math
 import secrets
-import weakref
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aiohttp
+import httptools
 import orjson
 
-from fedpool.federation.core.errors import AttemptError, FailureKind, kind_for_status
-from fedpool.federation.core.types import (
-    TYPED_FIELDS,
-    Completion,
-    Endpoint,
-    EngineTimes,
-    InferenceRequest,
-    StreamProgress,
-    Target,
-    Timeouts,
-    sends_stream,
+from fedpool.federation.core.errors import AttemptError, FailureKind
+from fedpool.federation.core.types import TYPED_FIELDS, Completion, Endpoint, InferenceRequest, Timeouts
+from fedpool.federation.gateway import unpooled
+from fedpool.federation.gateway.answers import MAX_RESPONSE_BYTES, STREAM_USAGE, dumps, engine_times
+from fedpool.federation.gateway.unpooled import (
+    ABORTED_AFTER,
+    MAX_ERROR_BODY_BYTES,
+    STALE_CLOSE_S,
+    Destination,
+    http_error,
+    plain_destination,
 )
-from fedpool.federation.gateway.upstream import KeepAlivePool, pool_of
+
+if TYPE_CHECKING:
+    from fedpool.federation.core.types import StreamProgress, Target
 
 log = logging.getLogger("fedpool.transport")
 
-MAX_RESPONSE_BYTES = 16 * 1024 * 1024
-MAX_ERROR_BODY_BYTES = 64 * 1024  # of an error answer: the engine's message is in its first few hundred bytes
-MAX_ERROR_MESSAGE_CHARS = 2000
-JSON_HEADERS = {"Content-Type": "application/json"}
-ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)  # an abort call to an engine (HttpTransport._abort)
-# Failures after which the engine may still be running the request (so an engine that aborts by id is asked to)
-ABORTED_AFTER = frozenset({FailureKind.TIMEOUT, FailureKind.RESET, FailureKind.CONNECT})
-
-
-def loads(raw: bytes | str) -> Any:
-    """JSON in, Python out: orjson (about 3x json's speed on completion bodies), falling back to json for what
-    only json accepts (NaN, Infinity, a byte-order mark), so no engine's answer is refused for its dialect.
-    Raises json.JSONDecodeError (orjson's error is a subclass) or UnicodeDecodeError."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
-
-
-def dumps(value: Any) -> bytes:
-    """Compact JSON bytes (orjson: about 10x json's speed on request bodies); json for what orjson refuses
-    (integers past 64 bits, keys that are not strings)."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        return json.dumps(value, separators=(",", ":")).encode()
-
-
-def client_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s,
-                                 sock_read=timeouts.first_byte_s)
-
-
-def whole_answer_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
-    """For an answer sent whole (not streamed): its first byte is its last, so the shorter of first byte and total
-    bounds it, with no read timer besides. aiohttp re-arms a read timeout on every chunk it receives: two timer
-    handles more a request, each a heap push on the loop."""
-    return aiohttp.ClientTimeout(total=min(timeouts.first_byte_s, timeouts.total_s), sock_connect=timeouts.connect_s)
-
-
-_ATTEMPT: contextvars.ContextVar[SimpleNamespace | None] = contextvars.ContextVar("fedpool_attempt", default=None)
-
-
-class ReuseTrackingConnector(aiohttp.TCPConnector):
-    """aiohttp's connector, telling the attempt it connects for (`_ATTEMPT`, in the caller's context) whether the
-    connection came from its pool: a reset there is a stale keep-alive connection's, not the server's. (An aiohttp
-    TraceConfig says the same, but with any trace config aiohttp builds and awaits six trace events a request:
-    ~10% of a pass-through request's CPU.)"""
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        # The dispatcher's plain answers go over this leaner pool instead (federation/gateway/upstream.py); it closes
-        # with the connector, so with the session. A capped connector keeps every request on aiohttp's.
-        self.keepalive: KeepAlivePool | None = KeepAlivePool() if not kwargs.get("limit") else None
-        # Connections that carried a request already, as weak references without callbacks (CPython shares one
-        # such reference per object, and a set of them is all C; a WeakSet costs Python calls per lookup). The
-        # references of closed connections are pruned as the set doubles.
-        self._used: set[weakref.ref[Any]] = set()
-        self._prune_at = 1024
-
-    async def close(self, *, abort_ssl: bool = False) -> None:
-        if self.keepalive is not None:
-            self.keepalive.close()
-        await super().close(abort_ssl=abort_ssl)
-
-    async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:  # noqa: ASYNC109 (its signature)
-        connection = await super().connect(req, traces, timeout)
-        protocol = connection.protocol
-        if protocol is not None:
-            used = weakref.ref(protocol)
-            if used in self._used:
-                attempt = _ATTEMPT.get()
-                if attempt is not None:
-                    attempt.reused = True
-            else:
-                self._used.add(used)
-                if len(self._used) > self._prune_at:
-                    self._used = {ref for ref in self._used if ref() is not None}
-                    self._prune_at = max(1024, 2 * len(self._used))
-        return connection
+IDLE_S = 15.0  # aiohttp's keep-alive time too
+MAX_TARGETS = 4096  # parsed URLs kept (servers × endpoints); cleared whole past it
+SWEEP_SLACK_S = 0.001  # an idle connection this close to its time is closed by the sweep that is due now
+_PARSER_ERRORS = (httptools.HttpParserError, httptools.HttpParserUpgrade)  # (a 101's switch: not HTTP any more)
 
 
 class HttpTransport:
-    """The Transport over one shared aiohttp session (no connection cap: admission windows bound the load).
-
-    On an engine that aborts a request by id (`Target.abort_path`: SGLang), each attempt carries an id of its own
-    (`rid`), and an attempt cancelled before its answer (a hedge's losing copy, a slot given back, a caller gone)
-    is aborted there at once: SGLang notices a closed connection only at its next 4 s check, running or queueing
-    the request until then."""
+    """The Transport over one shared aiohttp session (no connection cap: admission windows bound the load). On an
+    engine that aborts a request by id (`Target.abort_path`: SGLang, which notices a closed connection only at its
+    next check), each attempt carries an id of its own (`rid`), and one cancelled before its answer is aborted."""
 
     def __init__(self, session: aiohttp.ClientSession, timeouts: Timeouts | None = None):
         self.session = session
         self.timeouts = timeouts or Timeouts()
-        self._timeout = client_timeout(self.timeouts)
-        self._whole_timeout = whole_answer_timeout(self.timeouts)
+        self._timeout = unpooled.client_timeout(self.timeouts)
+        self._whole_timeout = unpooled.whole_answer_timeout(self.timeouts)
         self._whole_s = min(self.timeouts.first_byte_s, self.timeouts.total_s)
         self._keepalive = pool_of(session)
+        self._destinations: dict[str, Destination] = {}  # URLs the pool serves, parsed (`_destination`)
         self._rid_prefix = f"fedpool-{secrets.token_hex(6)}-"  # ids unique across processes sharing an engine
         self._rids = itertools.count()
-        self._aborts: set[asyncio.Task[None]] = set()  # abort calls under way (held until they end)
-        self.aborted = 0  # abort calls that reached the engine
+        self.aborts = unpooled.Aborts(session)  # abort calls to engines (`aborts.reached`: those that got there)
 
     async def complete(
         self, server: Target, request: InferenceRequest, progress: StreamProgress | None = None
     ) -> Completion:
         """POST the request; return the parsed completion (with the engine's bytes) or raise AttemptError. On a
-        server whose engine is asked for streams, a request a stream can carry whole (`sends_stream`) is sent
-        with stream=true and its events assembled into the completion."""
-        if sends_stream(server, request):
+        server whose engine is asked for streams, a request a stream can carry whole (`InferenceRequest.streamable`)
+        is sent with stream=true and its events assembled into the completion. A plain answer goes over the
+        keep-alive pool where the session has one and it serves the URL, over aiohttp's client otherwise."""
+        if server.streamed and request.streamable:  # (the engine is asked for streams, and a stream carries it)
             return await self._assembled(server, request, progress)
         body = request_body(request)
         abort_path = server.abort_path
+        rid = ""
         if abort_path is not None:
             body["rid"] = rid = f"{self._rid_prefix}{next(self._rids)}"
         try:
@@ -155,118 +82,67 @@ class HttpTransport:
             data = json.dumps(body).encode()
         url = server.url + request.endpoint
         pool = self._keepalive
-        if pool is not None and (destination := pool.destination(url)) is not None:
-            try:
-                answer = await pool.post(
-                    destination,
-                    data,
-                    timeout_s=self._whole_s,
-                    connect_s=self.timeouts.connect_s,
-                    limit=MAX_RESPONSE_BYTES,
-                )
-            except AttemptError as exc:
-                if abort_path is not None and exc.kind in ABORTED_AFTER:
-                    self._abort(server.url + abort_path, rid)
-                raise
-            except asyncio.CancelledError:
-                if abort_path is not None:
-                    self._abort(server.url + abort_path, rid)
-                raise
-            if answer.status != 200:
-                raise http_error(answer.status, answer.body[:MAX_ERROR_BODY_BYTES])
-            return parse_completion(answer.body, request.endpoint)
-        attempt = SimpleNamespace(reused=False)
-        _ATTEMPT.set(attempt)  # this task's context: the connector notes there whether it reused a connection
+        destination = self._destinations.get(url) or self._destination(url)
         try:
-            async with self.session.post(url, data=data, headers=JSON_HEADERS, timeout=self._whole_timeout) as resp:
-                if resp.status != 200:
-                    raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
-                length = resp.content_length
-                raw = (
-                    await resp.read()
-                    if length is not None and length <= MAX_RESPONSE_BYTES
-                    else await read_body(resp, MAX_RESPONSE_BYTES)
-                )
-        except AttemptError:
+            if pool is None or destination is None:  # (no pool, or a URL it does not serve: TLS, credentials)
+                raw = await unpooled.post_unpooled(self.session, url, data, self._whole_timeout, MAX_RESPONSE_BYTES)
+            else:
+                answer = await pool.post(destination, data, timeout_s=self._whole_s,
+                                         connect_s=self.timeouts.connect_s, limit=MAX_RESPONSE_BYTES)
+                if answer.status != 200:
+                    raise http_error(answer.status, answer.body[:MAX_ERROR_BODY_BYTES])
+                raw = answer.body
+        except AttemptError as exc:
+            if abort_path is not None and exc.kind in ABORTED_AFTER:  # (the engine may still be running it)
+                self.aborts.start(server.url + abort_path, rid)
             raise
         except asyncio.CancelledError:
             if abort_path is not None:
-                self._abort(server.url + abort_path, rid)
+                self.aborts.start(server.url + abort_path, rid)
             raise
-        except Exception as exc:
-            if abort_path is not None:  # (a timeout, a reset: the engine may still be running it)
-                self._abort(server.url + abort_path, rid)
-            raise transport_error(exc, attempt.reused) from exc
         return parse_completion(raw, request.endpoint)
+
+    def _destination(self, url: str) -> Destination | None:
+        """The pool's destination for a URL it serves, kept here after the first ask (None: aiohttp's URL)."""
+        destination = self._keepalive.destination(url) if self._keepalive is not None else None
+        if destination is not None:
+            if len(self._destinations) >= MAX_TARGETS:
+                self._destinations.clear()
+            self._destinations[url] = destination
+        return destination
 
     async def settle(self) -> None:
         """Wait for the abort calls under way to end."""
-        while self._aborts:
-            await asyncio.gather(*self._aborts, return_exceptions=True)
-
-    def _abort(self, url: str, rid: str) -> None:
-        """Ask the engine to abort the request `rid` (off the caller's path: the call runs as a task of its own,
-        held until it ends; a failure is only logged — the engine's own check of the closed connection remains)."""
-        task = asyncio.get_running_loop().create_task(self._post_abort(url, rid))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-
-    async def _post_abort(self, url: str, rid: str) -> None:
-        try:
-            async with self.session.post(
-                url, data=dumps({"rid": rid}), headers=JSON_HEADERS, timeout=ABORT_TIMEOUT
-            ) as resp:
-                await resp.read()
-                if resp.status == 200:
-                    self.aborted += 1
-                else:
-                    log.debug("abort of %s at %s: HTTP %s", rid, url, resp.status)
-        except Exception as exc:  # the session closing, the server gone: nothing is left to abort there
-            log.debug("abort of %s at %s failed: %r", rid, url, exc)
+        await self.aborts.settle()
 
     async def _assembled(
         self, server: Target, request: InferenceRequest, progress: StreamProgress | None
     ) -> Completion:
-        attempt = SimpleNamespace(reused=False)
-        _ATTEMPT.set(attempt)
         body = request_body(request, stream=True)
         body["stream_options"] = STREAM_USAGE
-        try:
-            async with self.session.post(
-                server.url + request.endpoint, data=dumps(body), headers=STREAM_HEADERS, timeout=self._timeout
-            ) as resp:
-                if resp.status != 200:
-                    raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
-                return await assemble_stream(resp.content, request.endpoint, progress)
-        except AttemptError:
-            raise
-        except Exception as exc:
-            raise transport_error(exc, attempt.reused) from exc
+        return await unpooled.post_assembled(self.session, server.url + request.endpoint, dumps(body), self._timeout,
+                                    request.endpoint, progress)
 
     async def open_stream(self, server: Target, request: InferenceRequest) -> aiohttp.ClientResponse:
-        return await open_stream(self.session, server.url, request, self.timeouts, self._timeout, close=server.streamed)
+        return await unpooled.open_stream(self.session, server.url + request.endpoint.value,
+                                 dumps(request_body(request, stream=True)), self._timeout, close=server.streamed)
 
 
-@dataclass(frozen=True, slots=True)
-class UrlTarget:
-    """A server known by its URL alone (outside a dispatcher), asked for streams or not."""
-
-    id: str
-    url: str
-    streamed: bool = False
-    abort_path: str | None = None
-
-
-def new_session(*, limit: int = 0) -> aiohttp.ClientSession:
-    """The one shared session a dispatcher uses (no global connection cap; windows bound the load)."""
-    return aiohttp.ClientSession(connector=ReuseTrackingConnector(limit=limit, ttl_dns_cache=300))
+def new_session(*, limit: int = 0, keepalive_pool: bool = True) -> aiohttp.ClientSession:
+    """The one shared session a dispatcher uses (no global connection cap; windows bound the load). Its plain
+    answers go over fedpool's keep-alive pool; with `keepalive_pool=False` (or a cap) every request is aiohttp's."""
+    return aiohttp.ClientSession(
+        connector=unpooled.PooledConnector(KeepAlivePool() if keepalive_pool and not limit else None, limit=limit,
+                                  ttl_dns_cache=300),
+        trace_configs=[unpooled.reuse_tracing()],
+    )
 
 
 async def post_completion(
     session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts
 ) -> Completion:
     """POST the request to one server outside any dispatcher; the parsed completion, or AttemptError."""
-    return await HttpTransport(session, timeouts).complete(UrlTarget(base_url, base_url), request)
+    return await HttpTransport(session, timeouts).complete(unpooled.UrlTarget(base_url, base_url), request)
 
 
 def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, Any]:
@@ -286,197 +162,6 @@ def request_body(request: InferenceRequest, stream: bool = False) -> dict[str, A
     body["model"] = request.model
     body["stream"] = stream
     return body
-
-
-# Engines whose answers are asked for as a stream and assembled into one completion. llama.cpp's server (this
-# pool's build) runs a non-streamed request to its end after its client has gone — four cancelled 200-token
-# requests kept all 4 slots busy 6 s later — but stops a streamed one at its next token (within 0.5 s). Streamed,
-# a request fedpool cancels (a hedge's losing copy, a slot given back to a shrunk lease, a gateway client that
-# went away) frees the engine's slot, not only fedpool's count of it. vLLM aborts a request whose connection
-# closed either way, SGLang at once by its id (`HttpTransport`, `Target.abort_path`); a server of unknown kind is
-# asked for what its caller asked.
-# llama.cpp's server also closes the connection after every stream though its head says keep-alive: a streamed
-# request to these engines asks for `Connection: close`, so no pooled connection is reused after the engine closed
-# it (the next request on it would fail as a reset).
-STREAM_HEADERS = {**JSON_HEADERS, "Connection": "close"}
-STREAM_USAGE = {"include_usage": True}  # OpenAI's stream option: the last event carries the token counts
-
-
-async def assemble_stream(
-    content: aiohttp.StreamReader, endpoint: Endpoint, progress: StreamProgress | None = None
-) -> Completion:
-    """Read an OpenAI event stream (`data: {...}` lines, `data: [DONE]` last) to its end into one completion:
-    the text of every event joined, the last finish_reason, the usage of the event that carries it. Without a
-    usage event the completion tokens are the events that carried text (one token an event on the engines in
-    `STREAMED_ENGINES`) and the prompt tokens are unknown. An error event, a body past MAX_RESPONSE_BYTES, or a
-    stream that ends before its last event is an AttemptError. `progress` is marked at the first bytes."""
-    chat = endpoint is Endpoint.CHAT
-    parts: list[str] = []
-    thoughts: list[str] = []
-    finish = usage = model = timings = None
-    size = 0
-    events = 0
-    done = False
-    buffer = b""
-    async for chunk in content.iter_any():
-        if progress is not None:
-            progress.decoding = True
-            progress = None
-        size += len(chunk)
-        if size > MAX_RESPONSE_BYTES:
-            raise AttemptError(
-                FailureKind.BAD_RESPONSE, f"response larger than {MAX_RESPONSE_BYTES // (1024 * 1024)} MiB"
-            )
-        lines = (buffer + chunk).split(b"\n")
-        buffer = lines.pop()
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, `event:` lines
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                break
-            try:
-                event = orjson.loads(payload)
-            except orjson.JSONDecodeError as exc:
-                raise AttemptError(FailureKind.BAD_RESPONSE, "stream event is not JSON") from exc
-            if type(event) is not dict:
-                raise AttemptError(FailureKind.BAD_RESPONSE, "stream event is not a JSON object")
-            if "error" in event:
-                raise AttemptError(
-                    FailureKind.SERVER_ERROR, "error event in the stream", upstream_message=upstream_message(payload)
-                )
-            if model is None and type(event.get("model")) is str:
-                model = event["model"]
-            if type(event.get("usage")) is dict:
-                usage = event["usage"]
-            if type(event.get("timings")) is dict:
-                timings = event["timings"]
-            choices = event.get("choices")
-            if not choices:
-                continue  # the usage event has none
-            choice = choices[0] if type(choices) is list else None
-            if type(choice) is not dict:
-                raise AttemptError(FailureKind.BAD_RESPONSE, "stream event has no choice")
-            if chat:
-                delta = choice.get("delta")
-                if type(delta) is dict:
-                    text, thought = delta.get("content"), delta.get("reasoning_content")
-                    if type(thought) is str and thought:
-                        thoughts.append(thought)
-                        events += 1
-                    if type(text) is str and text:
-                        parts.append(text)
-                        events += 1
-            elif type(text := choice.get("text")) is str and text:
-                parts.append(text)
-                events += 1
-            if type(choice.get("finish_reason")) is str:
-                finish = choice["finish_reason"]
-        if done:
-            break
-    if not done and finish is None:
-        raise AttemptError(FailureKind.BAD_RESPONSE, "stream ended before its last event")
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = events
-    if usage is not None:
-        prompt_tokens = usage.get("prompt_tokens") if type(usage.get("prompt_tokens")) is int else None
-        completion_tokens = usage.get("completion_tokens") if type(usage.get("completion_tokens")) is int else events
-    return Completion(
-        "".join(parts),
-        finish,
-        prompt_tokens,
-        completion_tokens,
-        "".join(thoughts) if thoughts else None,
-        None,
-        model,
-        engine_times(timings),
-    )
-
-
-def transport_error(exc: BaseException, reused_connection: bool) -> AttemptError:
-    kind = classify_exception(exc, reused_connection=reused_connection)
-    if kind is FailureKind.UNEXPECTED:
-        log.warning("unexpected %s on the request path: %s", type(exc).__name__, str(exc)[:300])
-        return AttemptError(kind, f"{type(exc).__name__}: {str(exc)[:300]}")
-    return AttemptError(kind, type(exc).__name__)
-
-
-def http_error(status: int, raw: bytes) -> AttemptError:
-    """A non-200 answer as an AttemptError carrying the engine's own message (vLLM, SGLang and llama.cpp put
-    it in `{"error": {"message": ...}}`, older SGLang in `{"message": ...}`; otherwise the body's text)."""
-    return AttemptError(
-        kind_for_status(status), f"HTTP {status}", status=status, upstream_message=upstream_message(raw)
-    )
-
-
-def upstream_message(raw: bytes, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str | None:
-    text = raw[: 4 * limit].decode("utf-8", errors="replace").strip()
-    if not text:
-        return None
-    try:
-        body = loads(text)
-    except json.JSONDecodeError:
-        return text[:limit]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"][:limit]
-        if isinstance(error, str):
-            return error[:limit]
-        if isinstance(body.get("message"), str):
-            return body["message"][:limit]
-        if isinstance(body.get("detail"), str):
-            return body["detail"][:limit]
-    return text[:limit]
-
-
-async def open_stream(
-    session: aiohttp.ClientSession, base_url: str, request: InferenceRequest, timeouts: Timeouts,
-    read_timeout: aiohttp.ClientTimeout | None = None, *, close: bool = False,
-) -> aiohttp.ClientResponse:
-    """POST with stream=true; returns the open response once its head says 200 (the caller reads and
-    releases it), or raises AttemptError. Nothing has reached the caller's client yet, so a failure
-    here can still be retried elsewhere. Cancelled while it waits for the head, the connection is closed
-    (aiohttp's own handling): nothing is left open. `close`: the engine closes the connection after a stream
-    (STREAMED_ENGINES), so it is not kept for another request."""
-    attempt = SimpleNamespace(reused=False)
-    _ATTEMPT.set(attempt)
-    try:
-        resp = await session.post(base_url + request.endpoint.value, data=dumps(request_body(request, stream=True)),
-                                  headers=STREAM_HEADERS if close else JSON_HEADERS,
-                                  timeout=read_timeout or client_timeout(timeouts))
-    except Exception as exc:
-        raise transport_error(exc, attempt.reused) from exc
-    if resp.status != 200:
-        try:
-            raw = await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True)
-        except Exception:  # the body of an error is a courtesy; the status decides
-            raw = b""
-        finally:
-            resp.release()
-        raise http_error(resp.status, raw)
-    return resp
-
-
-async def read_body(resp: aiohttp.ClientResponse, limit: int, *, cut: bool = False) -> bytes:
-    """The whole body, up to `limit` bytes: past it, AttemptError (BAD_RESPONSE), or with `cut` its first
-    `limit` bytes. (`content.read(n)` alone returns what has arrived so far, which is not the whole body.)"""
-    length = resp.content_length
-    if length is not None and length <= limit:
-        return await resp.read()
-    if length is not None and not cut:
-        raise AttemptError(FailureKind.BAD_RESPONSE, f"response larger than {limit // (1024 * 1024)} MiB")
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in resp.content.iter_any():
-        parts.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            if cut:
-                break
-            raise AttemptError(FailureKind.BAD_RESPONSE, f"response larger than {limit // (1024 * 1024)} MiB")
-    return b"".join(parts)[:limit]
 
 
 def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
@@ -518,57 +203,294 @@ def parse_completion(raw: bytes, endpoint: Endpoint) -> Completion:
             completion_tokens = None
     finish = choice.get("finish_reason")
     model = body.get("model")
-    return Completion(
-        text,
-        finish if type(finish) is str else None,
-        prompt_tokens,
-        completion_tokens,
-        reasoning if type(reasoning) is str else None,
-        raw,
-        model if type(model) is str else None,
-        engine_times(body.get("timings"), body.get("metrics")),
-    )
+    timings, metrics = body.get("timings"), body.get("metrics")
+    return Completion(text, finish if type(finish) is str else None, prompt_tokens, completion_tokens,
+                      reasoning if type(reasoning) is str else None, raw, model if type(model) is str else None,
+                      None if timings is None and metrics is None else engine_times(timings, metrics))
 
 
-def engine_times(timings: Any, metrics: Any = None) -> EngineTimes | None:
-    """An answer's own prefill and decode times as its engine reported them: llama.cpp's `timings` (`prompt_ms`,
-    `predicted_ms`, and `prompt_n`: the prompt tokens it prefilled), or vLLM's per-request `metrics` (with
-    `--enable-per-request-metrics`: `time_to_first_token_ms` from its scheduling, `generation_time_ms` after the first
-    token). None where a body carries neither, or carries them malformed."""
-    if type(timings) is dict:
-        prefill, decode, tokens = timings.get("prompt_ms"), timings.get("predicted_ms"), timings.get("prompt_n")
-    elif type(metrics) is dict:
-        prefill, decode, tokens = metrics.get("time_to_first_token_ms"), metrics.get("generation_time_ms"), None
-    else:
-        return None
-    if (
-        not (isinstance(prefill, int | float) and isinstance(decode, int | float))
-        or type(prefill) is bool
-        or type(decode) is bool
-    ):
-        return None
-    prefill_ms, decode_ms = float(prefill), float(decode)
-    if not (math.isfinite(prefill_ms) and math.isfinite(decode_ms)) or prefill_ms < 0 or decode_ms < 0:
-        return None
-    return EngineTimes(prefill_ms / 1000.0, decode_ms / 1000.0, tokens if type(tokens) is int and tokens >= 0 else None)
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    body: bytes  # past the limit: cut there, for a non-200 answer (its message is at the start)
 
 
-def classify_exception(exc: BaseException, *, reused_connection: bool) -> FailureKind:
-    """Map a transport exception to a FailureKind. Order matters: subclasses before their bases."""
-    if isinstance(exc, AttemptError):
-        return exc.kind
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        return FailureKind.TIMEOUT
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return FailureKind.CONNECT
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)):
-        # llama.cpp's server closes idle keep-alive connections early; a request written to such a socket
-        # fails before the server ever saw it. On a fresh connection the same error means the server died.
-        return FailureKind.RESET if reused_connection else FailureKind.CONNECT
-    if isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ContentTypeError, ValueError)):
-        return FailureKind.BAD_RESPONSE
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return kind_for_status(exc.status)
-    if isinstance(exc, aiohttp.ClientError):
-        return FailureKind.CONNECT  # the remaining transport failures (invalid URL, TLS, proxy) are the link's
-    return FailureKind.UNEXPECTED
+class _Connection(asyncio.Protocol):
+    """One TCP connection and its parser; carries one request at a time (`send`, then one outcome on its waiter:
+    the answer or an AttemptError)."""
+
+    __slots__ = ("began", "closed", "headers_done", "idle_since", "keep", "key", "limit", "parser", "parts", "pool",
+                 "sent_at", "size", "transport", "used", "waiter")
+
+    def __init__(self, pool: KeepAlivePool, key: tuple[str, int]):
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[Answer] | None = None  # the request under way; None once it has its outcome
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.limit = 0
+        self.sent_at = 0.0  # the loop's time the request was written
+        self.began = False  # a byte of an answer (a 1xx's included) arrived: the server took the request
+        self.headers_done = False  # the final answer's head is whole
+        self.keep = False  # answered whole, open, and the answer allows another request: the pool may keep it
+        self.used = False  # carried a request before (a kept connection)
+        self.closed = False
+        self.idle_since = 0.0
+
+    # ---- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports are not asyncio's subclasses)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except _PARSER_ERRORS as exc:  # (garbage with no request under way: closed all the same)
+            self._fail(AttemptError(FailureKind.BAD_RESPONSE, f"malformed HTTP answer: {type(exc).__name__} {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.keep = False
+        self.pool._forget(self)
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return
+        # An answer without a length ends with the connection (llhttp still holds its head's flags: not keep-alive).
+        # A body cut short under `Connection: close` or HTTP/1.0 reads as whole too: httptools cannot say whether
+        # its head had a length (the parse of its JSON catches it).
+        if self.headers_done and not self.parser.should_keep_alive():
+            self.on_message_complete()
+            return
+        self.waiter = None
+        waiter.set_exception(AttemptError(self._lost(), "server closed the connection"))
+
+    # ---- httptools callbacks (the parser calls only those defined)
+    def on_message_begin(self) -> None:
+        if self.waiter is None:  # an answer nobody asked for (bytes after the last one): the state is unknown
+            self.close()
+        else:
+            self.began = True
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+        self.size += len(body)
+        if self.size > self.limit:
+            self._past_limit()
+
+    def on_message_complete(self) -> None:
+        waiter = self.waiter
+        if waiter is None:  # the rest of an answer that already failed or was cut, or of one nobody asked for
+            return
+        status = self.parser.get_status_code()
+        if status < 200:  # informational (100 Continue, 103 Early Hints): the answer follows
+            self.headers_done = False
+            return
+        self.waiter = None
+        self.keep = not self.closed and self.parser.should_keep_alive()
+        parts = self.parts
+        if not waiter.done():  # (cancelled: the caller is gone, the connection is still whole)
+            waiter.set_result(Answer(status, parts[0] if len(parts) == 1 else b"".join(parts)))
+
+    # ---- the pool's side
+    def send(self, data: bytes, limit: int, waiter: asyncio.Future[Answer], now: float) -> None:
+        """Write one request (at the loop's time `now`); its answer or failure goes to `waiter`."""
+        assert self.waiter is None and self.transport is not None, "one request at a time"
+        self.waiter = waiter
+        self.parts = []
+        self.size = 0
+        self.limit = limit
+        self.sent_at = now
+        self.began = self.headers_done = self.keep = False
+        self.transport.write(data)
+
+    def end(self) -> None:
+        """After a request that leaves the connection unkept: close it (at once if the request was cut short)."""
+        cut = self.waiter is not None
+        self.waiter = None
+        self.close(abort=cut)
+
+    def close(self, abort: bool = True) -> None:
+        """Close at once (`abort`: mid-request, its state unknown) or after what is written."""
+        self.keep = False
+        if not self.closed:
+            self.closed = True
+            self.pool._forget(self)
+            if self.transport is not None:
+                if abort:
+                    self.transport.abort()
+                else:
+                    self.transport.close()
+
+    def _fail(self, error: AttemptError) -> None:
+        waiter = self.waiter
+        self.waiter = None
+        self.close()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+    def _past_limit(self) -> None:
+        """The body passed `limit`: a 200 fails, an error answer is cut there (its message is at the start)."""
+        waiter = self.waiter
+        if waiter is None:
+            return
+        status = self.parser.get_status_code()
+        if status == 200:
+            self._fail(AttemptError(FailureKind.BAD_RESPONSE,
+                                    f"response larger than {self.limit // (1024 * 1024)} MiB"))
+            return
+        self.waiter = None
+        self.close()
+        if not waiter.done():
+            waiter.set_result(Answer(status, b"".join(self.parts)))
+
+    def _lost(self) -> FailureKind:
+        """How a close before a whole answer is classed: CONNECT on a fresh connection before any byte of an answer
+        (nothing listening, or the server died); RESET on a kept one within STALE_CLOSE_S of the write (the server
+        had closed it while idle: the request never reached it, as net/http's errServerClosedIdle); DROPPED later,
+        or once the answer began (the server took the request and dropped it: counted against it)."""
+        if self.began:
+            return FailureKind.DROPPED
+        if not self.used:
+            return FailureKind.CONNECT
+        held_s = asyncio.get_running_loop().time() - self.sent_at
+        return FailureKind.RESET if held_s <= STALE_CLOSE_S else FailureKind.DROPPED
+
+
+class KeepAlivePool:
+    """POSTs over pooled keep-alive connections (no cap: the dispatcher's admission windows bound the load).
+    Plain `http://` URLs without credentials only (`serves(url)`); the rest is aiohttp's."""
+
+    def __init__(self, *, idle_s: float = IDLE_S):
+        self._idle_s = idle_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}  # oldest first; each connection at most once
+        self._busy: set[_Connection] = set()  # carrying a request (`post` holds them)
+        self._targets: dict[str, Destination | None] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
+
+    def serves(self, url: str) -> bool:
+        return self.destination(url) is not None
+
+    def destination(self, url: str) -> Destination | None:
+        """What `post` needs of a URL, parsed once (None: not one this pool serves; aiohttp's then)."""
+        if self.closed:
+            return None
+        try:
+            return self._targets[url]
+        except KeyError:
+            pass
+        target = plain_destination(url)
+        if len(self._targets) >= MAX_TARGETS:
+            self._targets.clear()
+        self._targets[url] = target
+        return target
+
+    def connections(self) -> int:
+        """Open connections, busy or idle."""
+        return len(self._busy) + sum(len(c) for c in self._idle.values())
+
+    async def post(self, url: str | Destination, body: bytes, *, timeout_s: float, connect_s: float,
+                   limit: int) -> Answer:
+        """POST `body` (JSON) to `url` (or its `destination`); the answer, its body up to `limit` bytes (a larger 200
+        answer is a BAD_RESPONSE, a larger error answer is cut). Failures are AttemptError: TIMEOUT (no whole answer
+        in `timeout_s`, connecting included), BAD_RESPONSE, or a close before a whole answer (`_Connection._lost`)."""
+        target = self.destination(url) if isinstance(url, str) else url
+        if target is None or self.closed:
+            raise AttemptError(FailureKind.UNEXPECTED, f"not a plain http URL, or the pool is closed: {url}")
+        loop = self._loop or self._bind()
+        now = loop.time()
+        key = target.key
+        idle = self._idle.get(key)
+        if idle:
+            connection = idle.pop()  # the most recently used: the least likely to have been closed by the server
+            if not idle:
+                del self._idle[key]
+        else:
+            connection = await self._connect(key, min(connect_s, timeout_s))
+        self._busy.add(connection)
+        waiter: asyncio.Future[Answer] = loop.create_future()
+        connection.send(b"%s%d\r\n\r\n%s" % (target.head, len(body), body), limit, waiter, now)
+        timer = loop.call_at(now + timeout_s, _time_out, connection, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._busy.discard(connection)
+            if connection.keep and not self.closed:  # (whole, open: also when the caller was cancelled meanwhile)
+                connection.used = True
+                connection.idle_since = loop.time()
+                self._idle.setdefault(key, []).append(connection)
+                if self._sweep is None:
+                    self._sweep = loop.call_at(connection.idle_since + self._idle_s, self._expire)
+            else:
+                connection.end()
+
+    def close(self) -> None:
+        """Close every connection (a request under way fails: UNEXPECTED); later posts fail."""
+        self.closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for connection in list(self._busy):
+            connection._fail(AttemptError(FailureKind.UNEXPECTED, "the connection pool is closed"))
+        for connection in [c for conns in self._idle.values() for c in conns]:
+            connection.close()
+        self._busy.clear()
+        self._idle.clear()
+
+    # ---- internals
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    async def _connect(self, key: tuple[str, int], connect_s: float) -> _Connection:
+        loop = self._loop or self._bind()
+        try:
+            async with asyncio.timeout(connect_s):
+                _, connection = await loop.create_connection(lambda: _Connection(self, key), key[0], key[1])
+        except TimeoutError:
+            raise AttemptError(FailureKind.TIMEOUT, "connect timed out") from None
+        except OSError as exc:
+            raise AttemptError(FailureKind.CONNECT, f"{type(exc).__name__}: {exc.strerror or exc}") from exc
+        if self.closed:
+            connection.close()
+            raise AttemptError(FailureKind.UNEXPECTED, "the connection pool is closed")
+        return connection
+
+    def _forget(self, connection: _Connection) -> None:
+        """A connection closed: out of the pool's books."""
+        self._busy.discard(connection)
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+            if not idle:
+                del self._idle[connection.key]
+
+    def _expire(self) -> None:
+        """The sweep: close the connections idle `idle_s`, and arm the next sweep for the oldest left."""
+        self._sweep = None
+        loop = self._loop or self._bind()
+        # Due by the sum the timer was armed with (`now - idle_s` can round below it, and a timer may run as much
+        # as the clock's resolution early): the next sweep is always ahead, never re-armed for this very moment.
+        due = loop.time() + SWEEP_SLACK_S
+        for key in list(self._idle):
+            for connection in [c for c in self._idle.get(key, ()) if c.idle_since + self._idle_s <= due]:
+                connection.close()
+        if self._idle:
+            oldest = min(c.idle_since for conns in self._idle.values() for c in conns)
+            self._sweep = loop.call_at(oldest + self._idle_s, self._expire)
+
+
+def _time_out(connection: _Connection, waiter: asyncio.Future[Answer]) -> None:
+    if not waiter.done():
+        connection._fail(AttemptError(FailureKind.TIMEOUT, "no whole answer in time"))
+
+
+def pool_of(session: Any) -> KeepAlivePool | None:
+    """The keep-alive pool a session's connector carries (federation.transport.new_session's), if any."""
+    return getattr(getattr(session, "connector", None), "keepalive", None)
