@@ -343,7 +343,7 @@ async def soak(args: argparse.Namespace, work: Path) -> tuple[Soak, dict[str, in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="keep starting rounds of runs until this long")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--servers", type=int, default=4)

@@ -443,7 +443,8 @@ async def run_all(work: Path) -> list[ClientResult]:
             direct = await client.run(pool.server_url, f"sk-{slug}-direct-0123456789", work / slug / "direct")
             via = await client.run(pool.gateway_url, f"sk-{slug}-gateway-0123456789", work / slug / "gateway")
             dist = client.dist.split()[0]
-            tool_version = await asyncio.to_thread(_version if dist != "vllm" else lambda _d: _vllm_version(), dist)
+            tool_version = await (asyncio.to_thread(_vllm_version) if dist == "vllm"
+                                  else asyncio.to_thread(_version, dist))
             results.append(ClientResult(client.name, tool_version, client.how, direct, via))
             same, total = results[-1].same
             print(f"[clients] {client.name}: direct ok={direct.ok} gateway ok={via.ok} same {same}/{total} "
@@ -478,7 +479,7 @@ def body(results: list[ClientResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="clients", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="clients", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--work-dir", type=Path)
     args = parser.parse_args(argv)

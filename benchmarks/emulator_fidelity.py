@@ -223,7 +223,7 @@ def body(real: list[Level], emulated: list[Level], profile: EmulatorProfile, arg
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--requests", type=int, default=24, help="requests per point (at least 3 × concurrency)")

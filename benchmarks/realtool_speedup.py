@@ -815,7 +815,7 @@ async def run_all(args: argparse.Namespace, work: Path) -> tuple[dict[str, PairR
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="realtool_speedup", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="realtool_speedup", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pairs", nargs="+", choices=("unequal", "equal"), default=["unequal", "equal"])
     parser.add_argument("--gateway-concurrency", type=int, nargs="+",

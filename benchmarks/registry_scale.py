@@ -85,7 +85,9 @@ class SnapshotReaders:
             while time.perf_counter() < deadline:
                 start = time.perf_counter()
                 if floor:
-                    await client.handle.version.remote()
+                    # Ray types an untyped handle's methods as Never (they are remote methods): typed loosely.
+                    handle: Any = client.handle
+                    await handle.version.remote()
                     latencies.append((time.perf_counter() - start, False))
                 else:
                     snap = await client.snapshot()
@@ -169,7 +171,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         busy = end_info["recent_probe_busy_s"][-n_cycles:]
         snap = await registry.snapshot()
         healthy = sum(1 for e in snap if e.status.value == "healthy" and e.load is not None)
-        await registry.handle.shutdown_prober.remote()
+        registry_handle: Any = registry.handle  # typed loosely, as `handle` in SnapshotReaders.run
+        await registry_handle.shutdown_prober.remote()
         ray.kill(registry.handle, no_restart=True)
     stop.set()
     farm.join(10)

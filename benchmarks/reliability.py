@@ -104,10 +104,10 @@ class ChaosPool:
         await proc.wait_healthy(url + "/health", deadline_s=30)
         self.extra.append(proc)
         self.urls[server_id] = url
-        if revision is None:  # the registry's own default
-            revision = ServerRecord.model_fields["revision"].default
+        default_revision: str = ServerRecord.model_fields["revision"].default  # the registry's own default
         await self.registry.register(ServerRecord(id=server_id, url=url, engine=Engine.VLLM, model=model,
-                                                  revision=revision, accelerator="A100", capacity=4))
+                                                  revision=revision if revision is not None else default_revision,
+                                                  accelerator="A100", capacity=4))
         return url
 
     async def status(self) -> dict[str, ServerStatus]:

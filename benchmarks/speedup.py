@@ -273,7 +273,7 @@ def result_of(report: SpeedupReport) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fedpool bench speedup", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fedpool bench speedup", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--pool", type=Path, required=True, help="pool YAML (emulated, servers or local_llamacpp)")
     parser.add_argument("--evals", type=Path, required=True, help="evals YAML")
     parser.add_argument("--name", default="speedup", help="report name: results/NAME.md (default speedup)")

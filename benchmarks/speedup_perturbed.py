@@ -83,7 +83,7 @@ def body(reports: dict[int, SpeedupReport], pool_path: Path, evals_path: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="speedup_perturbed", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="speedup_perturbed", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--pool", type=Path, default=Path("benchmarks/configs/table7_pool.yaml"))
     parser.add_argument("--evals", type=Path, default=Path("benchmarks/configs/table7_evals.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])

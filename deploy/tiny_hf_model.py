@@ -53,9 +53,21 @@ def corpus(lines: int = 4000) -> list[str]:
 
 
 def build(out: Path, hidden: int = HIDDEN, layers: int = LAYERS, heads: int = HEADS) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    # Installed only in vLLM's interpreter, which runs this file, never in fedpool's environment where the type
+    # checkers run (mypy's equivalent: the ignore_missing_imports override in pyproject.toml).
+    import torch  # pyright: ignore[reportMissingImports]
+    from tokenizers import (  # pyright: ignore[reportMissingImports]
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import (  # pyright: ignore[reportMissingImports]
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     specials = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]

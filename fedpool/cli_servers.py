@@ -175,7 +175,7 @@ def cmd_server_remove(args: opt.ServerOptions) -> int:
 
 def format_server_table(rows: Sequence[dict[str, Any]]) -> str:
     headers = ("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S")
-    table = [headers]
+    table: list[tuple[str, ...]] = [headers]
     for r in rows:
         table.append((
             r["id"], r["engine"], r["accelerator"], r["model"], r["status"],

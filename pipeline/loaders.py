@@ -161,7 +161,7 @@ def _hf_rows(path: Path, split: str | None) -> Iterator[RawRow]:
         if split is None:
             if len(loaded) != 1:
                 raise DataError(str(path), None, f"data.split is required: the dataset has splits {sorted(loaded)}")
-            split = next(iter(loaded))
+            split = str(next(iter(loaded)))  # a split's name (Hugging Face types the keys `str | NamedSplit`)
         if split not in loaded:
             raise DataError(str(path), None, f"no split {split!r}; the dataset has {sorted(loaded)}")
         loaded = loaded[split]

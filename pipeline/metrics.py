@@ -104,7 +104,7 @@ def _bleu_stats(prediction: str, labels: Sequence[str]) -> tuple[float, ...]:
 
 def _corpus_bleu(totals: Sequence[float]) -> float:
     """Corpus BLEU from summed statistics, as sacrebleu.corpus_bleu computes it (no smoothing), on [0, 1]."""
-    from sacrebleu.metrics import BLEU
+    from sacrebleu.metrics.bleu import BLEU
 
     whole = [round(float(x)) for x in totals]
     return float(BLEU.compute_bleu(whole[:4], whole[4:8], whole[8], whole[9], smooth_method="none").score / 100.0)

@@ -17,6 +17,7 @@ from typing import Any, cast
 import aiohttp
 import orjson
 import ray
+import ray.actor
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedpool.registry.auth import check_token

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import ray.actor
+import ray.exceptions
 
 from fedpool.registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
 from fedpool.registry.auth import TOKEN_FILE, ensure_token, read_saved_token, resolve_client_token, token_digest
@@ -21,6 +23,9 @@ from fedpool.registry.snapshot import PoolSnapshot, ServerEntry
 from fedpool.registry.weights import prior_weight
 
 log = logging.getLogger("fedpool.registry")
+
+# RegistryActor.snapshot_wire's answer: (version, taken_at, membership version, pickled records, pickled rows).
+SnapshotWire = tuple[int, float, int, bytes | None, bytes | None]
 
 
 async def _unwrapped(ref: Any) -> Any:
@@ -163,7 +168,7 @@ class RegistryClient:
         """End the registry this process started (its prober first), for runs that own their registry
         (the speedup benchmark, tests). Waits until the actor's name is free for the next one."""
         with contextlib.suppress(Exception):
-            await self._handle.shutdown_prober.remote()
+            await _unwrapped(self._handle.shutdown_prober.remote())
         with contextlib.suppress(ValueError):
             await asyncio.to_thread(ray.kill, self._handle, no_restart=True)
         for _ in range(max(1, int(wait_s / 0.05))):
@@ -199,18 +204,12 @@ class RegistryClient:
 
         A version check: when the registry's version is the one this client already holds, the registry
         answers with a few bytes and the held snapshot (immutable, same version, same content) is returned."""
-        for attempt in (1, 2):
-            known = self._members[0] if self._members is not None else -1
-            held = self._last
-            try:
-                version, taken_at, membership, records, rows = await _unwrapped(self._handle.snapshot_wire.remote(
-                    since_version, timeout_s, known, held.version if held is not None else -1
-                ))
-                break
-            except ray.exceptions.ActorDiedError:
-                if attempt == 2:
-                    raise
-                await self._reconnect()
+        try:
+            held, wire = await self._snapshot_wire(since_version, timeout_s)
+        except ray.exceptions.ActorDiedError:
+            await self._reconnect()
+            held, wire = await self._snapshot_wire(since_version, timeout_s)
+        version, taken_at, membership, records, rows = wire
         if rows is None:  # only when `held` is of this very version
             assert held is not None and held.version == version
             return held
@@ -225,6 +224,15 @@ class RegistryClient:
         self._last = PoolSnapshot.from_rows(version, taken_at, functools.partial(pickle.loads, rows), members,
                                             prior_weight, count=len(members))
         return self._last
+
+    async def _snapshot_wire(self, since_version: int, timeout_s: float) -> tuple[PoolSnapshot | None, SnapshotWire]:
+        """The snapshot held now and the actor's `snapshot_wire` answer to what this client holds."""
+        known = self._members[0] if self._members is not None else -1
+        held = self._last
+        wire: SnapshotWire = await _unwrapped(self._handle.snapshot_wire.remote(
+            since_version, timeout_s, known, held.version if held is not None else -1
+        ))
+        return held, wire
 
     async def get(self, server_id: str) -> ServerEntry:
         return await self._call("get", server_id)

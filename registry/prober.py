@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -186,6 +187,7 @@ class ProberActor:
 
     async def _run(self) -> None:
         import ray
+        import ray.actor
 
         misses = 0
         self._hurry = asyncio.Event()
@@ -193,7 +195,9 @@ class ProberActor:
             while True:
                 started = time.perf_counter()
                 try:
-                    registry = await asyncio.to_thread(ray.get_actor, self._registry_name, namespace=self._namespace)
+                    # Ray types an untyped handle's methods as Never (they are remote methods): typed loosely once.
+                    registry: Any = await asyncio.to_thread(ray.get_actor, self._registry_name,
+                                                            namespace=self._namespace)
                     plan: ProbePlan = await registry.probe_plan.remote()
                     misses = 0
                 except Exception:  # registry restarting or gone

@@ -95,8 +95,8 @@ async def test_bad_requests_get_openai_style_errors(gateway_url: str) -> None:
     async with aiohttp.ClientSession() as session:
         for headers, body, status, fragment in BAD_REQUESTS:
             auth = {"Authorization": f"Bearer {KEYS[0].secret}"} if headers is None else headers
-            kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
-            async with session.post(gateway_url + "/v1/completions", headers=auth, **kwargs) as resp:
+            data, json_body = (body, None) if isinstance(body, bytes) else (None, body)
+            async with session.post(gateway_url + "/v1/completions", headers=auth, data=data, json=json_body) as resp:
                 payload = await resp.json()
             assert resp.status == status and fragment in payload["error"]["message"], (body, payload)
         ok = {"model": "emu-model", "prompt": "still fine", "max_tokens": 2}

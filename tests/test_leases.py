@@ -102,9 +102,11 @@ def test_equal_ranks_share_by_weight_and_never_more_than_the_capacity() -> None:
     b = Broker()
     b.report("a", {"ea": (40, 0.0)}, weights={"ea": 3.0})
     b.report("b", {"eb": (40, 0.0)})
-    for _ in range(3):  # each adopts what it was given in turn; shares settle at 3:1
-        a = b.report("a", {"ea": (40, 0.0)}, weights={"ea": 3.0})
-        bb = b.report("b", {"eb": (40, 0.0)})
+    for _ in range(2):  # each adopts what it was given in turn; shares settle at 3:1 by the third round
+        b.report("a", {"ea": (40, 0.0)}, weights={"ea": 3.0})
+        b.report("b", {"eb": (40, 0.0)})
+    a = b.report("a", {"ea": (40, 0.0)}, weights={"ea": 3.0})
+    bb = b.report("b", {"eb": (40, 0.0)})
     assert (total(a), total(bb)) == (6, 2)
     for server in ("s0", "s1"):
         assert a.get(server, 0) + bb.get(server, 0) <= 4
@@ -154,8 +156,9 @@ def test_a_process_that_announced_its_evals_holds_their_share_before_it_connects
     b.broker.report(loading_report("late", "m", [("arith", 64), ("nothing", 0)]))
     b.broker.reshare()
     assert b.slots("late") == {}  # an announcement is leased nothing: it cannot use a lease yet
-    for _ in range(3):  # (its lease client has not reported yet: the announcement stands until its TTL)
-        first = b.report("first", {"long": (40, 0.0)})
+    for _ in range(2):  # (its lease client has not reported yet: the announcement stands until its TTL)
+        b.report("first", {"long": (40, 0.0)})
+    first = b.report("first", {"long": (40, 0.0)})
     assert total(first) == 4  # the other 4 are kept for the announced eval
     late = b.report("late", {"arith": (60, 0.0)})  # its lease client's first report, as a holder
     assert total(late) == 4
@@ -346,9 +349,10 @@ def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_hori
 
     # Two long answers left (3 s on the fast kind, 7 s on the slow one) and 8 short requests: the horizon is about
     # (2 × 3 + 8 × 0.2) / 12 slots ≈ 0.6 s; the long answers may use only the fast kind, the short ones both.
-    for _ in range(2):
-        long_slots = report("long", 2, {"A100x1/4": 3.0, "V100x1/4": 7.0})
-        short_slots = report("short", 8, {"A100x1/4": 0.2, "V100x1/4": 0.5})
+    report("long", 2, {"A100x1/4": 3.0, "V100x1/4": 7.0})
+    report("short", 8, {"A100x1/4": 0.2, "V100x1/4": 0.5})
+    long_slots = report("long", 2, {"A100x1/4": 3.0, "V100x1/4": 7.0})  # the second round: each adopted its share
+    short_slots = report("short", 8, {"A100x1/4": 0.2, "V100x1/4": 0.5})
     assert set(long_slots) == {"a0"} and 2 <= long_slots["a0"] <= 4
     assert sum(short_slots.values()) >= 8 and set(short_slots) >= {"v0", "v1"}
     # Alone and wanting more than the fast kind has, long answers still get no slot on the slow kind.

@@ -70,11 +70,12 @@ async def test_three_concurrent_evals_over_two_real_servers(
 
 async def test_live_llamacpp_metrics_show_load(registry: RegistryClient, llama_servers: LlamaServers) -> None:
     await register_llama(registry, llama_servers)
-    for _ in range(50):
-        snap = await registry.snapshot()
+    snap = await registry.snapshot()
+    for _ in range(49):
         if all(e.load is not None for e in snap.entries):
             break
         await asyncio.sleep(0.2)
+        snap = await registry.snapshot()
     for entry in snap.entries:
         assert entry.status is ServerStatus.HEALTHY
         assert entry.load is not None and entry.load.running >= 0 and entry.load.generation_tokens_total is not None

@@ -28,7 +28,7 @@ def scripted(*per_request: tuple[Step, ...]) -> Handler:
             for step in per_request[min(served, len(per_request) - 1)]:
                 if step is None:
                     return
-                if isinstance(step, float):
+                if not isinstance(step, bytes):
                     await asyncio.sleep(step)
                     continue
                 writer.write(step)

@@ -83,51 +83,64 @@ class RouteView(Protocol[S]):
     @property
     def key(self) -> Any:
         """What identifies the route (model, revision, pins): stable across snapshots."""
+        ...
 
     @property
     def servers(self) -> Sequence[S]:
         """Every routable server of the route (ServerViews with `entry`, the registry's ServerEntry), room or not."""
+        ...
 
     @property
     def memo(self) -> dict[Any, Any]:
         """Scratch a policy may fill during one grant pass (cleared between passes)."""
+        ...
 
     @property
     def kinds(self) -> int:
         """How many server kinds (`ServerEntry.kind`) the route's servers are of."""
+        ...
 
     @property
     def free(self) -> Sequence[S]:
         """The route's servers with room (window and breaker) now: its index (a live list: do not keep it)."""
+        ...
 
     def free_candidates(self, limit: int | None, tried: set[str], rng: random.Random) -> Sequence[S]:
         """Servers with room (window and breaker), avoiding the request's tried servers where others can serve;
         at most `limit` of them, sampled in O(limit)."""
+        ...
 
     def usable(self, server: S, tried: set[str] | None = None) -> bool:
         """Whether the request may be sent to `server` now (room, breaker, not one it failed on)."""
+        ...
 
     def group_by(self, group_of: Callable[[S], str]) -> None:
         """Also keep the servers with room by `group_of` (the same function every time: it is done once)."""
+        ...
 
     def free_in(self, group: str) -> Sequence[S]:
         """The servers with room in that group (after `group_by`)."""
+        ...
 
     @property
     def queues(self) -> Mapping[str, Sized]:
         """Client -> its requests waiting on this route."""
+        ...
 
     @property
     def waiting(self) -> int:
         """Requests waiting on this route (every client)."""
+        ...
 
     def park(self, client: str, groups: tuple[str, ...], key: Any, *, until_freed: bool = False) -> None:
         """The client's requests wait until a server in one of `groups` (of `group_by`) has room: grant passes skip
         it until then, or until the dispatcher's next periodic look (`key`: its place in the serving order).
         `until_freed`: until a server there that had none gets room (the group's room is no use to it)."""
+        ...
 
     def unpark_all(self) -> None:
         """Every parked client back in the order (the policy's reasons changed: a new plan, say)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,9 +161,9 @@ class Route:
             return []  # untried servers exist, all full: wait for them rather than go back
         return free if limit is None or len(free) <= limit else rng.sample(free, limit)
 
-    def usable(self, state: ServerState, tried: set[str] | None = None) -> bool:
-        """Whether a request may go to `state` now (room, breaker, not one it failed on)."""
-        return state in self._pos and (not tried or state.id not in tried)
+    def usable(self, server: ServerState, tried: set[str] | None = None) -> bool:
+        """Whether a request may go to `server` now (room, breaker, not one it failed on)."""
+        return server in self._pos and (not tried or server.id not in tried)
 
     # ---- waiting ---------------------------------------------------------------------------------
     def park(self, client: str, groups: tuple[str, ...], key: ClientKey, *, until_freed: bool = False) -> None:

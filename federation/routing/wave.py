@@ -40,29 +40,37 @@ class WaveHost(Protocol):
 
     def wave_model(self, model: str, kind: str, members: Mapping[str, Any]) -> KindModel:
         """The kind's costs for the model as the policy prices it now (for a kind no probe has measured)."""
+        ...
 
     def wave_prior(self, kind: str) -> tuple[float, float] | None:
         """The kind's data-sheet prior (prefill seconds a prompt token, a full batch's step), once the policy has
         seen the kind (its ratios to a measured kind's price a kind no probe has measured)."""
+        ...
 
     def wave_shape(self, client: str) -> tuple[float, float] | None:
         """(prompt tokens, answer tokens) expected of the client's requests (None: unknown)."""
+        ...
 
     def wave_inflight(self) -> int:
         """The dispatcher's requests in flight (every route)."""
+        ...
 
     def wave_key(self, client: str) -> Any:
         """The client's place in the serving order (for `RouteView.park`)."""
+        ...
 
     def wave_sent_all(self, client: str, waiting: int) -> bool:
         """Whether the client has said how many requests it has left, and all of them wait or are in flight."""
+        ...
 
     def wave_busy(self, server_id: str) -> tuple[float, float] | None:
         """When the server's requests in flight will have prefilled and decoded, as the policy models them."""
+        ...
 
     def wave_placed(self, context: Any, kind: str, server: Any, prefilled: float, decoded: float) -> None:
         """The wave's modelled times for the server (absolute): the policy's model of it starts from them
         (`context`: what the policy passed to `Waves.place`)."""
+        ...
 
 
 @dataclass

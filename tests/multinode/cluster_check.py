@@ -10,7 +10,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.cluster_utils import Cluster
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from fedpool.deploy.emulator import EmulatedServer
 
 
-@ray.remote(num_cpus=0)
 class NodeLauncher:
     """Starts an emulated server on its node and registers it, as `fedpool serve` would there."""
 
@@ -27,6 +26,7 @@ class NodeLauncher:
         self._token = token
         self._server: EmulatedServer | None = None
 
+    @ray.method  # typed: Ray's types know `.remote()` of this method on the class's handles
     async def launch(self, server_id: str) -> dict[str, str]:
         from fedpool.deploy.emulator import EmulatedServer
         from fedpool.registry import Engine, RegistryClient, ServerRecord
@@ -38,10 +38,10 @@ class NodeLauncher:
         return {"server_id": server_id, "node": ray.get_runtime_context().get_node_id()}
 
 
-@ray.remote(num_cpus=0)
 class ScoringActor:
     """A CPU stage: post-processing and metrics of finished predictions."""
 
+    @ray.method
     def score(self, predictions: list[str], labels: list[str]) -> dict[str, object]:
         from fedpool.pipeline.metrics import exact_match
 
@@ -53,11 +53,16 @@ async def main() -> dict[str, object]:
     from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection, SamplingParams
     from fedpool.registry import RegistryClient
 
+    # Ray's actor classes made by a call, not a class decorator: mypy does not apply a class decorator's type.
+    launcher_class = ray.remote(num_cpus=0)(NodeLauncher)
+    scorer_class = ray.remote(num_cpus=0)(ScoringActor)
     state = Path(tempfile.mkdtemp(prefix="fedpool-multinode-"))
     registry = await RegistryClient.start(state, token="multinode-token-123", probe_interval_s=0.5,
                                     resources={"registry-node": 0.01})
-    registry_node = await registry.handle.node_id.remote()
-    launchers = [NodeLauncher.options(resources={f"server-node-{i}": 0.01}).remote("multinode-token-123")
+    # Ray types an untyped handle's methods as Never (they are remote methods): typed loosely once.
+    handle: Any = registry.handle
+    registry_node = await handle.node_id.remote()
+    launchers = [launcher_class.options(resources={f"server-node-{i}": 0.01}).remote("multinode-token-123")
                  for i in (1, 2)]
     launched = await asyncio.gather(*(la.launch.remote(f"srv-{i}") for i, la in enumerate(launchers, start=1)))
     snapshot = await registry.snapshot()
@@ -67,9 +72,9 @@ async def main() -> dict[str, object]:
                                                     prompt=f"q{i}", params=SamplingParams(max_tokens=4)))
             for i in range(20)
         ))
-    scorer = ScoringActor.options(resources={"server-node-2": 0.01}).remote()
+    scorer = scorer_class.options(resources={"server-node-2": 0.01}).remote()
     scored = await scorer.score.remote([r.completion.text for r in results], [r.completion.text for r in results])
-    await registry.handle.shutdown_prober.remote()
+    await handle.shutdown_prober.remote()
     return {
         "registry_node": registry_node,
         "server_nodes": {x["server_id"]: x["node"] for x in launched},
