@@ -73,7 +73,7 @@ class InFlight:
     server: ServerState
     route: Route
     started: float
-    task: asyncio.Task[object] | None
+    task: asyncio.Task[Any] | None
     cancel_s: float | None = None  # its engine lets the request go this long after a cancel (None: never taken)
     progress: StreamProgress | None = None  # streamed: taken only once its engine decodes (marked by the transport)
     racing: bool = True  # the first attempt has not returned yet
@@ -92,7 +92,7 @@ class InFlight:
 
 
 class TailRescue:
-    def __init__(self, *, enabled: bool, timer: HedgeTimer, racers: dict[asyncio.Task[object], InFlight],
+    def __init__(self, *, enabled: bool, timer: HedgeTimer, racers: dict[asyncio.Task[Any], InFlight],
                  clients: ClientBook, book: ServerBook, pick: Pick, sample: int | None, rng: random.Random,
                  clock: Callable[[], float], waiting: Callable[[], int], start_copy: StartCopy):
         self.enabled = enabled

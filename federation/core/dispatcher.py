@@ -136,7 +136,7 @@ class Dispatcher(GrantPass, AttemptEnds):
     def _make_tail(self, config: DispatchConfig, hooks: PolicyHooks, clock: Callable[[], float]) -> None:
         """Copies at a client's tail: hedgeable requests in flight, by the task awaiting each (None: no copies
         under this config, or a policy that places the tail itself)."""
-        self._racers: dict[asyncio.Task[object], InFlight] | None = (
+        self._racers: dict[asyncio.Task[Any], InFlight] | None = (
             {} if config.hedging and not hooks.plans_the_tail else None)
         self._hedge_timer = HedgeTimer(config.hedge_factor, config.hedge_min_delay_s)
         self._tail = TailRescue(enabled=self._racers is not None, timer=self._hedge_timer,
@@ -259,12 +259,13 @@ class Dispatcher(GrantPass, AttemptEnds):
         self._submitted += 1
         # A hedgeable request (attempts.hedgeable: greedy, not asked to be reproducible) may be raced at its tail.
         hedged = self._racers is not None and request.params.temperature == 0 and not request.reproducible
+        task = asyncio.current_task()  # (the attempt's: a give-back or a winning copy cancels it)
         retry: RetryState | None = None
         while True:
             tried = retry.tried if retry is not None else NO_TRIED
             granted = self._grant_now(request, tried)
             state, route = granted if granted is not None else await self._acquire(request, tried)
-            attempt = self._begin(request, state, route, hedged)
+            attempt = self._begin(request, state, route, hedged, task)
             outcome: InferenceResult | RetryState | None
             try:
                 completion = await self._transport.complete(state, request, attempt.progress)
@@ -289,7 +290,8 @@ class Dispatcher(GrantPass, AttemptEnds):
                 return outcome
             retry = outcome
 
-    def _begin(self, request: InferenceRequest, state: ServerState, route: Route, hedged: bool) -> InFlight:
+    def _begin(self, request: InferenceRequest, state: ServerState, route: Route, hedged: bool,
+               task: asyncio.Task[Any] | None) -> InFlight:
         """The attempt's record, noted where give-backs (on an engine that lets a cancelled request go: its slot may
         go back to a shrunk lease or window) and copies at the tail (a hedgeable request) will look for it."""
         started = self._clock()
@@ -298,14 +300,14 @@ class Dispatcher(GrantPass, AttemptEnds):
         if entry is not None and (self._give_back_queued or self._order_takes or state.lease is not None):
             streamed = state.streamed and request.streamable
             attempt.cancel_s = (STREAMED_CANCEL_S if streamed else ENGINE_CANCEL_S).get(entry.record.engine)
-            if attempt.cancel_s is not None:
-                attempt.task = asyncio.current_task()
-                state.attempts[attempt.task] = attempt  # type: ignore[index]
+            if attempt.cancel_s is not None and task is not None:
+                attempt.task = task
+                state.attempts[task] = attempt
                 if streamed:  # taken only once it decodes: the transport says when
                     attempt.progress = StreamProgress()
-        if hedged and self._racers is not None:
-            attempt.task = task = attempt.task or asyncio.current_task()
-            self._racers[task] = attempt  # type: ignore[index]
+        if hedged and self._racers is not None and task is not None:
+            attempt.task = task
+            self._racers[task] = attempt
             if request.client_id in self._clients.done_sending:  # at the tail: stragglers are looked for
                 self._tail.client_done()
         else:

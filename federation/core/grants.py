@@ -16,6 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from fedpool.federation.core.attempts import InFlight, Preemptions, TailRescue
 from fedpool.federation.core.clientbook import ClientBook, client_size
@@ -58,7 +59,7 @@ class GrantPass:
     _stalls: StallClock | None
     _preempt: Preemptions
     _tail: TailRescue
-    _racers: dict[asyncio.Task[object], InFlight] | None
+    _racers: dict[asyncio.Task[Any], InFlight] | None
     _clock: Callable[[], float]
     _snapshots: Callable[[], PoolSnapshot | None]
     _rng: random.Random

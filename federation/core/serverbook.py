@@ -14,7 +14,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fedpool.federation.core.errors import FailureKind
 from fedpool.federation.core.ledger import LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
@@ -75,7 +75,7 @@ class ServerState(ServerSlots):
         self.routes: list[Route] = []
         # The dispatcher's attempts here that may give their slot back, by the task awaiting each (youngest last):
         # it notes each as it starts and drops it as it lets its slot go (federation/core/attempts.py).
-        self.attempts: dict[asyncio.Task[object], InFlight] = {}
+        self.attempts: dict[asyncio.Task[Any], InFlight] = {}
         self.present = False  # in the current snapshot, routable
         self.lease: int | None = None  # slots the registry leases this process there (None: not leasing)
         self.queue_full = False  # the engine queues beyond what we know: no new grants until it drains

@@ -6,7 +6,9 @@ through these; it owns the pool)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -126,24 +128,30 @@ class UrlTarget:
     abort_path: str | None = None
 
 
+@contextlib.asynccontextmanager
+async def _answered(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str],
+                    read_timeout: aiohttp.ClientTimeout) -> AsyncIterator[aiohttp.ClientResponse]:
+    """A POST's 200 answer, open to be read (a non-200 is an AttemptError with the engine's message); aiohttp's
+    failures, sending or reading, are this attempt's (`AttemptTrace`: a kept connection's close by its timing)."""
+    attempt = AttemptTrace()
+    try:
+        async with session.post(url, data=data, headers=headers, timeout=read_timeout,
+                                trace_request_ctx=attempt) as resp:
+            if resp.status != 200:
+                raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
+            yield resp
+    except AttemptError:
+        raise
+    except Exception as exc:
+        raise attempt.failure(exc) from exc
+
+
 async def post_unpooled(
     session: aiohttp.ClientSession, url: str, data: bytes, read_timeout: aiohttp.ClientTimeout, limit: int,
 ) -> bytes:
     """POST `data` (JSON) over aiohttp's client; the body of a 200 answer (up to `limit` bytes), else AttemptError."""
-    attempt = AttemptTrace()
-    try:
-        async with session.post(url, data=data, headers=JSON_HEADERS, timeout=read_timeout,
-                                trace_request_ctx=attempt) as resp:
-            if resp.status != 200:
-                raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
-            length = resp.content_length
-            if length is not None and length <= limit:
-                return await resp.read()
-            return await read_body(resp, limit)
-    except (AttemptError, asyncio.CancelledError):
-        raise
-    except Exception as exc:
-        raise attempt.failure(exc) from exc
+    async with _answered(session, url, data, JSON_HEADERS, read_timeout) as resp:
+        return await read_body(resp, limit)
 
 
 async def post_assembled(
@@ -151,17 +159,8 @@ async def post_assembled(
     progress: StreamProgress | None,
 ) -> Completion:
     """POST a streamed request (`data`: its body, stream=true) and assemble its events into one completion."""
-    attempt = AttemptTrace()
-    try:
-        async with session.post(url, data=data, headers=STREAM_HEADERS, timeout=read_timeout,
-                                trace_request_ctx=attempt) as resp:
-            if resp.status != 200:
-                raise http_error(resp.status, await read_body(resp, MAX_ERROR_BODY_BYTES, cut=True))
-            return await assemble_stream(resp.content, endpoint, progress)
-    except AttemptError:
-        raise
-    except Exception as exc:
-        raise attempt.failure(exc) from exc
+    async with _answered(session, url, data, STREAM_HEADERS, read_timeout) as resp:
+        return await assemble_stream(resp.content, endpoint, progress)
 
 
 class Aborts:
