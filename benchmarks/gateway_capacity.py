@@ -350,10 +350,12 @@ def load_average() -> str:
 
 
 COMPONENTS = (  # (name, what a profiled function's file path contains), first match wins
-    ("gateway (gateway.py, gatewaystate.py, streams.py, httpauth.py)", ("federation/gateway", "federation/streams",
-                                                                         "federation/httpauth")),
-    ("transport, HTTP client and request types (transport.py, upstream.py, types.py)",
-     ("federation/transport", "federation/upstream", "federation/types")),
+    ("gateway (gateway/handlers.py, state.py, streams.py, auth.py, leases.py, pool.py)",
+     ("federation/gateway/handlers", "federation/gateway/state", "federation/gateway/streams",
+      "federation/gateway/auth", "federation/gateway/leases", "federation/gateway/pool")),
+    ("transport, HTTP client and request types (gateway/transport.py, unpooled.py, answers.py, core/types.py)",
+     ("federation/gateway/transport", "federation/gateway/unpooled", "federation/gateway/answers",
+      "federation/core/types")),
     ("dispatcher and its books (dispatcher, routes, serverbook, ledger, policies, ...)", ("federation/",)),
     ("prometheus_client", ("prometheus_client",)),
     ("aiohttp (the server; the bare proxy's client too)", ("aiohttp", "multidict", "yarl")),

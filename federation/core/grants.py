@@ -249,7 +249,7 @@ class GrantPass:
     def _take_for_order(self, route: Route) -> None:
         """The route is full and its first waiting client is a gateway caller (ranked by its service, or by the
         requests it says it has left: `ClientBook.gives_way`): the caller furthest behind it in the order gives back
-        young attempts (preempt.py, `take_for`) — as many as leave it still behind after
+        young attempts (attempts.py, `Preemptions.take_for`) — as many as leave it still behind after
         the swap (its rank less one request's work per slot given, against the waiting client's plus one of its
         own per slot taken), less those already given back whose slots have not come back yet."""
         clients = self._clients

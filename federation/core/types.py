@@ -291,7 +291,7 @@ class DispatchConfig:
     # (docs/architecture.md).
     kv_admission: bool = False
     # A scrape that shows most of this dispatcher's attempts on a server queued in its engine shrinks that
-    # server's window at once (learning.SCRAPE_QUEUE_SHARE), and with this on, the attempts beyond the new window
+    # server's window at once (windows.SCRAPE_QUEUE_SHARE), and with this on, the attempts beyond the new window
     # started less than a second ago are taken back to their queues (on engines that drop a request whose client
     # has gone): a plan or window that sent a server far more than it runs is undone at the next scrape instead of
     # draining for seconds while other servers idle.
