@@ -248,8 +248,7 @@ class Dispatcher(GrantPass, AttemptEnds):
     def _take_back_queued(self, state: ServerState) -> None:
         """A scrape of the engine's queue shrank the server's window below what is in flight there (told by the
         book during a sync): the youngest attempts beyond it give their slots back, whatever their age — they are
-        the ones the engine has queued (a burst sent before any answer sat 25 s in an SGLang queue while the
-        servers the plan meant for it went on: attempts over a second old were not taken, and SGLang was not asked)."""
+        the ones the engine has queued, not started, however long they have waited (docs/architecture.md)."""
         if state.inflight > state.window:
             self._preempt.over_limit(state, state.inflight - state.window, math.inf)
 

@@ -107,9 +107,8 @@ class WindowController:
     def on_scrape(self, waiting: float, inflight: int) -> WindowDecision | None:
         """The engine's queue as a scrape shows it, between answers (`waiting`: this dispatcher's attempts queued
         there, of `inflight` it had there then): the engine-queue rule of `decide`, shrinking only, at the probe
-        rate, and only for a queue of most of those attempts (`SCRAPE_QUEUE_SHARE`). At the answers' rate alone a
-        deep queue went unseen for as long as no answer came: a V100 whose 256 slots held long answers kept a
-        window of 256, and 200 prompts in its queue, for 12 s."""
+        rate, and only for a queue of most of those attempts (`SCRAPE_QUEUE_SHARE`): at the answers' rate alone a
+        deep queue goes unseen for as long as no answer comes (docs/architecture.md)."""
         if waiting < max(self.queue_allowance, SCRAPE_QUEUE_SHARE * inflight):
             return None
         target = max(1.0, inflight - waiting + self.queue_allowance)
