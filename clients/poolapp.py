@@ -1,7 +1,8 @@
 """The pool's HTTP service: the OpenAI-compatible gateway (`/v1`), the live pool page (`/`, with its data at
-`/pool.json`) and, with a job runner, the jobs API (`/jobs`), in one aiohttp application over one pool
-connection, so jobs and gateway clients share every engine. It composes federation's gateway with the jobs
-service that lives here; `fedpool gateway`, `fedpool jobs serve` and `fedpool up` serve it."""
+`/pool.json`), with a batches directory the Batch API (`/v1/files`, `/v1/batches`) and, with a job runner, the
+jobs API (`/jobs`), in one aiohttp application over one pool connection, so jobs, batches and gateway clients share
+every engine. It composes federation's gateway with the services that live here; `fedpool gateway`, `fedpool jobs
+serve` and `fedpool up` serve it."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from fedpool.clients.batchrunner import BatchRunner
 from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import PoolConnection
 from fedpool.federation.gateway.auth import bearer, matches
+from fedpool.federation.gateway.batches import MAX_FILE_BYTES, MAX_LINES, BatchesApi, model_slots
+from fedpool.federation.gateway.batchstore import BatchStore
 from fedpool.federation.gateway.handlers import ApiKey, AppTask, Gateway, serving
 
 HISTORY_PERIOD_S = 2.0
@@ -136,9 +141,9 @@ def pool_state(pool: PoolConnection, runner: JobRunner | None, jobs: list[Any] |
 
 
 def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobRunner | None = None,
-              jobs_token: str | None = None) -> web.Application:
-    """The gateway's routes, the pool page (`page`, its HTML) and its data, and (with a jobs runner) the jobs
-    API."""
+              jobs_token: str | None = None, batches: BatchesApi | None = None) -> web.Application:
+    """The gateway's routes, the pool page (`page`, its HTML) and its data, (with `batches`) the Batch API's and
+    (with a jobs runner) the jobs API."""
     app = gateway.app()
     history = PoolHistory(pool)
     app.on_startup.append(history.start)
@@ -156,6 +161,8 @@ def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobR
 
     app.router.add_get("/", index)
     app.router.add_get("/pool.json", state)
+    if batches is not None:
+        batches.add_routes(app)
     if runner is not None:
         assert jobs_token is not None
         JobsApi(runner, jobs_token).add_routes(app)
@@ -166,20 +173,42 @@ def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobR
 async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *, api_keys: list[ApiKey] | None = None,
                        max_inflight: int | None = None, runner: JobRunner | None = None,
                        jobs_token: str | None = None, reuse_port: bool | None = None,
-                       backlog: int = 128) -> AsyncIterator[str]:
-    """The gateway over `pool`, the pool page and (with `runner`) the jobs API, served on host:port for the
-    block; yields the base URL. The job runner starts first, so a jobs directory another server owns is refused
-    (OwnershipError) before anything listens, and it stops before the listener closes."""
+                       backlog: int = 128, batches_dir: Path | None = None) -> AsyncIterator[str]:
+    """The gateway over `pool`, the pool page, (with `batches_dir`) the Batch API over the batches kept there and
+    (with `runner`) the jobs API, served on host:port for the block; yields the base URL. The runners start first,
+    so a directory another server owns is refused (OwnershipError) before anything listens, and they stop before the
+    listener closes."""
     gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=api_keys, max_inflight=max_inflight)
-    if runner is not None:
-        await runner.start()
-    app = build_app(gateway, pool, page, runner=runner, jobs_token=jobs_token)
-    async with serving(app, host, port, reuse_port=reuse_port, backlog=backlog) as base:
-        try:
-            yield base
-        finally:
-            if runner is not None:
-                await runner.stop()
+    batch_runner, batches = await batch_service(gateway, pool, batches_dir) if batches_dir else (None, None)
+    try:
+        if runner is not None:
+            await runner.start()
+        app = build_app(gateway, pool, page, runner=runner, jobs_token=jobs_token, batches=batches)
+        async with serving(app, host, port, reuse_port=reuse_port, backlog=backlog) as base:
+            try:
+                yield base
+            finally:
+                if runner is not None:
+                    await runner.stop()
+                if batch_runner is not None:
+                    await batch_runner.stop()
+                    batch_runner = None
+    finally:
+        if batch_runner is not None:  # (the jobs runner or the listener did not start)
+            await batch_runner.stop()
+
+
+async def batch_service(gateway: Gateway, pool: PoolConnection, root: Path, *, max_file_bytes: int = MAX_FILE_BYTES,
+                        max_lines: int = MAX_LINES) -> tuple[BatchRunner, BatchesApi]:
+    """The Batch API over the batches kept in `root` (input files up to `max_file_bytes` and `max_lines` requests),
+    and its runner, started: the batches a stopped server left unfinished go on now."""
+    store = await asyncio.to_thread(BatchStore, root)
+    batch_runner = BatchRunner(store, pool.dispatcher, lambda model: model_slots(pool.snapshot, model))
+    await batch_runner.start()
+    api = BatchesApi(gateway, pool.dispatcher, store, lambda: pool.snapshot, started=batch_runner.started,
+                     cancelled=batch_runner.cancelled, max_file_bytes=max_file_bytes,
+                     max_lines=max_lines)
+    return batch_runner, api
 
 
 def raise_open_files_limit() -> None:

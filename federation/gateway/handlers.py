@@ -53,7 +53,8 @@ from fedpool.federation.gateway.state import (
 from fedpool.federation.gateway.streams import StreamRelay
 from fedpool.registry import PoolSnapshot
 
-__all__ = ["RUNNER_OPTIONS", "SHARED_CLIENT", "ApiKey", "AppTask", "Gateway", "parse_api_keys", "serving"]
+__all__ = ["RUNNER_OPTIONS", "SHARED_CLIENT", "ApiKey", "AppTask", "Gateway", "answer_bytes", "parse_api_keys",
+           "serving", "upstream_failure"]
 _Metrics = GatewayMetrics  # (its old name, which tests/test_cluster_files.py reads)
 
 log = logging.getLogger("fedpool.gateway")
@@ -295,7 +296,7 @@ class Gateway:
                 self._inflight -= 1
                 self.runs.finish(client, declared)
             status = "200"
-            return web.Response(body=_answer_bytes(result.completion, model, endpoint, req.request_id), headers={
+            return web.Response(body=answer_bytes(result.completion, model, endpoint, req.request_id), headers={
                 "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
                 "X-Fedpool-Attempts": str(len(result.attempts))})
         except asyncio.CancelledError:
@@ -352,20 +353,9 @@ class Gateway:
         return response, status
 
     def _failed(self, exc: RequestFailed) -> tuple[web.Response, str]:
-        """An upstream refusal keeps the engine's own status and message (its culprit field), attributed to the
-        server that said it; exhausted retries are 502 (429 when the engines were rate-limiting)."""
-        err = exc.last_error
-        headers = {"X-Fedpool-Server": exc.server_id} if exc.server_id else {}
-        if exc.last_kind is FailureKind.REQUEST_ERROR and err is not None:
-            status = err.status or 400
-            message = err.upstream_message or str(exc)
-            return _error(status, f"{message} (from server {exc.server_id})", "invalid_request_error",
-                          code="upstream_refused", headers=headers), str(status)
-        if exc.last_kind is FailureKind.RATE_LIMITED:
-            return _error(429, str(exc), "rate_limit_error", code="upstream_rate_limited",
-                          headers={**headers, "Retry-After": "1"}), "429"
-        return _error(502, str(exc), "upstream_error", code=exc.last_kind.value if exc.last_kind else None,
-                      headers=headers), "502"
+        """The answer to a request whose every attempt failed (`upstream_failure`), and its status."""
+        status, error, headers = upstream_failure(exc)
+        return web.json_response({"error": error}, status=status, headers=headers), str(status)
 
     def _unknown_model(self, model: str, served: Mapping[str, int]) -> web.Response:
         return _error(404, f"The model `{model}` does not exist: no registered server serves it (served: "
@@ -379,6 +369,10 @@ class Gateway:
         for key in self._keys:
             found |= matches(presented, key.secret.encode())
         return found
+
+    def client_of(self, request: web.Request) -> str | web.Response:
+        """Who is asking, as for an online request (the Batch API scopes files and batches by it), or a 401."""
+        return self._client(request)
 
     def _client(self, request: web.Request) -> str | web.Response:
         """The client's name, or a 401 response. Never logs a presented secret."""
@@ -423,7 +417,24 @@ def _declared(request: web.Request) -> int | web.Response | None:
     return n
 
 
-def _answer_bytes(completion: Completion, model: str, endpoint: Endpoint, request_id: str) -> bytes:
+def upstream_failure(exc: RequestFailed) -> tuple[int, dict[str, object], dict[str, str]]:
+    """(Status, OpenAI error object, headers) of a request whose every attempt failed. An upstream refusal keeps
+    the engine's own status and message (its culprit field), attributed to the server that said it; exhausted
+    retries are 502 (429 when the engines were rate-limiting). The Batch API writes the same into its error files."""
+    err = exc.last_error
+    headers = {"X-Fedpool-Server": exc.server_id} if exc.server_id else {}
+    if exc.last_kind is FailureKind.REQUEST_ERROR and err is not None:
+        status = err.status or 400
+        message = err.upstream_message or str(exc)
+        return status, _error_object(f"{message} (from server {exc.server_id})", "invalid_request_error",
+                                     code="upstream_refused"), headers
+    if exc.last_kind is FailureKind.RATE_LIMITED:
+        return 429, _error_object(str(exc), "rate_limit_error", code="upstream_rate_limited"), \
+            {**headers, "Retry-After": "1"}
+    return 502, _error_object(str(exc), "upstream_error", code=exc.last_kind.value if exc.last_kind else None), headers
+
+
+def answer_bytes(completion: Completion, model: str, endpoint: Endpoint, request_id: str) -> bytes:
     """The engine's body as it sent it, but for a `model` field other than the name the client asked for (an
     engine that reports its weights' path, say): only then is the body decoded and encoded again. An answer
     with no body of its own (assembled from a stream, or from an in-process transport) is written in OpenAI's
@@ -466,7 +477,11 @@ def _model_object(model: str, created: int) -> dict[str, object]:
     return {"id": model, "object": "model", "created": created, "owned_by": "fedpool"}
 
 
+def _error_object(message: str, kind: str, *, param: str | None = None, code: str | None = None) -> dict[str, object]:
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
 def _error(status: int, message: str, kind: str, *, param: str | None = None, code: str | None = None,
            headers: Mapping[str, str] | None = None) -> web.Response:
-    error: Mapping[str, object] = {"message": message, "type": kind, "param": param, "code": code}
+    error = _error_object(message, kind, param=param, code=code)
     return web.json_response({"error": error}, status=status, headers=headers)

@@ -1,0 +1,499 @@
+"""The OpenAI Batch API over the pool: four batches of different sizes and shapes handed to the gateway together,
+against the same requests sent online through the gateway and each batch on its own server.
+
+    python -m fedpool.benchmarks.batch                      # both pools, full sizes (a quiet machine: ~30-60 min)
+    python -m fedpool.benchmarks.batch --pools emulated --scale 0.05 --name batch_check   # a quick check
+
+Per pool (the emulated Table 7 pool, benchmarks/configs/table7_pool.yaml; local llama.cpp servers,
+benchmarks/configs/real_pool.yaml), on servers started afresh and registered in a registry of the benchmark's own,
+with the gateway as a process of its own (`serve`, below: the pool app with the Batch API, shortest first,
+`--policy`, default planned), the arms run in turn:
+
+- **idle**: an online probe (one small request at a time, every `--probe-period` seconds) on the idle pool: its
+  latency p99 is the reference for `online_p99_ratio`;
+- **batch**: the four batches uploaded and created at once with the openai SDK (`files.create`,
+  `batches.create`), polled (every 0.25 s, one list call) until all have ended; makespan from the first upload to
+  the last batch seen ended. The probe runs beside them;
+- **restart**: the same four batches again, the gateway process killed -9 once 40% of their requests are kept and
+  started again on the same directory: every custom_id must be in an output or error file exactly once
+  (`lost`, `duplicated` count those that are not, over every batch of every arm);
+- **online**: the same requests sent online through the gateway by four openai-SDK clients (one per batch, each
+  with its own key), 8 at a time each, the probe beside them as beside the batches (the same load in both arms);
+- **conventional**: each batch on its own server (the most work on the fastest), sent straight to it at twice its
+  slots; on a pool with fewer servers than batches, batches share servers in turn.
+
+`vs_ideal` (the emulated pool only): the batch arm's makespan over the ideal makespan, the LP of
+benchmarks/assignment.py over the four batches' true token counts (the emulator's own `request_shape`) at the
+pool's time scale. `vs_online` and `vs_conventional` are the batch makespan over those arms'; the result line
+carries the emulated pool's vs_ideal and the larger of the two pools' other ratios. Writes
+benchmarks/results/NAME.md (default batch), ending with `result: batches=N requests=N vs_ideal=X vs_online=X
+vs_conventional=X online_p99_ratio=X restarts=N lost=N duplicated=N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import openai
+
+from fedpool.benchmarks.assignment import Workload, ideal_makespan
+from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.speedup_engine import LiveServer, PoolConfig, load_pool_config, started_pool
+from fedpool.deploy import EngineProcess, free_port
+from fedpool.deploy.emulator import request_shape
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+POOLS = {"emulated": CONFIGS / "table7_pool.yaml", "llamacpp": CONFIGS / "real_pool.yaml"}
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicron sigma tau upsilon phi chi psi "
+         "omega river stone cloud lamp orbit field quartz ember tide maple copper").split()
+ONLINE_CONCURRENCY = 8
+RESTART_AT = 0.4  # the share of the requests kept when the restart arm kills the gateway
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One batch: its requests, their prompt length (words) and answer budget, and its endpoint."""
+
+    name: str
+    size: int
+    prompt_words: int
+    max_tokens: int
+    endpoint: str
+
+
+SHAPES = {  # the emulated pool's: the shapes of benchmarks/configs/table7_evals.yaml's four evals
+    "emulated": (Shape("reasoning", 1200, 250, 384, "/v1/chat/completions"),
+                 Shape("short-answer", 1600, 1100, 24, "/v1/completions"),
+                 Shape("caption", 600, 900, 96, "/v1/chat/completions"),
+                 Shape("long-context", 300, 7000, 32, "/v1/completions")),
+    "llamacpp": (Shape("classify", 120, 60, 8, "/v1/completions"),
+                 Shape("reason", 24, 30, 96, "/v1/chat/completions"),
+                 Shape("long-context", 24, 400, 16, "/v1/completions"),
+                 Shape("summarize", 12, 200, 48, "/v1/chat/completions")),
+}
+
+
+def lines_of(shape: Shape, model: str, scale: float, seed: int) -> list[dict[str, Any]]:
+    """The batch's input lines (`custom_id` NAME-i), prompts of seeded words: the same in every arm."""
+    rng = random.Random(f"{seed}:{shape.name}")
+    out = []
+    for i in range(max(1, round(shape.size * scale))):
+        text = f"{shape.name} item {i}: " + " ".join(rng.choice(WORDS) for _ in range(shape.prompt_words))
+        body: dict[str, Any] = {"model": model, "max_tokens": shape.max_tokens, "temperature": 0}
+        if shape.endpoint == "/v1/completions":
+            body["prompt"] = text
+        else:
+            body["messages"] = [{"role": "user", "content": text}]
+        out.append({"custom_id": f"{shape.name}-{i}", "method": "POST", "url": shape.endpoint, "body": body})
+    return out
+
+
+def answer_text(body: dict[str, Any]) -> str:
+    choice = body["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+# ---- the gateway process ------------------------------------------------------------------------------------------
+async def serve(args: argparse.Namespace) -> None:
+    """`serve`: the pool app over the registry in --state-dir, with the Batch API over --batches, until SIGTERM."""
+    from fedpool.clients.poolapp import serving_pool
+    from fedpool.federation import DispatchConfig, PoolConnection, prepare_policy
+    from fedpool.registry.auth import resolve_client_token
+    from fedpool.registry.httpclient import find_registry_api
+
+    prepare_policy(args.policy)
+    state = Path(args.state_dir)
+    api = await asyncio.to_thread(find_registry_api, url=None, state_dir=state,
+                                  token=resolve_client_token(state_dir=state))
+    assert api is not None, f"no registry API in {state}"
+    scale = args.time_scale
+    config = DispatchConfig(no_server_timeout_s=10.0, client_order="shortest_first",
+                            learn_period_s=max(0.1, 2.0 / scale))
+    options = {"period_s": max(0.05, 1.0 / scale)} if args.policy == "planned" else {}
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    async with PoolConnection(api, policy=args.policy, policy_options=options, config=config) as pool:
+        await pool.refresh()
+        async with serving_pool(pool, "<html></html>", "127.0.0.1", args.port, backlog=1024,
+                                batches_dir=Path(args.batches)):
+            await stop.wait()
+
+
+@dataclass
+class Gateway:
+    """The gateway process an arm talks to (restartable on the same port and directory)."""
+
+    argv: list[str]
+    url: str
+    log: Path
+    process: EngineProcess | None = None
+    starts: int = 0
+
+    async def start(self) -> None:
+        self.process = EngineProcess(f"gateway-{self.starts}", self.argv, self.log)
+        self.starts += 1
+        await self.process.start()
+        await self.process.wait_healthy(self.url + "/health", deadline_s=120.0, interval_s=0.1)
+
+    async def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        await self.process.wait()
+
+    async def stop(self) -> None:
+        if self.process is not None:
+            await self.process.stop()
+
+
+@contextlib.asynccontextmanager
+async def gateway(state: Path, work: Path, policy: str, time_scale: float, tag: str) -> AsyncIterator[Gateway]:
+    port = free_port()
+    argv = [sys.executable, "-m", "fedpool.benchmarks.batch", "serve", "--state-dir", str(state), "--port", str(port),
+            "--batches", str(work / f"batches-{tag}"), "--policy", policy, "--time-scale", str(time_scale)]
+    gw = Gateway(argv, f"http://127.0.0.1:{port}", work / f"gateway-{tag}.log")
+    await gw.start()
+    try:
+        yield gw
+    finally:
+        await gw.stop()
+
+
+# ---- the arms -----------------------------------------------------------------------------------------------------
+@dataclass
+class Probe:
+    """One small online request at a time, every `period_s`, until stopped: the latencies seen."""
+
+    url: str
+    model: str
+    period_s: float
+    latencies: list[float] = field(default_factory=list)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="probe-client-key", max_retries=0)
+        prompt = "probe: " + " ".join(WORDS[:16])
+        try:
+            while not stop.is_set():
+                began = time.monotonic()
+                await client.completions.create(model=self.model, prompt=prompt, max_tokens=16, temperature=0)
+                self.latencies.append(time.monotonic() - began)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), max(0.0, self.period_s - (time.monotonic() - began)))
+        finally:
+            await client.close()
+
+    def p99(self) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+@dataclass
+class BatchRun:
+    makespan_s: float
+    ends: dict[str, float]  # batch name -> seconds from the start to its end
+    answers: dict[str, str]  # custom_id -> answer text
+    lost: int
+    duplicated: int
+    failed: int
+    statuses: dict[str, str]
+    starts: int = 1  # how many times the gateway process was started in the arm
+
+
+async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, restart_at: float | None = None,
+                    poll_s: float = 0.25) -> BatchRun:
+    """Upload and create every batch at once, poll until all end (killing and restarting the gateway once
+    `restart_at` of the requests are kept, if given); read their output and error files."""
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="batch-client-key", max_retries=2)
+    started = time.monotonic()
+
+    async def create(name: str, lines: list[dict[str, Any]]) -> str:
+        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        uploaded = await client.files.create(file=(f"{name}.jsonl", data), purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint=lines[0]["url"],
+                                            completion_window="24h")
+        return batch.id
+
+    ids = dict(zip(batches, await asyncio.gather(*(create(n, lines) for n, lines in batches.items())), strict=True))
+    total = sum(len(lines) for lines in batches.values())
+    ends: dict[str, float] = {}
+    final: dict[str, Any] = {}
+    while len(final) < len(ids):  # (one list call a poll: the gateway shares the machine with the engines)
+        now = {b.id: b for b in (await client.batches.list(limit=len(ids))).data}
+        kept = 0
+        for name, batch_id in ids.items():
+            batch = final.get(name) or now[batch_id]
+            counts = batch.request_counts
+            kept += (counts.completed + counts.failed) if counts else 0
+            if name not in final and batch.status in ("completed", "failed", "expired", "cancelled"):
+                final[name], ends[name] = batch, time.monotonic() - started
+        if restart_at is not None and kept >= restart_at * total and gw.starts == 1:
+            await gw.kill()
+            await gw.start()
+        await asyncio.sleep(poll_s)
+    makespan = max(ends.values())
+    answers, seen, failed = {}, Counter[str](), 0
+    for batch in final.values():
+        for file_id in (batch.output_file_id, batch.error_file_id):
+            if file_id is None:
+                continue
+            for raw in (await client.files.content(file_id)).text.splitlines():
+                line = json.loads(raw)
+                seen[line["custom_id"]] += 1
+                response = line.get("response") or {}
+                if response.get("status_code") == 200:
+                    answers[line["custom_id"]] = answer_text(response["body"])
+                else:
+                    failed += 1
+    await client.close()
+    expected = {line["custom_id"] for lines in batches.values() for line in lines}
+    return BatchRun(makespan, ends, answers, len(expected - set(seen)), sum(n - 1 for n in seen.values() if n > 1),
+                    failed, {n: b.status for n, b in final.items()}, gw.starts)
+
+
+async def online_arm(url: str, batches: dict[str, list[dict[str, Any]]]) -> tuple[float, dict[str, str]]:
+    """Each batch's requests sent online by a client of its own (its own key), 8 at a time: (makespan, answers)."""
+    answers: dict[str, str] = {}
+    started = time.monotonic()
+
+    async def one_client(name: str, lines: list[dict[str, Any]]) -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=f"online-{name}-key", max_retries=2)
+        limit = asyncio.Semaphore(ONLINE_CONCURRENCY)
+
+        async def send(line: dict[str, Any]) -> None:
+            async with limit:
+                if line["url"] == "/v1/completions":
+                    out = await client.completions.create(**line["body"])
+                    answers[line["custom_id"]] = out.choices[0].text
+                else:
+                    chat = await client.chat.completions.create(**line["body"])
+                    answers[line["custom_id"]] = chat.choices[0].message.content or ""
+
+        try:
+            await asyncio.gather(*(send(line) for line in lines))
+        finally:
+            await client.close()
+
+    await asyncio.gather(*(one_client(n, lines) for n, lines in batches.items()))
+    return time.monotonic() - started, answers
+
+
+async def conventional_arm(servers: Sequence[LiveServer], batches: dict[str, list[dict[str, Any]]],
+                           work: Mapping[str, float]) -> float:
+    """Each batch straight to its own server (the most work on the fastest) at twice its slots: the makespan."""
+    fastest = sorted(servers, key=lambda s: -s.speed)
+    order = sorted(batches, key=lambda n: -work[n])
+    started = time.monotonic()
+
+    async def on_server(server: LiveServer, lines: list[dict[str, Any]]) -> None:
+        client = openai.AsyncOpenAI(base_url=server.record.url + "/v1", api_key="none", max_retries=2)
+        limit = asyncio.Semaphore(2 * (server.record.capacity or 4))
+
+        async def send(line: dict[str, Any]) -> None:
+            async with limit:
+                body = {**line["body"], "model": server.record.model}
+                if line["url"] == "/v1/completions":
+                    await client.completions.create(**body)
+                else:
+                    await client.chat.completions.create(**body)
+
+        try:
+            await asyncio.gather(*(send(line) for line in lines))
+        finally:
+            await client.close()
+
+    await asyncio.gather(*(on_server(fastest[i % len(fastest)], batches[n]) for i, n in enumerate(order)))
+    return time.monotonic() - started
+
+
+# ---- one pool -----------------------------------------------------------------------------------------------------
+@dataclass
+class PoolResult:
+    pool: str
+    requests: int
+    batch: BatchRun
+    restart: BatchRun
+    online_s: float
+    conventional_s: float
+    idle_p99_s: float
+    busy_p99_s: float
+    online_arm_p99_s: float  # the probe's p99 beside the online arm
+    probes: tuple[int, int, int]
+    ideal_s: float | None
+    answers_same_pct: float
+    sizes: dict[str, int]
+
+    @property
+    def ratios(self) -> dict[str, float | None]:
+        return {"vs_ideal": self.batch.makespan_s / self.ideal_s if self.ideal_s else None,
+                "vs_online": self.batch.makespan_s / self.online_s,
+                "vs_conventional": self.batch.makespan_s / self.conventional_s,
+                "online_p99_ratio": self.busy_p99_s / self.idle_p99_s}
+
+
+def ideal_wall_s(config: PoolConfig, batches: dict[str, list[dict[str, Any]]]) -> float | None:
+    """The LP's ideal makespan in wall seconds over the true token counts (emulated pools only)."""
+    profiles = config.profiles()
+    if not profiles:
+        return None
+    profile = next(iter(profiles.values()))
+    work = []
+    for name, lines in batches.items():
+        shapes = [request_shape(line["body"], line["url"] != "/v1/completions", profile, 0) for line in lines]
+        work.append(Workload(name, len(lines), sum(s[2] for s in shapes) / len(shapes),
+                             sum(s[3] for s in shapes) / len(shapes)))
+    makespan, _ = ideal_makespan(work, profiles)
+    return makespan / config.time_scale
+
+
+async def run_pool(name: str, args: argparse.Namespace, work: Path) -> PoolResult:
+    from fedpool.deploy.localpool import init_local_ray
+    from fedpool.registry import RegistryClient
+
+    config = load_pool_config(POOLS[name])
+    init_local_ray()
+    state = Path(tempfile.mkdtemp(prefix="registry-", dir=work))
+    registry = await RegistryClient.start(state, probe_interval_s=max(0.2, 1.0 / config.time_scale),
+                                          namespace=f"fedpool-bench-batch-{os.getpid()}-{name}")
+    try:
+        async with started_pool(config, work / f"logs-{name}", registry) as servers:
+            model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
+            batches = {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
+            return await _arms(name, args, work, config, servers, state, batches)
+    finally:
+        await registry.terminate()
+
+
+async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolConfig, servers: Sequence[LiveServer],
+                state: Path, batches: dict[str, list[dict[str, Any]]]) -> PoolResult:
+    model = servers[0].record.model
+    work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
+               for n, lines in batches.items()}
+    async with gateway(state, work, args.policy, config.time_scale, f"{name}-batch") as gw:
+        _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
+        batch, busy = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
+    async with gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
+        restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
+    async with gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
+        (online_s, online), beside_online = await probed(gw.url, model, args.probe_period, online_arm(gw.url, batches))
+    conventional_s = await conventional_arm(servers, batches, work_of)
+    same = sum(1 for k, v in online.items() if batch.answers.get(k) == v)
+    return PoolResult(name, sum(len(v) for v in batches.values()), batch, restart, online_s, conventional_s,
+                      idle.p99(), busy.p99(), beside_online.p99(),
+                      (len(idle.latencies), len(busy.latencies), len(beside_online.latencies)),
+                      ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
+                      {n: len(v) for n, v in batches.items()})
+
+
+async def probed(url: str, model: str, period_s: float, arm: Coroutine[Any, Any, T]) -> tuple[T, Probe]:
+    """Run the arm with the online probe beside it (so the batch and online arms carry the same probe load)."""
+    probe, stop = Probe(url, model, period_s), asyncio.Event()
+    probing = asyncio.create_task(probe.run(stop))
+    try:
+        return await arm, probe
+    finally:
+        stop.set()
+        await probing
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
+    parts = [f"Scale {args.scale:g} of the full sizes, seed {args.seed}, gateway policy `{args.policy}`, "
+             f"client order shortest_first, probe every {args.probe_period:g} s.\n"]
+    for r in results:
+        parts.append(f"## {r.pool} pool ({POOLS[r.pool].name})\n")
+        parts.append(markdown_table(["arm", "makespan s", "notes"], [
+            ["batch", _f(r.batch.makespan_s), "ends: " + ", ".join(f"{n} {_f(t, 1)}" for n, t in
+                                                                   sorted(r.batch.ends.items(), key=lambda x: x[1]))],
+            ["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
+             f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
+            ["online (4 SDK clients × 8)", _f(r.online_s), f"answers the same as the batch arm's: "
+             f"{r.answers_same_pct:.1f}%; the probe's p99 beside it {_f(r.online_arm_p99_s, 3)} s"],
+            ["conventional (a server each)", _f(r.conventional_s), ""],
+            ["ideal (LP)", _f(r.ideal_s), "emulated pools only"],
+        ]))
+        ratios = r.ratios
+        parts.append("\n" + markdown_table(
+            ["batches", "requests", "vs_ideal", "vs_online", "vs_conventional", "online p99 idle s", "busy s",
+             "online_p99_ratio", "probes idle/batch/online"],
+            [[len(r.sizes), r.requests, _f(ratios["vs_ideal"], 3), _f(ratios["vs_online"], 3),
+              _f(ratios["vs_conventional"], 3), _f(r.idle_p99_s, 3), _f(r.busy_p99_s, 3),
+              _f(ratios["online_p99_ratio"], 3), "/".join(map(str, r.probes))]]))
+        parts.append("\nBatches: " + ", ".join(f"{n} {k}" for n, k in r.sizes.items()) + "; statuses "
+                     + ", ".join(f"{n} {s}" for n, s in r.batch.statuses.items()) + "\n")
+    return "\n".join(parts)
+
+
+def result_of(results: Sequence[PoolResult]) -> dict[str, object]:
+    ratios = [r.ratios for r in results]
+    ideal = [x["vs_ideal"] for x in ratios if x["vs_ideal"] is not None]
+
+    def worst(key: str) -> str:
+        values = [x[key] for x in ratios if x[key] is not None]
+        return _f(max(values), 3) if values else "-"  # type: ignore[type-var]
+
+    return {"batches": sum(len(r.sizes) for r in results), "requests": sum(r.requests for r in results),
+            "vs_ideal": _f(ideal[0], 3) if ideal else "-", "vs_online": worst("vs_online"),
+            "vs_conventional": worst("vs_conventional"), "online_p99_ratio": worst("online_p99_ratio"),
+            "restarts": sum(r.restart.starts - 1 for r in results),
+            "lost": sum(r.batch.lost + r.restart.lost for r in results),
+            "duplicated": sum(r.batch.duplicated + r.restart.duplicated for r in results)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m fedpool.benchmarks.batch",
+                                     description=(__doc__ or "").split("\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    served = sub.add_parser("serve", help="(internal) the gateway process an arm talks to")
+    served.add_argument("--state-dir", required=True)
+    served.add_argument("--port", type=int, required=True)
+    served.add_argument("--batches", required=True)
+    served.add_argument("--policy", default="planned")
+    served.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--pools", default="emulated,llamacpp", help="comma-separated: emulated, llamacpp")
+    parser.add_argument("--scale", type=float, default=1.0, help="batch sizes × this (at least 1 request each)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="planned")
+    parser.add_argument("--probe-period", type=float, default=0.5)
+    parser.add_argument("--idle-probe-s", type=float, default=20.0)
+    parser.add_argument("--name", default="batch", help="the report's name under benchmarks/results/")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "serve":
+        asyncio.run(serve(args))
+        return 0
+    with contextlib.ExitStack() as stack:
+        work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedpool-batch-")))
+        work.mkdir(parents=True, exist_ok=True)
+        results = [asyncio.run(run_pool(name, args, work)) for name in args.pools.split(",")]
+    result = result_of(results)
+    path = write_report(args.name, "The Batch API over the pool: four batches against online and a server each",
+                        body(results, args), result)
+    print(f"wrote {path}\n" + " ".join(f"{k}={v}" for k, v in result.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
