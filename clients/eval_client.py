@@ -14,6 +14,7 @@ from fedpool.federation import (
     Attempt,
     Dispatcher,
     Endpoint,
+    FailureKind,
     InferenceRequest,
     InferenceResult,
     NoServerError,
@@ -42,6 +43,10 @@ from fedpool.pipeline.stages import StageHooks, StagePool
 from fedpool.pipeline.verifier import VerifierPool, judge_item, judge_prompt_words, with_judgment
 
 log = logging.getLogger("fedpool.client")
+# Said in the record of a request the engine refused as it is (HTTP 400/413/422): it is not retried, and sent again
+# it is refused again.
+REFUSED_AS_IS = ("; deterministic: the same request is refused the same way, so resume will not help (change the "
+                 "spec or the pool: a prompt over the servers' context, say, needs `fedpool up --ctx-per-slot`)")
 
 # A summary of fewer records is computed on a thread of the eval's process: it costs less than starting the
 # actor (a Ray worker process), and the eval processes' CPU is taken from engines that share it.
@@ -425,7 +430,7 @@ class EvalRun:
                 model=self._target.model,
                 attempts=len(exc.attempts),
                 attempt_log=[_attempt_info(a) for a in exc.attempts],
-                error=str(exc),
+                error=str(exc) + (REFUSED_AS_IS if exc.last_kind is FailureKind.REQUEST_ERROR else ""),
                 error_kind=ErrorKind(exc.last_kind.value) if exc.last_kind else None,
                 completed_at=time.time(),
             )

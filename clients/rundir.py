@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shlex
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,13 @@ log = logging.getLogger("fedpool.eval")
 
 EVAL_FILE = "eval.json"
 REPLAYED_SPECS = "replayed-specs"  # a replay's specs as saved, so that `fedpool eval resume` works on it too
+
+
+# The flags that point a command at its pool, by option name: a run records those it was given, so that the
+# command it suggests (`eval resume`) carries them and a resume given none of them finds the same pool.
+POOL_FLAGS = {"state_dir": "--state-dir", "address": "--address", "registry_url": "--registry-url",
+              "token_path": "--token-file-path"}
+PATH_FLAGS = ("state_dir", "token_path")
 
 
 class RunDirError(PipelineError):
@@ -46,6 +54,16 @@ class RunPlan(BaseModel):
     client_order: str = "fair"
     planned: bool = False
     replay_of: str | None = None
+    pool: dict[str, str] = Field(default_factory=dict)  # the pool flags the run was given (POOL_FLAGS)
+
+    def resume_command(self, out: Path) -> str:
+        """`fedpool eval resume` for this run, with the pool flags the run was given."""
+        flags = [f"{flag} {shlex.quote(self.pool[k])}" for k, flag in POOL_FLAGS.items() if k in self.pool]
+        return " ".join(["fedpool eval resume", *flags, shlex.quote(str(out))])
+
+    def pool_settings(self) -> dict[str, object]:
+        """The pool flags the run was given, as a command's settings (paths as paths)."""
+        return {k: Path(v) if k in PATH_FLAGS else v for k, v in self.pool.items() if k in POOL_FLAGS}
 
     @property
     def routing(self) -> str:
@@ -78,12 +96,42 @@ class RunPlan(BaseModel):
                               "wrong)") from None
 
 
+# Records refused as they are (the engine's HTTP 400, data that cannot be read): a resume sends them the same way.
+FAILED_FOR_GOOD = ("request_error", "data")
+
+
+def failed_records_hint(errors: Iterable[Mapping[str, int]], failed: int, resume: str) -> str:
+    """What to say of a run's `failed` records (`errors`: each benchmark's count of them by how they failed):
+    `resume` for those another try may answer, and none for those refused as they are."""
+    for_good = sum(n for counts in errors for kind, n in counts.items() if kind in FAILED_FOR_GOOD)
+    hints = [f"{failed - for_good} record(s) failed; `{resume}` runs them again"] if failed > for_good else []
+    if for_good:
+        hints.append(f"{for_good} record(s) refused as they are (the engine's HTTP 400: a prompt over the servers' "
+                     "context, say; or data that cannot be read): resume will not help; each record's error says "
+                     "why")
+    return "; ".join(hints)
+
+
 def refuse_existing_run(out: Path) -> None:
     """A run directory must be new (or empty of runs): `eval resume` continues one."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out}: exists and is not a directory")
     if (out / EVAL_FILE).exists():
-        raise RunDirError(f"{out} already holds a run; use `fedpool eval resume {out}` or another --out")
+        try:
+            resume = RunPlan.read(out).resume_command(out)
+        except RunDirError:
+            resume = f"fedpool eval resume {shlex.quote(str(out))}"
+        raise RunDirError(f"{out} already holds a run; use `{resume}` or another --out")
+
+
+def pool_flags_given(values: Mapping[str, object], defaults: Mapping[str, object]) -> dict[str, str]:
+    """The pool flags among `values` not at their defaults, as text (paths made absolute): what a run records."""
+    given = {}
+    for key in POOL_FLAGS:
+        value = values.get(key)
+        if value is not None and value != defaults.get(key):
+            given[key] = str(value.expanduser().resolve()) if isinstance(value, Path) else str(value)
+    return given
 
 
 @contextlib.contextmanager
@@ -155,8 +203,10 @@ async def require_servers(client: Any, model: str, revision: str | None, wait_s:
         return (await client.snapshot()).revisions()
 
     try:
-        await wait_for_model(registered, model, revision, wait_s or 0.0, "register one, or pass --wait-for-servers "
-                             "SECONDS")
+        how = ("register one (`fedpool serve`, `fedpool server add`), or wait longer for one: a larger "
+               "--wait-for-servers" if wait_s else "register one (`fedpool serve`, `fedpool server add`), or pass "
+               "--wait-for-servers SECONDS to wait for one")
+        await wait_for_model(registered, model, revision, wait_s or 0.0, how)
         if announce is not None:
             try:
                 await asyncio.wait_for(client.lease(announce), 2.0)

@@ -8,7 +8,15 @@ import logging
 from dataclasses import dataclass
 
 from fedpool.deploy.process import EngineProcess
-from fedpool.registry import RegistryClient, RegistryError, ServerRecord, UnknownServerError, adapter_for
+from fedpool.registry import (
+    RegistryClient,
+    RegistryError,
+    ServerEntry,
+    ServerRecord,
+    ServerStatus,
+    UnknownServerError,
+    adapter_for,
+)
 
 log = logging.getLogger("fedpool.deploy")
 
@@ -39,6 +47,8 @@ class ServerLauncher:
         self._tasks: list[asyncio.Task[None]] = []
         self._registered = False
         self.exited = asyncio.Event()
+        self.removed = asyncio.Event()  # an operator removed the server: its engine is stopped, not registered again
+        self.draining = False  # an operator drained it (the registry's answer to the last heartbeat)
 
     async def start(self) -> float:
         """Start the engine and register it; returns seconds until healthy."""
@@ -60,20 +70,41 @@ class ServerLauncher:
         return took
 
     async def _heartbeat(self) -> None:
-        while True:
+        """Heartbeats until an operator removes the server; then its engine is stopped (its watcher sees it end)."""
+        while not self.removed.is_set():
             await asyncio.sleep(self._lease.heartbeat_s)
+            await self._beat()
+        await self.process.stop()
+
+    async def _beat(self) -> None:
+        """One heartbeat. A server an operator removed (`fedpool server remove`) is not registered again: `removed`
+        is set. One that a registry started afresh does not know is registered again."""
+        try:
+            self._note(await self._registry.heartbeat(self.record.id, self._lease.ttl_s))
+        except UnknownServerError as exc:
+            if exc.removed:
+                log.warning("%s was removed from the pool (`fedpool server remove`): stopping its engine",
+                            self.record.id)
+                self._registered = False
+                self.removed.set()
+                return
+            log.warning("registry does not know %s any more; registering it again", self.record.id)
             try:
-                await self._registry.heartbeat(self.record.id, self._lease.ttl_s)
-            except UnknownServerError:  # a registry started afresh (or that removed us): join it again
-                log.warning("registry does not know %s any more; registering it again", self.record.id)
-                try:
-                    await self._registry.register(self.record, lease_ttl_s=self._lease.ttl_s, replace=True)
-                except Exception as exc:
-                    log.warning("re-registering %s failed (%s); will retry", self.record.id, type(exc).__name__)
-            except RegistryError as exc:
-                log.warning("heartbeat of %s refused: %s", self.record.id, exc)
-            except Exception as exc:  # registry restarting: the lease covers a few missed beats
-                log.warning("heartbeat of %s failed (%s); will retry", self.record.id, type(exc).__name__)
+                await self._registry.register(self.record, lease_ttl_s=self._lease.ttl_s, replace=True)
+            except Exception as exc:
+                log.warning("re-registering %s failed (%s); will retry", self.record.id, type(exc).__name__)
+        except RegistryError as exc:
+            log.warning("heartbeat of %s refused: %s", self.record.id, exc)
+        except Exception as exc:  # registry restarting: the lease covers a few missed beats
+            log.warning("heartbeat of %s failed (%s); will retry", self.record.id, type(exc).__name__)
+
+    def _note(self, entry: ServerEntry) -> None:
+        """Say once that an operator drained the server: it stays registered, draining, and gets no new requests."""
+        draining = entry.status is ServerStatus.DRAINING
+        if draining and not self.draining:
+            log.warning("%s is draining (`fedpool server drain`): no new requests; it stays registered, draining, "
+                        "until removed or stopped", self.record.id)
+        self.draining = draining
 
     async def _watch_exit(self) -> None:
         code = await self.process.wait()
@@ -91,15 +122,15 @@ class ServerLauncher:
             log.warning("could not deregister %s (%s); its lease will expire", self.record.id, type(exc).__name__)
 
     async def serve_until(self, stop: asyncio.Event) -> bool:
-        """Once started: wait until `stop` is set or the engine exits, then stop it and deregister. Whether the
-        engine exited by itself."""
+        """Once started: wait until `stop` is set or the engine exits (by itself, or stopped because an operator
+        removed the server), then stop it and deregister. Whether the engine exited by itself."""
         stopped = asyncio.create_task(stop.wait())
         died = asyncio.create_task(self.exited.wait())
         await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
         for task in (stopped, died):
             task.cancel()
         await self.stop()
-        return self.exited.is_set() and not stop.is_set()
+        return self.exited.is_set() and not stop.is_set() and not self.removed.is_set()
 
     async def stop(self) -> None:
         current = asyncio.current_task()

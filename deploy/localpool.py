@@ -147,6 +147,7 @@ class LocalPoolSpec:
     model_path: Path | None = None
     profile: str = "tiny"  # emulated
     model: str | None = None  # served model name (default: the engine's bundled model)
+    ctx_per_slot: int = 1024  # llama.cpp: context tokens per slot (prompt and answer)
 
     def served_model(self) -> str:
         if self.model:
@@ -166,7 +167,7 @@ async def local_servers(registry: RegistryClient, spec: LocalPoolSpec, log_dir: 
     if spec.engine == "llamacpp":
         async with local_llama_servers(registry, LocalServerSpec(
                 count=spec.count, slots=spec.slots, threads=spec.threads, model_path=spec.model_path,
-                alias=spec.served_model()), log_dir) as launchers:
+                alias=spec.served_model(), ctx_per_slot=spec.ctx_per_slot), log_dir) as launchers:
             yield launchers
         return
     launchers = [await _launcher(registry, spec, i, log_dir, on_progress) for i in range(spec.count)]

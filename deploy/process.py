@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import random
@@ -46,6 +47,28 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def port_problem(host: str, port: int, flag: str = "--port") -> str | None:
+    """Why a server of ours could not listen on host:port now (something listens there already, or the port is
+    privileged), as a sentence naming `flag`; None when it can. Bound as the server will bind (SO_REUSEADDR: a port
+    a closed connection still holds in TIME_WAIT is free)."""
+    try:
+        places = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"{host}: not an address of this machine ({exc.strerror})"
+    for family, kind, proto, _, address in places:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except PermissionError:
+                return f"{flag} {port}: this user may not listen on ports below 1024; pass {flag} with another port"
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (f"{flag} {port}: {address[0]}:{port} is already in use (another `fedpool up`, gateway or "
+                            f"server listens there); pass {flag} with a free port, or stop what listens there")
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

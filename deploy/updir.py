@@ -67,12 +67,17 @@ def locate_pool(state_dir: Path, default_state_dir: Path, default_up_dir: Path) 
     return place or PoolPlace(state)
 
 
-def claim_state_dir(state: Path) -> None:
-    """This process's pid in STATE/up.pid; PoolAlreadyUp, naming it, where another process runs from there."""
+def refuse_running(state: Path) -> None:
+    """PoolAlreadyUp, naming it, where another process runs a pool from `state`."""
     other = running_pid(state / PID_FILE)
     if other is not None and other != os.getpid():
         raise PoolAlreadyUp(f"a pool is already up from {state} (pid {other}); `fedpool down --state-dir {state}` "
                             "stops it")
+
+
+def claim_state_dir(state: Path) -> None:
+    """This process's pid in STATE/up.pid; PoolAlreadyUp, naming it, where another process runs from there."""
+    refuse_running(state)
     (state / PID_FILE).write_text(f"{os.getpid()}\n")
 
 

@@ -183,8 +183,10 @@ LEAVES = (
     Leaf("server add", opt.ServerAddOptions, servers.cmd_server_add, "register a running server (checked first)"),
     Leaf("server list", opt.ServerListOptions, servers.cmd_server_list, "registered servers, status and load"),
     Leaf("server show", opt.ServerOptions, servers.cmd_server_show, "one server in detail"),
-    Leaf("server drain", opt.ServerOptions, servers.cmd_server_drain, "no new requests to a server; removed once idle"),
-    Leaf("server remove", opt.ServerOptions, servers.cmd_server_remove, "deregister a server now"),
+    Leaf("server drain", opt.ServerOptions, servers.cmd_server_drain, "no new requests to a server; removed once idle "
+         "(one `fedpool serve` runs stays, draining, until removed)"),
+    Leaf("server remove", opt.ServerOptions, servers.cmd_server_remove, "deregister a server now (its `fedpool serve` "
+         "stops it)"),
 )
 GROUPS = {
     "registry": "start or inspect the registry actor in a running Ray cluster",
@@ -320,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(chosen, int):
             return chosen
         settings, layers = cli.settle(chosen, os.environ)
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # said as every other error is, with where to find the usage
+        usage = f" (`{exc.ctx.command_path} --help`)" if isinstance(exc, click.UsageError) and exc.ctx else ""
+        print(f"fedpool: error: {exc.format_message()}{usage}", file=sys.stderr)
         return exc.exit_code
     except click.Abort:
         print("fedpool: interrupted", file=sys.stderr)

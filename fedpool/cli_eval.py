@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedpool import options as opt
 from fedpool.cli_support import EXIT_INCOMPLETE, EXIT_OK, EXIT_USAGE, CliError, ask, connect_ray, emit, pool_registry
-from fedpool.registry import holder_id, loading_report
 
 if TYPE_CHECKING:
     from fedpool.clients.rundir import RunPlan
@@ -22,7 +22,8 @@ def cmd_eval_run(args: opt.EvalRunOptions) -> int:
     out = args.out.resolve()
     plan = RunPlan(specs=[str(p.resolve()) for p in args.spec], model=args.model, revision=args.revision,
                    policy="planned" if args.planned else args.policy, concurrency=args.concurrency, limit=args.limit,
-                   client_order=args.client_order, planned=args.planned or args.policy == "planned")
+                   client_order=args.client_order, planned=args.planned or args.policy == "planned",
+                   pool=_pool_given(args))
     # Every input is checked before anything is written: a refused run leaves nothing behind.
     refuse_existing_run(out)
     specs = check_specs([Path(p) for p in plan.specs], plan.limit, given=args.spec)
@@ -39,6 +40,8 @@ def cmd_eval_resume(args: opt.EvalResumeOptions) -> int:
     out = args.run_dir.resolve()
     with owned(out, "fedpool eval resume"):
         plan = RunPlan.read(out)
+        if not _pool_given(args):  # no pool flag given: the pool the run was given
+            args = args.model_copy(update=plan.pool_settings())
         specs = check_specs([Path(p) for p in plan.specs], plan.limit)
         client, holder = _reach_pool(args, plan, specs)
         return _run_eval(args, out, plan, specs, client, retry_failed=not args.keep_failed, holder=holder)
@@ -50,6 +53,7 @@ def _reach_pool(args: opt.PoolEvalOptions, plan: RunPlan, specs: list[Any], anno
     written, when none does), and this process's name at the lease broker, to which it announced its evals, each
     loading: known to the broker before the run's heavier start-up, they keep their loading shares when it asks."""
     from fedpool.clients.rundir import require_servers
+    from fedpool.registry import holder_id, loading_report
 
     client, holder = pool_registry(args), holder_id() if announce else None
     report = None if holder is None else loading_report(holder, plan.model, ((s.name, s.at_once(plan.concurrency))
@@ -58,13 +62,21 @@ def _reach_pool(args: opt.PoolEvalOptions, plan: RunPlan, specs: list[Any], anno
     return client, holder
 
 
+def _pool_given(args: opt.PoolEvalOptions) -> dict[str, str]:
+    """The flags pointing at the pool that the command was given (clients/rundir.py's POOL_FLAGS)."""
+    from fedpool.clients.rundir import POOL_FLAGS, pool_flags_given
+
+    return pool_flags_given({k: getattr(args, k) for k in POOL_FLAGS},
+                            {k: opt.PoolEvalOptions.model_fields[k].default for k in POOL_FLAGS})
+
+
 def cmd_eval_replay(args: opt.EvalReplayOptions) -> int:
     from fedpool.clients.rundir import owned, refuse_existing_run, replay_plan, write_replayed_specs
     from fedpool.pipeline.reproduce import replay_specs
 
     source, out = args.artifact.resolve(), args.out.resolve()
     saved = replay_specs(source)  # an ArtifactError names what is wrong with it (exit code 2)
-    plan = replay_plan(source, saved, out)
+    plan = replay_plan(source, saved, out).model_copy(update={"pool": _pool_given(args)})
     refuse_existing_run(out)
     client, _ = _reach_pool(args, plan, [], announce=False)
     with owned(out, "fedpool eval replay"):
@@ -116,9 +128,12 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
     errors are in the records; `fedpool eval resume` runs them again)."""
     from fedpool.clients import EvalTarget
     from fedpool.clients.poolrun import run_evals_through_pool
+    from fedpool.clients.report import scores_table
+    from fedpool.clients.rundir import failed_records_hint
     from fedpool.federation import DispatchConfig
 
     dispatch = DispatchConfig(client_order=plan.client_order, no_server_timeout_s=args.no_server_timeout)
+    started = time.monotonic()
     summaries = ask(client, lambda c: run_evals_through_pool(
         c, specs, out, EvalTarget(model=plan.model, revision=plan.revision), policy=plan.routing, dispatch=dispatch,
         concurrency=plan.concurrency, verifier=lambda: verifier_pool(args), media_actors=args.media_actors,
@@ -128,11 +143,14 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
                   "planned": plan.routing == "planned"}))
     rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
             for s in summaries}
-    emit(args, {"run_dir": str(out), "benchmarks": rows}, lambda _: "\n".join(
-        f"{s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
-        f"{s.summary['failed']} failed); {scores(s.summary)}; {s.artifact_dir}" for s in summaries))
+    wall = time.monotonic() - started
+    emit(args, {"run_dir": str(out), "wall_time_s": wall, "benchmarks": rows}, lambda _: "\n".join([
+        scores_table(summaries, wall), f"Artifacts: {out}", *(
+            f"  {s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
+            f"{s.summary['failed']} failed); {s.artifact_dir}" for s in summaries)]))
     failed = sum(s.summary["failed"] for s in summaries)
     if failed:
-        print(f"fedpool: {failed} record(s) failed; `fedpool eval resume {out}` runs them again", file=sys.stderr)
+        hint = failed_records_hint([s.summary["errors"] for s in summaries], failed, plan.resume_command(out))
+        print(f"fedpool: {hint}", file=sys.stderr)
         return EXIT_INCOMPLETE
     return EXIT_OK

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,16 +51,17 @@ def cmd_jobs_submit(args: JobsSubmitOptions) -> int:
     client = _jobs_client(args)
     job = _jobs_call(lambda: client.submit(args.model, specs=specs, revision=args.revision,
                                            concurrency=args.concurrency, limit=args.limit, name=args.name), args.url)
-    if args.wait:
-        job = _jobs_call(lambda: client.wait(job["id"]), args.url)
+    if args.wait:  # each change of state or progress on stderr (stdout: the job at the end)
+        job = _jobs_call(lambda: client.wait(job["id"], on_progress=lambda j: print(
+            f"fedpool: {_job_line(j)}", file=sys.stderr, flush=True)), args.url)
     emit(args, job, _job_text)
     return EXIT_OK if not args.wait or job["state"] == "done" else EXIT_FAILED
 
 
 def cmd_jobs_list(args: JobsClientOptions) -> int:
     jobs = _jobs_call(_jobs_client(args).list, args.url)
-    emit(args, {"jobs": jobs}, lambda _: "\n".join(map(_job_line, jobs)) or "(no jobs; submit one with `fedpool jobs "
-         "submit`)")
+    emit(args, {"jobs": jobs}, lambda _: "\n".join([JOBS_HEADER, *map(_job_line, jobs)]) if jobs else
+         "(no jobs; submit one with `fedpool jobs submit`)")
     return EXIT_OK
 
 
@@ -78,6 +80,9 @@ def cmd_jobs_show(args: JobOptions) -> int:
 def cmd_jobs_cancel(args: JobOptions) -> int:
     emit(args, _jobs_call(lambda: _jobs_client(args).cancel(args.job_id), args.url), _job_text)
     return EXIT_OK
+
+
+JOBS_HEADER = f"{'ID':<12}  {'STATE':<9}  {'DONE/TOTAL':>11}  MODEL  NAME"
 
 
 def _job_line(job: dict[str, Any]) -> str:

@@ -113,7 +113,8 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: d
         print(f"fedpool: error: the engine of {record.id} exited (code {process.returncode}); deregistered; "
               f"see {log_path}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"{record.id} stopped and deregistered", flush=True)
+    print(f"{record.id} was removed from the pool (`fedpool server remove`); its engine stopped"
+          if launcher.removed.is_set() else f"{record.id} stopped and deregistered", flush=True)
     return EXIT_OK
 
 
@@ -163,13 +164,16 @@ def cmd_server_show(args: opt.ServerOptions) -> int:
 
 def cmd_server_drain(args: opt.ServerOptions) -> int:
     entry = ask(pool_registry(args), lambda c: c.drain(args.server_id))
-    emit(args, entry.describe(), lambda e: f"{e['id']} is draining: no new requests; removed once idle")
+    emit(args, entry.describe(), lambda e: f"{e['id']} is draining: no new requests; " + (
+        "it stays, draining, until `fedpool server remove` stops its launcher" if e["labels"].get("launched_by")
+        else "removed once idle"))
     return EXIT_OK
 
 
 def cmd_server_remove(args: opt.ServerOptions) -> int:
     record = ask(pool_registry(args), lambda c: c.deregister(args.server_id))
-    emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})")
+    emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})" + (
+        "; its launcher stops it at its next heartbeat" if r["labels"].get("launched_by") else ""))
     return EXIT_OK
 
 

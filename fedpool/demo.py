@@ -17,6 +17,7 @@ import ray
 from fedpool.cli_eval import verifier_pool
 from fedpool.clients import EvalSummary, EvalTarget
 from fedpool.clients.poolrun import run_evals_through_pool
+from fedpool.clients.report import answered_by_server, scores_table
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig
 from fedpool.options import DemoOptions
@@ -66,9 +67,9 @@ async def _run_pool(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: P
     registry = await RegistryClient.start(state_dir, probe_interval_s=2.0)
     await registry.ping()
     servers = LocalServerSpec(count=options.servers, slots=options.slots, threads=options.threads,
-                              model_path=options.model_path)
-    print(f"[fedpool] registry actor up; starting {servers.count} llama.cpp servers "
-          f"({servers.slots} slots, {servers.threads} thread(s) each)", file=out, flush=True)
+                              model_path=options.model_path, ctx_per_slot=options.ctx_per_slot)
+    print(f"[fedpool] registry actor up; starting {servers.count} llama.cpp servers ({servers.slots} slots of "
+          f"{servers.ctx_per_slot} tokens, {servers.threads} thread(s) each)", file=out, flush=True)
     async with local_llama_servers(registry, servers, run_dir / "logs") as launchers:
         for launcher in launchers:
             print(f"[fedpool]   {launcher.record.id}: {launcher.record.url}  log {launcher.process.log_path}",
@@ -91,32 +92,14 @@ async def _run_pool(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: P
             media_actors=options.media_actors, metric_actors=options.metric_actors, progress="plain",
             run_info=run_info)
         wall = time.monotonic() - started
-    answered: dict[str, dict[str, int]] = {}
-    for summary in summaries:
-        for server_id, count in summary.summary["by_server"].items():
-            answered.setdefault(server_id, {})[summary.benchmark] = count
-    report = DemoReport(run_dir, wall, tuple(summaries), answered, pool_servers)
+    report = DemoReport(run_dir, wall, tuple(summaries), answered_by_server(summaries), pool_servers)
     write_json_atomic(run_dir / "report.json", report.as_json())
     _print_report(report, out)
     return report
 
 
 def _print_report(report: DemoReport, out: TextIO) -> None:
-    print("\nScores (95% bootstrap CI)", file=out)
-    print(f"  {'benchmark':<14}{'metric':<13}{'score':>7}  {'95% CI':<16}{'n':>5}{'failed':>8}{'wall s':>9}", file=out)
-    for s in report.summaries:
-        for score in s.summary["scores"]:
-            ci = f"[{score['ci_low']:.1f}, {score['ci_high']:.1f}]"
-            print(f"  {s.benchmark:<14}{score['metric']:<13}{score['value']:>7.1f}  {ci:<16}"
-                  f"{s.summary['records']:>5}{s.summary['failed']:>8}{s.wall_time_s:>9.1f}", file=out)
-    names = [s.benchmark for s in report.summaries]
-    print("\nRequests answered per server", file=out)
-    print("  " + f"{'server':<14}" + "".join(f"{n:>14}" for n in names) + f"{'total':>8}", file=out)
-    for server_id in sorted(report.answered):
-        row = report.answered[server_id]
-        print("  " + f"{server_id:<14}" + "".join(f"{row.get(n, 0):>14}" for n in names)
-              + f"{sum(row.values()):>8}", file=out)
-    print(f"\nWall time: {report.wall_time_s:.1f} s for {len(names)} evaluations run concurrently", file=out)
+    print("\n" + scores_table(report.summaries, report.wall_time_s), file=out)
     print(f"Artifacts: {report.run_dir}", file=out)
     for s in report.summaries:
         print(f"  {s.artifact_dir}/records.jsonl, summary.json", file=out)

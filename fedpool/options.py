@@ -173,11 +173,16 @@ class VerifierOptions(Options):
                                            "bootstrap intervals); 0: a thread of this process")
 
 
+CTX_HELP = ("llama.cpp: tokens of context per slot, prompt and answer together (the server's -c is this x slots); "
+            "a longer request is refused, HTTP 400")
+
+
 class DemoOptions(VerifierOptions):
     out: Path = option(Path("runs"), "directory for run artifacts")
     servers: PositiveInt = option(2, "llama.cpp servers to start")
     slots: PositiveInt = option(4, "parallel slots per server, -np")
     threads: PositiveInt = option(1, "CPU threads per server")
+    ctx_per_slot: PositiveInt = option(1024, CTX_HELP)
     policy: Policy = option("capacity_weighted", "routing policy")
     concurrency: PositiveInt = option(16, "requests in flight per eval")
     limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
@@ -193,6 +198,7 @@ class UpOptions(Options):
     profile: str = option("tiny", "emulated: timing profile (deploy/emulator.py PROFILES)")
     slots: PositiveInt = option(4, "concurrent sequences per server")
     threads: PositiveInt = option(1, "llama.cpp CPU threads per server")
+    ctx_per_slot: PositiveInt = option(1024, CTX_HELP)
     model_path: Path | None = option(None, "weights to serve (llama.cpp: a GGUF; default: the bundled model)")
     model: str | None = option(None, "served model name (default: the bundled model's)")
     host: str = option("127.0.0.1", "gateway bind address (loopback only)")

@@ -15,57 +15,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from fedpool.cli_support import EXIT_BUSY, EXIT_FAILED, EXIT_USAGE, CliError, pool_page, run_server, stop_on_signals
+from fedpool.deploy.recipes import recipes
 from fedpool.options import DownOptions, UpOptions
+
+UP_DIR: Path = UpOptions.model_fields["state_dir"].default
 
 if TYPE_CHECKING:
     from fedpool.deploy.localpool import LocalPoolSpec
 
 
 def cmd_up(args: UpOptions) -> int:
-    from fedpool.deploy.localpool import LocalPoolSpec
-    from fedpool.deploy.updir import PoolAlreadyUp
+    from fedpool.deploy.process import port_problem
+    from fedpool.deploy.updir import PoolAlreadyUp, refuse_running
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         raise CliError("`fedpool up` serves loopback only (its gateway has no keys); for a shared pool use "
                        "`fedpool gateway --api-key-file`", EXIT_USAGE)
-    spec = LocalPoolSpec(engine=args.engine, count=args.servers, slots=args.slots, threads=args.threads,
-                         model_path=args.model_path, profile=args.profile, model=args.model)
     try:
+        refuse_running(args.state_dir.expanduser().resolve())
+        if (busy := port_problem(args.host, args.port)) is not None:  # checked before anything starts
+            raise CliError(busy, EXIT_USAGE)
+        from fedpool.deploy.localpool import LocalPoolSpec
+
+        spec = LocalPoolSpec(engine=args.engine, count=args.servers, slots=args.slots, threads=args.threads,
+                             model_path=args.model_path, profile=args.profile, model=args.model,
+                             ctx_per_slot=args.ctx_per_slot)
         return detach(sys.argv[1:], args) if args.detach else run_up(args, spec)
     except PoolAlreadyUp as exc:
         raise CliError(str(exc), EXIT_BUSY) from None
     except RuntimeError as exc:
         raise CliError(str(exc), EXIT_FAILED) from None
-
-
-def recipes(base: str, model: str, state_dir: Path | None = None) -> str:
-    """Paste-ready commands for the tools researchers run, pointed at the pool (docs/researchers.md has more); the
-    pool's state dir, where not the default, on the command for fedpool's own evals (it finds the registry there)."""
-    default = UpOptions.model_fields["state_dir"].default.expanduser().resolve()
-    state = "" if state_dir is None or state_dir.expanduser().resolve() == default else f" --state-dir {state_dir}"
-    return f"""\
-Point your eval tool at {base}/v1 (model name: {model}). Give each tool its own key: the pool tells clients
-apart by it (any string; no key file is needed on loopback). Say how many requests a run sends and a short
-one is served to its end first: ?fedpool_requests=N on base_url, or the header X-Fedpool-Requests: N.
-
-  lm-eval-harness:
-    OPENAI_API_KEY=eval-a lm_eval --model local-completions --tasks YOUR_TASK --model_args \\
-      model={model},base_url={base}/v1/completions,num_concurrent=8,tokenized_requests=False,tokenizer_backend=None
-  inspect_ai:
-    POOL_BASE_URL={base}/v1 POOL_API_KEY=eval-b inspect eval YOUR_TASK \\
-      --model openai-api/pool/{model} --max-connections 8
-    VLLM_BASE_URL={base}/v1 VLLM_API_KEY=eval-b inspect eval YOUR_TASK --model vllm/{model}
-  openai SDK (Python):
-    client = openai.OpenAI(base_url="{base}/v1", api_key="eval-c")
-    client.completions.create(model="{model}", prompt="2+2=", max_tokens=4)
-  vLLM's serving benchmark:
-    vllm bench serve --backend openai --base-url {base} --endpoint /v1/completions --model {model} \\
-      --tokenizer LOCAL_TOKENIZER_DIR --dataset-name random --random-input-len 64 --random-output-len 32
-  curl:
-    curl {base}/v1/completions -H 'Content-Type: application/json' \\
-      -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}'
-  the pool page: {base}/
-  fedpool's own evals: fedpool eval run{state} --spec SPEC.yaml --model {model} --out runs/x"""
 
 
 def run_up(options: UpOptions, spec: LocalPoolSpec, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -118,8 +97,9 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
                     write_ready(state, ready)
                     print(f"fedpool pool up: {spec.count} {spec.engine} server(s) serving {model!r} at {base}/v1 "
                           f"(Ray {ready['ray_address']})\n", file=out, flush=True)
-                    print(recipes(base, model, state), file=out, flush=True)
-                    print("\nCtrl-C (or `fedpool down`) stops everything this started.", file=out, flush=True)
+                    print(recipes(base, model, state, UP_DIR), file=out, flush=True)
+                    print(f"\nCtrl-C (or `fedpool down --state-dir {state}`) stops everything this started.",
+                          file=out, flush=True)
                     await stop.wait()
                     say("stopping")
     finally:
@@ -137,7 +117,7 @@ def detach(argv: list[str], options: UpOptions, out: TextIO = sys.stdout, timeou
     pid, ready = start_up_detached(command, state, timeout_s)
     print(f"fedpool pool up in the background (pid {pid}, log {state / LOG_FILE}): {ready['servers']} "
           f"{ready['engine']} server(s) serving {ready['model']!r} at {ready['url']}/v1\n", file=out)
-    print(recipes(ready["url"], ready["model"], Path(ready["state_dir"])), file=out)
+    print(recipes(ready["url"], ready["model"], Path(ready["state_dir"]), UP_DIR), file=out)
     print(f"\n`fedpool down --state-dir {state}` stops it.", file=out, flush=True)
     return 0
 

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -51,8 +52,9 @@ class DirectoryLock:
         except BaseException:
             os.close(fd)
             raise
-        info = {"pid": os.getpid(), "host": platform.node(), "purpose": self.purpose,
-                "argv": [os.path.basename(sys.argv[0]), *sys.argv[1:4]], "since": time.time()}
+        command = os.path.basename(sys.argv[0])  # the whole command line: the holder named in full
+        info = {"pid": os.getpid(), "host": platform.node(), "purpose": self.purpose, "since": time.time(),
+                "argv": ["fedpool" if command in ("cli.py", "__main__.py") else command, *sys.argv[1:]]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
         self._fd = fd
@@ -81,7 +83,7 @@ class DirectoryLock:
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
     try:
-        raw = os.pread(fd, 4096, 0)
+        raw = os.pread(fd, 1 << 20, 0)
         holder = json.loads(raw.decode("utf-8")) if raw.strip() else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
@@ -93,4 +95,4 @@ def _describe(holder: dict[str, Any] | None) -> str:
         return "another process (it has just taken the lock)"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("since", 0))))
     return (f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('purpose')}, since {since}: "
-            f"{' '.join(map(str, holder.get('argv') or []))})")
+            f"`{shlex.join(map(str, holder.get('argv') or []))}`)")

@@ -95,7 +95,7 @@ def entry_json(entry: ServerEntry) -> Any:
 def registry_error_json(exc: RegistryError) -> tuple[int, dict[str, Any]]:
     """A deliberate registry error as an answer the client raises again as the same error (registry_error_of)."""
     if isinstance(exc, UnknownServerError):
-        return 404, {"error": str(exc), "unknown_server": exc.server_id}
+        return 404, {"error": str(exc), "unknown_server": exc.server_id, "removed": exc.removed}
     if isinstance(exc, RegistrationError):
         return 400, {"error": str(exc), "registration": {"server_id": exc.server_id, "reason": exc.reason,
                                                          "field": exc.field, "check": exc.check}}
@@ -105,7 +105,7 @@ def registry_error_json(exc: RegistryError) -> tuple[int, dict[str, Any]]:
 def registry_error_of(answer: dict[str, Any]) -> RegistryError | None:
     """The registry error an answer carries (registry_error_json), or None where it carries none of them."""
     if "unknown_server" in answer:
-        return UnknownServerError(str(answer["unknown_server"]))
+        return UnknownServerError(str(answer["unknown_server"]), removed=answer.get("removed") is True)
     if isinstance(answer.get("registration"), dict):
         r = answer["registration"]
         return RegistrationError(str(r["server_id"]), str(r["reason"]), field=r.get("field"), check=r.get("check"))

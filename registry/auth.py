@@ -23,7 +23,9 @@ def token_digest(token: str) -> str:
 def check_token(token: str | None, expected_digest: str) -> None:
     """Raise AuthError unless `token` hashes to the expected digest (constant-time comparison)."""
     if not token:
-        raise AuthError("this registry call changes the pool and needs the registry token")
+        raise AuthError("this registry call changes the pool and needs the registry token: pass --token-file-path "
+                        "with the file STATE_DIR/registry.token of the registry (its --state-dir), or set "
+                        "FEDPOOL_REGISTRY_TOKEN (or FEDPOOL_REGISTRY_TOKEN_FILE)")
     if not hmac.compare_digest(token_digest(token), expected_digest):
         raise AuthError("the registry token given is wrong")
 

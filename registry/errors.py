@@ -36,11 +36,14 @@ def _rebuild_registration_error(
 
 
 class UnknownServerError(RegistryError):
-    """The named server id is not registered."""
+    """The named server id is not registered; `removed`: it was removed on purpose (`fedpool server remove`, or
+    drained and idle), so the launcher that runs it stops rather than registering it again."""
 
-    def __init__(self, server_id: str):
+    def __init__(self, server_id: str, removed: bool = False):
         self.server_id = server_id
-        super().__init__(f"no server with id {server_id!r} is registered")
+        self.removed = removed
+        why = " (it was removed: by `fedpool server remove`, or drained and idle)" if removed else ""
+        super().__init__(f"no server with id {server_id!r} is registered{why}")
 
-    def __reduce__(self) -> tuple[type[UnknownServerError], tuple[str]]:
-        return (UnknownServerError, (self.server_id,))
+    def __reduce__(self) -> tuple[type[UnknownServerError], tuple[str, bool]]:
+        return (UnknownServerError, (self.server_id, self.removed))

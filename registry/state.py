@@ -25,6 +25,7 @@ from fedpool.registry.status import StatusThresholds, derive_status
 from fedpool.registry.weights import prior_weight
 
 PROBE_HISTORY_LEN = 16
+REMOVALS_KEPT = 1024  # the ids operators removed last, so their launchers stop rather than register them again
 
 
 @dataclass
@@ -82,6 +83,9 @@ class RegistryState:
         self._thresholds = thresholds or StatusThresholds()
         self._timings = timings or RegistryTimings()
         self._servers: dict[str, ServerState] = {}
+        # id -> when it was removed on purpose (`server remove`, or drained and idle), and its record; until the id
+        # is registered again
+        self._removed: dict[str, tuple[float, ServerRecord]] = {}
         self.version = 0
         self.membership_version = 0  # bumps only when records or capacities change
         self.persist_version = 0  # bumps when anything that is saved to disk changes
@@ -120,14 +124,22 @@ class RegistryState:
             state.lease_ttl_s = lease_ttl_s
             state.lease_expires_at = now + lease_ttl_s
         self._servers[record.id] = state
+        self._removed.pop(record.id, None)
         self.membership_version += 1
         self.persist_version += 1
         self._bump(now=True)
         return self._entry(state)
 
     def remove(self, server_id: str) -> ServerRecord:
+        """Deregister a server (an operator's `server remove`, or its launcher stopping); its id is remembered as
+        removed until it is registered again: a heartbeat for it says so (UnknownServerError.removed). One removed
+        already (again, or drained and idle) is no error: its record again."""
+        state = self._servers.get(server_id)
+        if state is None and server_id in self._removed:
+            return self._removed[server_id][1]
         state = self._require(server_id)
         del self._servers[server_id]
+        self._remember_removed(state.record)
         self.membership_version += 1
         self.persist_version += 1
         self._bump(now=True)
@@ -184,14 +196,17 @@ class RegistryState:
         return True
 
     def expire(self) -> list[str]:
-        """Apply lease expiry and drain completion; returns the ids removed."""
+        """Apply lease expiry and drain completion; returns the ids removed. A draining server with a lease (its
+        launcher heartbeats: `fedpool serve`, `fedpool up`) stays, draining, until it is removed or stops: removed
+        here, its launcher would register it again."""
         now = self._clock()
         removed = []
         for sid, state in list(self._servers.items()):
             if state.lease_expires_at is not None and now > state.lease_expires_at + self._timings.lease_grace_s:
                 removed.append(sid)
-            elif state.draining_since is not None and self._drain_done(state, now):
+            elif state.draining_since is not None and state.lease_ttl_s is None and self._drain_done(state, now):
                 removed.append(sid)
+                self._remember_removed(state.record)
             elif (state.lease_expires_at is not None or state.passive_failures) and self._refresh(state):
                 # Only time-dependent facts (a lease running out, passive failures ageing) can change a
                 # status here; probes refresh it as they arrive.
@@ -248,7 +263,9 @@ class RegistryState:
         return tuple(_row(self._servers[sid]) for sid in self.ids())
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "servers": [self._servers[s].to_json() for s in self.ids()]}
+        return {"version": self.version, "servers": [self._servers[s].to_json() for s in self.ids()],
+                "removed": {sid: {"at": at, "record": record.model_dump(mode="json")}
+                            for sid, (at, record) in self._removed.items()}}
 
     def load_json(self, data: dict[str, Any]) -> None:
         self._servers = {}
@@ -256,16 +273,23 @@ class RegistryState:
             state = ServerState.from_json(item)
             self._servers[state.record.id] = state
             self._refresh(state)
+        self._removed = {str(sid): (float(r["at"]), ServerRecord.model_validate(r["record"]))
+                         for sid, r in (data.get("removed") or {}).items()}
         # A restarted registry continues the version sequence so clients never see it go back.
         self.version = int(data.get("version", 0)) + 1
         self.membership_version += 1
         self.persist_version += 1
 
     # ---- internals ----------------------------------------------------------------------------
+    def _remember_removed(self, record: ServerRecord) -> None:
+        self._removed[record.id] = (self._clock(), record)
+        while len(self._removed) > REMOVALS_KEPT:
+            del self._removed[next(iter(self._removed))]
+
     def _require(self, server_id: str) -> ServerState:
         state = self._servers.get(server_id)
         if state is None:
-            raise UnknownServerError(server_id)
+            raise UnknownServerError(server_id, removed=server_id in self._removed)
         return state
 
     def _bump(self, *, now: bool = False) -> None:

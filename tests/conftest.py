@@ -32,7 +32,8 @@ TEST_TOKEN = "test-registry-token-7f3a9c"
 
 # The files that take longest (minutes of lm-eval, engine and Ray processes) run first: `make test`'s two workers
 # take files in this order, and a long file started last would leave one worker alone at the end.
-LONGEST_FIRST = ("test_multiprocess_bench.py", "test_realtool.py", "test_chaos.py", "test_cli.py", "test_vllm_cpu.py")
+LONGEST_FIRST = ("test_multiprocess_bench.py", "test_realtool.py", "test_chaos.py", "test_cli.py", "test_vllm_cpu.py",
+                 "test_docs.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,6 +43,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.fixturenames.insert(0, "no_leaked_tasks")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """What a test asks to have said at the end of the run (`record_property("docs_test", text)`: the docs test's
+    count of documented commands run and skipped), also from pytest-xdist's workers."""
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        for name, value in getattr(report, "user_properties", []):
+            if name == "docs_test":
+                terminalreporter.write_line(str(value))
 
 
 @pytest.fixture

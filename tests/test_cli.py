@@ -52,6 +52,7 @@ def test_every_command_has_help(args: list[str]) -> None:
         (["demo", "--policy", "fastest"], "invalid choice: 'fastest'"),
         (["server", "add", "--id", "x"], "the following arguments are required"),
         (["frobnicate"], "No such command 'frobnicate'"),
+        (["eval", "resume"], "fedpool: error: Missing argument 'RUN_DIR'. (`fedpool eval resume --help`)"),
         (["gateway", "--host", "0.0.0.0"], "refusing to serve on a non-loopback address without --api-key-file"),
         (["jobs", "submit", "--model", "m"], "the following arguments are required: --spec"),
         (["eval", "run", "--spec", "x.yaml", "--model", "m", "--out", "o", "--concurrency", "0"], "expected a number"),
@@ -114,6 +115,27 @@ def test_bad_spec_is_named_before_anything_starts(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
+# The issue asks for 2 s; the command itself takes ~1.2 s on the 2-core machine, interpreter start included, and
+# the bound leaves room for a loaded machine. Failing late, as it did, took Ray, a registry and servers: 8 s and more.
+BUSY_PORT_WITHIN_S = 4.0
+
+
+def test_up_on_a_busy_port_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """`fedpool up --port P` where something listens on P: exit 2 naming --port, before Ray, the registry or any
+    server starts (it used to start them all, then fail with exit 1 and a raw Ray task-failure line)."""
+    state = tmp_path / "up"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        for detach in ([], ["--detach"]):
+            result = run("up", "--port", str(port), "--state-dir", str(state), *detach, timeout=BUSY_PORT_WITHIN_S)
+            assert result.returncode == 2, result.stderr
+            assert f"--port {port}: 127.0.0.1:{port} is already in use" in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr and "Ray" not in result.stderr
+    assert not state.exists()  # nothing started: no pid file, log or registry state
+
+
 def test_registry_commands_without_a_cluster_say_what_to_do(tmp_path: Path) -> None:
     result = run("server", "list", "--address", "127.0.0.1:1", timeout=120, env={"RAY_ADDRESS": ""})
     assert result.returncode == 3 and "ray start --head" in result.stderr
@@ -129,13 +151,37 @@ def stale_up_dir(root: Path, ray_address: str, api_url: str) -> Path:
     return root
 
 
-@pytest.mark.parametrize("command", [["pool", "status"], ["server", "list"], ["server", "drain", "x"]])
-def test_a_pool_that_is_gone_is_named_with_the_flags_that_reach_one(tmp_path: Path, command: list[str]) -> None:
-    """Nothing at the address a `fedpool up` recorded, nor at its registry's API: exit code 3 at once (the bound is
-    generous: it used to wait on Ray's retries for a minute), naming both and the flags that point at a pool."""
+def run_of(root: Path, up: Path) -> Path:
+    """A run directory whose `eval run` was pointed at the pool of `up` (--state-dir), as its plan records it."""
+    root.mkdir(parents=True)
+    plan = {"specs": [str(ROOT / "pipeline" / "bundled" / "arith.yaml")], "model": "gemma3-270m",
+            "pool": {"state_dir": str(up)}}
+    (root / "eval.json").write_text(json.dumps(plan))
+    return root
+
+
+def as_documented(command: str, up: Path, tmp_path: Path) -> list[str]:
+    """The command as the docs give it, pointed at the pool of `up` where the docs point it at one (`fedpool up`
+    prints --state-dir with its commands; a resume is given the run directory alone: the run recorded the pool)."""
+    if command == "eval resume":
+        return ["eval", "resume", str(run_of(tmp_path / "run", up))]
+    if command == "jobs serve":
+        return ["jobs", "serve", "--port", str(free_port()), "--jobs-dir", str(tmp_path / "jobs"), "--state-dir",
+                str(up)]
+    return [*command.split(), "--state-dir", str(up)]
+
+
+# The issue's bound for a command against a pool that is gone: an answer, or exit 3, within 15 s.
+ANSWER_OR_EXIT_3_WITHIN_S = 15
+
+
+@pytest.mark.parametrize("command", ["pool status", "server list", "server drain x", "eval resume", "jobs serve"])
+def test_a_pool_that_is_gone_is_named_with_the_flags_that_reach_one(tmp_path: Path, command: str) -> None:
+    """Nothing at the address a `fedpool up` recorded, nor at its registry's API: exit code 3 at once (it used to
+    wait on Ray's retries for a minute, or for ever), naming both and the flags that point at a pool."""
     ray_port, api_port = free_port(), free_port()
     up = stale_up_dir(tmp_path / "up", f"127.0.0.1:{ray_port}", f"http://127.0.0.1:{api_port}")
-    result = run(*command, "--state-dir", str(up), timeout=30)
+    result = run(*as_documented(command, up, tmp_path), timeout=ANSWER_OR_EXIT_3_WITHIN_S)
     assert result.returncode == 3, result.stderr
     error = result.stderr.strip().splitlines()[-1]
     assert f"127.0.0.1:{ray_port}" in error and f"http://127.0.0.1:{api_port}" in error, error
@@ -176,6 +222,32 @@ def test_sigterm_or_ctrl_c_ends_a_command_waiting_for_ray(tmp_path: Path, sig: s
             proc.wait()
     assert proc.returncode == code, rest[-2000:]
     assert sig != signal.SIGINT or "fedpool: interrupted" in rest
+
+
+@pytest.mark.parametrize("command", ["pool status", "server list", "eval resume", "jobs serve"])
+def test_sigterm_ends_each_command_waiting_for_ray_within_2_s(tmp_path: Path, command: str) -> None:
+    """As above, for each command the issue names, as the docs give it: SIGTERM while the command waits on a
+    Ray cluster that takes connections and never answers ends it within 2 s. `eval resume` is given the run
+    directory alone: it waits on the pool its run recorded."""
+    with silent_port() as port:
+        up = stale_up_dir(tmp_path / "up", f"127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}")
+        proc = subprocess.Popen([*FEDPOOL, "-v", *as_documented(command, up, tmp_path)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stderr is not None
+            seen = []
+            for line in proc.stderr:
+                seen.append(line)
+                if f"joining the Ray cluster at 127.0.0.1:{port}" in line:
+                    break
+            else:
+                raise AssertionError("".join(seen[-20:]))
+            proc.send_signal(signal.SIGTERM)
+            _, rest = proc.communicate(timeout=2)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGTERM, rest[-2000:]
 
 
 @pytest.mark.slow  # waits out the join deadline
@@ -408,6 +480,11 @@ async def test_runs_are_owned_outages_heal_and_unknown_models_are_refused(
                                      "no-such-model", "--out", str(tmp_path / "nobody"))
     assert nobody.returncode == 3 and "no registered server serves model 'no-such-model'" in nobody.stderr
     assert "emu-model" in nobody.stderr and not (tmp_path / "nobody").exists()
+    assert "pass --wait-for-servers SECONDS" in nobody.stderr
+    waited = await asyncio.to_thread(run, "eval", "run", "--address", address, "--spec", str(spec), "--model",
+                                     "no-such-model", "--out", str(tmp_path / "nobody"), "--wait-for-servers", "0.5")
+    assert waited.returncode == 3 and "after waiting 0.5 s" in waited.stderr, waited.stderr
+    assert "pass --wait-for-servers" not in waited.stderr and "a larger --wait-for-servers" in waited.stderr
 
     out = tmp_path / "run"
     proc = await asyncio.create_subprocess_exec(
@@ -425,6 +502,8 @@ async def test_runs_are_owned_outages_heal_and_unknown_models_are_refused(
     codes = sorted((first.returncode, second.returncode))
     refused = first if first.returncode else second
     assert codes == [0, 5] and "in use by pid" in refused.stderr, (first.stderr, second.stderr)
+    # the holder's whole command, as it was typed (it was cut after three words)
+    assert f"`fedpool eval resume --address {address} {out}`" in refused.stderr, refused.stderr
     ids = [r["sample_id"] for r in read_jsonl(records)]
     assert len(ids) == 60 and len(set(ids)) == 60
 
@@ -489,6 +568,41 @@ async def test_eval_run_reaches_the_registry_over_its_api_without_ray(
                                       cwd=ROOT, env=wrong)
     assert refused.returncode == 3 and "refused this process's token" in refused.stderr, refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.ray
+async def test_eval_run_ends_with_the_scores_table_demo_prints(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """`eval run` ends as `demo` does: each benchmark's scores with their 95% CI, n, failed and wall time; the requests
+    each server answered for each benchmark; the run's wall time (it printed one line per benchmark)."""
+    from fedpool.registry import Engine, ServerRecord
+
+    for i in range(2):
+        server = await emulators.start(model="emu-model", max_running=4, decode_s=0.002)
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM, model="emu-model",
+                                             capacity=4))
+    bundled = ROOT / "pipeline" / "bundled"
+    specs = [a for name in ("arith", "capitals") for a in ("--spec", str(bundled / f"{name}.yaml"))]
+    done = await asyncio.to_thread(run, "eval", "run", "--address", ray.get_runtime_context().gcs_address,
+                                   "--state-dir", (await registry.ping())["state_dir"], *specs, "--model", "emu-model",
+                                   "--limit", "8", "--out", str(tmp_path / "run"), "--quiet", timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["Scores (95% bootstrap CI)", "  benchmark     metric         score  95% CI              n  "
+                         "failed   wall s"], done.stdout
+    for row, name in zip(lines[2:4], ("arith", "capitals"), strict=True):
+        cells = row.split()
+        assert cells[:2] == [name, "exact_match"] and cells[3].startswith("[") and cells[4].endswith("]"), row
+        assert cells[5:7] == ["8", "0"] and float(cells[7]) > 0, row
+    at = lines.index("Requests answered per server")
+    assert lines[at + 1].split() == ["server", "arith", "capitals", "total"]
+    rows = lines[at + 2:lines.index("", at)]
+    answered = {cells[0]: [int(c) for c in cells[1:]] for cells in (line.split() for line in rows)}
+    assert answered and set(answered) <= {"emu-0", "emu-1"} and all(sum(r[:2]) == r[2] for r in answered.values())
+    assert [sum(row[i] for row in answered.values()) for i in range(3)] == [8, 8, 16]
+    assert any(line.startswith("Wall time: ") and line.endswith("s for 2 evaluations run concurrently")
+               for line in lines), done.stdout
 
 
 def test_client_commands_find_the_pool_of_a_fedpool_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

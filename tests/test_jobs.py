@@ -159,6 +159,13 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
         listing = await asyncio.to_thread(fedpool, "jobs", "list", "--url", url, "--jobs-token-file",
                                           str(tmp_path / "jobs.token.given"))
         assert listing.returncode == 0 and "cancelled" in listing.stdout and "from-cli" in listing.stdout
+        assert listing.stdout.splitlines()[0].split() == ["ID", "STATE", "DONE/TOTAL", "MODEL", "NAME"]
+        waited = await asyncio.to_thread(
+            fedpool, "jobs", "submit", "--url", url, "--jobs-token-file", str(tmp_path / "jobs.token.given"),
+            "--spec", str(BUNDLED / "arith.yaml"), "--model", "emu-model", "--limit", "4", "--wait")
+        assert waited.returncode == 0, waited.stderr
+        progress = [line for line in waited.stderr.splitlines() if line.startswith("fedpool: ")]
+        assert progress and " done " in progress[-1] and progress[-1].split()[3] == "4/4", waited.stderr
         # The pool page and its data are served by the same process.
         page = await asyncio.to_thread(get_text, url + "/")
         assert "<title>fedpool" in page

@@ -223,6 +223,36 @@ def test_drain_removes_once_idle_by_engine_metrics() -> None:
     clock.t += 1
     state.record_probe(ProbeResult("s1", True, 0.01, clock.t, load=LoadSample(0, 0, clock.t)))
     assert state.expire() == ["s1"]
+    assert state.remove("s1").id == "s1"  # `server remove` after the drain finished it: no error
+
+
+def test_a_launched_server_stays_draining_and_a_removed_one_is_told_so() -> None:
+    """A server with a lease (its launcher heartbeats: `fedpool serve`, `fedpool up`) that an operator drained stays,
+    draining and unroutable, however long it idles (past the drain timeout: removed, its launcher used to register
+    it again, healthy); removed by an operator, its heartbeats are answered "removed" until it is registered again.
+    A server that merely lost its lease is not: its launcher registers it again."""
+    clock = Clock()
+    state = RegistryState(clock=clock, timings=RegistryTimings(lease_grace_s=10, drain_timeout_s=30))
+    state.upsert(rec(), 8, lease_ttl_s=30)
+    state.drain("s1")
+    for _ in range(12):  # 60 s of heartbeats every 5 s, the engine idle
+        clock.t += 5
+        state.record_probe(ProbeResult("s1", True, 0.01, clock.t, load=LoadSample(0, 0, clock.t)))
+        assert state.heartbeat("s1").status is ServerStatus.DRAINING
+        assert state.expire() == []
+    assert state.snapshot().filter(routable_only=True).ids() == ()
+    state.remove("s1")
+    with pytest.raises(UnknownServerError) as removed:
+        state.heartbeat("s1")
+    assert removed.value.removed and "it was removed: by `fedpool server remove`" in str(removed.value)
+    assert state.remove("s1").id == "s1"  # removing it again is no error
+    state.upsert(rec(), 8, lease_ttl_s=30)  # registered again (`fedpool server add`, a new `fedpool serve`)
+    assert state.heartbeat("s1").status is ServerStatus.HEALTHY
+    clock.t += 100  # its lease lapses: removed after the grace period, not by an operator
+    assert state.expire() == ["s1"]
+    with pytest.raises(UnknownServerError) as lapsed:
+        state.heartbeat("s1")
+    assert not lapsed.value.removed
 
 
 def test_persistence_round_trip(tmp_path: Path) -> None:
@@ -239,6 +269,12 @@ def test_persistence_round_trip(tmp_path: Path) -> None:
     assert [r.model_dump() for r in restored.records()] == [r.model_dump() for r in state.records()]
     assert restored.get("s2").status is ServerStatus.DRAINING
     assert restored.get("s1").record.labels == {"rack": "r1"}
+    state.remove("s1")
+    store.save(state.to_json())
+    restored.load_json(store.load() or {})
+    with pytest.raises(UnknownServerError) as removed:  # a restarted registry still tells a removed server's launcher
+        restored.heartbeat("s1")
+    assert removed.value.removed
     (tmp_path / "registry.json").write_text("{broken")
     with pytest.raises(ValueError, match=r"registry\.json"):
         store.load()
@@ -252,8 +288,9 @@ def test_token_file_is_private_and_checked(tmp_path: Path) -> None:
     check_token(token, token_digest(token))
     with pytest.raises(AuthError):
         check_token("wrong", token_digest(token))
-    with pytest.raises(AuthError):
+    with pytest.raises(AuthError, match="needs the registry token: pass --token-file-path") as missing:
         check_token(None, token_digest(token))
+    assert "FEDPOOL_REGISTRY_TOKEN" in str(missing.value)  # how to pass it, not only that it is needed
     assert token not in json.dumps(RegistryState(clock=Clock()).to_json())
 
 

@@ -4,6 +4,7 @@ and from runs saved by earlier versions; specs checked before anything is writte
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from fedpool.clients.rundir import (
     RunPlan,
     check_specs,
     duplicate_names,
+    failed_records_hint,
+    pool_flags_given,
     refuse_existing_run,
     wait_for_model,
 )
@@ -36,6 +39,31 @@ def test_a_plan_reads_back_as_written_and_old_plans_keep_their_routing(tmp_path:
     assert (old.routing, old.client_order, old.limit, old.replay_of) == ("round_robin", "fair", 2, None)
     with pytest.raises(RunDirError, match="already holds a run"):
         refuse_existing_run(tmp_path)
+
+
+def test_a_run_records_the_pool_flags_it_was_given_and_its_hints_carry_them(tmp_path: Path) -> None:
+    defaults = {"state_dir": Path("~/.fedpool/registry"), "address": "auto", "registry_url": None, "token_path": None}
+    given = pool_flags_given({**defaults, "state_dir": Path("pools/a b"), "registry_url": "http://h:1"}, defaults)
+    assert given == {"state_dir": str((Path("pools/a b")).resolve()), "registry_url": "http://h:1"}
+    assert pool_flags_given(defaults, defaults) == {}
+    plan = RunPlan(specs=[str(BUNDLED["arith"])], model="m", concurrency=4, pool=given)
+    plan.write(tmp_path)
+    assert RunPlan.read(tmp_path).pool_settings() == {"state_dir": Path("pools/a b").resolve(),
+                                                      "registry_url": "http://h:1"}
+    command = f"fedpool eval resume --state-dir '{Path('pools/a b').resolve()}' --registry-url http://h:1 {tmp_path}"
+    assert plan.resume_command(tmp_path) == command
+    with pytest.raises(RunDirError, match=f"use `{re.escape(command)}` or another --out"):
+        refuse_existing_run(tmp_path)
+
+
+def test_records_refused_as_they_are_are_not_offered_a_resume() -> None:
+    resume = "fedpool eval resume --state-dir /p runs/x"
+    assert failed_records_hint([{"timeout": 2}, {"no_server": 1}], 3, resume) == (
+        f"3 record(s) failed; `{resume}` runs them again")
+    only = failed_records_hint([{"request_error": 2}, {}], 2, resume)
+    assert "eval resume" not in only and "2 record(s) refused as they are" in only and "resume will not help" in only
+    both = failed_records_hint([{"request_error": 1, "timeout": 1}, {"data": 1}], 3, resume)
+    assert both.startswith(f"1 record(s) failed; `{resume}` runs them again; 2 record(s) refused as they are")
 
 
 @pytest.mark.parametrize(("text", "fragment"), [

@@ -11,13 +11,16 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import psutil
 import pytest
 import ray
 
 from fedpool.deploy.engines import EngineSpec, engine_argv, gpu_family
-from fedpool.registry import RegistryClient
-from tests.conftest import TEST_TOKEN
+from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation.core.types import Endpoint, InferenceRequest
+from fedpool.registry import Engine, RegistryClient, ServerRecord
+from tests.conftest import TEST_TOKEN, EmulatorFactory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,3 +160,69 @@ async def test_serve_joins_a_registry_started_afresh(
         await asyncio.to_thread(proc.communicate, timeout=30)
         if fresh is not None:
             await fresh.terminate()
+
+
+async def prompt_tokens(url: str) -> float:
+    """What the engine has been asked to prefill in all: it grows with every request it is sent."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prompt_tokens_total"))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_drain_and_remove_stick_for_a_server_fedpool_serve_runs(
+    registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path
+) -> None:
+    """Drained, a server `fedpool serve` runs stays draining while its launcher heartbeats (it was removed once idle
+    and its launcher registered it again, healthy, within seconds) and gets no new request; removed, its `fedpool
+    serve` stops its engine and exits 0, and the server does not come back."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TEST_TOKEN)
+    proc = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-m", "fedpool.cli", "serve", "--address", ray.get_runtime_context().gcs_address,
+         "--token-file-path", str(token_file), "--engine", "emulated", "--model", "emu-model", "--id", "served-d",
+         "--lease", "1.5", "--log-dir", str(tmp_path / "logs"), "--accelerator", "A100", "--gpus", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        async def status() -> str | None:
+            entry = (await registry.snapshot()).get("served-d")
+            return None if entry is None else entry.status.value
+
+        await wait_for(lambda: _is(status, "healthy"))
+        url = (await registry.get("served-d")).url
+        other = await emulators.start(model="emu-model")
+        await registry.register(ServerRecord(id="emu-other", url=other.url, engine=Engine.VLLM, model="emu-model",
+                                             accelerator="A100", capacity=4))
+        await registry.drain("served-d")
+        asked = await prompt_tokens(url)
+        # Heartbeats every 0.5 s and probes every 0.3 s of an idle engine: drained at once, and 12 heartbeats on
+        # (the registry's drain timeout is simulated past in test_registry_units), still draining.
+        for _ in range(24):
+            await asyncio.sleep(0.25)
+            assert await status() == "draining"
+        async with PoolConnection(registry, config=DispatchConfig(no_server_timeout_s=10.0)) as pool:
+            await pool.refresh()
+            for i in range(8):
+                await pool.dispatcher.submit(InferenceRequest.from_body(
+                    {"prompt": f"q{i}", "max_tokens": 2}, request_id=f"r{i}", model="emu-model",
+                    endpoint=Endpoint.COMPLETIONS, client_id="after-drain"))
+        assert await prompt_tokens(url) == asked  # every request went to the other server
+        assert await status() == "draining"
+        await registry.deregister("served-d")  # `fedpool server remove`
+        out, err = await asyncio.to_thread(proc.communicate, timeout=30)
+        assert proc.returncode == 0, err
+        assert "served-d is draining" in err and "was removed from the pool" in out, (out, err)
+        for _ in range(8):  # its lease was 1.5 s: a launcher still running would have registered it again by now
+            await asyncio.sleep(0.25)
+            assert await status() is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+async def _is(check: Callable[[], Awaitable[str | None]], value: str) -> bool:
+    return await check() == value

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,9 @@ from fedpool.deploy.process import free_port
 pytestmark = pytest.mark.llamacpp
 ROOT = Path(__file__).resolve().parent.parent
 ANSWER_WITHIN_S = 5.0  # a client or operator command against a running pool (they used to hang 40 s and more)
+WITHIN_S = 15.0  # the issue's bound for a command that needs more than the registry (a run, a jobs server)
+STOPS_WITHIN_S = 2.0  # SIGTERM to a command that serves
+CTX = 256  # `fedpool up --ctx-per-slot`: the bundled six-shot arith prompt (~60 tokens) fits, thirty times it not
 LM_EVAL_TASK = """\
 task: fedpool_up_check
 dataset_path: json
@@ -129,8 +134,8 @@ def test_commands_find_a_fedpool_up_by_its_state_dir_alone(tmp_path: Path) -> No
     home.mkdir()
     env = {"HOME": str(home), "RAY_ADDRESS": ""}
     state = home / ".fedpool" / "up"  # the default state dir of `fedpool up` under this HOME
-    started = fedpool("up", "--servers", "1", "--slots", "1", "--port", str(free_port()), "--model-path",
-                      str(ensure_gemma()), "--detach", env=env)
+    started = fedpool("up", "--servers", "1", "--slots", "1", "--ctx-per-slot", str(CTX), "--port", str(free_port()),
+                      "--model-path", str(ensure_gemma()), "--detach", env=env)
     assert started.returncode == 0, started.stderr + started.stdout
     try:
         model = json.loads((state / "up.json").read_text())["model"]
@@ -143,6 +148,77 @@ def test_commands_find_a_fedpool_up_by_its_state_dir_alone(tmp_path: Path) -> No
             header, row = listed.stdout.splitlines()
             assert header.split()[0] == "ID" and row.split()[:4] == ["llamacpp-0", "llamacpp", "cpu", model]
             assert all("fedpool: registry API http://127.0.0.1:" in r.stderr for r in (status, listed))
+        assert f"Ctrl-C (or `fedpool down --state-dir {state}`)" in (state / "up.log").read_text()
+        check_the_printed_sdk_recipe_answers_as_it_says(started.stdout)
+        check_runs_and_jobs_serve_beside(state, model, tmp_path, env)
+        check_a_prompt_over_the_context_is_refused_for_good(state, model, tmp_path, env)
     finally:
         stopped = fedpool("down", timeout=120, env=env)
     assert stopped.returncode == 0 and "stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+
+
+def check_runs_and_jobs_serve_beside(state: Path, model: str, tmp_path: Path, env: dict[str, str]) -> None:
+    """`eval run` with the pool's state dir; the hint for a run directory already used carries that flag; `eval
+    resume RUN_DIR`, as the hints and docs word it, finds the pool the run recorded; `jobs serve --port P`, as the
+    README gives it, serves within 15 s and SIGTERM ends it within 2 s."""
+    out = tmp_path / "run"
+    spec = str(ROOT / "pipeline" / "bundled" / "arith.yaml")
+    ran = fedpool("eval", "run", "--state-dir", str(state), "--spec", spec, "--model", model, "--limit", "2",
+                  "--out", str(out), timeout=120, env=env)
+    assert ran.returncode == 0, ran.stderr
+    again = fedpool("eval", "run", "--spec", spec, "--model", model, "--out", str(out), timeout=WITHIN_S, env=env)
+    assert again.returncode == 2 and f"`fedpool eval resume --state-dir {state} {out}`" in again.stderr, again.stderr
+    resumed = fedpool("eval", "resume", str(out), timeout=WITHIN_S, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "arith: 2 records (2 from before, 0 now, 0 failed)" in resumed.stdout, resumed.stdout
+    port = free_port()
+    jobs = subprocess.Popen([sys.executable, "-m", "fedpool.cli", "jobs", "serve", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    try:
+        assert jobs.stdout is not None
+        ready, _, _ = select.select([jobs.stdout], [], [], WITHIN_S)
+        first = jobs.stdout.readline() if ready else ""  # (ended, exit 3: an empty line)
+        assert first.startswith(f"fedpool gateway on http://127.0.0.1:{port}/v1"), first + jobs.communicate()[1]
+        jobs.send_signal(signal.SIGTERM)
+        jobs.communicate(timeout=STOPS_WITHIN_S)
+        assert jobs.returncode == 0
+    finally:
+        if jobs.poll() is None:
+            jobs.kill()
+            jobs.communicate()
+
+
+def check_a_prompt_over_the_context_is_refused_for_good(state: Path, model: str, tmp_path: Path,
+                                                        env: dict[str, str]) -> None:
+    """`--ctx-per-slot` reaches llama-server (-c is it × slots); a prompt over it is refused (HTTP 400) and not
+    retried, its record says resume will not help, and fedpool does not offer `eval resume` for it."""
+    ready = json.loads((state / "up.json").read_text())
+    servers = [p for p in psutil.Process(ready["pid"]).children(recursive=True) if p.name() == "llama-server"]
+    assert servers and all(p.cmdline()[p.cmdline().index("-c") + 1] == str(CTX) for p in servers)
+    arith = ROOT / "pipeline" / "bundled" / "arith.yaml"
+    text = arith.read_text()
+    shots = text.split('template: "')[1].split("{a}")[0]
+    long = tmp_path / "long.yaml"
+    long.write_text(text.replace("name: arith", "name: long").replace("path: arith.jsonl", f"path: "
+                                 f"{arith.parent / 'arith.jsonl'}").replace(shots, shots * 30))
+    out = tmp_path / "long-run"
+    ran = fedpool("eval", "run", "--state-dir", str(state), "--spec", str(long), "--model", model, "--limit", "2",
+                  "--out", str(out), timeout=120, env=env)
+    assert ran.returncode == 4, ran.stderr
+    assert "2 record(s) refused as they are" in ran.stderr and "resume will not help" in ran.stderr, ran.stderr
+    assert "eval resume" not in ran.stderr, ran.stderr
+    records = [json.loads(line) for line in (out / "long" / "records.jsonl").read_text().splitlines()]
+    assert [r["provenance"]["error_kind"] for r in records] == ["request_error", "request_error"]
+    assert all(r["provenance"]["attempts"] == 1 and "resume will not help" in r["provenance"]["error"]
+               and "context" in r["provenance"]["error"] for r in records), records[0]["provenance"]
+
+
+def check_the_printed_sdk_recipe_answers_as_it_says(printed: str) -> None:
+    """The openai SDK recipe `fedpool up` prints, pasted as it is, prints the answer its comment promises, and the
+    same answer every time (temperature=0; without it llama.cpp sampled four answers in four runs)."""
+    lines = printed.split("openai SDK (Python")[1].split("vLLM's serving benchmark")[0].splitlines()[1:]
+    code = "import openai\n" + "\n".join(line.strip() for line in lines if line.strip())
+    promised = code.rsplit("# ", 1)[1].split(" (")[0]
+    answers = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+               for _ in range(3)}
+    assert answers == {promised + "\n"}, (answers, code)

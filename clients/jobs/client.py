@@ -8,6 +8,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,17 @@ class JobsClient:
     def logs(self, job_id: str) -> str:
         return self._call("GET", f"/jobs/{job_id}/logs")
 
-    def wait(self, job_id: str, *, timeout_s: float = 3600.0, poll_s: float = 1.0) -> dict[str, Any]:
+    def wait(self, job_id: str, *, timeout_s: float = 3600.0, poll_s: float = 1.0,
+             on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """The job once it is done, failed or cancelled (TimeoutError after `timeout_s`); `on_progress` is given
+        the job whenever its state or progress moved."""
         deadline = time.monotonic() + timeout_s
+        seen = None
         while True:
             job = self.get(job_id)
+            if on_progress is not None and (job["state"], job["progress"]) != seen:
+                seen = (job["state"], job["progress"])
+                on_progress(job)
             if job["state"] in TERMINAL:
                 return job
             if time.monotonic() > deadline:
