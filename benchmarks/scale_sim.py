@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import multiprocessing.synchronize
@@ -63,6 +64,7 @@ from fedpool.federation import DispatchConfig, Dispatcher, Policy, make_policy
 from fedpool.federation.gateway.transport import HttpTransport
 from fedpool.federation.routing.pricing import server_cost
 from fedpool.registry import Engine, ServerEntry, ServerStatus, prior_weight
+from fedpool.registry.leases import PLACEMENT, PLACEMENTS
 
 SHAPES = {  # modality: (prompt tokens, answer tokens), as benchmarks/configs/table7_evals.yaml
     "text": (250, 384),
@@ -101,6 +103,7 @@ class Spec:
     churn: bool = False
     leases: bool = False
     engine_times: bool = False  # answers carry the engine's own prefill and decode times (llama.cpp's `timings`)
+    lease_placement: str = PLACEMENT  # how the lease broker shares slots over server kinds (registry/leases.py)
     planned_pick: str = "quota"  # policy `planned`: which server within a client's planned kinds
     seed: int = 7
 
@@ -176,7 +179,8 @@ def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:
                                 seed=p) for p in range(spec.processes)]
 
     return simulate(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), dispatchers,
-                    events=churn if spec.churn else None, setup=leasing if spec.leases else None,
+                    events=churn if spec.churn else None,
+                    setup=functools.partial(leasing, placement=spec.lease_placement) if spec.leases else None,
                     probe_s=PROBE_S if scrapes else None)
 
 
@@ -301,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--processes", type=int, default=1, help="client processes (a dispatcher each)")
     parser.add_argument("--no-leases", action="store_true",
                         help="several processes without capacity leases (each believes it owns every window)")
+    parser.add_argument("--lease-placement", choices=PLACEMENTS, default=PLACEMENT,
+                        help="with --processes: how the lease broker shares slots over kinds (registry/leases.py)")
     parser.add_argument("--policy", default="capacity_weighted")
     parser.add_argument("--client-order", default="fair")
     parser.add_argument("--planned", action="store_true", help="route by the dispatcher's makespan plan")
@@ -323,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
                 processes=args.processes, policy="planned" if args.planned else args.policy,
                 client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases,
-                engine_times=args.engine_times, planned_pick=args.planned_pick)
+                engine_times=args.engine_times, planned_pick=args.planned_pick, lease_placement=args.lease_placement)
     counts = kind_counts(base.kind_table, base.servers)
     worlds = []
     for seed in seeds:

@@ -42,6 +42,7 @@ from fedpool.federation.core.types import EngineTimes, StreamProgress, Target
 from fedpool.federation.gateway.leases import LeaseClient
 from fedpool.federation.gateway.transport import request_body
 from fedpool.federation.gateway.unpooled import UrlTarget
+from fedpool.federation.routing.horizon import kind_costs
 from fedpool.registry import (
     DemandReport,
     Engine,
@@ -56,6 +57,7 @@ from fedpool.registry import (
     ServerStatus,
     prior_weight,
 )
+from fedpool.registry.leases import PLACEMENT
 
 TIMED_ENGINES = (Engine.VLLM, Engine.LLAMACPP)  # engines whose answers can carry their own times
 MODEL = "sim-7b"
@@ -349,7 +351,7 @@ class SimResult:
 def make_dispatcher(transport: SimTransport, world: World, policy: Policy, config: DispatchConfig,
                     clock: Callable[[], float], seed: int) -> Dispatcher:
     dispatcher = Dispatcher(transport, lambda: world.snapshot, policy, config=config, clock=clock, wall_clock=clock,
-                            rng=random.Random(seed))
+                            rng=random.Random(seed), price_kinds=kind_costs)  # (as PoolConnection makes it)
     world.listeners.append(dispatcher.notify_snapshot)
     return dispatcher
 
@@ -471,8 +473,9 @@ class SimRegistry:
     """The registry's capacity leases in process (the same LeaseService the registry actor runs), for the
     simulated dispatchers' LeaseClients; `rpc_s` models a call's round trip."""
 
-    def __init__(self, world: World, clock: Callable[[], float], *, rpc_s: float = 0.001, ttl_s: float = 3.0):
-        self.service = LeaseService(LeaseBroker(clock, ttl_s=ttl_s, restarted=False))
+    def __init__(self, world: World, clock: Callable[[], float], *, rpc_s: float = 0.001, ttl_s: float = 3.0,
+                 placement: str = PLACEMENT):
+        self.service = LeaseService(LeaseBroker(clock, ttl_s=ttl_s, restarted=False, placement=placement))
         self._world = world
         self._rpc_s = rpc_s
         self._servers()
@@ -494,9 +497,11 @@ class SimRegistry:
 
 
 @contextlib.asynccontextmanager
-async def leasing(world: World, dispatchers: Sequence[Dispatcher]) -> AsyncIterator[SimRegistry]:
-    """Every dispatcher leases its slots from one in-process registry, as separate processes would."""
-    registry = SimRegistry(world, asyncio.get_running_loop().time)
+async def leasing(world: World, dispatchers: Sequence[Dispatcher], placement: str = PLACEMENT
+                  ) -> AsyncIterator[SimRegistry]:
+    """Every dispatcher leases its slots from one in-process registry, as separate processes would (`placement`:
+    how the broker shares slots over server kinds, registry/leases.py PLACEMENTS)."""
+    registry = SimRegistry(world, asyncio.get_running_loop().time, placement=placement)
     clients = [LeaseClient(registry, d, holder=f"process-{i}", clock=asyncio.get_running_loop().time)
                for i, d in enumerate(dispatchers)]
     for client in clients:

@@ -23,7 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedpool.registry.auth import check_token
 from fedpool.registry.checks import verify_server
 from fedpool.registry.errors import AuthError
-from fedpool.registry.leases import LEASE_TTL_S, DemandReport, Lease, LeaseBroker, LeaseService
+from fedpool.registry.leases import (
+    LEASE_TTL_S,
+    RESHARE_BUDGET,
+    DemandReport,
+    Lease,
+    LeaseBroker,
+    LeaseService,
+    learns_at_start,
+)
 from fedpool.registry.persistence import StateStore
 from fedpool.registry.prober import ProbePlan, ProberActor
 from fedpool.registry.records import ServerRecord
@@ -70,6 +78,16 @@ class RegistryConfig(BaseModel):
     namespace: str = Field(default=NAMESPACE, min_length=1)
 
 
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor (it may have lost its state: leases granted before are still in use); when
+    Ray cannot say, as if it had."""
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # (a state API that does not answer: learning costs a few seconds, granting twice does not)
+        log.warning("could not tell whether the registry actor was restarted: learning the leases in use first")
+        return True
+
+
 class RegistryActor:
     """Registration, heartbeats, drain, probing and snapshots. Wrapped by `ray.remote` at creation."""
 
@@ -112,9 +130,12 @@ class RegistryActor:
         self._json_records: tuple[int, bytes] | None = None
         self._rows_cache: tuple[int, float, bytes] | None = None
         self._records_cache: tuple[int, bytes] | None = None
-        # Capacity leases (registry/leases.py): a new broker per incarnation (it learns for one TTL after a restart).
+        # Capacity leases (registry/leases.py): a new broker per incarnation; after a restart, with saved state or
+        # without (Ray restarted the actor), it learns before it leases a slot the old one may have leased.
+        restarted = learns_at_start(saved is not None, _reconstructed())
         self._leases = LeaseService(LeaseBroker(time.monotonic, ttl_s=self._config.capacity_lease_ttl_s,
-                                                incarnation=self._incarnation, restarted=saved is not None))
+                                                incarnation=self._incarnation, restarted=restarted),
+                                    budget=RESHARE_BUDGET)
         self._lease_servers_version = -1
 
     # ---- lifecycle ----------------------------------------------------------------------------

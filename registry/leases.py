@@ -4,10 +4,12 @@ Every dispatcher reports about twice a second what it wants, per model (for each
 now, its weight and its rank in the client order; per server: what it has in flight and the lease it holds). The
 broker answers with a lease: slots per server this holder may keep in flight for `ttl_s` seconds, so nothing on
 the request path waits for the registry (Doorman's model: capacity leases refreshed in the background). One
-model's servers at a time, entitlements follow the client order across every holder (`_entitlements`), are
-rounded to whole slots and placed on servers (`placement.whole`, `placement.spread_slots`); a slot another holder
-may still be using is never granted twice. A holder that stops reporting loses its lease after `ttl_s`; a broker
-that restarts spends one TTL learning. The full account: docs/architecture.md, "Many processes, one pool".
+model's servers at a time: entitlements follow the client order across every holder, on servers of several kinds
+split by the min-makespan plan of every holder's work over the kinds (`_entitlements`, `placement.plan_by_kind`),
+are rounded to whole slots and placed on servers (`placement.whole`, `placement.spread_slots`); a slot another
+holder may still be using is never granted twice. A holder that stops reporting shares no more after `ttl_s`, and
+what it may still use (its fallback) is not room for one TTL more; a restarted broker learns as long. The full
+account: docs/architecture.md, "Many processes, one pool".
 
 Pure bookkeeping: injected clock, no I/O; the registry actor wraps it.
 """
@@ -16,23 +18,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import socket
+import time
 import uuid
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpool.registry.placement import spread_slots, water_fill, whole
+from fedpool.registry.placement import (
+    KindPlan,
+    Ranked,
+    kind_view,
+    plan_by_kind,
+    share_by_order,
+    spread_slots,
+    whole,
+)
 
 LEASE_TTL_S = 3.0  # a lease not renewed within this is gone (holders renew every ~0.5 s)
 RESHARE_S = 0.02  # leases are re-shared at most this often (every report is taken at once)
+# The share of one core the registry's re-shares may take: in a large pool one takes long enough that re-sharing
+# every RESHARE_S would leave the actor no time for the calls, so the next waits in proportion.
+RESHARE_BUDGET = 0.5
 MAX_LEASE_WAIT_S = 5.0  # the longest a lease call may wait for its holder's slots to change
 MAX_UNACKED = 32  # leases kept per holder that it has not said it received (a silent holder expires at its TTL)
-RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an equal share are one class
+# How each model's slots are shared where its servers are of several kinds: "plan" — the min-makespan split of every
+# holder's work over the kinds (`placement.plan_by_kind`); "slots" — the client order over slot counts, then placed
+# by kind (`placement.kind_targets`).
+PLACEMENTS = ("plan", "slots")
+MAKESPAN_ORDERS = ("fair", "longest_answers_first")  # client orders whose holders the plan may finish together
+PLACEMENT = "plan"
 
 
 def holder_id() -> str:
@@ -72,6 +92,9 @@ class ModelDemand(BaseModel):
     # Server kind (`snapshot.server_kind`) -> what one of this holder's requests costs on a server of that kind
     # (any unit; only the ratios between kinds count): its slots are placed on the kinds its work suits.
     kind_costs: dict[str, float] = Field(default_factory=dict)
+    # Its dispatcher's client order (DispatchConfig.client_order; "" unknown): where every holder's order aims at
+    # the makespan (fair, longest answers first), the broker's plan finishes the holders together.
+    order: str = Field(default="", max_length=64)
 
 
 class DemandReport(BaseModel):
@@ -111,7 +134,9 @@ class Lease:
     version: int  # grows whenever this holder's slots change
     ttl_s: float
     slots: Mapping[str, int]
-    safe: Mapping[str, int]  # the share to fall back to when the lease runs out unrenewed
+    # What to keep for one TTL when the lease runs out unrenewed (`slots` capped at the capacity ÷ the holders, so
+    # within the lease: the fallbacks of every holder add up to at most each server's slots); then nothing.
+    safe: Mapping[str, int]
     holders: int  # holders known to the broker
 
 
@@ -130,23 +155,38 @@ class _Holder:
     report: DemandReport
     seen_at: float
     slots: dict[str, int] = field(default_factory=dict)
+    safe: dict[str, int] = field(default_factory=dict)  # the fallback of the lease `slots`
     version: int = 0
     # Leases sent since the one the holder last said it holds (version -> slots): it may be using any of them (a
     # lease answered after its report, or one that has since shrunk), so their slots are not room either.
     unacked: dict[int, dict[str, int]] = field(default_factory=dict)
 
 
+def learns_at_start(saved_state: bool, reconstructed: bool) -> bool:
+    """Whether a broker starting now may find slots of a previous incarnation's leases in use: when the registry
+    found saved state, or was restarted (by Ray) without any — its holders still work within their leases."""
+    return saved_state or reconstructed
+
+
 class LeaseBroker:
     def __init__(self, clock: Callable[[], float], *, ttl_s: float = LEASE_TTL_S, incarnation: str | None = None,
-                 restarted: bool = True):
-        """`restarted`: a previous broker may have leased slots that are still in use (the registry came back
-        with saved state): learn for one TTL. A registry started afresh has nothing to learn."""
+                 restarted: bool = True, placement: str = PLACEMENT):
+        """`restarted`: a previous broker may have leased slots that are still in use (`learns_at_start`): learn
+        until every lease it granted, and the fallback after it, has run out. A pool started afresh has nothing to
+        learn."""
         self._clock = clock
         self.ttl_s = ttl_s
+        self.placement = placement
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self._started = clock() if restarted else float("-inf")
         self._holders: dict[str, _Holder] = {}
+        # Holders silent for a TTL: their leases ran out, but they may still work within their fallback (or still
+        # have attempts in flight) for one more TTL: what they may be using is not room until then.
+        self._silent: dict[str, _Holder] = {}
+        self._versions = itertools.count(1)  # one sequence for every holder: a holder forgotten and back never
+        # sees a version it had before
         self._servers: tuple[LeaseServer, ...] = ()
+        self._shares: dict[str, int] = {}  # server -> its capacity ÷ the holders that want its model (≥ 1)
         self.recomputes = 0
 
     # ---- what holders and the registry say ---------------------------------------------------------
@@ -154,9 +194,10 @@ class LeaseBroker:
         """Take a holder's report (shares move at the next `reshare`); `known_version`: the version of the lease
         it held when it sent the report (None: the latest, as a holder reporting in step with the broker)."""
         now = self._clock()
-        holder = self._holders.get(report.holder)
+        holder = self._holders.get(report.holder) or self._silent.pop(report.holder, None)
         if holder is None:
-            holder = self._holders[report.holder] = _Holder(report, now)
+            holder = _Holder(report, now)
+        self._holders[report.holder] = holder
         holder.report, holder.seen_at = report, now
         if known_version is None or report.broker != self.incarnation:
             known_version = holder.version if known_version is None else -1
@@ -169,42 +210,46 @@ class LeaseBroker:
 
     def release(self, holder_id: str) -> bool:
         """A holder said goodbye: its slots are free at the next `reshare`."""
-        return self._holders.pop(holder_id, None) is not None
+        silent = self._silent.pop(holder_id, None) is not None
+        return self._holders.pop(holder_id, None) is not None or silent
 
     def expire(self) -> bool:
-        """Forget holders whose lease ran out unrenewed; True when any was."""
+        """Holders whose lease ran out unrenewed share no more (silent); a TTL later, when their fallback has run
+        out too, they are forgotten. True when any was."""
         now = self._clock()
-        gone = [h for h, holder in self._holders.items() if now - holder.seen_at > self.ttl_s]
+        silent = [h for h, holder in self._holders.items() if now - holder.seen_at > self.ttl_s]
+        for holder_id in silent:
+            self._silent[holder_id] = self._holders.pop(holder_id)
+        gone = [h for h, holder in self._silent.items() if now - holder.seen_at > 2 * self.ttl_s]
         for holder_id in gone:
-            del self._holders[holder_id]
-        return bool(gone)
+            del self._silent[holder_id]
+        return bool(silent or gone)
 
     # ---- reads ----------------------------------------------------------------------------------------
     def lease(self, holder_id: str) -> Lease:
         holder = self._holders.get(holder_id)
-        slots = dict(holder.slots) if holder is not None else {}
-        return Lease(holder_id, self.incarnation, holder.version if holder else 0, self.ttl_s, slots,
-                     self.safe_shares(), len(self._holders))
+        if holder is None:
+            return Lease(holder_id, self.incarnation, 0, self.ttl_s, {}, {}, len(self._holders))
+        return Lease(holder_id, self.incarnation, holder.version, self.ttl_s, dict(holder.slots), dict(holder.safe),
+                     len(self._holders))
 
     def version(self, holder_id: str) -> int:
         holder = self._holders.get(holder_id)
         return holder.version if holder is not None else 0
 
     def holders(self) -> list[str]:
+        """The holders that share (those silent for a TTL do not)."""
         return sorted(self._holders)
 
     def safe_shares(self) -> dict[str, int]:
-        """Each server's capacity divided among the holders that use it (at least one slot each): what a holder
-        falls back to when its lease runs out unrenewed."""
-        users: dict[str, int] = {}
-        for holder in self._holders.values():
-            for demand in holder.report.models:
-                users[demand.model] = users.get(demand.model, 0) + 1
-        return {s.id: max(1, s.capacity // max(1, users.get(s.model, 1))) for s in self._servers if s.capacity > 0}
+        """Each server's capacity divided among the holders that want its model (at least one slot each), as of
+        the last `reshare`: a lease's fallback is the lease capped at these."""
+        return dict(self._shares)
 
     def learning(self) -> bool:
-        """For one TTL after (re)starting, leases the previous incarnation granted may still be in use."""
-        return self._clock() - self._started < self.ttl_s
+        """After (re)starting, leases the previous incarnation granted may still be in use: for one TTL, and the
+        fallback of a lease that ran out for one more."""
+        return self._clock() - self._started < 2 * self.ttl_s
 
     # ---- sharing ----------------------------------------------------------------------------------------
     def reshare(self) -> set[str]:
@@ -216,25 +261,37 @@ class LeaseBroker:
             if server.capacity > 0:
                 by_model.setdefault(server.model, []).append(server)
         learning = self.learning()
-        new: dict[str, dict[str, int]] = {h: {} for h in self._holders}
+        self._shares = self._share_out()
+        new: dict[str, dict[str, int]] = {h: {} for h in (*self._holders, *self._silent)}
         for model, servers in by_model.items():
             ids = {s.id for s in servers}
             held = {h: sum(n for sid, n in holder.slots.items() if sid in ids) for h, holder in self._holders.items()}
-            wants = whole(self._entitlements(model, sum(s.capacity for s in servers)), self._ends(model), held)
-            for holder_id, slots in self._spread(model, servers, wants, learning).items():
-                if not self._holders[holder_id].report.announce:  # (an announced share stays free for it)
+            entitled, plan = self._entitlements(model, servers)
+            wants = whole(entitled, self._ends(model), held)
+            for holder_id, slots in self._spread(model, servers, wants, learning, plan).items():
+                holder = self._holders.get(holder_id)  # (none for a silent one: it is dealt nothing)
+                if holder is not None and not holder.report.announce:  # (an announced share stays free for it)
                     new[holder_id].update(slots)
         changed = set()
-        for holder_id, holder in self._holders.items():
+        for holder_id, holder in (*self._holders.items(), *self._silent.items()):
             slots = {s: n for s, n in new[holder_id].items() if n > 0}
             if slots != holder.slots:
                 holder.slots = slots
-                holder.version += 1
+                holder.safe = {s: min(n, self._shares.get(s, 0)) for s, n in slots.items()}
+                holder.version = next(self._versions)
                 holder.unacked[holder.version] = slots
                 if len(holder.unacked) > MAX_UNACKED:
                     del holder.unacked[min(holder.unacked)]
                 changed.add(holder_id)
         return changed
+
+    def _share_out(self) -> dict[str, int]:
+        """Server -> its capacity ÷ the holders that want its model, at least 1."""
+        users: dict[str, int] = {}
+        for holder in self._holders.values():
+            for demand in holder.report.models:
+                users[demand.model] = users.get(demand.model, 0) + 1
+        return {s.id: max(1, s.capacity // max(1, users.get(s.model, 1))) for s in self._servers if s.capacity > 0}
 
     def _ends(self, model: str) -> dict[str, float]:
         """Holder -> the least work left any of its clients that want slots on the model says it has (holders
@@ -254,9 +311,10 @@ class LeaseBroker:
         seconds = sum(h.report.served_slot_s for h in self._holders.values())
         return work / seconds if seconds > 0 and work > 0 else 1.0
 
-    def _entitlements(self, model: str, capacity: int) -> dict[str, float]:
-        """Holder -> slots it is entitled to on the model's servers (fractional), by the client order."""
-        clients: list[tuple[float, str, float, float, bool]] = []  # rank, holder, weight, wanted, by service
+    def _ranked(self, model: str) -> tuple[list[Ranked], Callable[[float], float]]:
+        """The model's clients that want slots, in the client order (clients still loading in the first class), and
+        the service tie for a capacity (a class's width among clients ranked by service)."""
+        clients: list[Ranked] = []  # rank, holder, weight, wanted, by service
         loading: list[tuple[str, float, float]] = []  # holder, weight, wanted of clients not ready yet
         scale: float | None = None
         for holder_id, holder in self._holders.items():
@@ -282,43 +340,40 @@ class LeaseBroker:
         # of the slots gives in SERVICE_TIE_S: ranked strictly, the one a hair behind got every slot it wanted and
         # the other none until it fell behind in turn — whole requests later, as slots are not taken back.
         by_service = sum(1 for c in clients if c[4])
-        service_tie = SERVICE_TIE_S * capacity / by_service * (scale or 1.0) if by_service else 0.0
-        out: dict[str, float] = {}
-        left = float(capacity)
-        i = 0
-        while i < len(clients) and left > 1e-9:
-            j = i + 1  # one class: ranks equal within a relative tolerance (within service_tie, by service)
-            tie = RANK_TIE * max(1.0, abs(clients[i][0]))
-            while j < len(clients) and clients[j][0] - clients[i][0] <= (
-                    max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
-                j += 1
-            for (_, holder_id, *_), got in zip(clients[i:j], water_fill(clients[i:j], left), strict=True):
-                out[holder_id] = out.get(holder_id, 0.0) + got
-                left -= got
-            i = j
-        wanted: dict[str, float] = {}
-        for _, holder_id, _, n, _ in clients:
-            wanted[holder_id] = wanted.get(holder_id, 0.0) + n
-            out.setdefault(holder_id, 0.0)
-        total = sum(wanted.values())
-        if left > 1e-9 and total > 0:  # nobody wants the rest yet: headroom for whoever wants something
-            for holder_id, n in wanted.items():
-                out[holder_id] += left * n / total
-        return out
+
+        def tie(capacity: float) -> float:
+            return SERVICE_TIE_S * capacity / by_service * (scale or 1.0) if by_service else 0.0
+
+        return clients, tie
+
+    def _entitlements(self, model: str, servers: Sequence[LeaseServer]) -> tuple[dict[str, float], KindPlan | None]:
+        """Holder -> slots it is entitled to on the model's servers (fractional), by the client order; and, placed
+        by kind (`self.placement`), each holder's entitlement per server kind."""
+        clients, tie = self._ranked(model)
+        if self.placement != "slots":
+            demands = {h: d for h, holder in self._holders.items() for d in holder.report.models if d.model == model}
+            view = kind_view(servers, demands, clients)
+            if len(view.capacity) > 1:
+                together = all(d.order in MAKESPAN_ORDERS for d in demands.values())
+                by_kind = plan_by_kind(clients, view, tie, finish_together=together)
+                return {h: sum(k.values()) for h, k in by_kind.items()}, (by_kind, view.allowed)
+        capacity = sum(s.capacity for s in servers)
+        return share_by_order(clients, capacity, tie(capacity)), None
 
     def _spread(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float],
-                learning: bool) -> dict[str, dict[str, int]]:
+                learning: bool, plan: KindPlan | None) -> dict[str, dict[str, int]]:
         """Holder -> server -> whole slots (`placement.spread_slots`: sticky, each holder spread over the servers of
         the kinds its work suits). A slot another holder may be using — its last lease, the lease it says it holds,
         or its work in flight — is not room: a lease shrinks first and the slots move once its holder has let them
         go. O(holders' servers + slots dealt × log servers)."""
         ids = {s.id for s in servers}
-        occupied = {h: self._occupied(holder, ids, learning) for h, holder in self._holders.items()}
+        occupied = {h: self._occupied(holder, ids, learning)
+                    for h, holder in (*self._holders.items(), *self._silent.items())}
         if learning:  # the previous incarnation's leases may be in use: nobody is granted more than it holds
             wants = {h: min(w, float(sum(occupied[h].values()))) for h, w in wants.items()}
         demands = {h: d for h, holder in self._holders.items() for d in holder.report.models if d.model == model}
         inflight = {h: holder.report.inflight for h, holder in self._holders.items()}
-        return spread_slots(servers, wants, demands, inflight, occupied)
+        return spread_slots(servers, wants, demands, inflight, occupied, plan)
 
     def _occupied(self, holder: _Holder, ids: Container[str], learning: bool) -> dict[str, int]:
         """Server (of `ids`) -> the most slots the holder may be using there: the lease it says it holds (granted by
@@ -335,12 +390,16 @@ class LeaseBroker:
 
 class LeaseService:
     """The broker behind an async front (the registry actor's, and the simulator's in-process registry): every
-    report is taken at once, slots are re-shared at most every `reshare_s`, and a call whose holder's slots did
-    not change waits (a long poll) until they do or `wait_s` passes."""
+    report is taken at once, slots are re-shared at most every `reshare_s` (and, with a `budget`, at most that
+    share of one core: a re-share that took t seconds is followed by the next t ÷ budget later at the earliest),
+    and a call whose holder's slots did not change waits (a long poll) until they do or `wait_s` passes. No
+    budget where time is simulated: the schedule must not depend on the machine."""
 
-    def __init__(self, broker: LeaseBroker, *, reshare_s: float = RESHARE_S):
+    def __init__(self, broker: LeaseBroker, *, reshare_s: float = RESHARE_S, budget: float | None = None):
         self.broker = broker
         self._reshare_s = reshare_s
+        self._budget = budget
+        self._gap = reshare_s  # from one re-share's start to the next's
         self._changed: dict[str, asyncio.Event] = {}
         self._reshared_at = float("-inf")
         self._soon: asyncio.Task[None] | None = None
@@ -350,14 +409,22 @@ class LeaseService:
         self.broker.set_servers(servers)
 
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:
+        """The holder's lease once its report is shared; when its slots are still `known_version`, a long poll:
+        answered when a re-share changes them, or `wait_s` after the call came (a call does not wait for the next
+        re-share first: in a large pool that is seconds away, and renewals keep their rate)."""
         self.calls += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_s, MAX_LEASE_WAIT_S)
         self.broker.report(report, known_version)
-        await self._reshare()
         holder = report.holder
-        if self.broker.version(holder) == known_version and wait_s > 0:
-            event = self._changed.setdefault(holder, asyncio.Event())
+        if wait_s <= 0 or self.broker.version(holder) != known_version:
+            await self._reshare()
+            return self.broker.lease(holder)
+        event = self._changed.setdefault(holder, asyncio.Event())
+        self._reshare_soon(loop)
+        if self.broker.version(holder) == known_version and deadline > loop.time():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), min(wait_s, MAX_LEASE_WAIT_S))
+                await asyncio.wait_for(event.wait(), deadline - loop.time())
         return self.broker.lease(holder)
 
     async def release(self, holder: str) -> None:
@@ -373,14 +440,19 @@ class LeaseService:
 
     async def _reshare(self) -> None:
         """Share again now, or (when the last share was under `reshare_s` ago) once that has passed."""
-        loop = asyncio.get_running_loop()
-        wait = self._reshared_at + self._reshare_s - loop.time()
+        soon = self._reshare_soon(asyncio.get_running_loop())
+        if soon is not None:
+            await asyncio.shield(soon)
+
+    def _reshare_soon(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[None] | None:
+        """Share again now, or schedule it for when the gap since the last share has passed (returned)."""
+        wait = self._reshared_at + self._gap - loop.time()
         if wait > 0:
             if self._soon is None or self._soon.done():
                 self._soon = loop.create_task(self._reshare_after(wait))
-            await asyncio.shield(self._soon)
-            return
+            return self._soon
         self._reshare_now(loop.time())
+        return None
 
     async def _reshare_after(self, wait: float) -> None:
         await asyncio.sleep(wait)
@@ -388,6 +460,7 @@ class LeaseService:
 
     def _reshare_now(self, now: float) -> None:
         self._reshared_at = now
+        started = time.perf_counter()
         if self.broker.expire():
             holders = set(self.broker.holders())
             for gone in [h for h in self._changed if h not in holders]:
@@ -396,4 +469,6 @@ class LeaseService:
             event = self._changed.pop(holder, None)
             if event is not None:
                 event.set()
+        if self._budget is not None:
+            self._gap = max(self._reshare_s, (time.perf_counter() - started) / self._budget)
 

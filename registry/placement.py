@@ -1,17 +1,31 @@
-"""Where a model's slots go among the lease broker's holders (registry/leases.py): entitlements in whole slots,
-the max-min fair split within a class of the client order, the server kinds each holder's entitlement is
-placed on, and the servers its slots are dealt onto. Pure functions: no state outlives a call."""
+"""Where a model's slots go among the lease broker's holders (registry/leases.py): shares in the client order (the
+max-min fair split within a class), over slot counts or kind by kind, or the min-makespan plan of every holder's
+work over the server kinds; entitlements in whole slots; the kinds each holder's entitlement is placed on, and the
+servers its slots are dealt onto. Pure functions: no state outlives a call."""
 
 from __future__ import annotations
 
 import heapq
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from scipy.optimize import linprog
+
     from fedpool.registry.leases import LeaseServer, ModelDemand
+else:
+    def linprog(*args: object, **kwargs: object) -> object:
+        """SciPy's, imported on the first plan (costly to import; only `plan_by_kind` needs it)."""
+        from scipy.optimize import linprog as solve
+
+        return solve(*args, **kwargs)
+
+Ranked = tuple[float, str, float, float, bool]  # a client in the order: rank, holder, weight, wanted, by service
+KindPlan = tuple[dict[str, dict[str, float]], dict[str, set[str]]]  # holder -> kind -> slots; -> kinds it may use
+RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 
 # The horizon rule, one for a process's own clients (federation/routing/horizon.py) and for the broker's holders:
 HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
@@ -40,6 +54,177 @@ def usable_kinds(prices: Mapping[str, float], horizon: float, margin: float = HO
     best = min(prices.values())
     limit = max(horizon * (1 - margin), best * (1 + CHEAPEST_TIE))
     return tuple(k for k, price in prices.items() if price <= limit)
+
+
+def _order_fill(clients: Sequence[Ranked], capacity: float, service_tie: float) -> tuple[list[float], float]:
+    """Each client's share of `capacity` in the client order — clients of a smaller rank first, each up to what
+    it wants; equal ranks (within RANK_TIE, or `service_tie` between clients ranked by service) share by weight —
+    and what is left."""
+    got = [0.0] * len(clients)
+    left = float(capacity)
+    i = 0
+    while i < len(clients) and left > 1e-9:
+        j = i + 1  # one class: ranks equal within a relative tolerance (within service_tie, by service)
+        tie = RANK_TIE * max(1.0, abs(clients[i][0]))
+        while j < len(clients) and clients[j][0] - clients[i][0] <= (
+                max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
+            j += 1
+        for k, share in enumerate(water_fill(list(clients[i:j]), left)):
+            got[i + k] = share
+            left -= share
+        i = j
+    return got, left
+
+
+def share_by_order(clients: Sequence[Ranked], capacity: float, service_tie: float) -> dict[str, float]:
+    """Holder -> its share of `capacity` in the client order (fractional); what nobody wants yet is headroom for
+    whoever wants something, in proportion to what it wants."""
+    got, left = _order_fill(clients, capacity, service_tie)
+    out: dict[str, float] = {}
+    for (_, holder_id, *_), share in zip(clients, got, strict=True):
+        out[holder_id] = out.get(holder_id, 0.0) + share
+    wanted: dict[str, float] = {}
+    for _, holder_id, _, n, _ in clients:
+        wanted[holder_id] = wanted.get(holder_id, 0.0) + n
+    total = sum(wanted.values())
+    if left > 1e-9 and total > 0:
+        for holder_id, n in wanted.items():
+            out[holder_id] += left * n / total
+    return out
+
+
+@dataclass(frozen=True)
+class KindView:
+    """One model's server kinds as the broker's holders see them: each kind's slots, what a request of each holder
+    costs there, and the kinds each holder's requests may use at all (the horizon rule)."""
+
+    capacity: dict[str, int]
+    cost: dict[str, dict[str, float]]  # holder -> kind -> one request (the median holder's where it sent none)
+    allowed: dict[str, set[str]]  # holder -> kinds (absent: every kind)
+
+    def may(self, holder_id: str, kind: str) -> bool:
+        kinds = self.allowed.get(holder_id)
+        return kinds is None or kind in kinds
+
+    def slowest_first(self, wanted: Mapping[str, float]) -> list[str]:
+        """The kinds by the speed the holders' mix runs at there (their cheapest cost ÷ their cost there, weighted
+        by what they want), the slowest first."""
+        total = sum(wanted.values())
+        speed = {k: sum(n * min(self.cost[h].values()) / self.cost[h][k] for h, n in wanted.items()) / total
+                 if total else 1.0 for k in self.capacity}
+        return sorted(self.capacity, key=lambda k: (speed[k], k))
+
+
+def kind_view(servers: Sequence[LeaseServer], demands: Mapping[str, ModelDemand], clients: Sequence[Ranked]
+              ) -> KindView:
+    """The kinds of `servers`; a holder may use a kind where its requests take at most (1 − HORIZON_MARGIN) × the
+    fluid horizon of every holder's work (`clients`' wants at their cheapest price), or its cheapest kinds."""
+    capacity: dict[str, int] = {}
+    for server in servers:
+        capacity[server.kind] = capacity.get(server.kind, 0) + server.capacity
+    work: dict[str, float] = {}
+    for _, holder_id, _, n, _ in clients:
+        work[holder_id] = work.get(holder_id, 0.0) + n
+    cost: dict[str, dict[str, float]] = {}
+    for holder_id in work:
+        demand = demands.get(holder_id)
+        costs = demand.kind_costs if demand is not None else {}
+        if all(costs.get(k, 0.0) > 0 for k in capacity):
+            cost[holder_id] = {k: costs[k] for k in capacity}
+    median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
+    horizon = fluid_horizon({k: float(n) for k, n in capacity.items()}, ((work[h], cost[h]) for h in cost))
+    allowed = {holder_id: set(usable_kinds(costs, horizon)) for holder_id, costs in cost.items()}
+    for holder_id in work:
+        cost.setdefault(holder_id, median)
+    return KindView(capacity, cost, allowed)
+
+
+def _holder_wants(clients: Sequence[Ranked]) -> dict[str, float]:
+    wanted: dict[str, float] = {}
+    for _, holder_id, _, n, _ in clients:
+        wanted[holder_id] = wanted.get(holder_id, 0.0) + n
+    return wanted
+
+
+def _headroom(out: dict[str, dict[str, float]], view: KindView, wanted: Mapping[str, float]) -> None:
+    """What nobody wants yet on each kind goes to the holders that may use it, in proportion to what they want."""
+    for kind, capacity in view.capacity.items():
+        left = capacity - sum(k.get(kind, 0.0) for k in out.values())
+        takers = {h: n for h, n in wanted.items() if n > 0 and view.may(h, kind)}
+        total = sum(takers.values())
+        if left > 1e-9 and total > 0:
+            for holder_id, n in takers.items():
+                out[holder_id][kind] = out[holder_id].get(kind, 0.0) + left * n / total
+
+
+def plan_requests(wanted: Mapping[str, float], view: KindView) -> tuple[dict[str, dict[str, float]], float]:
+    """(Holder -> kind -> how many of its requests the min-makespan split puts there, T): min T (+ PLAN_TIEBREAK × the
+    server time spent: among splits of one T, each request where it costs least) subject to each holder's requests
+    all placed on the kinds it may use and each kind's work at most T × its slots (HiGHS)."""
+    holders = [h for h, n in wanted.items() if n > 0]
+    pairs = [(h, k) for h in holders for k in view.capacity if view.may(h, k)]
+    out: dict[str, dict[str, float]] = {h: {} for h in holders}
+    if not pairs:
+        return out, 0.0
+    kinds = {k: row for row, k in enumerate(view.capacity)}
+    rows = {h: row for row, h in enumerate(holders)}
+    n = len(pairs) + 1
+    objective = [0.0] * n
+    objective[-1] = 1.0
+    columns = list(range(len(pairs)))
+    eq = ([rows[h] for h, _ in pairs], columns, [1.0] * len(pairs))  # (rows, columns, values): sparse, O(pairs)
+    ub = ([kinds[k] for _, k in pairs] + list(kinds.values()), columns + [n - 1] * len(kinds),
+          [view.cost[h][k] for h, k in pairs] + [-float(view.capacity[k]) for k in kinds])
+    for i, (h, k) in enumerate(pairs):
+        objective[i] = PLAN_TIEBREAK * view.cost[h][k] / view.capacity[k]
+    result = linprog(objective, A_ub=_sparse(ub, (len(kinds), n)), b_ub=[0.0] * len(kinds),
+                     A_eq=_sparse(eq, (len(holders), n)), b_eq=[wanted[h] for h in holders],
+                     bounds=[(0, None)] * n, method="highs")
+    if not result.success or result.x[-1] <= 0:
+        return out, 0.0
+    for i, (h, k) in enumerate(pairs):
+        if result.x[i] > MIN_PLANNED:
+            out[h][k] = float(result.x[i])
+    return out, float(result.x[-1])
+
+
+def _sparse(entries: tuple[list[int], list[int], list[float]], shape: tuple[int, int]) -> object:
+    from scipy.sparse import coo_array
+
+    rows, columns, values = entries
+    return coo_array((values, (rows, columns)), shape=shape).tocsr()
+
+
+def plan_by_kind(clients: Sequence[Ranked], view: KindView, service_tie: Callable[[float], float], *,
+                 finish_together: bool) -> dict[str, dict[str, float]]:
+    """Holder -> kind -> its share there: the min-makespan split decides where each holder's requests go
+    (`plan_requests`); `finish_together`: each kind's slots dealt in proportion to the work planned there (a
+    holder's slots there: its requests × their cost ÷ the makespan, at most its requests), every holder finishing
+    at the plan's makespan — else in the client order among the holders planned there, each client up to its
+    part of its holder's requests planned there (a short eval is not stretched to the long ones' end); then the
+    headroom."""
+    wanted = _holder_wants(clients)
+    planned, makespan = plan_requests(wanted, view)
+    out: dict[str, dict[str, float]] = {h: {} for h in wanted}
+    for kind, capacity in view.capacity.items():
+        if finish_together:
+            for holder_id, kinds in planned.items():
+                if kinds.get(kind, 0.0) > 0:
+                    x = kinds[kind]
+                    out[holder_id][kind] = min(x, x * view.cost[holder_id][kind] / makespan)
+            continue
+        on = [(c[0], c[1], c[2], c[3] * planned.get(c[1], {}).get(kind, 0.0) / wanted[c[1]], c[4])
+              for c in clients if wanted[c[1]] > 0 and planned.get(c[1], {}).get(kind, 0.0) > 0]
+        got, _ = _order_fill(on, float(capacity), service_tie(float(capacity)))
+        for (_, holder_id, *_), share in zip(on, got, strict=True):
+            if share > 0:
+                out[holder_id][kind] = out[holder_id].get(kind, 0.0) + share
+    _headroom(out, view, wanted)
+    return out
+
+
+MIN_PLANNED = 1e-6  # requests below this on a kind are not planned there
+PLAN_TIEBREAK = 1e-3  # weight of the server time a plan spends, beside its makespan
 
 
 def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], demands: Mapping[str, ModelDemand]
@@ -99,15 +284,15 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
 
 
 def spread_slots(servers: Sequence[LeaseServer], wants: Mapping[str, float], demands: Mapping[str, ModelDemand],
-                 inflight: Mapping[str, Mapping[str, int]], occupied: Mapping[str, Mapping[str, int]]
-                 ) -> dict[str, dict[str, int]]:
+                 inflight: Mapping[str, Mapping[str, int]], occupied: Mapping[str, Mapping[str, int]],
+                 plan: KindPlan | None = None) -> dict[str, dict[str, int]]:
     """Holder -> server -> whole slots of one model. Each holder (of `occupied`, in its order) first keeps the slots
     it uses (`inflight`; then those it may be using, `occupied`, up to its fair spread) up to its entitlement in
     `wants` — leases are sticky, no churn of servers between holders — then the rest is dealt one slot at a time,
     the holder with the most still owed first, onto the server with the most room where it is under its spread:
     each holder spread over the servers of the kinds its work suits (`kind_targets`). Every holder's `occupied`
     slots are taken: they are not room. O(holders' servers + slots dealt × log servers)."""
-    spread = _Spread(servers, occupied, *kind_targets(servers, wants, demands))
+    spread = _Spread(servers, occupied, *(plan if plan is not None else kind_targets(servers, wants, demands)))
     owed: list[tuple[int, str]] = []
     for holder_id, want in wants.items():
         left = spread.keep(holder_id, int(want), inflight[holder_id], occupied[holder_id])
@@ -116,6 +301,11 @@ def spread_slots(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
     spread.open_rooms(occupied)
     spread.deal(owed)
     return spread.out
+
+
+def _most_first(item: tuple[str, int]) -> tuple[int, str]:
+    """Sort key: the most slots first, then by server id."""
+    return -item[1], item[0]
 
 
 class _Spread:
@@ -146,22 +336,32 @@ class _Spread:
         """Grant the holder, up to `want`, the slots it uses; returns what is left to deal it."""
         left = want
         grant = self.out[holder_id]
+        capacity, kind_of, kind_capacity = self.capacity, self.kind_of, self.kind_capacity
+        targets = self.targets.get(holder_id, {})
         # Where its requests are in flight first (those slots are taken either way), then the rest it holds
         # up to its fair spread (its entitlement in proportion to each server's capacity): idle slots piled on
         # one server go back, so one process's requests do not all land on one replica.
         # A holder in flight beyond its entitlement keeps its fair spread of them on each server first (the rest
         # it gives back, its youngest at once: federation/core/attempts.py), so a shrunk lease does not leave it all
         # on the servers it happened to fill first.
-        for source, spread in ((inflight, True), (inflight, False), (occupied, True)):
-            for sid, n in sorted(source.items(), key=lambda kv: (-kv[1], kv[0])):
-                if sid not in self.capacity:
+        ranked = sorted(((sid, n) for sid, n in inflight.items() if sid in capacity), key=_most_first)
+        for source, spread in ((ranked, True), (ranked, False), (occupied, True)):
+            if left <= 0:  # (nothing more can be kept)
+                break
+            for sid, n in (source if source is ranked else sorted(occupied.items(), key=_most_first)):
+                if sid not in capacity:
                     continue
-                keep = min(n - grant.get(sid, 0), left)
-                if spread:
-                    keep = min(keep, self.fair(holder_id, sid) - grant.get(sid, 0))
+                had = grant.get(sid, 0)
+                keep = min(n - had, left)
+                if spread:  # (the fair spread, as `fair` computes it)
+                    kind = kind_of[sid]
+                    fair = math.ceil(targets.get(kind, 0.0) * capacity[sid] / (kind_capacity[kind] or 1) - 1e-9)
+                    keep = min(keep, fair - had)
                 if keep > 0:
-                    grant[sid] = grant.get(sid, 0) + keep
+                    grant[sid] = had + keep
                     left -= keep
+                    if left <= 0:
+                        break
         return left
 
     def open_rooms(self, occupied: Mapping[str, Mapping[str, int]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fedpool.registry import ClientDemand, DemandReport, LeaseBroker, LeaseServer, ModelDemand, loading_report
+from fedpool.registry.leases import learns_at_start
 from fedpool.registry.placement import whole
 
 
@@ -173,7 +174,9 @@ def test_capacity_nobody_wants_goes_to_whoever_wants_something() -> None:
     assert total(a) + total(bb) == 8 and total(a) >= 2 and total(bb) >= 1  # headroom for bursts, no slot idle
 
 
-def test_a_holder_that_stops_reporting_loses_its_slots_after_the_ttl() -> None:
+def test_a_holder_that_stops_reporting_loses_its_slots_after_the_ttl_and_its_fallback() -> None:
+    """A silent holder shares no more after a TTL; the slots it may still use as its fallback (one more TTL: the
+    lease client keeps what it held, capped by its safe share) go to the others once that has run out too."""
     b = Broker(ttl_s=3.0)
     b.report("dead", {"e": (40, 0.0)})
     assert total(b.slots("dead")) == 8
@@ -183,11 +186,13 @@ def test_a_holder_that_stops_reporting_loses_its_slots_after_the_ttl() -> None:
     b.report("alive", {"f": (40, 0.0)})
     b.now += 1.5
     assert b.broker.expire() and b.broker.holders() == ["alive"]
-    b.broker.reshare()
+    assert b.report("alive", {"f": (40, 0.0)}) == {}  # (its fallback may be in use)
+    b.now += 2.6
+    assert b.broker.expire()
     assert b.report("alive", {"f": (40, 0.0)}) == {"s0": 4, "s1": 4}
 
 
-def test_a_restarted_broker_learns_for_one_ttl_and_grants_nobody_more_than_it_holds() -> None:
+def test_a_restarted_broker_learns_for_two_ttls_and_grants_nobody_more_than_it_holds() -> None:
     b = Broker(restarted=True, ttl_s=3.0)
     # A holder of the previous incarnation reports the 6 slots it holds; a newcomer wants everything.
     b.broker.report(DemandReport(holder="old", models=(ModelDemand(model="m", clients=(
@@ -196,19 +201,45 @@ def test_a_restarted_broker_learns_for_one_ttl_and_grants_nobody_more_than_it_ho
     assert b.slots("old") == {"s0": 3, "s1": 3}  # echoed, not grown
     assert b.report("new", {"f": (40, 0.0)}) == {}  # unknown leases may be in use: nothing for newcomers yet
     b.now += 3.1
+    # The old incarnation's leases have run out, but a holder that never reached this one may still work within
+    # its fallback (one more TTL).
+    assert b.report("new", {"f": (40, 0.0)}) == {}
+    b.now += 3.0
     b.broker.reshare()
     assert total(b.report("new", {"f": (40, 0.0)})) > 0
 
 
-def test_safe_shares_divide_each_server_among_its_holders() -> None:
+def test_a_registry_restarted_with_or_without_saved_state_learns() -> None:
+    assert learns_at_start(saved_state=True, reconstructed=False)
+    assert learns_at_start(saved_state=False, reconstructed=True)  # (Ray restarted it; its state was not saved)
+    assert not learns_at_start(saved_state=False, reconstructed=False)  # a pool started afresh
+
+
+def test_safe_shares_divide_each_server_among_its_holders_within_their_leases() -> None:
     b = Broker()
     b.report("a", {"e": (40, 0.0)})
     b.report("b", {"f": (40, 0.0)})
     b.report("c", {"g": (1, 0.0)}, model="x")
-    safe = b.broker.safe_shares()
-    assert safe == {"s0": 2, "s1": 2, "x0": 2}
+    assert b.broker.safe_shares() == {"s0": 2, "s1": 2, "x0": 2}
     b.broker.set_servers([LeaseServer("s0", "m", 4), LeaseServer("s1", "m", 0)])  # s1 went down
+    b.broker.reshare()
     assert b.broker.safe_shares() == {"s0": 2}
+
+
+def test_the_fallbacks_of_holders_outnumbering_the_slots_add_up_to_at_most_the_slots() -> None:
+    """Each lease's fallback is the lease capped at the capacity ÷ the holders: never a slot the lease does not
+    hold (a slot each for 10 holders of 8 slots was 10)."""
+    b = Broker()
+    for i in range(10):
+        b.report(f"h{i}", {f"e{i}": (40, 0.0)})
+    for i in range(10):
+        b.report(f"h{i}", {f"e{i}": (40, 0.0)})
+    safe = [b.broker.lease(f"h{i}").safe for i in range(10)]
+    for sid in ("s0", "s1"):
+        assert sum(s.get(sid, 0) for s in safe) <= 4
+    for i, s in enumerate(safe):
+        slots = b.slots(f"h{i}")
+        assert all(n <= slots.get(sid, 0) for sid, n in s.items())
 
 
 def test_service_ranks_are_put_on_one_scale_across_holders() -> None:
@@ -313,8 +344,9 @@ def test_a_lease_sent_but_not_yet_acknowledged_is_not_room_for_another_holder() 
 
 
 def test_slots_are_placed_on_the_kinds_each_holder_s_work_suits() -> None:
-    """Two kinds (a fast one of 8 slots, a slow one of 8): the holder whose requests are short gets the slow kind,
-    the one with long requests the fast kind — by their costs there, not by capacity alone (each half on each)."""
+    """Two kinds (a fast one of 8 slots, a slow one of 8): each holder's requests go where the min-makespan split
+    of both holders' work puts them (placement.plan_requests) — by their costs there, not by capacity alone (each
+    half on each)."""
     b = LeaseBroker(lambda: 100.0, restarted=False)
     b.set_servers([LeaseServer("a0", "m", 4, "A100x1/4"), LeaseServer("a1", "m", 4, "A100x1/4"),
                    LeaseServer("v0", "m", 4, "V100x1/4"), LeaseServer("v1", "m", 4, "V100x1/4")])
@@ -328,8 +360,16 @@ def test_slots_are_placed_on_the_kinds_each_holder_s_work_suits() -> None:
         report("captions", {"A100x1/4": 0.2, "V100x1/4": 0.5})
         report("long-answers", {"A100x1/4": 3.0, "V100x1/4": 7.0})
         b.reshare()
-    assert dict(b.lease("captions").slots) == {"v0": 4, "v1": 4}
-    assert dict(b.lease("long-answers").slots) == {"a0": 4, "a1": 4}
+    # By comparative advantage (a caption costs 2.5× as much on the slow kind, a long answer 2.3×: the min-makespan
+    # split puts the captions on the fast kind, the long answers on both), not by capacity alone.
+    assert dict(b.lease("captions").slots) == {"a0": 2, "a1": 2}
+    assert dict(b.lease("long-answers").slots) == {"a0": 2, "a1": 2, "v0": 4, "v1": 4}
+    for _ in range(2):  # long answers that cost 3× as much on the slow kind: the captions take it
+        report("captions", {"A100x1/4": 0.2, "V100x1/4": 0.3})
+        report("long-answers", {"A100x1/4": 3.0, "V100x1/4": 9.0})
+        b.reshare()
+    assert set(b.lease("captions").slots) <= {"v0", "v1"}
+    assert {"a0": 4, "a1": 4}.items() <= dict(b.lease("long-answers").slots).items()
 
 
 def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_horizon() -> None:

@@ -372,7 +372,7 @@ class GrantPass:
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
                          served_s=None if c in loading else clients.served_s(c), loading=c in loading,
                          work_left=clients.work_left(c))
-            for c, n in sorted(per.items())), kind_costs=self._kind_costs(model, entries, per))
+            for c, n in sorted(per.items())), kind_costs=self._kind_costs(model, entries, per), order=clients.order)
             for model, per in sorted(wanted.items()) if per)
 
     def _kind_costs(self, model: str, entries: Iterable[ServerEntry], per: Mapping[str, int]) -> dict[str, float]:

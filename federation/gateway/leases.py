@@ -7,10 +7,10 @@ answered at once when this process's slots changed, else after `renew_s`. The di
 it goes from idle to wanting slots, and when it lets go of a slot its lease no longer covers. An idle process
 reports its last demand for `IDLE_HOLD_S` more, then nothing; clients that sent their last request are not held for.
 
-A lease runs `ttl_s` from when the report that earned it was *sent* (the broker forgets a silent holder `ttl_s`
-after it *received* it, later). A lease that runs out unrenewed leaves the process at most what it held, capped
-by its safe share, for one more TTL, and then its safe share (these add up to at most each server's capacity);
-a lease from the registry replaces the fallback when it comes.
+A lease runs `ttl_s` from when the report that earned it was *sent* (the broker stops sharing with a silent
+holder `ttl_s` after it *received* it, later). A lease that runs out unrenewed leaves the process its safe share
+(what it held, capped) for one more TTL — the broker counts it as in use that long — and then nothing; a process
+holds nothing until its first lease. A lease from the registry replaces the fallback when it comes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.registry import DemandReport, Lease, ModelDemand, holder_id
 
 log = logging.getLogger("fedpool.leases")
@@ -44,8 +43,27 @@ class LeaseRegistry(Protocol):
     async def release_lease(self, holder: str) -> None: ...
 
 
+class LeaseHolder(Protocol):
+    """What the lease client needs of its process's dispatcher (`Dispatcher`)."""
+
+    on_demand: Callable[[bool], None] | None
+    on_over_lease_release: Callable[[], None] | None
+
+    def demand(self) -> tuple[ModelDemand, ...]: ...
+
+    def inflight(self) -> dict[str, int]: ...
+
+    def held(self) -> dict[str, int]: ...
+
+    def apply_lease(self, slots: Mapping[str, int] | None) -> None: ...
+
+    def done_sending(self, client_id: str) -> bool: ...
+
+    def served_totals(self) -> tuple[float, float]: ...
+
+
 class LeaseClient:
-    def __init__(self, registry: LeaseRegistry, dispatcher: Dispatcher, *, holder: str | None = None,
+    def __init__(self, registry: LeaseRegistry, dispatcher: LeaseHolder, *, holder: str | None = None,
                  renew_s: float = RENEW_S, clock: Callable[[], float] = time.monotonic):
         self._registry = registry
         self._dispatcher = dispatcher
@@ -69,8 +87,9 @@ class LeaseClient:
         self.lapses = 0  # leases that ran out unrenewed
 
     async def start(self) -> None:
-        """Hold no slots until the first lease comes (a round trip); if none comes within CALL_TIMEOUT_S, the
-        registry is away and no other holder is known: the windows are the dispatcher's own until one does."""
+        """Hold no slots until the first lease comes (a round trip): no broker keeps anything free for a holder it
+        has not heard of, so any share taken without a lease may be another's (it used to go uncapped after
+        CALL_TIMEOUT_S)."""
         self._dispatcher.on_demand = self.poke
         self._dispatcher.on_over_lease_release = self._poked.set
         self._dispatcher.apply_lease({})
@@ -81,9 +100,8 @@ class LeaseClient:
     def _never_leased(self) -> None:
         self._expiry = None
         if self._version < 0:
-            log.warning("no capacity lease from the registry in %.0f s: working without one", CALL_TIMEOUT_S)
-            self._fallback = True
-            self._dispatcher.apply_lease(None)
+            log.warning("no capacity lease from the registry in %.0f s: waiting for one (start with leasing off to "
+                        "work without)", CALL_TIMEOUT_S)
 
     async def stop(self) -> None:
         """Stop renewing and give the slots back (best effort: the broker forgets a silent holder at its TTL)."""
@@ -179,7 +197,10 @@ class LeaseClient:
                 self._apply(lease, sent_at)
 
     def _apply(self, lease: Lease, sent_at: float) -> None:
-        """Work within `lease`, valid until `ttl_s` after the report it answers was sent."""
+        """Work within `lease`, valid until `ttl_s` after the report it answers was sent (one that comes later
+        than that is not applied)."""
+        if sent_at + lease.ttl_s <= self._clock():
+            return
         if lease.broker != self._broker and self._broker is not None:
             log.info("the registry's lease broker changed (%s -> %s)", self._broker, lease.broker)
         self._broker, self._version, self._safe = lease.broker, lease.version, lease.safe
@@ -195,21 +216,24 @@ class LeaseClient:
         self._expiry = asyncio.get_running_loop().call_later(max(0.0, delay), self._expired, ttl_s)
 
     def _expired(self, ttl_s: float) -> None:
-        """The lease ran out unrenewed (the registry away, or the call too slow). For one TTL keep at most what
-        was held, capped by the safe share; after that, the safe share."""
+        """The lease ran out unrenewed (the registry away, or the call too slow). For one TTL from then keep at
+        most what was held, capped by the safe share; after that, nothing: the broker counts a silent holder's
+        slots in use that long and no longer (a share kept for good would be another's once it forgets us)."""
         self._expiry = None
-        if self._expires_at is None or self._clock() < self._expires_at or self._safe is None:
+        now = self._clock()
+        if self._expires_at is None or now < self._expires_at or self._safe is None:
             return
         if not self._fallback:
             self.lapses += 1
-            log.warning("capacity lease not renewed in time: keeping at most what was held for %.0f s", ttl_s)
             self._fallback = True
-            safe = self._safe
-            self._dispatcher.apply_lease({s: min(n, safe[s]) for s, n in self._held.items() if s in safe})
-            self._expire_in(ttl_s, ttl_s)
-            return
-        log.warning("capacity lease still not renewed (registry unreachable): falling back to the safe share")
-        self._dispatcher.apply_lease(self._safe)
+            if now < self._expires_at + ttl_s:
+                log.warning("capacity lease not renewed in time: keeping at most what was held for %.0f s", ttl_s)
+                safe = self._safe
+                self._dispatcher.apply_lease({s: min(n, safe[s]) for s, n in self._held.items() if s in safe})
+                self._expire_in(self._expires_at + ttl_s - now, ttl_s)
+                return
+        log.warning("capacity lease still not renewed (registry unreachable): holding nothing until it answers")
+        self._dispatcher.apply_lease({})
 
     @property
     def in_fallback(self) -> bool:
