@@ -12,7 +12,7 @@ import itertools
 import resource
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import PoolConnection
 from fedpool.federation.gateway.auth import bearer, matches
 from fedpool.federation.gateway.batches import MAX_FILE_BYTES, MAX_LINES, BatchesApi, model_slots
-from fedpool.federation.gateway.batchstore import BatchStore
+from fedpool.federation.gateway.batchstore import BatchStore, StoredBatch
 from fedpool.federation.gateway.handlers import ApiKey, AppTask, Gateway, serving
 
 HISTORY_PERIOD_S = 2.0
@@ -94,10 +94,12 @@ class PoolHistory(AppTask):
 
 
 def pool_state(pool: PoolConnection, runner: JobRunner | None, jobs: list[Any] | None = None, *,
-               details: bool = False, history: PoolHistory | None = None) -> dict[str, Any]:
+               details: bool = False, history: PoolHistory | None = None,
+               batches: Sequence[StoredBatch] = ()) -> dict[str, Any]:
     """What the pool page shows: servers as the registry and this dispatcher see them, running evals
-    with their progress, recent failures. No tokens. Error texts (they can name hosts and dataset paths) only
-    with `details`, for a caller that presented a valid API key or the jobs token; otherwise counts only."""
+    with their progress, batches in progress, recent failures. No tokens. Error texts (they can name hosts and
+    dataset paths) and whose batches are only with `details`, for a caller that presented a valid API key or the
+    jobs token; otherwise counts only."""
     snapshot, dispatcher = pool.snapshot, pool.dispatcher
     stats = {s.server_id: s for s in dispatcher.stats().servers}
     servers = []
@@ -133,11 +135,18 @@ def pool_state(pool: PoolConnection, runner: JobRunner | None, jobs: list[Any] |
     failures += [{"job": j["id"], "error": j["error"]} for j in recent_jobs if j["state"] == "failed"]
     totals = dispatcher.stats()
     return {"time": time.time(), "version": snapshot.version if snapshot else None, "servers": servers,
-            "evals": evals, "jobs": recent_jobs, "failures": failures,
+            "evals": evals, "jobs": recent_jobs, "failures": failures, "batches": batch_rows(batches, details),
             "dispatcher": {"submitted": totals.submitted, "completed": totals.completed, "failed": totals.failed,
                            "retries": totals.retries, "hedges": totals.hedges, "inflight": totals.inflight_total,
                            "keepalive_resets": sum(s.failures.get(RESET, 0) for s in totals.servers)},
             "history": history.series() if history is not None else None}
+
+
+def batch_rows(active: Sequence[StoredBatch], details: bool) -> list[dict[str, Any]]:
+    """The unfinished batches as the pool page shows them, oldest first; whose they are only with `details`."""
+    return [{"id": b.id, "status": b.status, "model": b.model, "endpoint": b.endpoint, "total": b.total,
+             "completed": b.completed, "failed": b.failed, "created_at": b.created_at,
+             "in_progress_at": b.in_progress_at, "owner": b.owner if details else None} for b in active]
 
 
 def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobRunner | None = None,
@@ -154,9 +163,10 @@ def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobR
 
     async def state(request: web.Request) -> web.Response:
         jobs = await asyncio.to_thread(runner.store.list) if runner is not None else None
+        active = await asyncio.to_thread(batches.store.active) if batches is not None else []
         presented = bearer(request)
         details = gateway.knows(presented) or (jobs_token is not None and matches(presented, jobs_token.encode()))
-        return web.json_response(pool_state(pool, runner, jobs, details=details, history=history),
+        return web.json_response(pool_state(pool, runner, jobs, details=details, history=history, batches=active),
                                  headers={"Cache-Control": "no-store"})
 
     app.router.add_get("/", index)

@@ -1,10 +1,14 @@
 """The table a run of evals ends with, for `fedpool demo` and `fedpool eval run | resume | replay` alike: each
 benchmark's scores with their 95% bootstrap intervals, records, failed records and wall time; the requests each
-server answered for each benchmark; and the run's wall time."""
+server answered for each benchmark; and the run's wall time. And the report of a run (`RunReport`, `DemoReport`):
+its JSON and its text."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from fedpool.clients.eval_client import EvalSummary
 
@@ -42,3 +46,39 @@ def scores_table(summaries: Sequence[EvalSummary], wall_time_s: float) -> str:
     evals = f"{len(names)} evaluations run concurrently" if len(names) > 1 else "1 evaluation"
     lines += ["", f"Wall time: {wall_time_s:.1f} s for {evals}"]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """A run of evals as `fedpool eval run | resume | replay` reports it: the scores table, then each benchmark's
+    records (from before, written now, failed) and artifact."""
+
+    run_dir: Path
+    wall_time_s: float
+    summaries: tuple[EvalSummary, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"run_dir": str(self.run_dir), "wall_time_s": self.wall_time_s,
+                "benchmarks": {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
+                               for s in self.summaries}}
+
+    def text(self) -> str:
+        return "\n".join([scores_table(self.summaries, self.wall_time_s), f"Artifacts: {self.run_dir}", *(
+            f"  {s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
+            f"{s.summary['failed']} failed); {s.artifact_dir}" for s in self.summaries)])
+
+
+@dataclass(frozen=True)
+class DemoReport(RunReport):
+    """`fedpool demo`'s run: also the requests each server answered, the servers, and where the engines' logs are."""
+
+    answered: dict[str, dict[str, int]]  # server id -> benchmark -> requests answered
+    servers: tuple[dict[str, Any], ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {**super().as_json(), "answered": self.answered, "servers": list(self.servers)}
+
+    def text(self) -> str:
+        return "\n".join([scores_table(self.summaries, self.wall_time_s), f"Artifacts: {self.run_dir}",
+                          *(f"  {s.artifact_dir}/records.jsonl, summary.json" for s in self.summaries),
+                          f"  {self.run_dir}/run.json, report.json; engine logs in {self.run_dir}/logs"])

@@ -32,6 +32,7 @@ class PoolPlace:
     registry_dir: Path  # where the registry keeps its token and the URL of its HTTP API
     up_dir: Path | None = None  # the running `fedpool up` whose registry that is
     ray_address: str | None = None  # the Ray address that `fedpool up` recorded
+    gateway_url: str | None = None  # and its gateway's base URL
 
 
 def _holds_registry(path: Path) -> bool:
@@ -45,10 +46,12 @@ def _up_place(up: Path) -> PoolPlace | None:
     if not (up / READY_FILE).is_file() or not _holds_registry(inner):
         return None
     try:
-        address = json.loads((up / READY_FILE).read_text(encoding="utf-8")).get("ray_address")
+        ready = json.loads((up / READY_FILE).read_text(encoding="utf-8"))
+        address, url = ready.get("ray_address"), ready.get("url")
     except (OSError, ValueError, AttributeError):
-        address = None
-    return PoolPlace(inner, up, address if isinstance(address, str) and address else None)
+        address = url = None
+    return PoolPlace(inner, up, address if isinstance(address, str) and address else None,
+                     url if isinstance(url, str) and url else None)
 
 
 def locate_pool(state_dir: Path, default_state_dir: Path, default_up_dir: Path) -> PoolPlace:

@@ -123,14 +123,16 @@ async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_
                 roots=[r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")])
             async with serving_pool(pool, pool_page(), args.host, args.port, api_keys=keys,
                                     max_inflight=args.max_inflight, runner=runner, jobs_token=jobs_token,
-                                    reuse_port=args.reuse_port or None, backlog=1024) as base:
+                                    reuse_port=args.reuse_port or None, backlog=1024,
+                                    batches_dir=args.batches_dir and args.batches_dir.expanduser().resolve()) as base:
                 stop = stop_on_signals()
                 print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "
                       f"{'api keys required' if keys else 'open, loopback only'}); pool page {base}/", flush=True)
                 if jobs_dir is not None:
                     print(f"jobs API on {base}/jobs (token in {jobs_dir / 'jobs.token'}, jobs in {jobs_dir})",
                           flush=True)
-                print("Ctrl-C to stop", flush=True)
+                print((f"Batch API on {base}/v1/batches (batches in {args.batches_dir})\n" if args.batches_dir else "")
+                      + "Ctrl-C to stop", flush=True)
                 await stop.wait()
     finally:
         await client.aclose()
@@ -163,6 +165,11 @@ LEAVES = (
     Leaf("jobs show", opt.JobOptions, jobs.cmd_jobs_show, "one job: state, progress, scores"),
     Leaf("jobs cancel", opt.JobOptions, jobs.cmd_jobs_cancel, "cancel a queued or running job"),
     Leaf("jobs logs", opt.JobOptions, jobs.cmd_jobs_logs, "a job's log"),
+    Leaf("batch submit", opt.BatchSubmitOptions, jobs.cmd_batch_submit, "submit a JSONL file of OpenAI requests"),
+    Leaf("batch list", opt.BatchClientOptions, jobs.cmd_batch_list, "your batches, newest first"),
+    Leaf("batch show", opt.BatchOptions, jobs.cmd_batch_show, "one batch: status, counts, files, estimate"),
+    Leaf("batch cancel", opt.BatchOptions, jobs.cmd_batch_cancel, "cancel a batch (what finished is kept)"),
+    Leaf("batch download", opt.BatchDownloadOptions, jobs.cmd_batch_download, "an ended batch's output, errors"),
     Leaf("pool status", opt.PoolJsonOptions, servers.cmd_pool_status, "servers by status, engine and accelerator; "
          "capacity and load"),
     Leaf("eval run", opt.EvalRunOptions, evals.cmd_eval_run, "run benchmark specs concurrently through the pool"),
@@ -191,6 +198,7 @@ LEAVES = (
 GROUPS = {
     "registry": "start or inspect the registry actor in a running Ray cluster",
     "jobs": "remote evaluation jobs: serve the API, submit, list, show, cancel, logs",
+    "batch": "OpenAI Batch API batches on a pool's gateway: submit, list, show, cancel, download",
     "pool": "the pool at a glance",
     "eval": "run evaluations through a running pool, or resume a killed run",
     "bench": "measure fedpool: speedup over conventional per-process evaluation",
@@ -361,6 +369,8 @@ FILE_PROBLEMS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, Permi
 
 def _exit_code(exc: Exception) -> int | None:
     """The exit code of a failure the command reports in one line; None for a bug (its traceback is shown)."""
+    from fedpool.clients.batchclient import BatchError
+    from fedpool.clients.jobs.client import JobsApiError
     from fedpool.clients.rundir import NoServerError
     from fedpool.deploy import EngineStartError, LlamaServerNotInstalled
     from fedpool.pipeline import PipelineError
@@ -370,6 +380,8 @@ def _exit_code(exc: Exception) -> int | None:
 
     if isinstance(exc, CliError):
         return exc.code
+    if isinstance(exc, BatchError | JobsApiError):  # (a server that does not answer: OSError, below)
+        return {"input": EXIT_USAGE, "unavailable": EXIT_UNAVAILABLE}.get(exc.kind, EXIT_FAILED)
     if isinstance(exc, OwnershipError):
         return EXIT_BUSY  # a run or jobs directory another process holds (named in the message)
     if isinstance(exc, NoServerError | RegistryUnreachable | EngineStartError | LlamaServerNotInstalled):

@@ -98,7 +98,8 @@ def cmd_eval_rescore(args: opt.EvalRescoreOptions) -> int:
         init_local_ray()
     summaries = asyncio.run(rescore_all(plan, out, lambda: verifier_pool(args)))
     emit(args, {"out": str(out), "benchmarks": summaries}, lambda _: "\n".join(
-        f"{s['benchmark']}: {s['records']} records rescored ({s['failed']} failed); {scores(s)}; "
+        f"{s['benchmark']}: {s['records']} records rescored ({s['failed']} failed); "
+        + ", ".join(f"{x['metric']} {x['value']:.1f}" for x in s["scores"]) + "; "
         f"{out / s['benchmark']}" for s in summaries))
     return EXIT_OK
 
@@ -117,18 +118,13 @@ def verifier_pool(args: opt.VerifierOptions, default_model: Path | None = None,
         raise CliError(f"--verifier-model: {exc}", EXIT_USAGE) from None
 
 
-def scores(summary: dict[str, Any]) -> str:
-    """A benchmark's scores on one line: `exact_match 61.7, f1 70.2`."""
-    return ", ".join(f"{x['metric']} {x['value']:.1f}" for x in summary["scores"])
-
-
 def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[Any], client: Any, *,
               retry_failed: bool = False, holder: str | None = None) -> int:
     """Runs the evals; exit code 0 when every record has a prediction, EXIT_INCOMPLETE when some failed (their
     errors are in the records; `fedpool eval resume` runs them again)."""
     from fedpool.clients import EvalTarget
     from fedpool.clients.poolrun import run_evals_through_pool
-    from fedpool.clients.report import scores_table
+    from fedpool.clients.report import RunReport
     from fedpool.clients.rundir import failed_records_hint
     from fedpool.federation import DispatchConfig
 
@@ -141,13 +137,8 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
         join_ray=lambda: connect_ray(args), holder=holder,
         run_info={"policy": plan.policy, "concurrency": plan.concurrency, "client_order": plan.client_order,
                   "planned": plan.routing == "planned"}))
-    rows = {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir), "written_now": s.written}
-            for s in summaries}
-    wall = time.monotonic() - started
-    emit(args, {"run_dir": str(out), "wall_time_s": wall, "benchmarks": rows}, lambda _: "\n".join([
-        scores_table(summaries, wall), f"Artifacts: {out}", *(
-            f"  {s.benchmark}: {s.summary['records']} records ({s.resumed} from before, {s.written} now, "
-            f"{s.summary['failed']} failed); {s.artifact_dir}" for s in summaries)]))
+    report = RunReport(out, time.monotonic() - started, tuple(summaries))
+    emit(args, report.as_json(), lambda _: report.text())
     failed = sum(s.summary["failed"] for s in summaries)
     if failed:
         hint = failed_records_hint([s.summary["errors"] for s in summaries], failed, plan.resume_command(out))

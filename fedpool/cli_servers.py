@@ -72,7 +72,7 @@ def cmd_serve(args: opt.ServeOptions) -> int:
     import socket
 
     from fedpool.deploy.engines import EngineSpec, detect_accelerator, engine_argv, registry_engine
-    from fedpool.deploy.process import engine_variables, free_port, key_values
+    from fedpool.deploy.process import engine_variables, free_port
 
     port = args.port or free_port(args.host)
     spec = EngineSpec(engine=args.engine, model=args.model, port=port, host=args.host, model_path=args.model_path,
@@ -82,7 +82,6 @@ def cmd_serve(args: opt.ServeOptions) -> int:
     try:
         argv = engine_argv(spec)
         adapter = registry_engine(args.engine, args.profile)
-        labels = key_values(args.label)
         engine_env = engine_variables(args.env, args.env_file)
     except ValueError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
@@ -91,7 +90,7 @@ def cmd_serve(args: opt.ServeOptions) -> int:
     record = server_record({
         "id": server_id, "url": args.advertise_url or f"http://{args.host}:{port}", "engine": adapter,
         "model": args.model, "revision": args.revision, "accelerator": accelerator, "gpu_count": args.gpus or gpus,
-        "capacity": args.capacity, "labels": {**labels, "launched_by": "fedpool-serve", "engine_kind": args.engine}})
+        "capacity": args.capacity}, args.label, launched_by="fedpool-serve", engine_kind=args.engine)
     client = registry_client(args)
     return asyncio.run(_serve_engine(client, record, argv, engine_env, args))
 
@@ -118,29 +117,27 @@ async def _serve_engine(client: Any, record: Any, argv: list[str], engine_env: d
     return EXIT_OK
 
 
-def server_record(fields: dict[str, Any]) -> ServerRecord:
-    """A server's record from the flags; every field that is wrong named at once (exit code 2)."""
+def server_record(fields: dict[str, Any], labels: list[str], **more_labels: str) -> ServerRecord:
+    """A server's record from the flags (with its --label KEY=VALUE items and `more_labels`); every field that is
+    wrong named at once (exit code 2)."""
     from pydantic import ValidationError
 
+    from fedpool.deploy.process import key_values
     from fedpool.registry import ServerRecord
 
     try:
-        return ServerRecord.model_validate(fields)
+        return ServerRecord.model_validate({**fields, "labels": {**key_values(labels), **more_labels}})
     except ValidationError as exc:
         raise CliError("; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}"
                                  for err in exc.errors()), EXIT_USAGE) from None
+    except ValueError as exc:  # a --label that is not KEY=VALUE
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def cmd_server_add(args: opt.ServerAddOptions) -> int:
-    from fedpool.deploy.process import key_values
-
-    try:
-        labels = key_values(args.label)
-    except ValueError as exc:
-        raise CliError(str(exc), EXIT_USAGE) from None
     record = server_record({
         "id": args.id, "url": args.url, "engine": args.engine, "model": args.model, "revision": args.revision,
-        "accelerator": args.accelerator, "gpu_count": args.gpus, "capacity": args.capacity, "labels": labels})
+        "accelerator": args.accelerator, "gpu_count": args.gpus, "capacity": args.capacity}, args.label)
     entry = ask(pool_registry(args), lambda c: c.register(record, replace=args.replace))
     emit(args, entry.describe(), lambda e: f"registered {e['id']} ({e['engine']}, {e['model']}, "
          f"{e['accelerator']}), capacity {e['capacity']}, status {e['status']}")
@@ -178,21 +175,12 @@ def cmd_server_remove(args: opt.ServerOptions) -> int:
 
 
 def format_server_table(rows: Sequence[dict[str, Any]]) -> str:
-    headers = ("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S")
-    table: list[tuple[str, ...]] = [headers]
-    for r in rows:
-        table.append((
-            r["id"], r["engine"], r["accelerator"], r["model"], r["status"],
-            _num(r["running"]), _num(r["waiting"]),
-            f"{r['kv_cache_usage'] * 100:.0f}" if r["kv_cache_usage"] is not None else "-",
-            f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] is not None else "-",
-        ))
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(headers))]
+    def num(value: float | None, spec: str = "g", scale: float = 1) -> str:
+        return "-" if value is None else f"{value * scale:{spec}}"
+
+    table = [("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S")] + [
+        (r["id"], r["engine"], r["accelerator"], r["model"], r["status"], num(r["running"]), num(r["waiting"]),
+         num(r["kv_cache_usage"], ".0f", 100), num(r["tokens_per_s"], ".1f")) for r in rows]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table]
-    if not rows:
-        lines.append("(no servers registered; add one with `fedpool server add`)")
-    return "\n".join(lines)
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
+    return "\n".join(lines + ([] if rows else ["(no servers registered; add one with `fedpool server add`)"]))

@@ -34,15 +34,11 @@ class ConfigError(Exception):
 
 
 def find_config_file(given: Path | None, environ: Mapping[str, str]) -> Path | None:
-    if given is not None:
-        if not given.is_file():
-            raise ConfigError(f"--config {given}: no such file")
-        return given
-    if environ.get("FEDPOOL_CONFIG"):
-        path = Path(environ["FEDPOOL_CONFIG"]).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"FEDPOOL_CONFIG={path}: no such file")
-        return path
+    named = given or (Path(environ["FEDPOOL_CONFIG"]).expanduser() if environ.get("FEDPOOL_CONFIG") else None)
+    if named is not None:  # the file named must be there
+        if not named.is_file():
+            raise ConfigError(f"{f'--config {named}' if given else f'FEDPOOL_CONFIG={named}'}: no such file")
+        return named
     for candidate in (Path("fedpool.toml"), Path("~/.fedpool/config.toml").expanduser()):
         if candidate.is_file():
             return candidate
@@ -50,13 +46,11 @@ def find_config_file(given: Path | None, environ: Mapping[str, str]) -> Path | N
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
+    kind = "YAML" if path.suffix in (".yaml", ".yml") else "TOML"
     try:
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        else:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = (yaml.safe_load(text) or {}) if kind == "YAML" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        kind = "YAML" if path.suffix in (".yaml", ".yml") else "TOML"
         raise ConfigError(f"{path}: not valid {kind} ({exc})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} cannot be decoded)") from None

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import ray
 
 from fedpool.cli_eval import verifier_pool
-from fedpool.clients import EvalSummary, EvalTarget
+from fedpool.clients import EvalTarget
 from fedpool.clients.poolrun import run_evals_through_pool
-from fedpool.clients.report import answered_by_server, scores_table
+from fedpool.clients.report import DemoReport, answered_by_server
 from fedpool.deploy.localpool import LocalServerSpec, init_local_ray, local_llama_servers
 from fedpool.federation import DispatchConfig
 from fedpool.options import DemoOptions
@@ -25,26 +23,6 @@ from fedpool.pipeline import BenchmarkSpec, load_specs, package_versions
 from fedpool.pipeline.artifact import write_json_atomic
 from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.registry import RegistryClient
-
-log = logging.getLogger("fedpool.demo")
-
-
-@dataclass(frozen=True)
-class DemoReport:
-    run_dir: Path
-    wall_time_s: float
-    summaries: tuple[EvalSummary, ...]
-    answered: dict[str, dict[str, int]]  # server id -> benchmark -> requests answered
-    servers: tuple[dict[str, Any], ...]
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "run_dir": str(self.run_dir),
-            "wall_time_s": self.wall_time_s,
-            "benchmarks": {s.benchmark: {**s.summary, "artifact_dir": str(s.artifact_dir)} for s in self.summaries},
-            "answered": self.answered,
-            "servers": list(self.servers),
-        }
 
 
 def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> DemoReport:
@@ -94,14 +72,5 @@ async def _run_pool(options: DemoOptions, specs: list[BenchmarkSpec], run_dir: P
         wall = time.monotonic() - started
     report = DemoReport(run_dir, wall, tuple(summaries), answered_by_server(summaries), pool_servers)
     write_json_atomic(run_dir / "report.json", report.as_json())
-    _print_report(report, out)
+    print("\n" + report.text(), file=out, flush=True)
     return report
-
-
-def _print_report(report: DemoReport, out: TextIO) -> None:
-    print("\n" + scores_table(report.summaries, report.wall_time_s), file=out)
-    print(f"Artifacts: {report.run_dir}", file=out)
-    for s in report.summaries:
-        print(f"  {s.artifact_dir}/records.jsonl, summary.json", file=out)
-    print(f"  {report.run_dir}/run.json, report.json; engine logs in {report.run_dir}/logs", file=out)
-    out.flush()

@@ -173,17 +173,17 @@ class VerifierOptions(Options):
                                            "bootstrap intervals); 0: a thread of this process")
 
 
-CTX_HELP = ("llama.cpp: tokens of context per slot, prompt and answer together (the server's -c is this x slots); "
-            "a longer request is refused, HTTP 400")
-
-
-class DemoOptions(VerifierOptions):
-    out: Path = option(Path("runs"), "directory for run artifacts")
-    servers: PositiveInt = option(2, "llama.cpp servers to start")
-    slots: PositiveInt = option(4, "parallel slots per server, -np")
-    threads: PositiveInt = option(1, "CPU threads per server")
-    ctx_per_slot: PositiveInt = option(1024, CTX_HELP)
+class LocalServersOptions(Options):
+    servers: PositiveInt = option(2, "local servers to start")
+    slots: PositiveInt = option(4, "concurrent sequences per server (llama.cpp's parallel slots, -np)")
+    threads: PositiveInt = option(1, "llama.cpp CPU threads per server")
+    ctx_per_slot: PositiveInt = option(1024, "llama.cpp: tokens of context per slot, prompt and answer together (the "
+                                       "server's -c is this x slots); a longer request is refused, HTTP 400")
     policy: Policy = option("capacity_weighted", "routing policy")
+
+
+class DemoOptions(VerifierOptions, LocalServersOptions):
+    out: Path = option(Path("runs"), "directory for run artifacts")
     concurrency: PositiveInt = option(16, "requests in flight per eval")
     limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
     spec: Paths = option([], "benchmark spec YAML (repeatable; default: the bundled ones)")
@@ -192,18 +192,13 @@ class DemoOptions(VerifierOptions):
     json_output: JsonOutput = False
 
 
-class UpOptions(Options):
-    servers: PositiveInt = option(2, "local servers to start")
+class UpOptions(LocalServersOptions):
     engine: Annotated[str, one_of("llamacpp", "vllm", "emulated")] = option("llamacpp", "what the servers run")
     profile: str = option("tiny", "emulated: timing profile (deploy/emulator.py PROFILES)")
-    slots: PositiveInt = option(4, "concurrent sequences per server")
-    threads: PositiveInt = option(1, "llama.cpp CPU threads per server")
-    ctx_per_slot: PositiveInt = option(1024, CTX_HELP)
     model_path: Path | None = option(None, "weights to serve (llama.cpp: a GGUF; default: the bundled model)")
     model: str | None = option(None, "served model name (default: the bundled model's)")
     host: str = option("127.0.0.1", "gateway bind address (loopback only)")
     port: Port = option(8080, "gateway port")
-    policy: Policy = option("capacity_weighted", "routing policy")
     address: str | None = option(None, "join this Ray cluster instead of starting a local one")
     state_dir: Path = option(Path("~/.fedpool/up"), "pid file, logs and registry state")
     detach: bool = option(False, "run in the background; stop with `fedpool down`")
@@ -237,6 +232,7 @@ class GatewayOptions(PoolApiOptions, VerifierOptions):
     policy: Policy = option("capacity_weighted", "routing policy")
     api_key_file: Path | None = option(None, "client:secret[:weight] per line; without it the gateway is open")
     jobs_dir: Path | None = option(None, "also serve the jobs API (/jobs), jobs kept in this directory")
+    batches_dir: Path | None = option(None, "also serve the Batch API (/v1/files, /v1/batches), kept here")
     client_order: ClientOrder = option("shortest_first", "who is served first when the pool is full (shortest_first: "
                                        "a client that reports no work left, by the service it has had, least first)")
     max_inflight: PositiveInt | None = option(None, "requests held at once before answering 429 (default: twice the "
@@ -264,12 +260,15 @@ class JobsClientOptions(Options):
     json_output: JsonOutput = False
 
 
-class JobsSubmitOptions(JobsClientOptions):
+class EvalAskOptions(Options):
     spec: Paths = option(help="benchmark spec YAML (repeatable)")
     model: str = option(help="served model name to evaluate")
     revision: str | None = option(None, "only servers with this model revision")
     concurrency: PositiveInt = option(64, "requests in flight per eval")
     limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
+
+
+class JobsSubmitOptions(JobsClientOptions, EvalAskOptions):
     name: str | None = option(None, "a name to recognise the job by")
     wait: bool = option(False, "wait until the job ends; exit 1 unless it is done")
 
@@ -278,22 +277,41 @@ class JobOptions(JobsClientOptions):
     job_id: Annotated[str, Positional()]
 
 
+class BatchClientOptions(Options):
+    url: str | None = option(None, "the gateway's base URL (default: that of the `fedpool up` of STATE_DIR)")
+    state_dir: Path = option(Path("~/.fedpool/registry"), "a `fedpool up`'s state dir, as for `pool status`")
+    api_key: Annotated[SecretStr | None, EnvOnly()] = option(None, "your gateway API key ($FEDPOOL_API_KEY)")
+    client: str = option("fedpool-cli", "your name to a gateway without keys, unless FEDPOOL_API_KEY is set")
+    json_output: JsonOutput = False
+
+
+class BatchSubmitOptions(BatchClientOptions):
+    file: Annotated[Path, Positional()]
+    endpoint: Annotated[str, one_of("/v1/completions", "/v1/chat/completions")] = option(help="what each line asks")
+    completion_window: str = option("24h", "when the batch must have ended (a number of s, m, h or d)")
+    metadata: Annotated[Words, Flag(metavar="KEY=VALUE")] = option([], "a metadata item (repeatable)")
+    wait: bool = option(False, "wait, showing progress and an ETA; exit 1 unless completed, 4 if requests failed")
+
+
+class BatchOptions(BatchClientOptions):
+    batch_id: Annotated[str, Positional()]
+
+
+class BatchDownloadOptions(BatchOptions):
+    out: Path = option(Path("."), "where the output and error files are written")
+
+
 class PoolEvalOptions(PoolApiOptions, WaitOptions, VerifierOptions):
     """`eval run | resume | replay`: evals through the pool."""
 
     json_output: JsonOutput = False
 
 
-class EvalRunOptions(PoolEvalOptions):
-    spec: Paths = option(help="benchmark spec YAML (repeatable)")
-    model: str = option(help="served model name to evaluate")
-    revision: str | None = option(None, "only servers with this model revision")
+class EvalRunOptions(PoolEvalOptions, EvalAskOptions):
     out: Path = option(help="artifact directory (resume with `eval resume`)")
     policy: Policy = option("capacity_weighted", "routing policy")
-    concurrency: PositiveInt = option(64, "requests in flight per eval")
     client_order: ClientOrder = option("fair", "which eval's waiting request is served first when the pool is full")
     planned: bool = option(False, "route by the makespan plan over evals x servers (docs/architecture.md)")
-    limit: PositiveInt | None = option(None, "use only the first N samples of each benchmark")
 
 
 class EvalResumeOptions(PoolEvalOptions):

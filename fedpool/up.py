@@ -89,17 +89,16 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
             config = DispatchConfig(no_server_timeout_s=10.0, client_order="shortest_first")
             async with PoolConnection(registry, policy=options.policy, config=config) as pool:
                 await pool.refresh()
-                async with serving_pool(pool, pool_page(), options.host, options.port) as base:
+                async with serving_pool(pool, pool_page(), options.host, options.port,
+                                        batches_dir=state / "batches") as base:
                     model = spec.served_model()
                     ready = {"url": base, "model": model, "pid": os.getpid(), "servers": spec.count,
                              "engine": spec.engine, "ray_address": ray.get_runtime_context().gcs_address,
                              "state_dir": str(state), "started_at": time.time()}
                     write_ready(state, ready)
                     print(f"fedpool pool up: {spec.count} {spec.engine} server(s) serving {model!r} at {base}/v1 "
-                          f"(Ray {ready['ray_address']})\n", file=out, flush=True)
-                    print(recipes(base, model, state, UP_DIR), file=out, flush=True)
-                    print(f"\nCtrl-C (or `fedpool down --state-dir {state}`) stops everything this started.",
-                          file=out, flush=True)
+                          f"(Ray {ready['ray_address']})\n\n{recipes(base, model, state, UP_DIR)}\n\nCtrl-C (or "
+                          f"`fedpool down --state-dir {state}`) stops everything this started.", file=out, flush=True)
                     await stop.wait()
                     say("stopping")
     finally:
@@ -116,9 +115,9 @@ def detach(argv: list[str], options: UpOptions, out: TextIO = sys.stdout, timeou
     command = [sys.executable, "-m", "fedpool.cli", *(a for a in argv if a != "--detach")]
     pid, ready = start_up_detached(command, state, timeout_s)
     print(f"fedpool pool up in the background (pid {pid}, log {state / LOG_FILE}): {ready['servers']} "
-          f"{ready['engine']} server(s) serving {ready['model']!r} at {ready['url']}/v1\n", file=out)
-    print(recipes(ready["url"], ready["model"], Path(ready["state_dir"]), UP_DIR), file=out)
-    print(f"\n`fedpool down --state-dir {state}` stops it.", file=out, flush=True)
+          f"{ready['engine']} server(s) serving {ready['model']!r} at {ready['url']}/v1\n\n"
+          f"{recipes(ready['url'], ready['model'], Path(ready['state_dir']), UP_DIR)}\n\n"
+          f"`fedpool down --state-dir {state}` stops it.", file=out, flush=True)
     return 0
 
 

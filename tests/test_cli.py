@@ -38,6 +38,7 @@ def run(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> s
      ["registry", "status"], ["server", "add"],
      ["server", "list"], ["server", "show"], ["server", "drain"], ["server", "remove"],
      ["jobs", "serve"], ["jobs", "submit"], ["jobs", "list"], ["jobs", "show"], ["jobs", "cancel"], ["jobs", "logs"],
+     ["batch", "submit"], ["batch", "list"], ["batch", "show"], ["batch", "cancel"], ["batch", "download"],
      ["pool", "status"], ["bench", "speedup"]],
 )
 def test_every_command_has_help(args: list[str]) -> None:
@@ -55,6 +56,7 @@ def test_every_command_has_help(args: list[str]) -> None:
         (["eval", "resume"], "fedpool: error: Missing argument 'RUN_DIR'. (`fedpool eval resume --help`)"),
         (["gateway", "--host", "0.0.0.0"], "refusing to serve on a non-loopback address without --api-key-file"),
         (["jobs", "submit", "--model", "m"], "the following arguments are required: --spec"),
+        (["batch", "submit", "f.jsonl", "--endpoint", "/v1/embeddings"], "invalid choice: '/v1/embeddings'"),
         (["eval", "run", "--spec", "x.yaml", "--model", "m", "--out", "o", "--concurrency", "0"], "expected a number"),
         (["--config", "/nonexistent.toml", "pool", "status"], "--config /nonexistent.toml: no such file"),
     ],

@@ -207,7 +207,17 @@ def concrete(text: str, pool: Pool, place: Path) -> str:
     """The command with the docs' placeholders made this pool's."""
     for pattern, value in pool.substitutions(place):
         text = re.sub(pattern, value, text)
+    if "BATCH_ID" in text:
+        text = text.replace("BATCH_ID", newest_batch(pool))
     return text.replace("JOB_ID", newest_job(pool)) if "JOB_ID" in text else text
+
+
+def newest_batch(pool: Pool) -> str:
+    """The batch the reader just submitted to the pool's gateway, as the CLI's default caller (`--client`)."""
+    from fedpool.clients.batchclient import BatchClient
+
+    batch_id: str = BatchClient(f"http://127.0.0.1:{pool.port}").every()[0]["id"]
+    return batch_id
 
 
 def newest_job(pool: Pool) -> str:

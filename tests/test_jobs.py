@@ -160,6 +160,9 @@ async def test_jobs_survive_a_server_crash_and_finish_complete(
                                           str(tmp_path / "jobs.token.given"))
         assert listing.returncode == 0 and "cancelled" in listing.stdout and "from-cli" in listing.stdout
         assert listing.stdout.splitlines()[0].split() == ["ID", "STATE", "DONE/TOTAL", "MODEL", "NAME"]
+        no_job = await asyncio.to_thread(fedpool, "jobs", "show", "no-such-job", "--url", url, "--jobs-token-file",
+                                         str(tmp_path / "jobs.token.given"))
+        assert no_job.returncode == 1 and no_job.stderr.startswith("fedpool: error: jobs server: "), no_job.stderr
         waited = await asyncio.to_thread(
             fedpool, "jobs", "submit", "--url", url, "--jobs-token-file", str(tmp_path / "jobs.token.given"),
             "--spec", str(BUNDLED / "arith.yaml"), "--model", "emu-model", "--limit", "4", "--wait")

@@ -1,9 +1,11 @@
 """The live pool page in headless Chromium (Debian's, driven by Playwright): it loads, shows the servers of
-a real test pool, and updates by itself when a server goes down. Saves a screenshot of each state."""
+a real test pool, and updates by itself when a server goes down; it shows the batches in progress (Batch API), and
+drops one once it has ended. Saves a screenshot of each state."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -27,12 +29,20 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def start_gateway(tmp_path: Path, port: int) -> subprocess.Popen[bytes]:
+def start_gateway(tmp_path: Path, port: int, *more: str) -> subprocess.Popen[bytes]:
     (tmp_path / "registry.token").write_text(TEST_TOKEN)
     return subprocess.Popen(
         [sys.executable, "-m", "fedpool.cli", "gateway", "--address", ray.get_runtime_context().gcs_address,
-         "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port)],
+         "--token-file-path", str(tmp_path / "registry.token"), "--port", str(port), *more],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 async def test_pool_page_shows_servers_and_follows_a_failure(
@@ -95,8 +105,54 @@ async def test_pool_page_shows_servers_and_follows_a_failure(
         assert await asyncio.to_thread(os.path.getsize, tmp_path / "pool-healthy.png") > 10_000
         print(f"screenshots: {tmp_path / 'pool-healthy.png'}, {tmp_path / 'pool-one-down.png'}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
+
+
+def fedpool_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDPOOL_")}
+    return subprocess.run([sys.executable, "-m", "fedpool.cli", *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+
+
+async def test_pool_page_shows_batches_in_progress(registry: RegistryClient, emulators: EmulatorFactory,
+                                                   tmp_path: Path) -> None:
+    from playwright.async_api import async_playwright
+
+    server = await emulators.start(model="page-model", decode_s=0.05)  # a request of 8 tokens: ~0.4 s
+    await registry.register(ServerRecord(id="gpu-a", url=server.url, engine=Engine.VLLM, model="page-model",
+                                         accelerator="A100", capacity=4))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_gateway(tmp_path, port, "--batches-dir", str(tmp_path / "batches"))
+    try:
+        await asyncio.to_thread(wait_http_up, url, proc, "gateway")
+        lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "page-model", "prompt": f"question {i}", "max_tokens": 8}} for i in range(120)]
+        (tmp_path / "batch.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        submitted = await asyncio.to_thread(fedpool_cli, "batch", "submit", str(tmp_path / "batch.jsonl"),
+                                            "--endpoint", "/v1/completions", "--url", url, "--json")
+        assert submitted.returncode == 0, submitted.stderr
+        batch_id = json.loads(submitted.stdout)["id"]
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = await browser.new_page(viewport={"width": 1400, "height": 900})
+            await page.goto(url + "/")
+            row = page.locator(f'#batches tr[data-id="{batch_id}"]')
+            await row.wait_for(timeout=15000)
+            # Progress moves while the page watches: the done count of the row grows past 0.
+            await page.wait_for_function(
+                f"() => {{ const c = document.querySelector('#batches tr[data-id=\"{batch_id}\"] td:nth-child(6)');"
+                " return c && parseInt(c.textContent) > 0; }", timeout=30000)
+            text = await row.inner_text()
+            assert "in_progress" in text and "page-model" in text and "/v1/completions" in text and "/ 120" in text
+            assert text.rstrip().endswith("–")  # whose batch it is: only to a caller with a key
+            await page.screenshot(path=str(tmp_path / "pool-batch.png"), full_page=True)
+            cancelled = await asyncio.to_thread(fedpool_cli, "batch", "cancel", batch_id, "--url", url)
+            assert cancelled.returncode == 0, cancelled.stderr
+            await page.locator("#batches td.empty").wait_for(timeout=30000)  # ended: no longer in progress
+            assert await page.locator("#batches tbody").inner_text() == "no batch in progress"
+            await browser.close()
+        assert await asyncio.to_thread(os.path.getsize, tmp_path / "pool-batch.png") > 10_000
+        print(f"screenshot: {tmp_path / 'pool-batch.png'}")
+    finally:
+        stop(proc)

@@ -1,5 +1,6 @@
 """Python clients of the jobs API (`fedpool.clients.jobs.api`): `JobsClient` (blocking, standard library only) and
-`AsyncJobsClient` (aiohttp). Both raise `JobsApiError` with the server's message and HTTP status."""
+`AsyncJobsClient` (aiohttp). Both raise `JobsApiError` with the server's message and HTTP status. And the text
+`fedpool jobs` prints of jobs."""
 
 from __future__ import annotations
 
@@ -18,10 +19,18 @@ TERMINAL = ("done", "failed", "cancelled")
 
 
 class JobsApiError(Exception):
+    """The jobs server's refusal: its HTTP status and message. `kind`: "input" (the request is at fault: a 400) or
+    "refused" (an unknown job, one that has ended, a wrong token)."""
+
     def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
+        super().__init__(f"jobs server: {message}")
         self.status = status
         self.message = message
+        self.kind = "input" if status == 400 else "refused"
+
+
+class JobsUnreachable(ConnectionError):
+    """No jobs server answered at the URL."""
 
 
 def job_body(model: str, *, specs: list[dict[str, Any]] | None = None, spec_paths: list[str | Path] | None = None,
@@ -57,6 +66,10 @@ class JobsClient:
                 return json.loads(raw) if resp.headers.get_content_type() == "application/json" else raw.decode()
         except urllib.error.HTTPError as exc:
             raise JobsApiError(exc.code, _message(exc.read())) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            raise JobsUnreachable(f"cannot reach the jobs server at {self._url} ({reason}); start it with `fedpool "
+                                  "jobs serve`") from None
 
     def submit(self, model: str, **kwargs: Any) -> dict[str, Any]:
         return self._call("POST", "/jobs", job_body(model, **kwargs))
@@ -141,3 +154,33 @@ class AsyncJobsClient:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {job['state']} after {timeout_s:g}s")
             await asyncio.sleep(poll_s)
+
+
+JOBS_HEADER = f"{'ID':<12}  {'STATE':<9}  {'DONE/TOTAL':>11}  MODEL  NAME"
+
+
+def job_line(job: dict[str, Any]) -> str:
+    done = sum(p.get("done", 0) for p in job["progress"].values())
+    total = sum(p.get("total", 0) for p in job["progress"].values())
+    progress = f"{done}/{total}" if total else "-"
+    return f"{job['id']}  {job['state']:<9}  {progress:>11}  {job['model']}  {job.get('name') or ''}".rstrip()
+
+
+def job_text(job: dict[str, Any]) -> str:
+    lines = [job_line(job), f"  artifacts: {job['artifact_dir']}"]
+    for bench, p in job["progress"].items():
+        lines.append(f"  {bench}: {p.get('done')}/{p.get('total')} done, {p.get('failed')} failed")
+    for bench, s in job["scores"].items():
+        lines.append(f"  {bench}: " + ", ".join(f"{x['metric']} {x['value']:.1f} [{x['ci_low']:.1f}, "
+                                                 f"{x['ci_high']:.1f}]" for x in s["scores"]))
+    if job.get("error"):
+        lines.append(f"  error: {job['error']}")
+    return "\n".join(lines)
+
+
+def jobs_text(listed: dict[str, Any]) -> str:
+    """`fedpool jobs list`'s table of {"jobs": [...]}."""
+    jobs = listed["jobs"]
+    if not jobs:
+        return "(no jobs; submit one with `fedpool jobs submit`)"
+    return "\n".join([JOBS_HEADER, *map(job_line, jobs)])
