@@ -428,7 +428,7 @@ def report(spec: Spec, out: dict[str, Any], name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--holders", type=int, default=1000)
     parser.add_argument("--servers", type=int, default=10000)
     parser.add_argument("--models", type=int, default=1)

@@ -345,10 +345,12 @@ class _Spread:
         # it gives back, its youngest at once: federation/core/attempts.py), so a shrunk lease does not leave it all
         # on the servers it happened to fill first.
         ranked = sorted(((sid, n) for sid, n in inflight.items() if sid in capacity), key=_most_first)
-        for source, spread in ((ranked, True), (ranked, False), (occupied, True)):
+        held = sorted(occupied.items(), key=_most_first)
+        passes: tuple[tuple[list[tuple[str, int]], bool], ...] = ((ranked, True), (ranked, False), (held, True))
+        for source, spread in passes:
             if left <= 0:  # (nothing more can be kept)
                 break
-            for sid, n in (source if source is ranked else sorted(occupied.items(), key=_most_first)):
+            for sid, n in source:
                 if sid not in capacity:
                     continue
                 had = grant.get(sid, 0)

@@ -102,7 +102,7 @@ class Process:
                     running.pop()[1].cancel()
         self.fill()
 
-    def done_sending(self, client: str) -> bool:
+    def done_sending(self, client_id: str) -> bool:
         return False
 
     def served_totals(self) -> tuple[float, float]:
