@@ -48,7 +48,7 @@ async def run_evals_through_pool(
         await asyncio.gather(*(x.ready() for x in (judge, media) if x is not None))
         expect = [(s.name, target.model, s.at_once(concurrency)) for s in specs]
         async with PoolConnection(registry, policy=policy, config=dispatch, expect=expect,
-                                  holder=holder) as pool:
+                                  holder=holder, holder_kind="eval run") as pool:
             view = ProgressView(pool.dispatcher, mode=progress)
             async with view:
                 return await run_evals(specs, pool.dispatcher, out_dir, target, concurrency=concurrency,

@@ -10,18 +10,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fedpool.registry.adapters import EngineAdapter, MetricsParseError, adapter_for
-from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
-from fedpool.registry.leases import (
+from fedpool.registry.demand import (
+    HOLDER_KINDS,
     ClientDemand,
     DemandReport,
-    Lease,
-    LeaseBroker,
-    LeaseServer,
-    LeaseService,
+    HolderInfo,
+    HolderKind,
     ModelDemand,
     holder_id,
+    holder_info,
     loading_report,
 )
+from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
+from fedpool.registry.holders import (
+    ClientProgress,
+    FinishedClient,
+    HoldersSource,
+    HolderView,
+    KindSlots,
+    PoolHolders,
+    ServerSlots,
+    ServerUse,
+)
+from fedpool.registry.leases import Lease, LeaseBroker, LeaseServer, LeaseService
 from fedpool.registry.placement import CHEAPEST_TIE, HORIZON_MARGIN, fluid_horizon, usable_kinds
 from fedpool.registry.records import Engine, ServerRecord
 from fedpool.registry.snapshot import LoadSample, PoolSnapshot, ProbeResult, ServerEntry, ServerStatus
@@ -46,14 +57,22 @@ __all__ = [
     "ACCELERATOR_ROOFLINE",
     "ACCELERATOR_SPEED",
     "CHEAPEST_TIE",
+    "HOLDER_KINDS",
     "HORIZON_MARGIN",
     "NAMESPACE",
     "REGISTRY_NAME",
     "AuthError",
     "ClientDemand",
+    "ClientProgress",
     "DemandReport",
     "Engine",
     "EngineAdapter",
+    "FinishedClient",
+    "HolderInfo",
+    "HolderKind",
+    "HolderView",
+    "HoldersSource",
+    "KindSlots",
     "Lease",
     "LeaseBroker",
     "LeaseServer",
@@ -61,6 +80,7 @@ __all__ = [
     "LoadSample",
     "MetricsParseError",
     "ModelDemand",
+    "PoolHolders",
     "PoolRegistry",
     "PoolSnapshot",
     "ProbeResult",
@@ -70,13 +90,16 @@ __all__ = [
     "RegistryError",
     "ServerEntry",
     "ServerRecord",
+    "ServerSlots",
     "ServerStatus",
+    "ServerUse",
     "SnapshotWatcher",
     "UnknownServerError",
     "accelerator_roofline",
     "adapter_for",
     "fluid_horizon",
     "holder_id",
+    "holder_info",
     "loading_report",
     "prior_weight",
     "usable_kinds",

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fedpool.registry.auth import check_token
 from fedpool.registry.checks import verify_server
 from fedpool.registry.errors import AuthError
+from fedpool.registry.holders import PoolHolders
 from fedpool.registry.leases import (
     LEASE_TTL_S,
     RESHARE_BUDGET,
@@ -207,7 +208,8 @@ class RegistryActor:
         from fedpool.registry.exporter import pool_metrics_text
 
         stats = {"last_probe_cycle_s": self._last_cycle_s, "probe_cycles": float(self._probe_cycles)}
-        return pool_metrics_text(self._state.snapshot(), stats)
+        self._sync_lease_servers()
+        return pool_metrics_text(self._state.snapshot(), stats, self._leases.figures())
 
     async def node_id(self) -> str:
         """The Ray node this actor runs on."""
@@ -354,10 +356,14 @@ class RegistryActor:
         once when the holder's slots differ from `known_version`, else waits up to `wait_s` for them to change."""
         await self._ensure_started()
         parsed = DemandReport.model_validate(report)
+        self._sync_lease_servers()
+        return await self._leases.lease(parsed, known_version, wait_s)
+
+    def _sync_lease_servers(self) -> None:
+        """The broker's servers as of the registry's current version."""
         if self._lease_servers_version != self._state.version:
             self._leases.set_servers(self._state.lease_servers())
             self._lease_servers_version = self._state.version
-        return await self._leases.lease(parsed, known_version, wait_s)
 
     async def release_lease(self, holder: str) -> None:
         """A holder is going away: its slots are free for the others at once."""
@@ -366,6 +372,13 @@ class RegistryActor:
     async def leases(self) -> dict[str, Any]:
         """The broker's view: holders, their slots, and how often it was called and re-shared."""
         return self._leases.stats()
+
+    async def holders(self) -> PoolHolders:
+        """Who is on the pool: every holder with its clients, their progress and its slots, and the clients
+        finished lately (registry/holders.py). Client names included: the HTTP API serves it to the token's holders
+        only, and Ray's callers are the cluster's members."""
+        self._sync_lease_servers()
+        return self._leases.broker.holders_view()
 
     # ---- reads (open) -------------------------------------------------------------------------
     async def snapshot_wire(

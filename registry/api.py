@@ -28,6 +28,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from fedpool.registry.auth import token_digest
 from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
+from fedpool.registry.holders import PoolHolders
 from fedpool.registry.leases import Lease
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import ServerEntry
@@ -61,6 +62,8 @@ class ApiBackend(Protocol):
     async def report_failure(self, server_id: str, kind: str) -> bool: ...
 
     async def api_info(self) -> dict[str, Any]: ...
+
+    async def holders(self) -> PoolHolders: ...
 
     async def ping(self) -> dict[str, Any]: ...
 
@@ -225,11 +228,15 @@ def _add_client_routes(app: web.Application, backend: ApiBackend, expected: byte
 def _add_operator_routes(app: web.Application, backend: ApiBackend, bearer: Callable[[web.Request], str],
                          answer: Callable[[Any], web.Response],
                          body_of: Callable[[web.Request], Awaitable[dict[str, Any]]]) -> None:
-    """What the operator commands need (`fedpool registry status`, `server add | show | drain | remove`): the
-    token was checked by the middleware, and the mutations pass it on to the registry, which checks it again."""
+    """What the operator commands need (`fedpool registry status`, `server add | show | drain | remove`, `pool
+    status`): the token was checked by the middleware, and the mutations pass it on to the registry, which checks it
+    again. Who is on the pool (`/v1/holders`) is for the token's holders, the operators: client names included."""
 
     async def status(request: web.Request) -> web.Response:
         return answer(await backend.ping())
+
+    async def holders(request: web.Request) -> web.Response:
+        return answer((await backend.holders()).model_dump(mode="json"))
 
     async def get(request: web.Request) -> web.Response:
         return answer(entry_json(await backend.get(request.match_info["server_id"])))
@@ -249,6 +256,7 @@ def _add_operator_routes(app: web.Application, backend: ApiBackend, bearer: Call
         return answer(record.model_dump(mode="json"))
 
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/holders", holders)
     app.router.add_post("/v1/servers", register)
     app.router.add_get("/v1/servers/{server_id}", get)
     app.router.add_post("/v1/servers/{server_id}/drain", drain)

@@ -17,6 +17,7 @@ import ray.exceptions
 from fedpool.registry.actor import NAMESPACE, RegistryConfig, create_registry_actor, get_registry_actor
 from fedpool.registry.auth import TOKEN_FILE, ensure_token, read_saved_token, resolve_client_token, token_digest
 from fedpool.registry.errors import AuthError, RegistryError
+from fedpool.registry.holders import PoolHolders
 from fedpool.registry.leases import DemandReport, Lease
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import PoolSnapshot, ServerEntry
@@ -198,6 +199,12 @@ class RegistryClient:
 
     async def leases(self) -> dict[str, Any]:
         return await self._call("leases")
+
+    async def holders(self) -> PoolHolders:
+        """Who is on the pool: every holder, its clients and their progress, its slots against its fair share, and
+        the clients finished lately (registry/holders.py)."""
+        view: PoolHolders = await self._call("holders")
+        return view
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:
         """The pool now, or once it is newer than `since_version` (waiting up to `timeout_s`).

@@ -1,5 +1,6 @@
 """Prometheus exposition of the pool as the registry sees it (prometheus_client, a fresh registry per
-scrape so removed servers vanish instead of lingering as stale series)."""
+scrape so removed servers vanish instead of lingering as stale series), and of its capacity leases: who holds the
+pool, slots leased per server against its slots, re-shares and renewals, per-client requests left (capped)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ from collections import Counter
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from fedpool.registry.demand import HOLDER_KINDS
+from fedpool.registry.holders import LeaseFigures
 from fedpool.registry.snapshot import PoolSnapshot, ServerStatus
 
 SERVER_LABELS = ("server_id", "engine", "accelerator", "model")
 
 
-def pool_metrics_text(snapshot: PoolSnapshot, registry_stats: Mapping[str, float]) -> bytes:
+def pool_metrics_text(snapshot: PoolSnapshot, registry_stats: Mapping[str, float],
+                      leases: LeaseFigures | None = None) -> bytes:
     reg = CollectorRegistry()
     servers = Gauge("fedpool_servers", "Registered servers by status, engine and accelerator.",
                     ("status", "engine", "accelerator"), registry=reg)
@@ -54,4 +60,48 @@ def pool_metrics_text(snapshot: PoolSnapshot, registry_stats: Mapping[str, float
                      ("probe_cycles", "Probe cycles run since the actor (re)started.")):
         if key in registry_stats:
             Gauge(f"fedpool_registry_{key}", doc, registry=reg).set(registry_stats[key])
+    if leases is not None:
+        lease_metrics(reg, leases)
     return generate_latest(reg)
+
+
+def lease_metrics(reg: CollectorRegistry, figures: LeaseFigures) -> None:
+    """The lease broker's figures into `reg`. Per-client series are capped where the figures are made
+    (holders.lease_figures): the rest are one series, client="other"."""
+    holders = Gauge("fedpool_lease_holders", "Processes holding a capacity lease, by kind and state.",
+                    ("kind", "state"), registry=reg)
+    for kind in HOLDER_KINDS:  # every kind present, zero included
+        holders.labels(kind, "active").set(0)
+    for (kind_name, state), n in figures.holders.items():
+        holders.labels(kind_name, state).set(n)
+    slots = Gauge("fedpool_lease_server_slots", "A server's slots as the lease broker shares them (0: not routable).",
+                  ("server_id", "model"), registry=reg)
+    leased = Gauge("fedpool_lease_server_leased", "Slots of a server leased to every holder together.",
+                   ("server_id", "model"), registry=reg)
+    for server in figures.servers:
+        slots.labels(server.server, server.model).set(server.capacity)
+        leased.labels(server.server, server.model).set(server.leased)
+    reg.register(_LeaseCounters(figures))
+    left = Gauge("fedpool_lease_client_requests_left", "Requests a client says it has left (the clients beyond the "
+                 "cap summed as client=\"other\").", ("client", "model"), registry=reg)
+    for (client, model), n in figures.requests_left.items():
+        left.labels(client, model).set(n)
+
+
+class _LeaseCounters(Collector):
+    """The broker's counters and its re-shares' durations, kept by the lease service across scrapes (as families:
+    no `_created` series, which a registry made afresh per scrape would set anew each time)."""
+
+    def __init__(self, figures: LeaseFigures):
+        self._figures = figures
+
+    def collect(self) -> list[Metric]:
+        f = self._figures
+        return [
+            CounterMetricFamily("fedpool_lease_over_capacity", "Servers found leased past their slots after a "
+                                "re-share (stays 0).", value=f.over_capacity),
+            CounterMetricFamily("fedpool_lease_calls", "Lease calls (renewals) the broker answered.", value=f.calls),
+            CounterMetricFamily("fedpool_lease_reshares", "Re-shares of every server's slots.", value=f.reshares),
+            HistogramMetricFamily("fedpool_lease_reshare_seconds", "How long re-sharing every server's slots took.",
+                                  buckets=f.reshare_s.buckets(), sum_value=f.reshare_s.sum_s),
+        ]

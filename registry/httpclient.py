@@ -1,5 +1,5 @@
 """The registry over its HTTP API (registry/api.py): what a client process needs of it — snapshots, capacity
-leases, failure reports — and what the operator commands need (register, get, drain, deregister, ping), without
+leases, failure reports — and what the operator commands need (register, get, drain, deregister, ping, holders), without
 being a Ray driver. Meets `PoolRegistry`, and the operator commands' use of the Ray client, as the Ray client does.
 
 Where a client finds the API: the URL it is given (`--registry-url`, FEDPOOL_REGISTRY_URL), else the one the
@@ -24,6 +24,7 @@ import orjson
 
 from fedpool.registry.api import ENTRY, lease_from_json, read_api_file, registry_error_of
 from fedpool.registry.errors import AuthError, RegistryError
+from fedpool.registry.holders import PoolHolders
 from fedpool.registry.leases import DemandReport, Lease
 from fedpool.registry.records import ServerRecord
 from fedpool.registry.snapshot import PoolSnapshot, ServerEntry, WireRow
@@ -200,6 +201,10 @@ class RegistryHttpClient:
     async def report_failure(self, server_id: str, kind: str) -> bool:
         answer = await self._call("POST", "/v1/failure", body={"server_id": server_id, "kind": kind})
         return bool(answer["known"])
+
+    async def holders(self) -> PoolHolders:
+        """Who is on the pool, as the Ray client's `holders` says it (`GET /v1/holders`)."""
+        return PoolHolders.model_validate(await self._call("GET", "/v1/holders"))
 
 
 def find_registry_api(*, url: str | None, token: str | None, state_dir: Path | None,

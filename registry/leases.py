@@ -11,7 +11,8 @@ holder may still be using is never granted twice. A holder that stops reporting 
 what it may still use (its fallback) is not room for one TTL more; a restarted broker learns as long. The full
 account: docs/architecture.md, "Many processes, one pool".
 
-Pure bookkeeping: injected clock, no I/O; the registry actor wraps it.
+Pure bookkeeping: injected clock, no I/O; the registry actor wraps it. The reports' wire format is
+registry/demand.py; who is on the pool, as the reports tell it, registry/holders.py.
 """
 
 from __future__ import annotations
@@ -20,15 +21,23 @@ import asyncio
 import contextlib
 import itertools
 import math
-import os
-import socket
 import time
 import uuid
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from fedpool.registry.demand import ClientDemand as ClientDemand  # (the wire format: its names from here too)
+from fedpool.registry.demand import DemandReport
+from fedpool.registry.demand import ModelDemand as ModelDemand
+from fedpool.registry.holders import (
+    DurationHistogram,
+    HeldBy,
+    HoldersBook,
+    LeaseFigures,
+    PoolHolders,
+    lease_figures,
+    servers_over_capacity,
+)
 from fedpool.registry.placement import (
     KindPlan,
     Ranked,
@@ -53,76 +62,6 @@ SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an 
 PLACEMENTS = ("plan", "slots")
 MAKESPAN_ORDERS = ("fair", "longest_answers_first")  # client orders whose holders the plan may finish together
 PLACEMENT = "plan"
-
-
-def holder_id() -> str:
-    """A process's name at the broker, unique in the cluster: host, pid and a random part."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-class ClientDemand(BaseModel):
-    """One client of a holder, on one model."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    client: str = Field(min_length=1, max_length=256)
-    wanted: int = Field(ge=0)  # requests waiting + in flight: the slots it could use now
-    rank: float = 0.0  # the client order's criterion; smaller first
-    weight: float = Field(default=1.0, gt=0)
-    # Ranked by the service it has had (shortest_first, a client that reports no work left): the slot-seconds
-    # its answered requests held. The broker ranks it by these on the work scale of every holder's answers, so
-    # two processes whose own answers so far differ put one client before another the same way.
-    served_s: float | None = Field(default=None, ge=0)
-    # Not ready yet: an eval still reading its samples (`wanted`: what it may send at most). Its rank says nothing
-    # yet, so it shares the first class of the order by weight — without it, the process whose eval loaded a moment
-    # sooner took every slot, and as slots are not taken back once its requests run, an eval of another process
-    # started together waited whole answers for its share.
-    loading: bool = False
-    # The work it says it has left, whatever the order (fedpool's evals; a gateway caller that declared its
-    # requests); None where it says nothing. Shares that do not come out in whole slots are rounded towards the
-    # holders nearest their end, so a short eval tied with long ones does not end later than in one process.
-    work_left: float | None = Field(default=None, ge=0)
-
-
-class ModelDemand(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str = Field(min_length=1)
-    clients: tuple[ClientDemand, ...] = ()
-    # Server kind (`snapshot.server_kind`) -> what one of this holder's requests costs on a server of that kind
-    # (any unit; only the ratios between kinds count): its slots are placed on the kinds its work suits.
-    kind_costs: dict[str, float] = Field(default_factory=dict)
-    # Its dispatcher's client order (DispatchConfig.client_order; "" unknown): where every holder's order aims at
-    # the makespan (fair, longest answers first), the broker's plan finishes the holders together.
-    order: str = Field(default="", max_length=64)
-
-
-class DemandReport(BaseModel):
-    """What one holder (a dispatcher) sends each renewal. The wire format of `RegistryActor.lease`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    holder: str = Field(min_length=1, max_length=128)
-    models: tuple[ModelDemand, ...] = ()
-    inflight: dict[str, int] = Field(default_factory=dict)  # server id -> attempts in flight there
-    held: dict[str, int] = Field(default_factory=dict)  # server id -> slots of the lease it holds now
-    broker: str | None = None  # the incarnation that granted `held` (None: none yet)
-    # Every answer this holder has had: its work (prompt + 2 × completion tokens) and the slot-seconds it held.
-    served_work: float = Field(default=0.0, ge=0)
-    served_slot_s: float = Field(default=0.0, ge=0)
-    # An announcement (`loading_report`): what a process is about to run, sent before it can use a lease. Its
-    # clients count in the shares — nobody else is leased their slots — but it is leased nothing until it reports
-    # as a holder: the slots a process still starting up was leased could go to nobody until it said it held them.
-    announce: bool = False
-
-
-def loading_report(holder: str, model: str, clients: Iterable[tuple[str, int]]) -> DemandReport:
-    """A holder's report before it runs anything: the clients it is about to run on `model`, each still loading
-    (with the most it may send), as an announcement: their share is kept free for it, and it is leased nothing
-    until its lease client reports. `fedpool eval run` sends it as soon as it has checked its specs, so processes
-    started together are known to the broker before the first of them sends (federation/gateway/pool.py `expect`)."""
-    return DemandReport(holder=holder, announce=True, models=(ModelDemand(model=model, clients=tuple(
-        ClientDemand(client=name, wanted=wanted, loading=True) for name, wanted in clients if wanted > 0)),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +109,10 @@ def learns_at_start(saved_state: bool, reconstructed: bool) -> bool:
 
 class LeaseBroker:
     def __init__(self, clock: Callable[[], float], *, ttl_s: float = LEASE_TTL_S, incarnation: str | None = None,
-                 restarted: bool = True, placement: str = PLACEMENT):
+                 restarted: bool = True, placement: str = PLACEMENT, wall_clock: Callable[[], float] = time.time):
         """`restarted`: a previous broker may have leased slots that are still in use (`learns_at_start`): learn
         until every lease it granted, and the fallback after it, has run out. A pool started afresh has nothing to
-        learn."""
+        learn. `wall_clock`: the times the holders view shows."""
         self._clock = clock
         self.ttl_s = ttl_s
         self.placement = placement
@@ -188,6 +127,8 @@ class LeaseBroker:
         self._servers: tuple[LeaseServer, ...] = ()
         self._shares: dict[str, int] = {}  # server -> its capacity ÷ the holders that want its model (≥ 1)
         self.recomputes = 0
+        self.book = HoldersBook(clock, wall_clock)  # who is on the pool, for the people watching it
+        self.over_capacity = 0  # servers whose leases summed past their slots after a re-share (a bug: stays 0)
 
     # ---- what holders and the registry say ---------------------------------------------------------
     def report(self, report: DemandReport, known_version: int | None = None) -> None:
@@ -199,6 +140,7 @@ class LeaseBroker:
             holder = _Holder(report, now)
         self._holders[report.holder] = holder
         holder.report, holder.seen_at = report, now
+        self.book.observe(report)
         if known_version is None or report.broker != self.incarnation:
             known_version = holder.version if known_version is None else -1
         for version in [v for v in holder.unacked if v <= known_version]:  # (held: that lease, in the report)
@@ -211,6 +153,7 @@ class LeaseBroker:
     def release(self, holder_id: str) -> bool:
         """A holder said goodbye: its slots are free at the next `reshare`."""
         silent = self._silent.pop(holder_id, None) is not None
+        self.book.gone(holder_id, lost=False)
         return self._holders.pop(holder_id, None) is not None or silent
 
     def expire(self) -> bool:
@@ -223,6 +166,7 @@ class LeaseBroker:
         gone = [h for h, holder in self._silent.items() if now - holder.seen_at > 2 * self.ttl_s]
         for holder_id in gone:
             del self._silent[holder_id]
+            self.book.gone(holder_id, lost=True)
         return bool(silent or gone)
 
     # ---- reads ----------------------------------------------------------------------------------------
@@ -245,6 +189,12 @@ class LeaseBroker:
         """Each server's capacity divided among the holders that want its model (at least one slot each), as of
         the last `reshare`: a lease's fallback is the lease capped at these."""
         return dict(self._shares)
+
+    def holders_view(self) -> PoolHolders:
+        """Every holder with its clients and slots, and the clients finished lately (registry/holders.py)."""
+        held = [HeldBy(h, x.report, x.slots, x.seen_at, h in self._silent)
+                for h, x in (*self._holders.items(), *self._silent.items())]
+        return self.book.view(held, self._servers, self._shares, broker=self.incarnation, learning=self.learning())
 
     def learning(self) -> bool:
         """After (re)starting, leases the previous incarnation granted may still be in use: for one TTL, and the
@@ -283,6 +233,8 @@ class LeaseBroker:
                 if len(holder.unacked) > MAX_UNACKED:
                     del holder.unacked[min(holder.unacked)]
                 changed.add(holder_id)
+        leases = (h.slots for h in (*self._holders.values(), *self._silent.values()))
+        self.over_capacity += servers_over_capacity(self._servers, leases)
         return changed
 
     def _share_out(self) -> dict[str, int]:
@@ -404,6 +356,7 @@ class LeaseService:
         self._reshared_at = float("-inf")
         self._soon: asyncio.Task[None] | None = None
         self.calls = 0
+        self.reshare_s = DurationHistogram()
 
     def set_servers(self, servers: Iterable[LeaseServer]) -> None:
         self.broker.set_servers(servers)
@@ -438,6 +391,12 @@ class LeaseService:
         return {"incarnation": broker.incarnation, "holders": holders, "calls": self.calls,
                 "reshares": broker.recomputes}
 
+    def figures(self) -> LeaseFigures:
+        """What the registry exports about its leases (registry/exporter.py)."""
+        broker = self.broker
+        return lease_figures(broker.holders_view(), over_capacity=broker.over_capacity, calls=self.calls,
+                             reshares=broker.recomputes, reshare_s=self.reshare_s)
+
     async def _reshare(self) -> None:
         """Share again now, or (when the last share was under `reshare_s` ago) once that has passed."""
         soon = self._reshare_soon(asyncio.get_running_loop())
@@ -469,6 +428,8 @@ class LeaseService:
             event = self._changed.pop(holder, None)
             if event is not None:
                 event.set()
+        took = time.perf_counter() - started
+        self.reshare_s.observe(took)
         if self._budget is not None:
-            self._gap = max(self._reshare_s, (time.perf_counter() - started) / self._budget)
+            self._gap = max(self._reshare_s, took / self._budget)
 

@@ -25,7 +25,19 @@ from fedpool.cli import build_parser
 from fedpool.deploy.process import free_port
 from fedpool.federation.gateway.handlers import _Metrics as GatewayMetrics
 from fedpool.options import RegistryStartOptions, ServeOptions
-from fedpool.registry import Engine, PoolSnapshot, ServerEntry, ServerRecord, ServerStatus
+from fedpool.registry import (
+    ClientDemand,
+    DemandReport,
+    Engine,
+    LeaseBroker,
+    LeaseServer,
+    LeaseService,
+    ModelDemand,
+    PoolSnapshot,
+    ServerEntry,
+    ServerRecord,
+    ServerStatus,
+)
 from fedpool.registry.exporter import pool_metrics_text
 from fedpool.registry.snapshot import LoadSample
 
@@ -123,7 +135,12 @@ def exported_metric_names() -> set[str]:
     entry = ServerEntry(record=record, status=ServerStatus.HEALTHY, capacity=64, weight=2.0,
                         load=LoadSample(running=3, waiting=1, observed_at=1.0, kv_cache_usage=0.2, tokens_per_s=90.0),
                         probe_latency_s=0.01)
-    text = pool_metrics_text(PoolSnapshot(1, 1.0, (entry,)), {"last_probe_cycle_s": 0.4, "probe_cycles": 3}).decode()
+    broker = LeaseBroker(lambda: 0.0, restarted=False)  # the lease figures, one holder with one client
+    broker.set_servers([LeaseServer("a100-0", "m", 64)])
+    broker.report(DemandReport(holder="h", models=(ModelDemand(model="m", clients=(
+        ClientDemand(client="c", wanted=1, requests_left=9),)),)))
+    text = pool_metrics_text(PoolSnapshot(1, 1.0, (entry,)), {"last_probe_cycle_s": 0.4, "probe_cycles": 3},
+                             LeaseService(broker).figures()).decode()
     gateway = GatewayMetrics()  # the gateway's own exposition, one series of each family filled in
     gateway.requests.labels("chat", "200").inc()
     gateway.latency.labels("chat").observe(0.1)

@@ -233,6 +233,10 @@ class ClientBook:
         """The requests the client said it has still to complete (None: it said nothing)."""
         return self._requests_left.get(client_id)
 
+    def answered(self, client_id: str) -> int:
+        """The client's requests answered so far (since it was last forgotten)."""
+        return self._answers.get(client_id, 0)
+
     def shape(self, client_id: str) -> ClientShape | None:
         return self._shapes.get(client_id)
 

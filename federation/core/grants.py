@@ -343,7 +343,8 @@ class GrantPass:
     def demand(self) -> tuple[ModelDemand, ...]:
         """What this process wants, per model: each client with requests waiting or in flight (or about to send
         them: `expect`), how many slots it could use now, its rank in the client order (smaller first) and its
-        weight. O(waiting + busy servers + clients expected)."""
+        weight; and, for the people watching the pool, its requests answered and left and whether it has sent its
+        last. O(waiting + busy servers + clients expected)."""
         wanted: dict[str, dict[str, int]] = {}
         for route in self._waiting_routes:
             per = wanted.setdefault(route.model, {})
@@ -371,9 +372,17 @@ class GrantPass:
         return tuple(ModelDemand(model=model, clients=tuple(
             ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
                          served_s=None if c in loading else clients.served_s(c), loading=c in loading,
-                         work_left=clients.work_left(c))
+                         work_left=clients.work_left(c), answered=clients.answered(c),
+                         requests_left=clients.requests_left_of(c), sent_all=c in clients.done_sending)
             for c, n in sorted(per.items())), kind_costs=self._kind_costs(model, entries, per), order=clients.order)
             for model, per in sorted(wanted.items()) if per)
+
+    def client_progress(self, client_id: str) -> ClientDemand:
+        """A client with nothing waiting or in flight, as a lease report's `ended` names it: its progress only."""
+        clients = self._clients
+        return ClientDemand(client=client_id, wanted=0, answered=clients.answered(client_id),
+                            requests_left=clients.requests_left_of(client_id),
+                            sent_all=client_id in clients.done_sending)
 
     def _kind_costs(self, model: str, entries: Iterable[ServerEntry], per: Mapping[str, int]) -> dict[str, float]:
         if self._price_kinds is None:

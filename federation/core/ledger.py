@@ -228,6 +228,10 @@ class InflightLedger:
             return 0.0
         return slots.occupancy_total + slots.inflight * (self._clock() - slots.occupancy_at)
 
+    def wall_now(self) -> float:
+        """Now, on the wall clock the counts' history is kept on (the registry's scrapes are stamped on it)."""
+        return self._wall_clock()
+
     def at(self, server_id: str, wall_time: float) -> int:
         """The server's count at that wall-clock time (see ServerSlots.at)."""
         slots = self._servers.get(server_id)

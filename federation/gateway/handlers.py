@@ -26,7 +26,6 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -36,7 +35,7 @@ from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import FailureKind, NoServerError, RequestFailed
 from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest
 from fedpool.federation.gateway.answers import dumps, loads
-from fedpool.federation.gateway.auth import bearer, matches
+from fedpool.federation.gateway.auth import ApiKey, bearer, matches, parse_api_keys, visible_holders
 from fedpool.federation.gateway.state import (
     CLIENT_TTL_S,
     MAX_CLIENT_IDS,
@@ -51,7 +50,7 @@ from fedpool.federation.gateway.state import (
     PoolFacts,
 )
 from fedpool.federation.gateway.streams import StreamRelay
-from fedpool.registry import PoolSnapshot
+from fedpool.registry import PoolHolders, PoolSnapshot
 
 __all__ = ["RUNNER_OPTIONS", "SHARED_CLIENT", "ApiKey", "AppTask", "Gateway", "answer_bytes", "parse_api_keys",
            "serving", "upstream_failure"]
@@ -61,9 +60,9 @@ log = logging.getLogger("fedpool.gateway")
 _ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}  # a route's path -> its endpoint
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-MIN_SECRET_CHARS = 16
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait while the model's servers are all unroutable
 CLIENT_HEADER = "X-Fedpool-Client"
+HOLDERS_PATH = "/pool/holders"  # who is on the pool (`Gateway(holders=...)`), as the caller may see it
 # A caller's run size: how many requests it sends in all (`DeclaredRuns`); the header, or the URL's query for a tool
 # that takes only a URL (lm-eval's `base_url=http://gateway/v1/completions?fedpool_requests=60`).
 REQUESTS_HEADER = "X-Fedpool-Requests"
@@ -73,41 +72,6 @@ GC_GEN0_THRESHOLD = 20_000  # young-generation collections every ~20k net alloca
 # How the gateway's app is served (`serving`; the CLI passes the same): a request whose caller has gone is
 # cancelled at once, so it gives its engine slot back instead of holding it until the engine answers.
 RUNNER_OPTIONS: Mapping[str, Any] = {"access_log": None, "handler_cancellation": True}
-
-
-@dataclass(frozen=True, slots=True)
-class ApiKey:
-    """One client of the gateway: its secret, its name (for fair share and metrics) and its weight."""
-
-    secret: str
-    client: str
-    weight: float = 1.0
-
-
-def parse_api_keys(text: str) -> list[ApiKey]:
-    """`client:secret[:weight]` per line; blank lines and # comments skipped. Errors name the line."""
-    keys: list[ApiKey] = []
-    seen: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(":")
-        if len(parts) not in (2, 3) or not parts[0] or len(parts[1]) < MIN_SECRET_CHARS:
-            raise ValueError(f"api key file line {number}: expected client:secret[:weight], secret ≥ "
-                             f"{MIN_SECRET_CHARS} characters")
-        if parts[1] in seen:  # one secret, two clients: whoever holds it could be either
-            raise ValueError(f"api key file line {number}: the same secret as line {seen[parts[1]]}; every client "
-                             "needs its own")
-        seen[parts[1]] = number
-        try:
-            weight = float(parts[2]) if len(parts) == 3 else 1.0
-        except ValueError:
-            raise ValueError(f"api key file line {number}: weight {parts[2]!r} is not a number") from None
-        if weight <= 0:
-            raise ValueError(f"api key file line {number}: weight must be positive")
-        keys.append(ApiKey(parts[1], parts[0], weight))
-    return keys
 
 
 @contextlib.asynccontextmanager
@@ -139,8 +103,13 @@ class Gateway:
         client_ttl_s: float = CLIENT_TTL_S,
         tune_gc: bool = True,
         clock: Callable[[], float] = time.time,
+        holders: Callable[[], Awaitable[PoolHolders | None]] | None = None,
     ):
+        """`holders`: who is on the pool (`PoolConnection.holders`), served at HOLDERS_PATH as the caller may see
+        it (`auth.visible_holders`)."""
         self._dispatcher = dispatcher
+        self._holders = holders
+        self._alias_secret = secrets.token_bytes(16)  # the holders view's aliases: stable while this gateway runs
         self._snapshot = snapshot
         self._keys = api_keys or []
         self._max_body = max_body_bytes
@@ -176,6 +145,8 @@ class Gateway:
         app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_post(Endpoint.COMPLETIONS, self._serve)
         app.router.add_post(Endpoint.CHAT, self._serve)
+        if self._holders is not None:
+            app.router.add_get(HOLDERS_PATH, self._holders_view)
         return app
 
     async def _settle_gc(self, _app: web.Application) -> None:
@@ -221,6 +192,27 @@ class Gateway:
         self._metrics.clients.set(len(self.client_ids))
         self._metrics.declared_runs.set(len(self.runs))
         return web.Response(body=generate_latest(self._metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def _holders_view(self, request: web.Request) -> web.Response:
+        assert self._holders is not None
+        try:
+            view = await self._holders()
+        except Exception as exc:  # the registry is away or restarting
+            return _error(503, f"the registry did not say who is on the pool ({type(exc).__name__})", "api_error")
+        if view is None:
+            return _error(404, "this gateway's registry client does not say who is on the pool",
+                          "invalid_request_error")
+        shown = self.visible_holders(view, bearer(request))
+        if shown is None:
+            return _error(401, "who is on the pool is shown to an API key's holder (Authorization: Bearer KEY)",
+                          "authentication_error", code="invalid_api_key")
+        return web.Response(body=shown.model_dump_json(), content_type="application/json",
+                            headers={"Cache-Control": "no-store"})
+
+    def visible_holders(self, view: PoolHolders, presented: bytes | None) -> PoolHolders | None:
+        """`view` as the caller presenting `presented` may see it (None: refused): `auth.visible_holders` with
+        this gateway's keys and aliases."""
+        return visible_holders(view, self._keys, presented, self._alias_secret)
 
     def facts(self) -> PoolFacts:
         """The current snapshot's facts (recomputed only when the snapshot is another object)."""

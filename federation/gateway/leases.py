@@ -20,9 +20,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from fedpool.registry import DemandReport, Lease, ModelDemand, holder_id
+from fedpool.registry import ClientDemand, DemandReport, HolderKind, Lease, ModelDemand, holder_id, holder_info
 
 log = logging.getLogger("fedpool.leases")
 
@@ -33,6 +33,7 @@ MIN_POKE_S = 0.05  # pokes closer than this share one report
 # A process that goes idle keeps asking for what it last wanted this long: giving the lease back at once made a
 # gateway between two callers' requests wait a registry round trip for the next one.
 IDLE_HOLD_S = 1.0
+MAX_ENDED = 256  # clients a report says have ended (the holders view's last word on them), at most
 
 
 class LeaseRegistry(Protocol):
@@ -62,12 +63,26 @@ class LeaseHolder(Protocol):
     def served_totals(self) -> tuple[float, float]: ...
 
 
+@runtime_checkable
+class ProgressSource(Protocol):
+    """What the lease client also asks of a dispatcher that can say it (`Dispatcher`): a client's progress once it
+    has nothing waiting or in flight, reported as it ends (without it, the holders view has the client's last
+    demand)."""
+
+    def client_progress(self, client_id: str) -> ClientDemand: ...
+
+
 class LeaseClient:
     def __init__(self, registry: LeaseRegistry, dispatcher: LeaseHolder, *, holder: str | None = None,
-                 renew_s: float = RENEW_S, clock: Callable[[], float] = time.monotonic):
+                 renew_s: float = RENEW_S, clock: Callable[[], float] = time.monotonic,
+                 holder_kind: HolderKind = "other"):
+        """`holder_kind`: what this process is, as the pool's holders view shows it (`eval run`, `gateway`, ...)."""
         self._registry = registry
         self._dispatcher = dispatcher
         self.holder = holder or holder_id()
+        self.info = holder_info(holder_kind)  # who this process is, in every report (a restarted broker learns it)
+        self._progress = dispatcher.client_progress if isinstance(dispatcher, ProgressSource) else None
+        self._reported: set[tuple[str, str]] = set()  # (model, client) of the last report
         self._renew_s = renew_s
         self._clock = clock
         self._version = -1
@@ -157,7 +172,19 @@ class LeaseClient:
             self._wanted = ()
         work, slot_s = dispatcher.served_totals()
         return DemandReport(holder=self.holder, models=demand, inflight=dispatcher.inflight(),
-                            held=dispatcher.held(), broker=self._broker, served_work=work, served_slot_s=slot_s)
+                            held=dispatcher.held(), broker=self._broker, served_work=work, served_slot_s=slot_s,
+                            info=self.info, ended=self._ended(demand))
+
+    def _ended(self, demand: tuple[ModelDemand, ...]) -> tuple[ModelDemand, ...]:
+        """The clients of the last report that this one leaves out, with their progress now."""
+        reported = {(m.model, c.client) for m in demand for c in m.clients}
+        gone, self._reported = self._reported - reported, reported
+        if not gone or self._progress is None:
+            return ()
+        by_model: dict[str, list[ClientDemand]] = {}
+        for model, client in sorted(gone)[:MAX_ENDED]:
+            by_model.setdefault(model, []).append(self._progress(client))
+        return tuple(ModelDemand(model=model, clients=tuple(clients)) for model, clients in by_model.items())
 
     async def _run(self) -> None:
         reported_at = float("-inf")

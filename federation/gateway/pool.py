@@ -19,12 +19,13 @@ from fedpool.federation.gateway.leases import LeaseClient
 from fedpool.federation.gateway.transport import HttpTransport, new_session
 from fedpool.federation.routing.horizon import kind_costs
 from fedpool.federation.routing.policies import make_policy
-from fedpool.registry import PoolRegistry, PoolSnapshot, SnapshotWatcher
+from fedpool.registry import HolderKind, HoldersSource, PoolHolders, PoolRegistry, PoolSnapshot, SnapshotWatcher
 
 log = logging.getLogger("fedpool.pool")
 
 MAX_PENDING_REPORTS = 256  # passive failure reports in flight to the registry; beyond this they are dropped
 REPORT_FLUSH_S = 2.0  # how long a closing connection waits for its reports in flight
+HOLDERS_FRESH_S = 1.0  # the holders view asked of the registry is reused this long (a page polled by many)
 
 
 class PoolConnection:
@@ -35,8 +36,9 @@ class PoolConnection:
     (the default) the dispatcher works within this process's capacity lease, so several processes on the
     same servers share their slots instead of each filling them. `expect`: (client, model, requests at most) of
     the clients this process is about to run, reported as loading from its first lease report on; `holder`: this
-    process's name at the lease broker (default: a new one), as a report sent before connecting named it.
-    `keepalive_pool=False`: every request over aiohttp's client, none over fedpool's keep-alive pool.
+    process's name at the lease broker (default: a new one), as a report sent before connecting named it;
+    `holder_kind`: what this process is, as the pool's holders view shows it (`eval run`, `gateway`, `jobs server`,
+    `batch`). `keepalive_pool=False`: every request over aiohttp's client, none over fedpool's keep-alive pool.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class PoolConnection:
         expect: Sequence[tuple[str, str, int]] = (),
         holder: str | None = None,
         keepalive_pool: bool = True,
+        holder_kind: HolderKind = "other",
     ):
         self._registry = registry
         self._policy_name = policy
@@ -63,7 +66,9 @@ class PoolConnection:
         self._leasing = leases
         self._expect = tuple(expect)
         self._holder = holder
+        self._holder_kind: HolderKind = holder_kind
         self._keepalive_pool = keepalive_pool
+        self._holders: tuple[float, PoolHolders] | None = None  # (asked at, the registry's answer)
         self._leases: LeaseClient | None = None
         self._watcher: SnapshotWatcher | None = None
         self._dispatcher: Dispatcher | None = None
@@ -102,7 +107,8 @@ class PoolConnection:
         if self._leasing:
             # Every process's dispatcher shares each server's slots with the others through the registry's
             # capacity leases (federation/gateway/leases.py).
-            self._leases = LeaseClient(self._registry, self._dispatcher, holder=self._holder)
+            self._leases = LeaseClient(self._registry, self._dispatcher, holder=self._holder,
+                                       holder_kind=self._holder_kind)
             await self._leases.start()
             # The clients this process is about to run, as loading, in its very first report (the report task has
             # not run yet: nothing awaits between here and it). Said only by each eval once connected, they came
@@ -130,6 +136,18 @@ class PoolConnection:
                 await task
         if self._session is not None:
             await self._session.close()
+
+    async def holders(self) -> PoolHolders | None:
+        """Who is on the pool, as the registry's lease broker knows it (client names included: who may see them is
+        the caller's to decide, `PoolHolders.redacted`); None where the registry client cannot say. Asked at most
+        every HOLDERS_FRESH_S; raises what the registry call raises."""
+        registry = self._registry
+        if not isinstance(registry, HoldersSource):
+            return None
+        now = asyncio.get_running_loop().time()
+        if self._holders is None or now - self._holders[0] >= HOLDERS_FRESH_S:
+            self._holders = (now, await registry.holders())
+        return self._holders[1]
 
     async def refresh(self) -> PoolSnapshot:
         assert self._watcher is not None
