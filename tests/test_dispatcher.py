@@ -145,6 +145,35 @@ async def test_other_clients_load_on_a_shared_server_shrinks_our_window(fakes: F
     assert server.peak == 1  # capacity 4 minus the 3 other clients keep there
 
 
+async def test_a_lease_granted_after_a_scrape_is_not_shrunk_by_the_load_that_scrape_showed(fakes: FakePool) -> None:
+    """Another process's requests in a scrape taken before the broker leased us their slots have ended (the broker
+    leases no slot another holder may be using): the whole lease is filled at once, not what the stale scrape
+    leaves until the next probe (a gateway replica taking over the other's slots ran one of four there). A scrape
+    taken after the lease still shrinks the window by what others run (a client outside fedpool)."""
+    server = fakes.start(max_running=4, decode_s=0.01)
+    base = snapshot_of([server], capacity=4).entries[0]
+
+    def scraped(version: int, running: int) -> PoolSnapshot:
+        entry = ServerEntry(record=base.record, status=base.status, capacity=4, weight=base.weight,
+                            load=LoadSample(running=running, waiting=0, observed_at=wall_time()))
+        return PoolSnapshot(version=version, taken_at=0.0, entries=(entry,))
+
+    snap = [scraped(2, 4)]  # the other holder runs all 4 there
+    dispatcher = fakes.dispatcher(lambda: snap[0], make_policy("least_inflight"), config=FAST)
+    dispatcher.apply_lease({})
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.5)
+    dispatcher.apply_lease({"s0": 4})  # its requests ended: the broker leases us the server
+    await run_all(dispatcher, 8)
+    assert server.peak == 4
+    await asyncio.sleep(0.5)
+    snap[0] = scraped(3, 3)  # scraped after the lease: 3 running there, none of them ours
+    dispatcher.notify_snapshot()
+    server.peak = 0
+    await run_all(dispatcher, 6)
+    assert server.peak == 1
+
+
 async def test_shortest_first_serves_the_client_with_least_work_left(fakes: FakePool) -> None:
     """With one slot, the order waiting requests get it in is the client order: least remaining work first
     (client_order="shortest_first"), fewest in flight first ("fair")."""

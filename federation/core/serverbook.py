@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fedpool.federation.core.errors import FailureKind
-from fedpool.federation.core.ledger import LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
+from fedpool.federation.core.ledger import HISTORY_S, LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
 from fedpool.federation.core.routes import Route, RouteKey
 from fedpool.federation.core.types import STREAMED_ENGINES, ServerStats
 from fedpool.federation.core.windows import kv_budget, kv_share_back
@@ -56,7 +57,7 @@ class ServerState(ServerSlots):
 
     __slots__ = ("abort_path", "answer_s", "answered", "attempts", "breaker_failures", "capacity", "entry",
                  "failures", "half_open", "kv_budget", "kv_by_client", "kv_inflight", "last_answer_at", "learning",
-                 "lease", "open_until", "present", "queue_clear", "queue_full", "routes", "scrape_at",
+                 "lease", "lease_changes", "open_until", "present", "queue_clear", "queue_full", "routes", "scrape_at",
                  "scrape_inflight", "scraped_running", "scraped_waiting", "streamed", "tokens", "trial", "url",
                  "weight", "window")
 
@@ -78,6 +79,7 @@ class ServerState(ServerSlots):
         self.attempts: dict[asyncio.Task[Any], InFlight] = {}
         self.present = False  # in the current snapshot, routable
         self.lease: int | None = None  # slots the registry leases this process there (None: not leasing)
+        self.lease_changes: deque[tuple[float, int]] = deque()  # (wall time, the lease before) over HISTORY_S
         self.queue_full = False  # the engine queues beyond what we know: no new grants until it drains
         self.queue_clear = 0  # scrapes in a row with the queue empty, while queue_full
         # KV admission: the engine's KV cache in tokens (this process's share of it under a lease; None: unknown, no
@@ -297,6 +299,10 @@ class ServerBook:
     def set_lease(self, state: ServerState, slots: int | None) -> None:
         """The registry's lease of slots there for this process (None: not leasing)."""
         if state.lease != slots:
+            now, changes = self.ledger.wall_now(), state.lease_changes
+            changes.append((now, state.lease or 0))
+            while now - changes[0][0] > HISTORY_S:
+                changes.popleft()
             state.lease = slots
             self._set_kv_budget(state)
             self._rewindow(state)
@@ -328,6 +334,8 @@ class ServerBook:
         if load is not None:
             # The scrape is up to a probe interval old: compare it with what *we* had in flight then.
             others = max(0.0, load.running + load.waiting - state.at(load.observed_at))
+            if state.lease is not None:  # slots leased since: the broker saw the other holders' work there end
+                others = max(0.0, others - max(0, state.lease - _lease_at(state, load.observed_at)))
             window = min(window, max(1, int(state.capacity - others)))
         window = max(1, window)
         if state.lease is not None:
@@ -482,3 +490,11 @@ class ServerBook:
                 learned_tokens_per_s=learning.tokens_per_s if learning is not None else None,
                 window_reason=learning.last_decision.reason if learning and learning.last_decision else None))
         return tuple(out)
+
+
+def _lease_at(state: ServerState, wall_time: float) -> int:
+    """The lease the dispatcher held there at that wall-clock time (the current one beyond the kept changes)."""
+    for when, before in state.lease_changes:
+        if when > wall_time:
+            return before
+    return state.lease or 0
