@@ -1,12 +1,13 @@
 """The chaos soak: many evaluations through a real local pool for a long time while a seeded fault injector
 fires a random fault from the catalogue every few seconds; then the history is checked.
 
-    python -m fedpool.benchmarks.chaos_soak [--minutes 10] [--seed 7] [--servers 4] [--samples 500]
+    python -m fedpool.benchmarks.chaos_soak [--minutes 10] [--seed 7] [--servers 4] [--samples 300] [--parallel 4]
 
 The pool: local Ray, the registry actor, emulated vLLM servers each in its own process (so kill -9 and
-SIGSTOP are real). The clients: real `fedpool eval run` processes, a few at a time, each on a run directory
-of three synthetic benchmarks; a run that is killed, or that ends with failed records, is resumed with
-`fedpool eval resume` until it is complete. Faults (seeded, one every 3-8 s):
+SIGSTOP are real). The clients: real `fedpool eval run` processes, `--parallel` at a time (4 by default), each on a
+run directory of three synthetic benchmarks and each leasing its slots from the registry's broker; a run that is
+killed, or that ends with failed records, is resumed with `fedpool eval resume` until it is complete. Faults
+(seeded, one every 3-8 s; the registry is killed at least once, a third of the way in at the latest):
 
 - a server killed -9, started again on its port 2-5 s later;
 - a server frozen (SIGSTOP) for 3-8 s: it accepts connections and answers nothing, /health included;
@@ -19,6 +20,15 @@ The history check, per benchmark of every run: lines in records.jsonl, unique sa
 ids; lost = dataset ids with no record, duplicated = lines beyond one per id; every score of summary.json
 computed over exactly the dataset's samples (n). Leaked: processes the soak started that are still alive
 after it stopped everything, and tasks of the driver's event loop still pending.
+
+The leases, throughout: the broker's leases (`RegistryClient.leases()`, through Ray) every 0.25 s, summed per server
+against its slots. A registry restarted is a new broker that knows nothing of the old one's leases, which its holders
+may use for one TTL and their fallback for one more: the old incarnation's last leases of holders the new one has
+not heard from yet count beside the new one's for two TTLs from that sample. `over_capacity`: samples × servers
+leased past their slots either way (`LeaseWatch`).
+
+Writes benchmarks/results/chaos_soak.md (`--results-dir`), ending with `result: records=N minutes=X faults=N
+processes=N registry_restarts=N lease_samples=N lost=N duplicated=N leaked=N over_capacity=N`.
 """
 
 from __future__ import annotations
@@ -35,28 +45,108 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import ray
 
-from fedpool.benchmarks.report import markdown_table, write_report
+from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 from fedpool.deploy.localpool import init_local_ray
 from fedpool.deploy.process import EngineProcess, free_port
 from fedpool.registry import Engine, RegistryClient, ServerRecord
+from fedpool.registry.leases import LEASE_TTL_S
 
 log = logging.getLogger("fedpool.chaos_soak")
 MODEL = "soak-model"
-PROFILE = ('{"name": "soak", "max_running": 8, "decode_s_per_token": 0.01, "batch_slowdown": 0.0, '
-           '"default_output_tokens": 8}')
+SLOTS = 8  # each emulated server's (max_running in PROFILE, the capacity it registers)
+LEASE_SAMPLE_S = 0.25  # the broker's leases are read this often
+LEASE_CALL_S = 2.0  # a read of the leases that takes longer is a failed sample (the registry away)
+REGISTRY_KILL_BY = 1 / 3  # share of the soak by which the registry has been killed at least once
+PROFILE = json.dumps({"name": "soak", "max_running": SLOTS, "decode_s_per_token": 0.01, "batch_slowdown": 0.0,
+                      "default_output_tokens": 8})
 SPEC = """name: {name}
 data: {{path: {data}}}
 prompt: {{template: "Question {{q}} ->"}}
 generation: {{max_tokens: 6}}
 metrics: [exact_match]
 """
+
+
+@dataclass(frozen=True, slots=True)
+class OverCapacity:
+    """One server leased past its slots in one sample."""
+
+    at_s: float  # seconds into the soak
+    server: str
+    leased: int  # by the broker now (with `carried`: and the previous incarnation's leases still runnable)
+    carried: int  # of those, the previous incarnation's
+
+
+@dataclass
+class LeaseWatch:
+    """The broker's leases, sample by sample, against each server's slots (see the module docstring)."""
+
+    capacity: dict[str, int]
+    ttl_s: float = LEASE_TTL_S
+    samples: int = 0
+    failed: int = 0  # reads that failed or timed out (the registry away)
+    max_holders: int = 0
+    max_leased: dict[str, int] = field(default_factory=dict)  # server -> most slots leased at once (carried too)
+    over: list[OverCapacity] = field(default_factory=list)
+    incarnations: list[str] = field(default_factory=list)  # the brokers seen, in order
+    carried_samples: int = 0  # samples in which the previous incarnation's leases were counted
+    _last: dict[str, dict[str, int]] = field(default_factory=dict)  # the current incarnation's last sample
+    _last_at: float = 0.0
+    _previous: dict[str, dict[str, int]] = field(default_factory=dict)  # the previous incarnation's last sample
+    _previous_until: float = float("-inf")
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.incarnations) - 1)
+
+    def observe(self, at_s: float, stats: Mapping[str, Any]) -> None:
+        """One read of `RegistryClient.leases()` taken `at_s` seconds into the soak."""
+        incarnation = str(stats["incarnation"])
+        holders: dict[str, dict[str, int]] = {h: {s: int(n) for s, n in slots.items() if n}
+                                              for h, slots in stats["holders"].items()}
+        if not self.incarnations or incarnation != self.incarnations[-1]:
+            if self.incarnations:  # a restarted registry: the old one's leases may be in use two TTLs more
+                self._previous, self._previous_until = self._last, self._last_at + 2 * self.ttl_s
+            self.incarnations.append(incarnation)
+        self.samples += 1
+        self.max_holders = max(self.max_holders, sum(1 for slots in holders.values() if slots))
+        leased: Counter[str] = Counter()
+        for slots in holders.values():
+            leased.update(slots)
+        carried: Counter[str] = Counter()
+        if at_s < self._previous_until:
+            for holder, slots in self._previous.items():
+                if holder not in holders:  # (one the new broker has heard from works within its new lease)
+                    carried.update(slots)
+            self.carried_samples += bool(carried)
+        for server in set(leased) | set(carried):
+            total = leased[server] + carried[server]
+            self.max_leased[server] = max(self.max_leased.get(server, 0), total)
+            if total > self.capacity.get(server, 0):
+                self.over.append(OverCapacity(at_s, server, total, carried[server]))
+        self._last, self._last_at = holders, at_s
+
+
+async def sample_leases(registry: RegistryClient, watch: LeaseWatch, t0: float, stop: asyncio.Event) -> None:
+    """`watch` every LEASE_SAMPLE_S until `stop`; a read the registry does not answer in LEASE_CALL_S is a failed
+    sample (it is being killed or restarted)."""
+    while not stop.is_set():
+        try:
+            stats = await asyncio.wait_for(registry.leases(), LEASE_CALL_S)
+        except Exception:  # (the actor killed, restarting, or too slow: the next sample tries again)
+            watch.failed += 1
+        else:
+            watch.observe(time.monotonic() - t0, stats)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), LEASE_SAMPLE_S)
 
 
 @dataclass
@@ -95,6 +185,9 @@ class Soak:
     race_problems: list[str] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
     pending: set[asyncio.Task[None]] = field(default_factory=set)  # faults being undone (thaw, restart)
+    registry_due: float = float("inf")  # the registry is killed at the first fault from then if it was not yet
+    running: int = 0  # eval processes running now (racing resumes aside) ...
+    max_running: int = 0  # ... and the most at once
 
     # ---- clients ----------------------------------------------------------------------------------------
     async def fedpool(self, *args: str, log: Path | None = None) -> asyncio.subprocess.Process:
@@ -119,7 +212,12 @@ class Soak:
                 args = ["eval", "resume", str(run.out), "--no-server-timeout", "120"]
             run.proc = await self.fedpool(*args)
             run.starts += 1
-            code = await run.proc.wait()
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+            try:
+                code = await run.proc.wait()
+            finally:
+                self.running -= 1
             run.proc = None
             run.exit_codes.append(code)
             if code == 0 and run.starts > 0:
@@ -134,6 +232,8 @@ class Soak:
             await asyncio.sleep(self.rng.uniform(3.0, 8.0))
             fault = self.rng.choice(("kill_server", "freeze_server", "slow_server", "kill_registry",
                                      "kill_client", "race_resume"))
+            if not self.faults["kill_registry"] and time.monotonic() >= self.registry_due:
+                fault = "kill_registry"  # (at least once per soak, however short)
             target = await getattr(self, fault)()
             if target is not None:
                 self.faults[fault] += 1
@@ -290,46 +390,73 @@ def check_history(runs: list[Run], samples: int) -> dict[str, int]:
             "failed": failed}
 
 
-async def soak(args: argparse.Namespace, work: Path) -> tuple[Soak, dict[str, int], int, float]:
+@dataclass
+class SoakResult:
+    state: Soak
+    history: dict[str, int]
+    leaked: int  # processes the soak started still alive, and tasks still pending, after it stopped
+    minutes: float
+    leases: LeaseWatch
+
+
+async def start_servers(args: argparse.Namespace, work: Path, state: Soak) -> None:
+    """The emulated servers, each in its own process, registered with SLOTS slots (into `state.servers`)."""
+    for i in range(args.servers):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = EngineProcess(f"soak-{i}", [sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL,
+                                           "--port", str(port), "--profile-json", PROFILE,
+                                           "--seed", str(args.seed + i)], work / "logs" / f"soak-{i}.log")
+        await proc.start()
+        assert proc.pid is not None
+        state.started_pids.add(proc.pid)
+        await proc.wait_healthy(url + "/health", deadline_s=60)
+        await state.registry.register(ServerRecord(id=f"soak-{i}", url=url, engine=Engine.VLLM, model=MODEL,
+                                                   accelerator="A100", capacity=SLOTS))
+        state.servers.append(Server(f"soak-{i}", url, proc))
+
+
+async def run_rounds(args: argparse.Namespace, work: Path, state: Soak) -> None:
+    """Rounds of `--runs` run directories, `--parallel` client processes at once, faults firing throughout, until
+    `--minutes` have passed."""
+    deadline = state.t0 + args.minutes * 60
+    round_no = 0
+    while time.monotonic() < deadline:
+        runs = make_datasets(work, args.runs, args.samples, round_no)
+        state.runs += runs
+        limit = asyncio.Semaphore(args.parallel)
+        drivers = [asyncio.create_task(_limited(limit, state.drive(r))) for r in runs]
+        injector = asyncio.create_task(state.inject(deadline + 3600))
+        await asyncio.gather(*drivers)
+        injector.cancel()
+        await asyncio.gather(injector, return_exceptions=True)
+        round_no += 1
+        print(f"[soak] round {round_no} done at {(time.monotonic() - state.t0) / 60:.1f} min: "
+              f"{sum(len(r.specs) for r in state.runs) * args.samples} records so far, "
+              f"{sum(state.faults.values())} faults", flush=True)
+
+
+async def soak(args: argparse.Namespace, work: Path) -> SoakResult:
     registry = await RegistryClient.start(work / "registry", probe_interval_s=0.5, probe_timeout_s=1.0,
                                           check_timeout_s=5.0, lease_grace_s=5.0)
-    servers: list[Server] = []
-    state = Soak(work, registry, servers, random.Random(args.seed))
+    state = Soak(work, registry, [], random.Random(args.seed))
+    state.registry_due = state.t0 + args.minutes * 60 * REGISTRY_KILL_BY
+    watch = LeaseWatch({f"soak-{i}": SLOTS for i in range(args.servers)})
+    stop = asyncio.Event()
+    sampler: asyncio.Task[None] | None = None
     try:
-        for i in range(args.servers):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc = EngineProcess(f"soak-{i}", [sys.executable, "-m", "fedpool.deploy.emulator", "--model", MODEL,
-                                               "--port", str(port), "--profile-json", PROFILE,
-                                               "--seed", str(args.seed + i)], work / "logs" / f"soak-{i}.log")
-            await proc.start()
-            assert proc.pid is not None
-            state.started_pids.add(proc.pid)
-            await proc.wait_healthy(url + "/health", deadline_s=60)
-            await registry.register(ServerRecord(id=f"soak-{i}", url=url, engine=Engine.VLLM, model=MODEL,
-                                                 accelerator="A100", capacity=8))
-            servers.append(Server(f"soak-{i}", url, proc))
-        deadline = state.t0 + args.minutes * 60
-        round_no = 0
-        while time.monotonic() < deadline:
-            runs = make_datasets(work, args.runs, args.samples, round_no)
-            state.runs += runs
-            limit = asyncio.Semaphore(args.parallel)
-            drivers = [asyncio.create_task(_limited(limit, state.drive(r))) for r in runs]
-            injector = asyncio.create_task(state.inject(deadline + 3600))
-            await asyncio.gather(*drivers)
-            injector.cancel()
-            await asyncio.gather(injector, return_exceptions=True)
-            round_no += 1
-            print(f"[soak] round {round_no} done at {(time.monotonic() - state.t0) / 60:.1f} min: "
-                  f"{sum(len(r.specs) for r in state.runs) * args.samples} records so far, "
-                  f"{sum(state.faults.values())} faults", flush=True)
+        await start_servers(args, work, state)
+        sampler = asyncio.create_task(sample_leases(registry, watch, state.t0, stop))
+        await run_rounds(args, work, state)
         minutes = (time.monotonic() - state.t0) / 60
         for task in list(state.pending):  # thaw / restart whatever is still in a fault
             await task
         history = check_history(state.runs, args.samples)
     finally:
-        for server in servers:
+        stop.set()
+        if sampler is not None:
+            await asyncio.gather(sampler, return_exceptions=True)
+        for server in state.servers:
             if server.proc.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(server.proc.pid, signal.SIGCONT)
@@ -339,48 +466,105 @@ async def soak(args: argparse.Namespace, work: Path) -> tuple[Soak, dict[str, in
                     and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     current = asyncio.current_task()
     leaked_tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-    return state, history, len(leaked_procs) + len(leaked_tasks), minutes
+    return SoakResult(state, history, len(leaked_procs) + len(leaked_tasks), minutes, watch)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0, help="keep starting rounds of runs until this long")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--servers", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=4, help="run directories per round (3 benchmarks each)")
-    parser.add_argument("--samples", type=int, default=300, help="samples per benchmark")
-    parser.add_argument("--parallel", type=int, default=2, help="client processes at once")
-    parser.add_argument("--name", default="chaos_soak")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
-    work = Path(tempfile.mkdtemp(prefix="fedpool-soak-"))
-    state, history, leaked, minutes = asyncio.run(soak(args, work))
-    ray.shutdown()
-    records = history["expected"]
-    kinds = sorted(state.faults.items())
+def headline(result: SoakResult) -> dict[str, object]:
+    state, history, watch = result.state, result.history, result.leases
+    return {"records": history["expected"], "minutes": f"{result.minutes:.1f}", "faults": sum(state.faults.values()),
+            "processes": state.max_running, "registry_restarts": watch.restarts, "lease_samples": watch.samples,
+            "lost": history["lost"], "duplicated": history["duplicated"], "leaked": result.leaked,
+            "over_capacity": len(watch.over)}
+
+
+def leases_section(watch: LeaseWatch) -> str:
+    over = watch.over
+    lines = [
+        "## Leases", "",
+        f"The broker's leases read {watch.samples} times (every {LEASE_SAMPLE_S:g} s; {watch.failed} reads failed "
+        f"or took over {LEASE_CALL_S:g} s while the registry was away); brokers seen: {len(watch.incarnations)} "
+        f"({watch.restarts} restarts); most holders with slots at once: {watch.max_holders}. Samples counting a "
+        f"previous broker's leases (its holders not yet heard by the new one, for {2 * watch.ttl_s:g} s): "
+        f"{watch.carried_samples}.", "",
+        markdown_table(("server", "slots", "most leased at once", "samples leased past its slots"),
+                       [(sid, cap, watch.max_leased.get(sid, 0), sum(1 for o in over if o.server == sid))
+                        for sid, cap in sorted(watch.capacity.items())]),
+    ]
+    if over:
+        lines += ["", "Leased past its slots (first 12): " + "; ".join(
+            f"{o.at_s:.1f} s {o.server} {o.leased}" + (f" ({o.carried} the previous broker's)" if o.carried else "")
+            for o in over[:12])]
+    return "\n".join(lines)
+
+
+def report_body(args: argparse.Namespace, result: SoakResult) -> str:
+    state, history = result.state, result.history
     starts = [r.starts for r in state.runs]
-    body = (
-        f"{args.servers} emulated vLLM servers (own processes, 10 ms a token, 8 slots each) behind the registry "
-        f"on local Ray; {len(state.runs)} run directories of 3 synthetic benchmarks × {args.samples} samples, "
-        f"run by real `fedpool eval run` / `eval resume` processes, {args.parallel} at a time, for "
-        f"{minutes:.1f} minutes; seed {args.seed}. A fault every 3–8 s from the catalogue (module docstring).\n\n"
-        "## Faults fired\n\n" + markdown_table(("fault", "times"), kinds) + "\n\n"
+    return (
+        f"{args.servers} emulated vLLM servers (own processes, 10 ms a token, {SLOTS} slots each) behind the "
+        f"registry on local Ray; {len(state.runs)} run directories of 3 synthetic benchmarks × {args.samples} "
+        f"samples, run by real `fedpool eval run` / `eval resume` processes, {args.parallel} at a time (most at "
+        f"once: {state.max_running}), each leasing its slots from the registry's broker, for {result.minutes:.1f} "
+        f"minutes; seed {args.seed}. A fault every 3–8 s from the catalogue (module docstring); the registry "
+        "killed at least once.\n\n"
+        "## Faults fired\n\n" + markdown_table(("fault", "times"), sorted(state.faults.items())) + "\n\n"
         f"Racing resumes refused (exit 5): {state.refused_races}; come before the raced run had written its "
         f"eval.json (exit 2, nothing to resume yet): {state.early_races}"
         + (f"; problems: {state.race_problems}" if state.race_problems else "") + ". "
-        f"Client processes per run: {min(starts)}–{max(starts)} (a run killed or left incomplete is resumed).\n\n"
+        f"Client processes per run: {min(starts, default=0)}–{max(starts, default=0)} (a run killed or left "
+        "incomplete is resumed).\n\n"
         "## History check\n\n"
         + markdown_table(("records expected", "lines written", "lost", "duplicated", "benchmarks mis-scored",
                           "failed records left", "leaked processes + tasks"),
-                         [(records, history["lines"], history["lost"], history["duplicated"], history["misscored"],
-                           history["failed"], leaked)])
-        + "\n\nFirst faults: " + "; ".join(f"{t:.0f} s {f} {x}" for t, f, x in state.fault_log[:12])
+                         [(history["expected"], history["lines"], history["lost"], history["duplicated"],
+                           history["misscored"], history["failed"], result.leaked)])
+        + "\n\n" + leases_section(result.leases) + "\n\n"
+        "First faults: " + "; ".join(f"{t:.0f} s {f} {x}" for t, f, x in state.fault_log[:12])
     )
-    write_report(args.name, "Chaos soak: every record exactly once through hours of faults (here: minutes)", body,
-                 {"records": records, "minutes": f"{minutes:.1f}", "faults": sum(state.faults.values()),
-                  "lost": history["lost"], "duplicated": history["duplicated"], "leaked": leaked})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="chaos_soak", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="keep starting rounds of runs until this long")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--servers", type=int, default=4)
+    parser.add_argument("--runs", type=int, help="run directories per round (3 benchmarks each; default: twice "
+                        "--parallel)")
+    parser.add_argument("--samples", type=int, default=300, help="samples per benchmark")
+    parser.add_argument("--parallel", type=int, default=4, help="client processes at once (default %(default)s)")
+    parser.add_argument("--name", default="chaos_soak")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--work-dir", type=Path, help="the runs, specs, logs and registry state here (default: a "
+                        "new temporary directory, kept)")
+    args = parser.parse_args(argv)
+    if args.runs is None:
+        args.runs = 2 * args.parallel
+    return args
+
+
+def execute(args: argparse.Namespace) -> tuple[SoakResult, Path, dict[str, object]]:
+    """The soak on a local Ray of its own; the report written."""
+    init_local_ray(num_cpus=max(2, os.cpu_count() or 2))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="fedpool-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        result = asyncio.run(soak(args, work))
+    finally:
+        ray.shutdown()
+    line = headline(result)
+    path = write_report(args.name, "Chaos soak: every record exactly once through hours of faults (here: minutes)",
+                        report_body(args, result), line, results_dir=args.results_dir)
+    return result, path, line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _, path, line = execute(args)
+    print(f"report: {path}")
+    print("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

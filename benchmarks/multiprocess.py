@@ -10,9 +10,11 @@ user's would (`--address`, `--state-dir`): each has its own dispatcher, leasing 
 The eval processes, which start no CPU actors here, reach the registry over its HTTP API (the URL and token in the
 state dir) and are no Ray drivers; the gateways join Ray.
 
-1. **eval run**: four evals, two long-answer ones (40 prompts x 48 tokens, no stop) and the bundled `arith` and
-   `capitals`, as one `fedpool eval run` with four `--spec` (**one**) and as four `fedpool eval run` processes
-   started together (**multi**), same flags otherwise; the order of the two arms alternates between repeats.
+1. **eval run**: N evals (`--processes`, default 8), half of them long-answer ones (`long_a`, `long_b`, ...: 40
+   prompts x 48 tokens, no stop; the odd one out is long too) and half short ones (the bundled `arith`, `capitals`,
+   `capitals_mc`, then renamed copies of them: `arith_2`, ...), as one `fedpool eval run` with N `--spec` (**one**)
+   and as N `fedpool eval run` processes started together (**multi**), same flags otherwise; the order of the two
+   arms alternates between repeats. N = 4 is the issue-23 set: `long_a`, `long_b`, `arith`, `capitals`.
    Times are taken from launch (the moment the processes are started) with the wall clock the records carry
    (`provenance.completed_at`): an eval is done at its last record; its own time is its summary's `wall_time_s`
    and its start-up (launch to the eval's start: the process's imports, reaching the registry, its lease client)
@@ -21,7 +23,8 @@ state dir) and are no Ray drivers; the gateways join Ray.
    pool's slots, one API key each) each behind its own `fedpool gateway` process (**two-replicas**) against both
    behind one (**one-gateway**); fresh gateways in every arm. realtool_speedup's start gate holds every request
    until both processes have sent one (lm-eval's start-up is outside the clock) and reads which server answered
-   each request (the gateway's `X-Fedpool-Server`).
+   each request (the gateway's `X-Fedpool-Server`). `replicas_eval_vs_one`: each lm-eval run's time (start line
+   to its last answer) behind two replicas ÷ behind one gateway, the median over repeats, the worse of the two runs.
 3. **lease traffic**: the registry's count of lease calls (`RegistryClient.leases()["calls"]`) before and after
    each arm, over the arm's wall time; the broker's holders and the slots it granted per server, sampled every
    0.5 s.
@@ -38,8 +41,9 @@ slower on it than one, and the short evals finish later (3 repeats, engines on o
 their wait for a core and everyone else's CPU, and the engines' prompt and generation counters.
 
 Writes benchmarks/results/multiprocess.md, ending with
-`result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X max_engine_queue=N replicas_busier_share=X
-lease_calls_per_s=X` (ratios: medians over repeats).
+`result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X max_engine_queue=N replicas_eval_vs_one=X
+replicas_busier_share=X lease_calls_per_s=X over_capacity=N` (ratios: medians over repeats; `over_capacity`: the
+registry's exported over-capacity counter over every arm, which must stay 0).
 """
 
 from __future__ import annotations
@@ -103,8 +107,10 @@ ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", 
 DECODE_METRICS = ("llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
 EVAL_ARMS = ("one", "multi")
 TOOL_ARMS = ("one-gateway", "two-replicas")
-TARGETS = {"processes": 4, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
-           "replicas_busier_share": 0.55}
+TARGETS = {"processes": 8, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
+           "replicas_eval_vs_one": 1.10, "replicas_busier_share": 0.55, "over_capacity": 0}
+PROCESSES = 8  # eval processes of the multi arm (`--processes`)
+SHORT_EVALS = ("arith", "capitals", "capitals_mc")  # the bundled short evals, taken in this order (then copies)
 
 
 # ---- the pool ------------------------------------------------------------------------------------------------
@@ -195,6 +201,7 @@ class ArmWatch:
     predicted: dict[str, float] = field(default_factory=dict)  # tokens generated during the arm
     predicted_at_start: dict[str, float] = field(default_factory=dict)
     lease_calls: int = 0
+    over_capacity: int = 0  # re-shares that leased a server past its slots (the registry's exported counter): 0
     lease_lapses: int = 0  # warnings of a lapsed lease in the arm's processes' logs
     holders_seen: set[str] = field(default_factory=set)
     max_holders: int = 0
@@ -293,6 +300,7 @@ async def _sample_leases(registry: RegistryClient, watch: ArmWatch, stop: asynci
 async def watching(pool: Pool) -> AsyncIterator[ArmWatch]:
     watch = ArmWatch(load_start=os.getloadavg())
     calls_before = (await pool.registry.leases())["calls"]
+    over_before = await exported_over_capacity(pool.registry)
     stop = asyncio.Event()
     watch.started = time.monotonic()
     samplers = [asyncio.create_task(_sample_engines(pool.server_urls, watch, stop)),
@@ -304,7 +312,18 @@ async def watching(pool: Pool) -> AsyncIterator[ArmWatch]:
         stop.set()
         await asyncio.gather(*samplers, return_exceptions=True)
         watch.lease_calls = (await pool.registry.leases())["calls"] - calls_before
+        watch.over_capacity = await exported_over_capacity(pool.registry) - over_before
         watch.load_end = os.getloadavg()
+
+
+async def exported_over_capacity(registry: RegistryClient) -> int:
+    """The registry's `fedpool_lease_over_capacity_total`, as Prometheus scrapes it (registry/exporter.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(await registry.metrics_text()):
+        if family.name == "fedpool_lease_over_capacity":
+            return int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+    raise RuntimeError("the registry does not export fedpool_lease_over_capacity_total")
 
 
 async def settle(pool: Pool) -> None:
@@ -376,21 +395,45 @@ class EvalArm:
         return self.makespan_s - min(t.started_s for t in self.evals.values())
 
 
-def write_specs(work: Path, long_prompts: int, long_tokens: int) -> list[Path]:
-    """Two long-answer specs (written here) and the bundled arith and capitals."""
+def eval_names(count: int) -> list[str]:
+    """The evals of `count` processes: the long-answer ones first (`long_a`, `long_b`, ...: half, rounded up), then
+    the short ones (SHORT_EVALS, then their copies `arith_2`, ...). 4 gives issue 23's long_a, long_b, arith and
+    capitals; 7 the issue-53 try of four long and three bundled short ones."""
+    shorts = count // 2
+    longs = [f"long_{chr(ord('a') + i)}" if i < 26 else f"long_{i + 1}" for i in range(count - shorts)]
+    names = [SHORT_EVALS[i % len(SHORT_EVALS)] + (f"_{i // len(SHORT_EVALS) + 1}" if i >= len(SHORT_EVALS) else "")
+             for i in range(shorts)]
+    return longs + names
+
+
+def write_specs(work: Path, long_prompts: int, long_tokens: int, count: int = 4) -> list[Path]:
+    """The specs of `eval_names(count)`: the long-answer ones written here, the bundled short ones as shipped and
+    their copies written here under a name of their own (the bundled data, by its absolute path)."""
+    import yaml
+
     from fedpool.pipeline.bundled import bundled_spec_paths
 
     work.mkdir(parents=True, exist_ok=True)
-    specs = []
-    for name in ("long_a", "long_b"):
-        workload = stories(name, long_prompts, long_tokens)
-        data = work / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in workload.rows), encoding="utf-8")
-        spec = work / f"{name}.yaml"
-        spec.write_text(workload.fedpool_spec(data), encoding="utf-8")  # JSON: YAML's subset
-        specs.append(spec)
     bundled = {p.stem: p for p in bundled_spec_paths()}
-    return [*specs, bundled["arith"], bundled["capitals"]]
+    specs = []
+    for name in eval_names(count):
+        if name in bundled:
+            specs.append(bundled[name])
+            continue
+        spec = work / f"{name}.yaml"
+        if name.startswith("long_"):
+            workload = stories(name, long_prompts, long_tokens)
+            data = work / f"{name}.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in workload.rows), encoding="utf-8")
+            spec.write_text(workload.fedpool_spec(data), encoding="utf-8")  # JSON: YAML's subset
+        else:  # a copy of a bundled short eval
+            source = bundled[name.rsplit("_", 1)[0]]
+            raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+            raw["name"] = name
+            raw["data"] = {**raw["data"], "path": str((source.parent / raw["data"]["path"]).resolve())}
+            spec.write_text(json.dumps(raw, indent=1), encoding="utf-8")
+        specs.append(spec)
+    return specs
 
 
 async def _process(argv: list[str], log_path: Path, pids: dict[str, int], ok: Sequence[int] = (0,)) -> float:
@@ -670,7 +713,7 @@ async def run_all(args: argparse.Namespace, work: Path) -> tuple[Results, Pool]:
     results = Results()
     async with local_pool(work, args.servers, args.slots, args.threads, split(args.engine_cpus)) as pool:
         if "evals" in args.parts:
-            specs = write_specs(work / "specs", args.long_prompts, args.long_tokens)
+            specs = write_specs(work / "specs", args.long_prompts, args.long_tokens, args.processes)
             for r, order in enumerate(_orders(EVAL_ARMS, args.repeats)):
                 runs: dict[str, EvalArm] = {}
                 for arm in order:
@@ -728,20 +771,37 @@ def makespan_ratios(results: Results) -> list[float]:
     return [r["multi"].makespan_s / r["one"].makespan_s for r in results.evals]
 
 
+def replica_ratios(results: Results) -> dict[str, list[float]]:
+    """Per lm-eval run: its time (start line to its last answer) behind two replicas ÷ behind one gateway, each
+    repeat."""
+    out: dict[str, list[float]] = {}
+    for run in results.tools:
+        two, one = run["two-replicas"].eval_s, run["one-gateway"].eval_s
+        for name, seconds in two.items():
+            if one.get(name, 0.0) > 0:
+                out.setdefault(name, []).append(seconds / one[name])
+    return out
+
+
 def headline(results: Results) -> dict[str, object]:
     ratios = eval_ratios(results)
     worst = max((statistics.median(v) for v in ratios.values()), default=None)
     multi_watches = [r["multi"].watch for r in results.evals] + [r["two-replicas"].watch for r in results.tools]
     shares = [r["two-replicas"].busier_share for r in results.tools]
     calls = [r["multi"].watch.lease_calls_per_s for r in results.evals]
+    replicas = max((statistics.median(v) for v in replica_ratios(results).values()), default=None)
     return {
         "processes": max((len(r["multi"].process_s) for r in results.evals), default=0),
         "repeats": min(len(results.evals), len(results.tools)) if results.tools else len(results.evals),
         "makespan_vs_one": f"{statistics.median(makespan_ratios(results)):.2f}" if results.evals else "n/a",
         "latest_eval_vs_one": f"{worst:.2f}" if worst is not None else "n/a",
         "max_engine_queue": max((w.deepest for w in multi_watches), default=0),
+        "replicas_eval_vs_one": f"{replicas:.2f}" if replicas is not None else "n/a",
         "replicas_busier_share": f"{statistics.median(shares):.2f}" if shares else "n/a",
         "lease_calls_per_s": f"{statistics.median(calls):.1f}" if calls else "n/a",
+        "over_capacity": sum(w.over_capacity for w in multi_watches)
+        + sum(r["one"].watch.over_capacity for r in results.evals)
+        + sum(r["one-gateway"].watch.over_capacity for r in results.tools),
     }
 
 
@@ -763,7 +823,8 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
                 "; ".join(f"{sid} {a.watch.max_granted.get(sid, 0)}" for sid in servers), a.watch.load(),
                 f"{a.client_cpu_s:.1f}", f"{a.machine_busy * 100:.0f}",
             ])
-    lines = ["## 1. Four evals: one `fedpool eval run` vs one process each", "", markdown_table(
+    count = max((len(r["multi"].process_s) for r in results.evals), default=0)
+    lines = [f"## 1. {count} evals: one `fedpool eval run` vs one process each", "", markdown_table(
         ["repeat", "arm", "processes", "makespan from launch (s)", "first eval's start to last record (s)",
          "process walls (s)",
          "per eval: start-up + own = done from launch (s)", "failed records",
@@ -788,16 +849,16 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
         f"{_spread([r['multi'].inference_s / r['one'].inference_s for r in results.evals])}. "
         "`latest_eval_vs_one` is the worst eval's median of its multi ÷ one.", "",
         "Lease calls per second over each arm (median (lowest–highest)): one process "
-        f"{_spread([r['one'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}, four processes "
+        f"{_spread([r['one'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}, {count} processes "
         f"{_spread([r['multi'].watch.lease_calls_per_s for r in results.evals], '/s', 1)}; each holder renews "
         "about twice a second (federation/gateway/leases.py RENEW_S) from its start to its exit, and a process's share "
         "changing answers its long poll at once.", ""]
     if any(r[arm].client_cpu_s > 0 for r in results.evals for arm in EVAL_ARMS):  # (older work dirs lack it)
         lines += [
             "CPU the eval processes used (user + system; start-up, Ray, leases, prompts and scoring), median (lowest–"
-            f"highest): one process {_spread([r['one'].client_cpu_s for r in results.evals], ' s', 1)}, four "
+            f"highest): one process {_spread([r['one'].client_cpu_s for r in results.evals], ' s', 1)}, {count} "
             f"{_spread([r['multi'].client_cpu_s for r in results.evals], ' s', 1)}; the machine's CPU busy over the "
-            f"arm: one {_spread([r['one'].machine_busy * 100 for r in results.evals], '%', 0)}, four "
+            f"arm: one {_spread([r['one'].machine_busy * 100 for r in results.evals], '%', 0)}, {count} "
             f"{_spread([r['multi'].machine_busy * 100 for r in results.evals], '%', 0)}.", ""]
     if all(r[arm].cpu is not None for r in results.evals for arm in EVAL_ARMS):
         lines += [
@@ -842,6 +903,7 @@ def _makespan_why(results: Results) -> list[str]:
     if any(v is None for d in (steps, busy, engines, other) for v in d.values()):
         return []
     cores = os.cpu_count() or 1
+    count = max(len(r["multi"].process_s) for r in runs)
     more = (engines["multi"] or 0.0) - (engines["one"] or 0.0) + (other["multi"] or 0.0) - (other["one"] or 0.0)
     return ["", f"- The makespan, {span['multi']:.1f} s in {EVAL_ARMS[1]} against {span['one']:.1f} s in one process "
             f"(medians): the engines ran {steps['multi']:.0f} decode steps against {steps['one']:.0f} with "
@@ -850,7 +912,7 @@ def _makespan_why(results: Results) -> list[str]:
             f"else (the eval processes, the registry, Ray, this script) spent {other['multi']:.1f} against "
             f"{other['one']:.1f}: {more:.1f} CPU-s more on {cores} cores the engines share with the clients, "
             f"{more / cores:.1f} s of the machine against a makespan {span['multi'] - span['one']:.1f} s longer. "
-            "What the four processes cost is CPU taken from CPU engines on the same cores, not the schedule."]
+            f"What the {count} processes cost is CPU taken from CPU engines on the same cores, not the schedule."]
 
 
 def _decode_cells(results: Results, arm: str) -> list[str]:
@@ -868,7 +930,7 @@ def _cores_sentence(cores: CoreSplit | None) -> str:
                 "engines beside them lose (`--engine-cpus N` keeps N cores for the engines).")
     return (f"Cores: {cores.describe()} (`--engine-cpus`; benchmarks/cores.py). In the deployments fedpool is for, "
             "the engines compute on accelerators of their own and the eval processes on other CPUs; on one small "
-            "machine the CPU engines would otherwise lose to four client processes what one process does not use, "
+            "machine the CPU engines would otherwise lose to N client processes what one process does not use, "
             "and the arms would compare the machine's cores, not the coordination between processes. Both arms "
             "run under the same split; the clients share what is left.")
 
@@ -904,7 +966,8 @@ def _tools_section(results: Results, servers: Sequence[str]) -> list[str]:
         summary.append(["two-replicas ÷ one-gateway", "-"] + [
             _spread([r["two-replicas"].eval_s[n] / r["one-gateway"].eval_s[n] for r in results.tools]) for n in names])
         lines += [markdown_table(["arm", "busier server's share", *(f"{n}: start line to last answer" for n in names)],
-                                 summary), ""]
+                                 summary), "",
+                  "`replicas_eval_vs_one` is the worse lm-eval run's median of its two-replicas ÷ one-gateway.", ""]
     return lines
 
 
@@ -1020,8 +1083,7 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
         "",
         _cores_sentence(split(args.engine_cpus)),
         "",
-        f"Evals: `long_a`, `long_b` ({args.long_prompts} prompts x {args.long_tokens} tokens each, no stop), the "
-        f"bundled `arith` and `capitals`" + (f", each limited to {args.limit} samples" if args.limit else "")
+        _evals_sentence(results, args)
         + f". lm-eval: `arith` ({args.tool_arith} samples) and `long` ({args.long_prompts} x {args.long_tokens}), "
         f"`num_concurrent` {args.slots * len(servers)} (the pool's slots), one API key each.",
         "",
@@ -1040,9 +1102,24 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
     return "\n".join(lines)
 
 
+def _evals_sentence(results: Results, args: argparse.Namespace) -> str:
+    """Which evals part 1 ran (those of its runs; `eval_names` of --processes where it ran none)."""
+    names = list(results.evals[0]["multi"].evals) if results.evals else eval_names(args.processes)
+    longs = [n for n in names if n.startswith("long_")]
+    shorts = [n for n in names if not n.startswith("long_")]
+    copies = [n for n in shorts if n not in SHORT_EVALS]
+    return (f"Evals: {', '.join(f'`{n}`' for n in longs)} ({args.long_prompts} prompts x {args.long_tokens} tokens "
+            f"each, no stop), the bundled {', '.join(f'`{n}`' for n in shorts if n in SHORT_EVALS)}"
+            + (f" and copies of them under names of their own ({', '.join(f'`{n}`' for n in copies)})"
+               if copies else "")
+            + (f", each limited to {args.limit} samples" if args.limit else ""))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="multiprocess", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=PROCESSES, help="eval processes of part 1's multi arm "
+                        "(and evals of its one arm): half long-answer evals, half short ones (default %(default)s)")
     parser.add_argument("--parts", nargs="+", choices=("evals", "tools"), default=["evals", "tools"])
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--slots", type=int, default=4)
@@ -1058,12 +1135,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="keep every arm's logs, artifacts and arm.json here")
     parser.add_argument("--from-work-dir", type=Path, help="run nothing: write the report again from the arm.json "
                         "files and logs a run kept in this --work-dir")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.processes < 2:
+        parser.error("--processes: at least 2 (the multi arm against one process)")
+    return args
 
 
 TITLE = "Many processes, one pool: N eval processes and gateway replicas sharing the servers' slots"
-RUN_SETTINGS = ("repeats", "servers", "slots", "threads", "long_prompts", "long_tokens", "limit", "tool_arith",
-                "engine_cpus")
+RUN_SETTINGS = ("repeats", "processes", "servers", "slots", "threads", "long_prompts", "long_tokens", "limit",
+                "tool_arith", "engine_cpus")
 
 
 def execute(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]:

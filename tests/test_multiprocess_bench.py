@@ -1,4 +1,4 @@
-"""benchmarks/multiprocess.py, small: four `fedpool eval run` processes and one, two lm-eval processes behind two
+"""benchmarks/multiprocess.py, small: five `fedpool eval run` processes and one, two lm-eval processes behind two
 gateway replicas and behind one, on a real local pool. Every record and answer comes back in every arm, the
 requests are counted per server, lease traffic is measured, and the report ends with its result line.
 
@@ -19,30 +19,33 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.lmeval]
 LIMIT = 4
 LONG_PROMPTS = 4
 TOOL_ARITH = 8
+PROCESSES = 5  # not the default: three long-answer evals and two short ones
 
 
 @pytest.mark.timeout(600)
 def test_multiprocess_benchmark_small(tmp_path: Path) -> None:
     args = multiprocess.parse_args([
-        "--repeats", "1", "--limit", str(LIMIT), "--long-prompts", str(LONG_PROMPTS), "--long-tokens", "8",
-        "--tool-arith", str(TOOL_ARITH), "--results-dir", str(tmp_path / "results"),
+        "--repeats", "1", "--processes", str(PROCESSES), "--limit", str(LIMIT), "--long-prompts", str(LONG_PROMPTS),
+        "--long-tokens", "8", "--tool-arith", str(TOOL_ARITH), "--results-dir", str(tmp_path / "results"),
         "--work-dir", str(tmp_path / "work"), "--engine-cpus", "1"])
     cores_before = os.sched_getaffinity(0)
     results, path, line = multiprocess.execute(args)
     assert os.sched_getaffinity(0) == cores_before  # the engines' core given back to this process
-    assert line["processes"] == 4 and line["repeats"] == 1, line
+    assert line["processes"] == PROCESSES and line["repeats"] == 1, line
+    assert float(str(line["replicas_eval_vs_one"])) > 0, line
+    assert line["over_capacity"] == 0, line  # the registry's exported counter, through every arm
     assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
     (evals,) = results.evals
     for arm in multiprocess.EVAL_ARMS:
         run = evals[arm]
-        assert sorted(run.evals) == ["arith", "capitals", "long_a", "long_b"], arm
+        assert sorted(run.evals) == ["arith", "capitals", "long_a", "long_b", "long_c"], arm
         for name, timing in run.evals.items():  # every record, from launch, after its process started
             assert timing.records == LIMIT and timing.failed == 0, (arm, name, timing)
             assert 0 < timing.started_s < timing.done_s, (arm, name, timing)
             assert sum(timing.by_server.values()) == LIMIT, (arm, name, timing)
         assert run.watch.lease_calls > 0 and run.watch.samples > 0, arm
         assert run.cpu is not None and run.cpu.engines_cpu_s > 0, (arm, run.cpu)  # the engines' cores, measured
-    assert len(evals["multi"].process_s) == 4 and len(evals["one"].process_s) == 1
+    assert len(evals["multi"].process_s) == PROCESSES and len(evals["one"].process_s) == 1
     (tools,) = results.tools
     for arm in multiprocess.TOOL_ARMS:
         tool = tools[arm]
