@@ -21,7 +21,7 @@ from aiohttp import web
 
 from fedpool.clients.batchrunner import BatchRunner
 from fedpool.clients.jobs import JobRunner, JobsApi
-from fedpool.federation import PoolConnection
+from fedpool.federation import PoolConnection, PoolHolders
 from fedpool.federation.gateway.auth import bearer, matches
 from fedpool.federation.gateway.batches import MAX_FILE_BYTES, MAX_LINES, BatchesApi, model_slots
 from fedpool.federation.gateway.batchstore import BatchStore, StoredBatch
@@ -29,6 +29,7 @@ from fedpool.federation.gateway.handlers import ApiKey, AppTask, Gateway, servin
 
 HISTORY_PERIOD_S = 2.0
 HISTORY_POINTS = 180  # six minutes at one point every two seconds
+MAX_CHARTED_HOLDERS = 32  # holders the slots chart keeps labels for (the oldest label goes first beyond it)
 RESET = "reset"  # FailureKind.RESET: a stale keep-alive connection, retried at once (not the server's fault)
 
 
@@ -39,6 +40,7 @@ class _Point:
     tokens: dict[str, int]
     running: dict[str, float | None]
     waiting: dict[str, float | None]
+    held: dict[str, int]  # holder label -> slots it holds (every process on the pool, from the lease broker)
 
 
 class PoolHistory(AppTask):
@@ -52,18 +54,34 @@ class PoolHistory(AppTask):
         self.period_s = period_s
         self._points: deque[_Point] = deque(maxlen=points + 1)
         self._clock = clock
+        self._labels: dict[str, str] = {}  # holder -> its label on the chart ("eval run 3"), oldest first
+        self._numbered = 0
+        self.holders: PoolHolders | None = None  # who is on the pool, as of the last sample (None: not known)
 
-    def sample(self) -> None:
+    def label(self, holder: str, kind: str) -> str:
+        """The holder's label on the page: its kind and the order this page first saw it in ("eval run 3"); says
+        nothing of who it is, and stays the same while it is on the pool."""
+        label = self._labels.get(holder)
+        if label is None:
+            self._numbered += 1
+            label = self._labels[holder] = f"{kind} {self._numbered}"
+            while len(self._labels) > MAX_CHARTED_HOLDERS:
+                del self._labels[next(iter(self._labels))]
+        return label
+
+    def sample(self, holders: PoolHolders | None = None) -> None:
         stats = {s.server_id: s for s in self._pool.dispatcher.stats().servers}
         snap = self._pool.snapshot
         loads = {e.id: e.load for e in snap.entries} if snap else {}
         ids = sorted(set(stats) | set(loads))
+        self.holders = holders
         self._points.append(_Point(
             self._clock(),
             {i: stats[i].answered if i in stats else 0 for i in ids},
             {i: stats[i].completion_tokens if i in stats else 0 for i in ids},
             {i: load.running if (load := loads.get(i)) else None for i in ids},
             {i: load.waiting if (load := loads.get(i)) else None for i in ids},
+            {self.label(h.holder, h.kind): h.slots for h in holders.holders} if holders is not None else {},
         ))
 
     def series(self) -> dict[str, Any]:
@@ -83,23 +101,29 @@ class PoolHistory(AppTask):
                 waiting.append(now.waiting.get(sid))
             out["servers"][sid] = {"requests_per_s": rps, "tokens_per_s": tps, "running": running,
                                    "waiting": waiting}
+        labels = sorted({h for p in points[1:] for h in p.held})
+        out["holders"] = {h: [p.held.get(h) for p in points[1:]] for h in labels}  # slots held (None: not there)
         return out
 
     task_name = "pool-history"
 
     async def _run(self) -> None:
         while True:
-            self.sample()
+            try:
+                holders = await self._pool.holders()
+            except Exception:  # (the registry away or restarting: the page says "not known" until it is back)
+                holders = None
+            self.sample(holders)
             await asyncio.sleep(self.period_s)
 
 
 def pool_state(pool: PoolConnection, runner: JobRunner | None, jobs: list[Any] | None = None, *,
                details: bool = False, history: PoolHistory | None = None,
-               batches: Sequence[StoredBatch] = ()) -> dict[str, Any]:
+               batches: Sequence[StoredBatch] = (), holders: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the pool page shows: servers as the registry and this dispatcher see them, running evals
-    with their progress, batches in progress, recent failures. No tokens. Error texts (they can name hosts and
-    dataset paths) and whose batches are only with `details`, for a caller that presented a valid API key or the
-    jobs token; otherwise counts only."""
+    with their progress, batches in progress, recent failures, and (`holders`, `holders_state`) everyone on the
+    pool. No tokens. Error texts (they can name hosts and dataset paths) and whose batches are only with `details`,
+    for a caller that presented a valid API key or the jobs token; otherwise counts only."""
     snapshot, dispatcher = pool.snapshot, pool.dispatcher
     stats = {s.server_id: s for s in dispatcher.stats().servers}
     servers = []
@@ -139,7 +163,25 @@ def pool_state(pool: PoolConnection, runner: JobRunner | None, jobs: list[Any] |
             "dispatcher": {"submitted": totals.submitted, "completed": totals.completed, "failed": totals.failed,
                            "retries": totals.retries, "hedges": totals.hedges, "inflight": totals.inflight_total,
                            "keepalive_resets": sum(s.failures.get(RESET, 0) for s in totals.servers)},
-            "history": history.series() if history is not None else None}
+            "history": history.series() if history is not None else None,
+            **(holders or {"holders": None, "holders_state": "unknown"})}
+
+
+def holders_state(history: PoolHistory, gateway: Gateway, presented: bytes | None) -> dict[str, Any]:
+    """Everyone on the pool for the page, as the caller may see it (`Gateway.visible_holders`): `holders` (each
+    with its chart label), `finished`, and `holders_state` — "ok", "unknown" (the registry did not say) or "key"
+    (a gateway with API keys shows it to a key's holder only)."""
+    view = history.holders
+    if view is None:
+        return {"holders": None, "holders_state": "unknown"}
+    shown = gateway.visible_holders(view, presented)
+    if shown is None:
+        return {"holders": None, "holders_state": "key"}
+    rows = []
+    for raw, h in zip(view.holders, shown.holders, strict=True):  # (the same holders in the same order)
+        rows.append({**h.model_dump(mode="json", exclude={"servers"}), "label": history.label(raw.holder, raw.kind)})
+    return {"holders": rows, "finished": shown.model_dump(mode="json")["finished"], "holders_state": "ok",
+            "names_hidden": shown.names_hidden}
 
 
 def batch_rows(active: Sequence[StoredBatch], details: bool) -> list[dict[str, Any]]:
@@ -166,7 +208,8 @@ def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobR
         active = await asyncio.to_thread(batches.store.active) if batches is not None else []
         presented = bearer(request)
         details = gateway.knows(presented) or (jobs_token is not None and matches(presented, jobs_token.encode()))
-        return web.json_response(pool_state(pool, runner, jobs, details=details, history=history, batches=active),
+        return web.json_response(pool_state(pool, runner, jobs, details=details, history=history, batches=active,
+                                            holders=holders_state(history, gateway, presented)),
                                  headers={"Cache-Control": "no-store"})
 
     app.router.add_get("/", index)
@@ -188,7 +231,8 @@ async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *,
     (with `runner`) the jobs API, served on host:port for the block; yields the base URL. The runners start first,
     so a directory another server owns is refused (OwnershipError) before anything listens, and they stop before the
     listener closes."""
-    gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=api_keys, max_inflight=max_inflight)
+    gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=api_keys, max_inflight=max_inflight,
+                      holders=pool.holders)
     batch_runner, batches = await batch_service(gateway, pool, batches_dir) if batches_dir else (None, None)
     try:
         if runner is not None:

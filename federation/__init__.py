@@ -22,6 +22,9 @@ from fedpool.federation.routing.finish import EarliestFinish  # registers the `e
 from fedpool.federation.routing.planner import PlannedRouting  # registers the `planned` policy
 from fedpool.federation.routing.policies import make_policy, policy_names, prepare_policy
 
+# The registry's types in this room's interface: what `PoolConnection.snapshot` and `PoolConnection.holders` return.
+from fedpool.registry import HolderView, PoolHolders, PoolSnapshot
+
 __all__ = [
     "Attempt",
     "AttemptError",
@@ -34,6 +37,7 @@ __all__ = [
     "Endpoint",
     "FailureKind",
     "Hold",
+    "HolderView",
     "HttpTransport",
     "InferenceRequest",
     "InferenceResult",
@@ -41,6 +45,8 @@ __all__ = [
     "PlannedRouting",
     "Policy",
     "PoolConnection",
+    "PoolHolders",
+    "PoolSnapshot",
     "RequestFailed",
     "SamplingParams",
     "ServerStats",

@@ -116,7 +116,8 @@ async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_
     # A model whose servers are all unroutable is answered 503 (with Retry-After) after 10 s, not a minute.
     config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order)
     try:
-        async with PoolConnection(client, policy=args.policy, config=config) as pool:
+        async with PoolConnection(client, policy=args.policy, config=config,
+                                  holder_kind="jobs server" if jobs_dir else "gateway") as pool:
             runner = None if jobs_dir is None else JobRunner(
                 JobStore(jobs_dir), pool.dispatcher, max_running=args.max_running_jobs,
                 verifier_factory=lambda: evals.verifier_pool(args),
@@ -171,7 +172,8 @@ LEAVES = (
     Leaf("batch cancel", opt.BatchOptions, jobs.cmd_batch_cancel, "cancel a batch (what finished is kept)"),
     Leaf("batch download", opt.BatchDownloadOptions, jobs.cmd_batch_download, "an ended batch's output, errors"),
     Leaf("pool status", opt.PoolJsonOptions, servers.cmd_pool_status, "servers by status, engine and accelerator; "
-         "capacity and load"),
+         "capacity and load; who holds what (every process on the pool, its evals' progress and ETAs)"),
+    Leaf("pool top", opt.PoolTopOptions, servers.cmd_pool_top, "who holds what, refreshed live (Ctrl-C to quit)"),
     Leaf("eval run", opt.EvalRunOptions, evals.cmd_eval_run, "run benchmark specs concurrently through the pool"),
     Leaf("eval resume", opt.EvalResumeOptions, evals.cmd_eval_resume, "finish a run in RUN_DIR: its missing records, "
          "and (unless --keep-failed) its failed ones again"),

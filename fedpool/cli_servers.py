@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,15 +55,16 @@ def cmd_registry_status(args: opt.PoolJsonOptions) -> int:
 
 
 def cmd_pool_status(args: opt.PoolJsonOptions) -> int:
-    def text(r: dict[str, Any]) -> str:
-        lines = [f"{r['servers']} server(s): " + ", ".join(f"{n} {s}" for s, n in sorted(r["by_status"].items())),
-                 f"routable capacity {r['capacity_routable']} sequences; running {r['running']:.0f}, waiting "
-                 f"{r['waiting']:.0f}, {r['tokens_per_s']:.1f} tokens/s"]
-        lines += [f"  {g['servers']} × {g['engine']} on {g['accelerator']} ({g['status']})" for g in r["groups"]]
-        lines += [f"  model {m}: {n} server(s)" for m, n in sorted(r["models"].items())]
-        return "\n".join(lines)
+    from fedpool.clients.pooltop import pool_status, rendered, status_text
 
-    emit(args, ask(pool_registry(args), lambda c: c.snapshot()).summary(), text)
+    emit(args, ask(pool_registry(args), pool_status), lambda status: rendered(status_text(status)))
+    return EXIT_OK
+
+
+def cmd_pool_top(args: opt.PoolTopOptions) -> int:
+    from fedpool.clients.pooltop import top
+
+    ask(pool_registry(args), lambda c: top(c, stop_on_signals(), interval_s=args.interval))
     return EXIT_OK
 
 
@@ -148,8 +148,10 @@ def cmd_server_list(args: opt.ServerListOptions) -> int:
     snapshot = ask(pool_registry(args), lambda c: c.snapshot())
     if args.model:
         snapshot = snapshot.filter(model=args.model)
+    from fedpool.clients.pooltop import server_table
+
     rows = [e.describe() for e in snapshot.entries]
-    emit(args, {"version": snapshot.version, "servers": rows}, lambda _: format_server_table(rows))
+    emit(args, {"version": snapshot.version, "servers": rows}, lambda _: server_table(rows))
     return EXIT_OK
 
 
@@ -172,15 +174,3 @@ def cmd_server_remove(args: opt.ServerOptions) -> int:
     emit(args, record.model_dump(mode="json"), lambda r: f"removed {r['id']} ({r['url']})" + (
         "; its launcher stops it at its next heartbeat" if r["labels"].get("launched_by") else ""))
     return EXIT_OK
-
-
-def format_server_table(rows: Sequence[dict[str, Any]]) -> str:
-    def num(value: float | None, spec: str = "g", scale: float = 1) -> str:
-        return "-" if value is None else f"{value * scale:{spec}}"
-
-    table = [("ID", "ENGINE", "ACCEL", "MODEL", "STATUS", "RUN", "WAIT", "KV%", "TOK/S")] + [
-        (r["id"], r["engine"], r["accelerator"], r["model"], r["status"], num(r["running"]), num(r["waiting"]),
-         num(r["kv_cache_usage"], ".0f", 100), num(r["tokens_per_s"], ".1f")) for r in rows]
-    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(str(cell).ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in table]
-    return "\n".join(lines + ([] if rows else ["(no servers registered; add one with `fedpool server add`)"]))

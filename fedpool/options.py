@@ -212,6 +212,10 @@ class PoolJsonOptions(PoolApiOptions):
     json_output: JsonOutput = False
 
 
+class PoolTopOptions(PoolApiOptions):
+    interval: Seconds = option(2.0, "seconds between refreshes")
+
+
 class RegistryStartOptions(RayOptions):
     json_output: JsonOutput = False
     probe_interval: float = option(2.0, "seconds between probe cycles")

@@ -87,7 +87,7 @@ async def _up(options: UpOptions, spec: LocalPoolSpec, state: Path, out: TextIO,
         say(f"starting {spec.count} {spec.engine} server(s)")
         async with local_servers(registry, spec, state / "logs", on_progress=say):
             config = DispatchConfig(no_server_timeout_s=10.0, client_order="shortest_first")
-            async with PoolConnection(registry, policy=options.policy, config=config) as pool:
+            async with PoolConnection(registry, policy=options.policy, config=config, holder_kind="gateway") as pool:
                 await pool.refresh()
                 async with serving_pool(pool, pool_page(), options.host, options.port,
                                         batches_dir=state / "batches") as base:

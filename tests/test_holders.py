@@ -8,6 +8,7 @@ tests/test_lease_capacity.py's traffic, and per-client series capped."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import socket
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from fedpool.clients.poolapp import PoolHistory, holders_state
 from fedpool.federation import Dispatcher, PoolConnection
 from fedpool.federation.gateway.auth import ApiKey, parse_api_keys, visible_holders
 from fedpool.federation.gateway.handlers import HOLDERS_PATH, Gateway, serving
@@ -475,3 +477,12 @@ async def test_the_gateway_shows_the_holders_to_a_key_and_client_names_to_an_ope
             assert PoolHolders.model_validate_json((await get(base, KEYS[0].secret))[1]).holders == hidden.holders
             status, text = await get(open_base, None)  # no keys: open on loopback, everything shown
             assert status == 200 and "team-a" in text
+            # The pool page's data (clients/poolapp.py): the same rules, each holder under a label that names nobody
+            history = PoolHistory(pool)
+            history.sample(full)
+            assert holders_state(history, gateway, None) == {"holders": None, "holders_state": "key"}
+            page = holders_state(history, gateway, KEYS[0].secret.encode())
+            assert page["names_hidden"] and "team-a" not in json.dumps(page) and page["holders_state"] == "ok"
+            page = holders_state(history, gateway, KEYS[1].secret.encode())
+            assert "team-a" in json.dumps(page) and [h["label"] for h in page["holders"]] == ["gateway 1"]
+            assert history.series()["holders"] == {}  # (one point: no rate yet, nothing charted)

@@ -132,7 +132,17 @@ class LeaseClient:
             call.cancel()
         await asyncio.gather(*list(self._late), return_exceptions=True)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._registry.release_lease(self.holder), 1.0)
+            await asyncio.wait_for(self._farewell(), 1.0)
+
+    async def _farewell(self) -> None:
+        """The last word on the clients it reported (the holders view shows how each ended: an eval run's process
+        exits right after its last answer, before another renewal would say so), then the slots go back."""
+        if self._progress is not None and self._reported:
+            ended = self._ended(())
+            dispatcher = self._dispatcher
+            await self._registry.lease(DemandReport(holder=self.holder, inflight=dispatcher.inflight(),
+                                                    broker=self._broker, info=self.info, ended=ended), -1, 0.0)
+        await self._registry.release_lease(self.holder)
 
     def poke(self, busy: bool = True) -> None:
         """The dispatcher's demand went from nothing to something (report now, unless the last report still asked
