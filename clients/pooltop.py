@@ -79,10 +79,11 @@ def holders_view(view: PoolHolders, *, now: float | None = None) -> RenderableTy
     for h in view.holders:
         inflight = sum(s.inflight for s in h.servers)
         waiting = max(0, sum(c.wanted for c in h.clients) - inflight)
-        kinds = ", ".join(f"{k.kind} {k.slots}/{k.fair_share}" for k in h.kinds if k.slots or k.fair_share)
+        kinds = ", ".join(f"{k.kind}: {k.slots}/{k.fair_share}" for k in h.kinds if k.slots or k.fair_share)
         holders.add_row(_short(h.holder), h.kind, h.state, _where(h), _ago(now - h.since),
                         f"{h.slots} / {h.fair_share}", str(inflight), str(waiting), kinds or "–")
-    parts: list[RenderableType] = [holders, _clients(view, now)]
+    idle = Text("no client running", style="italic")
+    parts: list[RenderableType] = [holders, _clients(view, now) if any(h.clients for h in view.holders) else idle]
     if view.finished:
         parts.append(_finished(view, now))
     if view.learning:

@@ -439,7 +439,8 @@ KEYS = [ApiKey("sk-team-a-0123456789", "team-a"), ApiKey("sk-operator-0123456789
 
 @pytest.mark.ray
 async def test_the_gateway_shows_the_holders_to_a_key_and_client_names_to_an_operator_key(
-        registry: RegistryClient, emulators: EmulatorFactory) -> None:
+        registry: RegistryClient, emulators: EmulatorFactory, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="fedpool")
     await register_two(registry, emulators)
     async with PoolConnection(registry, holder_kind="gateway") as pool:
         await pool.refresh()
@@ -486,3 +487,5 @@ async def test_the_gateway_shows_the_holders_to_a_key_and_client_names_to_an_ope
             page = holders_state(history, gateway, KEYS[1].secret.encode())
             assert "team-a" in json.dumps(page) and [h["label"] for h in page["holders"]] == ["gateway 1"]
             assert history.series()["holders"] == {}  # (one point: no rate yet, nothing charted)
+    said = [r.getMessage() for r in caplog.records if r.levelno <= 20]  # INFO and below: no client's name
+    assert not [line for line in said if "team-a" in line or "team-b" in line], said
