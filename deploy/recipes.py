@@ -33,5 +33,8 @@ one is served to its end first: ?fedpool_requests=N on base_url, or the header X
   curl:
     curl {base}/v1/completions -H 'Content-Type: application/json' \\
       -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}'
-  the pool page: {base}/
+  a whole workload at once (an OpenAI batch: JSONL of requests, as vLLM's run-batch reads; the openai SDK's
+  files.create and batches.create work too):
+    fedpool batch submit{state} REQUESTS.jsonl --endpoint /v1/chat/completions --wait
+  the pool page: {base}/   who is on the pool: fedpool pool status{state} (or pool top)
   fedpool's own evals: fedpool eval run{state} --spec SPEC.yaml --model {model} --out runs/x"""
