@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -22,6 +23,7 @@ from typing import Any, TextIO, cast
 log = logging.getLogger("fedpool.deploy")
 
 JOIN_TIMEOUT_S = 8.0  # joining a live cluster takes well under a second; Ray's own retries take a minute
+WAIT_SLICE_S = 0.1  # how often the wait for Ray's connect looks at the signals that arrived
 START_ADVICE = "start one with `ray start --head` or pass --address HOST:PORT of a running head node"
 
 
@@ -88,12 +90,21 @@ def _init_within(address: str, timeout_s: float) -> None:
     ray_worker_log = logging.getLogger("ray._private.worker")
     level = ray_worker_log.level
     ray_worker_log.setLevel(logging.ERROR)
+    main = threading.current_thread() is threading.main_thread()
+    # Ctrl-C raises here while the thread connects, whatever handler an event loop set (asyncio's only cancels its
+    # task, which this wait does not yield to); and the wait wakes every WAIT_SLICE_S, so a signal the kernel handed
+    # to one of Ray's threads is acted on at once, not at the deadline (the main thread handles Python's signals).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
     try:
         threading.Thread(target=connect, name="fedpool-ray-join", daemon=True).start()
-        if not done.wait(timeout_s):
-            raise TimeoutError(address)
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(WAIT_SLICE_S):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(address)
     finally:
         ray_worker_log.setLevel(level)
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
     if failed:
         raise failed[0]
     if threading.current_thread() is threading.main_thread():
