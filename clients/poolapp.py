@@ -30,6 +30,7 @@ from fedpool.federation.gateway.handlers import ApiKey, AppTask, Gateway, servin
 HISTORY_PERIOD_S = 2.0
 HISTORY_POINTS = 180  # six minutes at one point every two seconds
 MAX_CHARTED_HOLDERS = 32  # holders the slots chart keeps labels for (the oldest label goes first beyond it)
+WATCHED_S = 60.0  # who is on the pool is asked of the registry only while the page was read this recently
 RESET = "reset"  # FailureKind.RESET: a stale keep-alive connection, retried at once (not the server's fault)
 
 
@@ -57,6 +58,12 @@ class PoolHistory(AppTask):
         self._labels: dict[str, str] = {}  # holder -> its label on the chart ("eval run 3"), oldest first
         self._numbered = 0
         self.holders: PoolHolders | None = None  # who is on the pool, as of the last sample (None: not known)
+        self.watched_at = float("-inf")  # when the page's data was last read (`watched`)
+
+    def watched(self) -> None:
+        """The page's data was read: who is on the pool is sampled from now on (for WATCHED_S). A registry's view
+        of every holder costs it O(holders × their servers): not asked for when nobody looks."""
+        self.watched_at = self._clock()
 
     def label(self, holder: str, kind: str) -> str:
         """The holder's label on the page: its kind and the order this page first saw it in ("eval run 3"); says
@@ -109,10 +116,12 @@ class PoolHistory(AppTask):
 
     async def _run(self) -> None:
         while True:
-            try:
-                holders = await self._pool.holders()
-            except Exception:  # (the registry away or restarting: the page says "not known" until it is back)
-                holders = None
+            holders = None
+            if self._clock() - self.watched_at < WATCHED_S:
+                try:
+                    holders = await self._pool.holders(detail=False)  # (the page shows no holder's servers)
+                except Exception:  # (the registry away or restarting: the page says "not known" until it is back)
+                    holders = None
             self.sample(holders)
             await asyncio.sleep(self.period_s)
 
@@ -207,6 +216,7 @@ def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobR
         jobs = await asyncio.to_thread(runner.store.list) if runner is not None else None
         active = await asyncio.to_thread(batches.store.active) if batches is not None else []
         presented = bearer(request)
+        history.watched()
         details = gateway.knows(presented) or (jobs_token is not None and matches(presented, jobs_token.encode()))
         return web.json_response(pool_state(pool, runner, jobs, details=details, history=history, batches=active,
                                             holders=holders_state(history, gateway, presented)),

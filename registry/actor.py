@@ -373,12 +373,12 @@ class RegistryActor:
         """The broker's view: holders, their slots, and how often it was called and re-shared."""
         return self._leases.stats()
 
-    async def holders(self) -> PoolHolders:
+    async def holders(self, detail: bool = True) -> PoolHolders:
         """Who is on the pool: every holder with its clients, their progress and its slots, and the clients
-        finished lately (registry/holders.py). Client names included: the HTTP API serves it to the token's holders
-        only, and Ray's callers are the cluster's members."""
+        finished lately (registry/holders.py; without `detail`, no holder's rows per server). Client names
+        included: the HTTP API serves it to the token's holders only, and Ray's callers are the cluster's members."""
         self._sync_lease_servers()
-        return self._leases.broker.holders_view()
+        return self._leases.broker.holders_view(detail=detail)
 
     # ---- reads (open) -------------------------------------------------------------------------
     async def snapshot_wire(

@@ -63,7 +63,7 @@ class ApiBackend(Protocol):
 
     async def api_info(self) -> dict[str, Any]: ...
 
-    async def holders(self) -> PoolHolders: ...
+    async def holders(self, detail: bool = True) -> PoolHolders: ...
 
     async def ping(self) -> dict[str, Any]: ...
 
@@ -236,7 +236,8 @@ def _add_operator_routes(app: web.Application, backend: ApiBackend, bearer: Call
         return answer(await backend.ping())
 
     async def holders(request: web.Request) -> web.Response:
-        return answer((await backend.holders()).model_dump(mode="json"))
+        detail = request.query.get("detail", "1") not in ("0", "false")
+        return answer((await backend.holders(detail)).model_dump(mode="json"))
 
     async def get(request: web.Request) -> web.Response:
         return answer(entry_json(await backend.get(request.match_info["server_id"])))

@@ -200,10 +200,10 @@ class RegistryClient:
     async def leases(self) -> dict[str, Any]:
         return await self._call("leases")
 
-    async def holders(self) -> PoolHolders:
+    async def holders(self, detail: bool = True) -> PoolHolders:
         """Who is on the pool: every holder, its clients and their progress, its slots against its fair share, and
-        the clients finished lately (registry/holders.py)."""
-        view: PoolHolders = await self._call("holders")
+        the clients finished lately (registry/holders.py; without `detail`, no holder's rows per server)."""
+        view: PoolHolders = await self._call("holders", detail)
         return view
 
     async def snapshot(self, since_version: int = -1, timeout_s: float = 0.0) -> PoolSnapshot:

@@ -143,7 +143,7 @@ class PoolHolders(_Wire):
 class HoldersSource(Protocol):
     """A registry client that can say who is on the pool (the Ray and the HTTP client)."""
 
-    async def holders(self) -> PoolHolders: ...
+    async def holders(self, detail: bool = True) -> PoolHolders: ...
 
 
 class LeaseServerLike(Protocol):
@@ -310,13 +310,15 @@ class HoldersBook:
         return seen.info.kind if seen is not None and seen.info is not None else "other"
 
     def view(self, held: Sequence[HeldBy], servers: Sequence[LeaseServerLike], shares: Mapping[str, int], *,
-             broker: str, learning: bool) -> PoolHolders:
+             broker: str, learning: bool, detail: bool = True) -> PoolHolders:
         """Everyone on the pool now: `held`, the broker's holders; `shares`, each server's fair share (its
-        slots ÷ the holders that want its model)."""
+        slots ÷ the holders that want its model). Without `detail`, no holder's rows per server (the pool page and the
+        metrics need its kinds only: pydantic rows for every server every holder uses are most of the view's cost)."""
         self.forget_unless(h.holder for h in held)
         self._age()
         now, wall = self._clock(), self._wall()
         by_id = {s.id: s for s in servers}
+        totals = _KindTotals.of(servers, shares)  # (once: a holder's kinds cost O(its kinds + its servers))
         leased: Counter[str] = Counter()
         holding: Counter[str] = Counter()
         for h in held:
@@ -324,24 +326,25 @@ class HoldersBook:
             holding.update(sid for sid, n in h.slots.items() if n > 0)
         return PoolHolders(
             taken_at=wall, broker=broker, learning=learning,
-            holders=tuple(self._holder(h, by_id, shares, now) for h in sorted(held, key=lambda h: h.holder)),
+            holders=tuple(self._holder(h, by_id, shares, totals, now, detail)
+                          for h in sorted(held, key=lambda h: h.holder)),
             finished=tuple(shown for _, shown in reversed(self._finished.values())),
             servers=tuple(ServerUse(server=s.id, model=s.model, kind=s.kind, capacity=s.capacity,
                                     leased=leased.get(s.id, 0), holders=holding.get(s.id, 0)) for s in servers))
 
     def _holder(self, h: HeldBy, servers: Mapping[str, LeaseServerLike], shares: Mapping[str, int],
-                now: float) -> HolderView:
+                totals: _KindTotals, now: float, detail: bool = True) -> HolderView:
         seen = self._seen.get(h.holder) or _Seen(h.report.info, self._wall())
         info = seen.info or HolderInfo()  # (one that does not say who it is: "other", nowhere)
         models = {m.model for m in h.report.models}
         rows: list[ServerSlots] = []
-        for sid in sorted(set(h.slots) | set(h.report.inflight)):
+        for sid in sorted(set(h.slots) | set(h.report.inflight)) if detail else ():
             server = servers.get(sid)
             if server is not None and (h.slots.get(sid) or h.report.inflight.get(sid)):
                 rows.append(ServerSlots(server=sid, model=server.model, kind=server.kind, slots=h.slots.get(sid, 0),
                                         inflight=h.report.inflight.get(sid, 0),
                                         fair_share=shares.get(sid, 0) if server.model in models else 0))
-        kinds = _kinds(h, servers, shares, models)
+        kinds = _kinds(h, servers, totals, models)
         state: HolderState = "silent" if h.silent else "announced" if h.report.announce else "active"
         return HolderView(
             holder=h.holder, kind=info.kind, host=info.host or None, pid=info.pid or None,
@@ -363,18 +366,44 @@ class HoldersBook:
         return tuple(out)
 
 
-def _kinds(h: HeldBy, servers: Mapping[str, LeaseServerLike], shares: Mapping[str, int],
+@dataclass(frozen=True, slots=True)
+class _KindTotals:
+    """Per (model, server kind): the servers' slots and fair shares summed, once per view."""
+
+    capacity: dict[tuple[str, str], int]
+    fair: dict[tuple[str, str], int]
+    by_model: dict[str, list[str]]  # model -> its kinds, sorted
+
+    @classmethod
+    def of(cls, servers: Iterable[LeaseServerLike], shares: Mapping[str, int]) -> _KindTotals:
+        capacity: Counter[tuple[str, str]] = Counter()
+        fair: Counter[tuple[str, str]] = Counter()
+        for server in servers:
+            capacity[(server.model, server.kind)] += server.capacity
+            fair[(server.model, server.kind)] += shares.get(server.id, 0)
+        by_model: dict[str, list[str]] = {}
+        for model, kind in sorted(capacity):
+            by_model.setdefault(model, []).append(kind)
+        return cls(dict(capacity), dict(fair), by_model)
+
+
+def _kinds(h: HeldBy, servers: Mapping[str, LeaseServerLike], totals: _KindTotals,
            models: set[str]) -> tuple[KindSlots, ...]:
-    """The holder's slots, in flight and fair share per (model, server kind) of the models it wants."""
-    rows: dict[tuple[str, str], list[int]] = {}  # -> slots, in flight, fair share, capacity
-    for server in servers.values():
-        if server.model in models or h.slots.get(server.id) or h.report.inflight.get(server.id):
-            row = rows.setdefault((server.model, server.kind), [0, 0, 0, 0])
-            row[0] += h.slots.get(server.id, 0)
-            row[1] += h.report.inflight.get(server.id, 0)
-            row[2] += shares.get(server.id, 0) if server.model in models else 0
-            row[3] += server.capacity
-    return tuple(KindSlots(model=m, kind=k, slots=r[0], inflight=r[1], fair_share=r[2], capacity=r[3])
+    """The holder's slots, in flight and fair share per (model, server kind) of the models it wants, and of any
+    other kind where it holds or runs something. O(its kinds + the servers it holds or runs on)."""
+    rows: dict[tuple[str, str], list[int]] = {}  # -> slots, in flight
+    for model in models:
+        for kind in totals.by_model.get(model, ()):
+            rows[(model, kind)] = [0, 0]
+    for sid in set(h.slots) | set(h.report.inflight):
+        server = servers.get(sid)
+        if server is not None and (h.slots.get(sid) or h.report.inflight.get(sid)):
+            row = rows.setdefault((server.model, server.kind), [0, 0])
+            row[0] += h.slots.get(sid, 0)
+            row[1] += h.report.inflight.get(sid, 0)
+    return tuple(KindSlots(model=m, kind=k, slots=r[0], inflight=r[1],
+                           fair_share=totals.fair.get((m, k), 0) if m in models else 0,
+                           capacity=totals.capacity.get((m, k), 0))
                  for (m, k), r in sorted(rows.items()))
 
 

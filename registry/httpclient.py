@@ -202,9 +202,9 @@ class RegistryHttpClient:
         answer = await self._call("POST", "/v1/failure", body={"server_id": server_id, "kind": kind})
         return bool(answer["known"])
 
-    async def holders(self) -> PoolHolders:
-        """Who is on the pool, as the Ray client's `holders` says it (`GET /v1/holders`)."""
-        return PoolHolders.model_validate(await self._call("GET", "/v1/holders"))
+    async def holders(self, detail: bool = True) -> PoolHolders:
+        """Who is on the pool, as the Ray client's `holders` says it (`GET /v1/holders`, `?detail=0`)."""
+        return PoolHolders.model_validate(await self._call("GET", "/v1/holders" + ("" if detail else "?detail=0")))
 
 
 def find_registry_api(*, url: str | None, token: str | None, state_dir: Path | None,

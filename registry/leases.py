@@ -190,11 +190,13 @@ class LeaseBroker:
         the last `reshare`: a lease's fallback is the lease capped at these."""
         return dict(self._shares)
 
-    def holders_view(self) -> PoolHolders:
-        """Every holder with its clients and slots, and the clients finished lately (registry/holders.py)."""
+    def holders_view(self, *, detail: bool = True) -> PoolHolders:
+        """Every holder with its clients and slots, and the clients finished lately (registry/holders.py); without
+        `detail`, no holder's rows per server (`HoldersBook.view`)."""
         held = [HeldBy(h, x.report, x.slots, x.seen_at, h in self._silent)
                 for h, x in (*self._holders.items(), *self._silent.items())]
-        return self.book.view(held, self._servers, self._shares, broker=self.incarnation, learning=self.learning())
+        return self.book.view(held, self._servers, self._shares, broker=self.incarnation, learning=self.learning(),
+                              detail=detail)
 
     def learning(self) -> bool:
         """After (re)starting, leases the previous incarnation granted may still be in use: for one TTL, and the
@@ -394,7 +396,7 @@ class LeaseService:
     def figures(self) -> LeaseFigures:
         """What the registry exports about its leases (registry/exporter.py)."""
         broker = self.broker
-        return lease_figures(broker.holders_view(), over_capacity=broker.over_capacity, calls=self.calls,
+        return lease_figures(broker.holders_view(detail=False), over_capacity=broker.over_capacity, calls=self.calls,
                              reshares=broker.recomputes, reshare_s=self.reshare_s)
 
     async def _reshare(self) -> None:

@@ -489,3 +489,19 @@ async def test_the_gateway_shows_the_holders_to_a_key_and_client_names_to_an_ope
             assert history.series()["holders"] == {}  # (one point: no rate yet, nothing charted)
     said = [r.getMessage() for r in caplog.records if r.levelno <= 20]  # INFO and below: no client's name
     assert not [line for line in said if "team-a" in line or "team-b" in line], said
+
+
+def test_without_detail_the_view_has_each_holders_kinds_but_no_rows_per_server() -> None:
+    """The pool page and the metrics ask for the view without a holder's rows per server (most of its cost at
+    1,000 holders over 10,000 servers); the kinds, slots and fair shares are the same."""
+    broker = LeaseBroker(lambda: 0.0, restarted=False)
+    broker.set_servers([LeaseServer(f"s{i}", "m", 4, "A100:vllm" if i % 2 else "V100:vllm") for i in range(6)])
+    for name in ("a", "b"):
+        broker.report(report(name, [ClientDemand(client=f"eval-{name}", wanted=12, requests_left=12)]))
+    broker.reshare()
+    full, light = broker.holders_view(), broker.holders_view(detail=False)
+    for whole, part in zip(full.holders, light.holders, strict=True):
+        assert whole.servers and part.servers == ()
+        assert whole.model_dump(exclude={"servers", "last_report_s"}) == part.model_dump(
+            exclude={"servers", "last_report_s"})
+        assert {k.kind for k in part.kinds} == {"A100:vllm", "V100:vllm"} and part.slots > 0

@@ -68,7 +68,7 @@ class PoolConnection:
         self._holder = holder
         self._holder_kind: HolderKind = holder_kind
         self._keepalive_pool = keepalive_pool
-        self._holders: tuple[float, PoolHolders] | None = None  # (asked at, the registry's answer)
+        self._holders: dict[bool, tuple[float, PoolHolders]] = {}  # detail -> (asked at, the registry's answer)
         self._leases: LeaseClient | None = None
         self._watcher: SnapshotWatcher | None = None
         self._dispatcher: Dispatcher | None = None
@@ -137,17 +137,18 @@ class PoolConnection:
         if self._session is not None:
             await self._session.close()
 
-    async def holders(self) -> PoolHolders | None:
+    async def holders(self, detail: bool = True) -> PoolHolders | None:
         """Who is on the pool, as the registry's lease broker knows it (client names included: who may see them is
-        the caller's to decide, `PoolHolders.redacted`); None where the registry client cannot say. Asked at most
-        every HOLDERS_FRESH_S; raises what the registry call raises."""
+        the caller's to decide, `PoolHolders.redacted`; without `detail`, no holder's rows per server); None where
+        the registry client cannot say. Asked at most every HOLDERS_FRESH_S; raises what the registry call raises."""
         registry = self._registry
         if not isinstance(registry, HoldersSource):
             return None
         now = asyncio.get_running_loop().time()
-        if self._holders is None or now - self._holders[0] >= HOLDERS_FRESH_S:
-            self._holders = (now, await registry.holders())
-        return self._holders[1]
+        asked = self._holders.get(detail)
+        if asked is None or now - asked[0] >= HOLDERS_FRESH_S:
+            asked = self._holders[detail] = (now, await registry.holders(detail))
+        return asked[1]
 
     async def refresh(self) -> PoolSnapshot:
         assert self._watcher is not None
