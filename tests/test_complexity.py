@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import parse_source
+
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT_ROOMS = ("federation", "registry", "clients", "pipeline", "deploy")
 MAX_FUNCTION_LINES = 60
@@ -29,7 +31,7 @@ def product_files(root: Path = ROOT) -> list[Path]:
 
 
 def long_functions(path: Path, root: Path = ROOT) -> list[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = parse_source(path.read_text(encoding="utf-8"))
     return [f"{path.relative_to(root)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
@@ -58,7 +60,7 @@ def test_the_face_stays_thin() -> None:
 def test_module_docstrings_stay_short() -> None:
     long = {}
     for path in product_files():
-        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False)
+        doc = ast.get_docstring(parse_source(path.read_text(encoding="utf-8")), clean=False)
         if doc is not None and len(doc.strip().splitlines()) > MAX_DOCSTRING_LINES:
             long[str(path.relative_to(ROOT))] = len(doc.strip().splitlines())
     assert long == {}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sources import parse_source
+
 ROOT = Path(__file__).resolve().parent.parent
 # Every folder of the repository that holds code: the rooms of the one installed package `fedpool` (each a
 # subpackage: `fedpool.registry` lives in registry/), the CLI face (`fedpool/`) and the tests.
@@ -37,7 +39,7 @@ def room_of(module: str) -> str:
 
 
 def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tree = parse_source(path.read_text(encoding="utf-8"), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -90,7 +92,7 @@ def federation_violations(root: Path) -> list[str]:
         if room not in FEDERATION_ROOMS:
             problems.append(f"federation/{rel} is in an unknown sub-room")
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = parse_source(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
                        else [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
@@ -108,7 +110,7 @@ def test_federation_sub_rooms_import_one_way_and_stay_small() -> None:
     for room in FEDERATION_ROOMS:
         files = sorted(p.name for p in (ROOT / "federation" / room).glob("*.py"))
         assert len(files) <= MAX_SUBROOM_FILES, (room, files)
-        assert ast.get_docstring(ast.parse((ROOT / "federation" / room / "__init__.py").read_text())), room
+        assert ast.get_docstring(parse_source((ROOT / "federation" / room / "__init__.py").read_text())), room
 
 
 @pytest.mark.parametrize(("room", "forbidden"), [(r, o) for r in FEDERATION_ROOMS for o in FEDERATION_ROOMS
@@ -150,7 +152,7 @@ def test_pipeline_has_no_networking() -> None:
 def test_federation_uses_only_registry_public_names() -> None:
     offenders = []
     for path in sorted((ROOT / "federation").rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = parse_source(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fedpool.registry."):
                 offenders.append(f"{path.relative_to(ROOT)}: from {node.module}")

@@ -12,6 +12,7 @@ from fedpool.federation.core.ledger import InflightLedger
 from fedpool.federation.routing import pricing
 from fedpool.federation.routing.pricing import CostFit, server_cost, step_cost
 from fedpool.registry import Engine, ServerEntry, ServerRecord, ServerStatus
+from tests.sources import parse_source
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,7 @@ def _entry(sid: str, accelerator: str, capacity: int = 256) -> ServerEntry:
 
 def _emulator_efficiencies() -> dict[str, set[float]]:
     """The keyword values deploy/emulator_profiles.py derives its GPU profiles from (mfu, bw_eff, overhead)."""
-    tree = ast.parse((ROOT / "deploy" / "emulator_profiles.py").read_text())
+    tree = parse_source((ROOT / "deploy" / "emulator_profiles.py").read_text())
     found: dict[str, set[float]] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_derived":
@@ -64,7 +65,7 @@ def test_perturbing_the_emulator_leaves_the_priors_where_they_are() -> None:
     # and the prices cannot see the emulator: nothing in routing imports it
     for module in ("routing/pricing.py", "routing/planner.py", "routing/plans.py", "routing/plan_lp.py",
                    "core/ledger.py", "routing/policies.py", "core/dispatcher.py"):
-        tree = ast.parse((ROOT / "federation" / module).read_text())
+        tree = parse_source((ROOT / "federation" / module).read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not any("emulator" in name or "deploy" in name or "benchmarks" in name for name in imported), module

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from fedpool.cli import build_parser
+from tests.sources import parse_source
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOMS = ("fedpool", "registry", "federation", "clients", "pipeline", "deploy")
@@ -23,7 +24,7 @@ def sources() -> dict[str, ast.AST]:
     out: dict[str, ast.AST] = {}
     for room in ROOMS:
         for path in sorted((ROOT / room).rglob("*.py")):
-            out[str(path.relative_to(ROOT))] = ast.parse(path.read_text(encoding="utf-8"))
+            out[str(path.relative_to(ROOT))] = parse_source(path.read_text(encoding="utf-8"))
     return out
 
 
