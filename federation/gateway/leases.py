@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from fedpool.registry import ClientDemand, DemandReport, HolderKind, Lease, ModelDemand, holder_id, holder_info
 
@@ -34,6 +34,12 @@ MIN_POKE_S = 0.05  # pokes closer than this share one report
 # gateway between two callers' requests wait a registry round trip for the next one.
 IDLE_HOLD_S = 1.0
 MAX_ENDED = 256  # clients a report says have ended (the holders view's last word on them), at most
+
+
+def _read_outcome(future: asyncio.Future[Any]) -> None:
+    """A done callback for a future nobody awaits any more: its error, if any, is read (and dropped)."""
+    if not future.cancelled():
+        future.exception()
 
 
 class LeaseRegistry(Protocol):
@@ -212,6 +218,9 @@ class LeaseClient:
             except asyncio.CancelledError:
                 for future in (poke, call):
                     future.cancel()
+                    # (a call that failed as it was cancelled ends with its error, not cancelled: read it, or
+                    # asyncio logs "Task exception was never retrieved" when it is collected)
+                    future.add_done_callback(_read_outcome)
                 raise
             poke.cancel()
             if call not in done:  # poked while the long poll waits: report again now, keep the answer coming
