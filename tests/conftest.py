@@ -24,7 +24,7 @@ from fedpool.deploy.emulator import EmulatedServer, EmulatorProfile, Faults
 from fedpool.deploy.llamacpp import LlamaServerConfig, llama_server_binary
 from fedpool.deploy.models import GEMMA_ALIAS, ensure_gemma
 from fedpool.deploy.process import free_port
-from fedpool.registry import RegistryClient
+from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.fakes import FakePool
 
 TEST_TOKEN = "test-registry-token-7f3a9c"
@@ -115,6 +115,25 @@ async def emulators() -> AsyncIterator[EmulatorFactory]:
     yield factory
     for server in factory.servers:
         await server.stop()
+
+
+LEASE_POOL_MODEL = "emu-model"
+
+
+@pytest.fixture
+async def lease_pool(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory,
+                     emulators: EmulatorFactory) -> AsyncIterator[tuple[RegistryClient, Path]]:
+    """A registry with a 2 s lease TTL and two emulated servers of 4 slots serving LEASE_POOL_MODEL, each request
+    of 8 tokens ~0.4 s: (the registry, its state dir)."""
+    state = tmp_path_factory.mktemp("lease-registry")
+    registry = await RegistryClient.start(state, token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0,
+                                          check_timeout_s=3.0, capacity_lease_ttl_s=2.0)
+    for i in range(2):
+        server = await emulators.start(max_running=4, decode_s=0.05)
+        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM,
+                                             model=LEASE_POOL_MODEL, accelerator="A100", capacity=4))
+    yield registry, state
+    await registry.terminate()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +19,12 @@ import pytest
 import ray
 
 from fedpool.federation import PoolConnection
-from fedpool.registry import Engine, RegistryClient, ServerRecord
-from tests.conftest import TEST_TOKEN, EmulatorFactory
+from fedpool.registry import RegistryClient
+from tests.conftest import LEASE_POOL_MODEL
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # each test starts lease-holding processes: 8-11 s
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS = 8  # two servers of 4
-
-
-@pytest.fixture
-async def pool(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory,
-               emulators: EmulatorFactory) -> AsyncIterator[tuple[RegistryClient, Path]]:
-    """A registry with a 2 s lease TTL and two emulated servers of 4 slots (each request ~0.4 s)."""
-    state = tmp_path_factory.mktemp("lease-registry")
-    registry = await RegistryClient.start(state, token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0,
-                                          check_timeout_s=3.0, capacity_lease_ttl_s=2.0)
-    for i in range(2):
-        server = await emulators.start(max_running=4, decode_s=0.05)
-        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM, model="emu-model",
-                                             accelerator="A100", capacity=4))
-    yield registry, state
-    await registry.terminate()
 
 
 async def holder(state: Path, out: Path, client: str, requests: int, **options: object) -> asyncio.subprocess.Process:
@@ -81,8 +66,8 @@ async def finish(proc: asyncio.subprocess.Process) -> None:
 
 
 async def test_a_killed_process_s_slots_are_granted_to_another_within_5_s(
-        pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
-    _registry, state = pool
+        lease_pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
+    _registry, state = lease_pool
     a_out, b_out = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     # The one killed reaches the registry over its HTTP API, the survivor through Ray: one broker for both.
     a = await holder(state, a_out, "a", 400, concurrency=16, http=True)
@@ -99,8 +84,8 @@ async def test_a_killed_process_s_slots_are_granted_to_another_within_5_s(
     await b.wait()
 
 
-async def test_an_idle_process_holds_no_slots(pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
-    registry, state = pool
+async def test_an_idle_process_holds_no_slots(lease_pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
+    registry, state = lease_pool
     idle_out, busy_out = tmp_path / "idle.jsonl", tmp_path / "busy.jsonl"
     idle = await holder(state, idle_out, "idle", 0, linger=6)
     await until(lambda: any("done" in line for line in lines(idle_out)), 60, "the idle process connected")
@@ -116,15 +101,15 @@ async def test_an_idle_process_holds_no_slots(pool: tuple[RegistryClient, Path],
 
 
 async def test_connections_started_together_each_hold_a_share_before_their_first_request(
-        pool: tuple[RegistryClient, Path]) -> None:
+        lease_pool: tuple[RegistryClient, Path]) -> None:
     """Two connections that say which evals they are about to run (`expect`, as `eval run` does for its specs) are
     each leased half the slots before either sends a request: the first to send cannot fill every slot while the
     other is still loading (four eval processes started together: the first to report what it wanted took all 8,
     and the others' first requests waited 0.8-1.1 s for those attempts to be given back). A connection that
     expects nothing holds nothing."""
-    registry, _ = pool
-    async with (PoolConnection(registry, expect=[("a", "emu-model", 64)]) as a,
-                PoolConnection(registry, expect=[("b", "emu-model", 64)]) as b,
+    registry, _ = lease_pool
+    async with (PoolConnection(registry, expect=[("a", LEASE_POOL_MODEL, 64)]) as a,
+                PoolConnection(registry, expect=[("b", LEASE_POOL_MODEL, 64)]) as b,
                 PoolConnection(registry) as idle):
         await until(lambda: sum(a.dispatcher.held().values()) == sum(b.dispatcher.held().values()) == SLOTS // 2,
                     10, "each connection leased half the slots")
@@ -134,10 +119,10 @@ async def test_connections_started_together_each_hold_a_share_before_their_first
 
 
 async def test_two_processes_with_unequal_work_finish_in_shortest_first_order(
-        pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
+        lease_pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
     """As inside one process: the client with the least work left anywhere is served first. The long eval
     starts first and holds every slot; the short one starts in another process and takes them over."""
-    _registry, state = pool
+    _registry, state = lease_pool
     long_out, short_out = tmp_path / "long.jsonl", tmp_path / "short.jsonl"
     long = await holder(state, long_out, "long", 96, concurrency=32, order="shortest_first")
     await until(lambda: held(long_out) == SLOTS, 60, "the long eval holding every slot")
@@ -156,10 +141,10 @@ async def test_two_processes_with_unequal_work_finish_in_shortest_first_order(
 
 @pytest.mark.parametrize("http", [False, True], ids=["ray", "http"])
 async def test_the_registry_killed_mid_run_loses_and_doubles_nothing(
-        pool: tuple[RegistryClient, Path], tmp_path: Path, http: bool) -> None:
+        lease_pool: tuple[RegistryClient, Path], tmp_path: Path, http: bool) -> None:
     """Through Ray, or over the HTTP API: Ray restarts the actor, whose API comes back on another port (found again
     in the state dir); leases ride out the gap."""
-    registry, state = pool
+    registry, state = lease_pool
     out = tmp_path / "run.jsonl"
     proc = await holder(state, out, "run", 120, concurrency=16, http=http)
     await until(lambda: sum("answered" in line for line in lines(out)) >= 30, 60, "a quarter answered")

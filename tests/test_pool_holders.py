@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -20,30 +20,15 @@ import ray
 
 from fedpool.benchmarks.realtool_speedup import _lm_eval_argv, stories
 from fedpool.deploy.process import free_port
-from fedpool.registry import Engine, PoolHolders, RegistryClient, ServerRecord
-from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
+from fedpool.registry import PoolHolders, RegistryClient
+from tests.conftest import LEASE_POOL_MODEL, wait_http_up
 from tests.test_leases_processes import finish, held, holder, lines, until
 from tests.test_pool_page import CHROMIUM, CHROMIUM_ARGS, stop
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"  # kept after a failed run (gitignored)
-MODEL = "emu-model"
-
-
-@pytest.fixture
-async def pool(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory,
-               emulators: EmulatorFactory) -> AsyncIterator[tuple[RegistryClient, Path]]:
-    """A registry (2 s lease TTL) and two emulated servers of 4 slots, each request of 8 tokens ~0.4 s."""
-    state = tmp_path_factory.mktemp("holders-registry")
-    registry = await RegistryClient.start(state, token=TEST_TOKEN, probe_interval_s=0.3, probe_timeout_s=1.0,
-                                          check_timeout_s=3.0, capacity_lease_ttl_s=2.0)
-    for i in range(2):
-        server = await emulators.start(max_running=4, decode_s=0.05)
-        await registry.register(ServerRecord(id=f"emu-{i}", url=server.url, engine=Engine.VLLM, model=MODEL,
-                                             accelerator="A100", capacity=4))
-    yield registry, state
-    await registry.terminate()
+MODEL = LEASE_POOL_MODEL
 
 
 def fedpool(state: Path, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -54,8 +39,8 @@ def fedpool(state: Path, *args: str, timeout_s: float = 60.0) -> subprocess.Comp
 
 
 async def test_pool_status_lists_every_holder_as_the_processes_report_it_and_top_shows_them_live(
-        pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
-    registry, state = pool
+        lease_pool: tuple[RegistryClient, Path], tmp_path: Path) -> None:
+    registry, state = lease_pool
     outs = {name: tmp_path / f"{name}.jsonl" for name in ("alpha", "beta")}
     procs = [await holder(state, out, name, 150) for name, out in outs.items()]
     try:
@@ -129,12 +114,12 @@ def eval_spec(work: Path, name: str, n: int, tokens: int) -> Path:
 
 @pytest.mark.chromium
 @pytest.mark.lmeval
-async def test_the_pool_page_lists_three_processes_and_their_evals(pool: tuple[RegistryClient, Path],
+async def test_the_pool_page_lists_three_processes_and_their_evals(lease_pool: tuple[RegistryClient, Path],
                                                                    tmp_path: Path) -> None:
     from playwright.async_api import async_playwright
 
     assert shutil.which(CHROMIUM), "Debian's chromium is needed (make test installs it)"
-    registry, state = pool
+    registry, state = lease_pool
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logs = tmp_path / "logs"
