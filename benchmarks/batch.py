@@ -62,6 +62,7 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicro
          "omega river stone cloud lamp orbit field quartz ember tide maple copper").split()
 ONLINE_CONCURRENCY = 8
 RESTART_AT = 0.4  # the share of the requests kept when the restart arm kills the gateway
+WARM_UP = 3  # probe requests, untimed, to a gateway just started (its first request loads the policy)
 T = TypeVar("T")
 
 
@@ -183,23 +184,31 @@ class Probe:
     model: str
     period_s: float
     latencies: list[float] = field(default_factory=list)
+    refused: int = 0  # answered with an error (the gateway overloaded): not retried, not in the latencies
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, count: int | None = None) -> None:
+        """Probe until `stop` (or `count` requests: a warm-up)."""
         client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="probe-client-key", max_retries=0)
         prompt = "probe: " + " ".join(WORDS[:16])
         try:
-            while not stop.is_set():
+            while not stop.is_set() and (count is None or len(self.latencies) + self.refused < count):
                 began = time.monotonic()
-                await client.completions.create(model=self.model, prompt=prompt, max_tokens=16, temperature=0)
-                self.latencies.append(time.monotonic() - began)
+                try:
+                    await client.completions.create(model=self.model, prompt=prompt, max_tokens=16, temperature=0)
+                    self.latencies.append(time.monotonic() - began)
+                except openai.APIStatusError:
+                    self.refused += 1
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), max(0.0, self.period_s - (time.monotonic() - began)))
         finally:
             await client.close()
 
     def p99(self) -> float:
+        return self.quantile(0.99)
+
+    def quantile(self, q: float) -> float:
         ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 @dataclass
@@ -333,6 +342,8 @@ class PoolResult:
     busy_p99_s: float
     online_arm_p99_s: float  # the probe's p99 beside the online arm
     probes: tuple[int, int, int]
+    refused: tuple[int, int, int]  # the probe's requests refused, idle / beside the batches / beside online
+    p50s: tuple[float, float]  # the probe's median latency, idle / beside the batches
     ideal_s: float | None
     answers_same_pct: float
     sizes: dict[str, int]
@@ -384,17 +395,21 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
                for n, lines in batches.items()}
     async with gateway(state, work, args.policy, config.time_scale, f"{name}-batch") as gw:
+        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
         batch, busy = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
     async with gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
     async with gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
+        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         (online_s, online), beside_online = await probed(gw.url, model, args.probe_period, online_arm(gw.url, batches))
     conventional_s = await conventional_arm(servers, batches, work_of)
     same = sum(1 for k, v in online.items() if batch.answers.get(k) == v)
     return PoolResult(name, sum(len(v) for v in batches.values()), batch, restart, online_s, conventional_s,
                       idle.p99(), busy.p99(), beside_online.p99(),
                       (len(idle.latencies), len(busy.latencies), len(beside_online.latencies)),
+                      (idle.refused, busy.refused, beside_online.refused),
+                      (idle.quantile(0.5), busy.quantile(0.5)),
                       ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
                       {n: len(v) for n, v in batches.items()})
 
@@ -433,10 +448,11 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
         ratios = r.ratios
         parts.append("\n" + markdown_table(
             ["batches", "requests", "vs_ideal", "vs_online", "vs_conventional", "online p99 idle s", "busy s",
-             "online_p99_ratio", "probes idle/batch/online"],
+             "online_p99_ratio", "p50 idle/busy s", "probes idle/batch/online", "refused idle/batch/online"],
             [[len(r.sizes), r.requests, _f(ratios["vs_ideal"], 3), _f(ratios["vs_online"], 3),
               _f(ratios["vs_conventional"], 3), _f(r.idle_p99_s, 3), _f(r.busy_p99_s, 3),
-              _f(ratios["online_p99_ratio"], 3), "/".join(map(str, r.probes))]]))
+              _f(ratios["online_p99_ratio"], 3), f"{_f(r.p50s[0], 3)}/{_f(r.p50s[1], 3)}",
+              "/".join(map(str, r.probes)), "/".join(map(str, r.refused))]]))
         parts.append("\nBatches: " + ", ".join(f"{n} {k}" for n, k in r.sizes.items()) + "; statuses "
                      + ", ".join(f"{n} {s}" for n, s in r.batch.statuses.items()) + "\n")
     return "\n".join(parts)

@@ -1,7 +1,8 @@
 """Runs the Batch API's batches (federation/gateway/batches.py takes them in) over the pool's dispatcher. Each batch
 is one client of the dispatcher that says, before its first request, how many requests it has left and their shape,
-so batches are served shortest first and planned over server kinds as fedpool's evals are, and give way to online
-callers (ranked by the service they have had). Each line's result is kept in the store as it ends, a few at a time;
+so batches are served shortest first and planned over server kinds as fedpool's evals are, behind every online
+caller (background clients: they fill the capacity online traffic leaves, and hand over no more while the
+gateway's loop is behind). Each line's result is kept in the store as it ends, a few at a time;
 after a restart a batch sends only the lines that have none, so each custom_id lands once in its output or error
 file. Retries are the dispatcher's, as for an online request; a line that fails after them goes to the error file
 with the gateway's answer for it and the batch goes on. While no server serves its model a batch waits, its window
@@ -32,6 +33,7 @@ from fedpool.federation.gateway.batchstore import (
     parse_line,
 )
 from fedpool.federation.gateway.handlers import answer_bytes, upstream_failure
+from fedpool.federation.gateway.state import LAG_LIMIT_S, Overload
 from fedpool.pipeline.ownership import DirectoryLock
 
 log = logging.getLogger("fedpool.batches")
@@ -42,6 +44,10 @@ READ_LINES = 256  # input lines read at a time
 FLUSH_S = 0.2  # results wait at most this long to be kept (a process killed loses at most these: run again)
 NO_SERVER_RETRY_S = 5.0
 MAX_PASSES = 3  # passes over a batch's input before lines still without a result fail it (a bug, not the pool)
+# Batches hand over no more requests while the gateway's event loop is this far behind (half the lag at which
+# it refuses online callers, `Overload`): the batch's own answers are what loads it, and online callers go first.
+YIELD_LAG_S = LAG_LIMIT_S / 2
+YIELD_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +55,7 @@ class RunnerConfig:
     max_waiting: int = MAX_WAITING
     flush_s: float = FLUSH_S
     no_server_retry_s: float = NO_SERVER_RETRY_S
+    yield_lag_s: float | None = YIELD_LAG_S  # None: batches never wait for the loop
 
 
 class BatchRunner:
@@ -62,6 +69,17 @@ class BatchRunner:
         self.clock = clock
         self._lock = DirectoryLock(store.root, "fedpool batches")
         self._runs: dict[str, _Run] = {}
+        self._lag = Overload(dispatcher)
+
+    async def give_way(self, stopping: Callable[[], bool]) -> None:
+        """Wait while the gateway's event loop is behind (`RunnerConfig.yield_lag_s`): batch work is what sheds
+        load first, before the gateway refuses an online caller. The lag fades while no grant pass measures it,
+        so this never waits for ever."""
+        limit = self.config.yield_lag_s
+        while limit is not None and not stopping():
+            if self._lag.lag_s() <= limit:
+                return
+            await asyncio.sleep(YIELD_POLL_S)  # (a measure, not an event: polled)
 
     async def start(self) -> None:
         """Take the batches directory (a second process on it is refused: OwnershipError naming this one) and go on
@@ -186,7 +204,7 @@ class _Run:
         dispatcher.client_done_sending(batch.id, False)
         dispatcher.set_client_shape(batch.id, summary.prompt_tokens,
                                     round(summary.max_tokens) if summary.max_tokens is not None else None)
-        dispatcher.set_client_requests_left(batch.id, self._left)
+        dispatcher.set_client_requests_left(batch.id, self._left, background=True)
         dispatcher.expect(batch.id, batch.model, min(self._target(batch.model), self._left))
 
     def _quiet(self, model: str) -> None:
@@ -211,6 +229,7 @@ class _Run:
                 while len(self._inflight) >= self._target(batch.model) and not self.stopping:
                     self._room.clear()
                     await self._room.wait()
+                await self.runner.give_way(lambda: self.stopping)
                 if self.stopping:
                     return
                 task = asyncio.get_running_loop().create_task(self._one(batch, endpoint, line))
@@ -256,7 +275,7 @@ class _Run:
     def _done(self, result: LineResult) -> None:
         self._results.add(result)
         self._left = max(0, self._left - 1)
-        self.runner.dispatcher.set_client_requests_left(self.batch_id, self._left)
+        self.runner.dispatcher.set_client_requests_left(self.batch_id, self._left, background=True)
 
 
 def response_line(custom_id: str, status: int, request_id: str, body: bytes) -> str:

@@ -200,11 +200,11 @@ async def test_shortest_first_serves_the_client_with_least_work_left(fakes: Fake
 
 
 async def _callers(fakes: FakePool, server_slots: int, callers: dict[str, tuple[int, int]], late: str = "",
-                   declare: bool = False) -> dict[str, float]:
+                   declare: bool = False, background: str = "") -> dict[str, float]:
     """Gateway callers as lm-eval drives them, on one fake server under shortest_first: each caller (name ->
     requests, tokens each) keeps 8 requests in flight, refilled as each answers; `late` sends a millisecond after
-    the others; `declare`: each says how many requests it has left (X-Fedpool-Requests). When each ended, and how
-    many attempts gave their slots back."""
+    the others; `declare`: each says how many requests it has left (X-Fedpool-Requests); `background`: this one
+    says so as a Batch API batch does. When each ended, and how many attempts gave their slots back."""
     server = fakes.start(max_running=server_slots, decode_s=0.01)
     snap = snapshot_of([server], capacity=server_slots)
     dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
@@ -213,8 +213,9 @@ async def _callers(fakes: FakePool, server_slots: int, callers: dict[str, tuple[
 
     async def caller(name: str, n: int, tokens: int) -> None:
         left = [n]
-        if declare:
-            dispatcher.set_client_requests_left(name, n)
+        said = declare or name == background
+        if said:
+            dispatcher.set_client_requests_left(name, n, background=name == background)
         if name == late:
             await asyncio.sleep(0.001)
         todo = list(range(n))
@@ -226,8 +227,8 @@ async def _callers(fakes: FakePool, server_slots: int, callers: dict[str, tuple[
                     {"prompt": f"q{i}", "max_tokens": tokens, "ignore_eos": True}, request_id=f"{name}{i}",
                     model="emu-model", endpoint=Endpoint.COMPLETIONS, client_id=name))
                 left[0] -= 1
-                if declare:
-                    dispatcher.set_client_requests_left(name, left[0])
+                if said:
+                    dispatcher.set_client_requests_left(name, left[0], background=name == background)
 
         await asyncio.gather(*(worker() for _ in range(8)))
         ended[name] = now() - began
@@ -280,6 +281,22 @@ async def test_callers_that_declare_their_requests_go_shortest_remaining_first(f
         assert together["short"] <= 1.4 * alone["short"] < shared["short"], (late, together, alone, shared)
         if late:  # "long" took the idle pool a moment first: its young attempts gave the slots back
             assert together["preempted"] >= 1, together
+
+
+async def test_a_background_batch_fills_only_what_online_callers_leave(fakes: FakePool) -> None:
+    """A Batch API batch (background) of short requests beside an online caller of long ones, on a 4-slot server:
+    shortest first would serve the batch first; as background it takes only the slots the online caller leaves, so
+    the online caller ends near its time alone and the batch after it — also where the batch sent first and held
+    every slot (its young attempts give them back)."""
+    alone = await _callers(fakes, 4, {"online": (24, 32)})
+    for late in ("", "online"):
+        together = await _callers(fakes, 4, {"online": (24, 32), "batch": (40, 2)}, late, background="batch")
+        assert together["online"] <= 1.3 * alone["online"], (late, together, alone)
+        assert together["batch"] > together["online"], (late, together, alone)
+        if late:  # the batch took the idle server a moment first: its young attempts gave the slots back
+            assert together["preempted"] >= 1, together
+    srpt = await _callers(fakes, 4, {"online": (24, 32), "batch": (40, 2)}, declare=True)
+    assert srpt["batch"] < srpt["online"], srpt  # (the same batch, not background: shortest first)
 
 
 def test_a_caller_s_requests_in_flight_count_as_what_its_answers_hold_else_as_its_answer_budget() -> None:

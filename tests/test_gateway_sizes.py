@@ -10,7 +10,7 @@ import json
 import aiohttp
 
 from fedpool.federation import DispatchConfig
-from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.clientbook import BACKGROUND_RANK, ClientBook
 from fedpool.federation.core.ledger import InflightLedger
 from fedpool.federation.core.types import Endpoint, InferenceRequest
 from fedpool.federation.gateway.handlers import REQUESTS_HEADER, REQUESTS_QUERY
@@ -79,6 +79,32 @@ def test_a_caller_that_declares_its_requests_is_ranked_by_them_times_one_request
     clients.declare_requests("unsaid", 4)
     clients.declare_requests("unsaid", None)  # says nothing any more: by its service again
     assert clients.by_service("unsaid") and clients.requests_left_of("unsaid") is None
+
+
+def test_a_background_client_ranks_after_every_other_in_every_order() -> None:
+    """A Batch API batch (background) ranks after every client that is not, whatever their work or service; among
+    background clients the order's criterion holds; saying nothing any more, or being forgotten, ends it."""
+    for order in ("fair", "shortest_first", "longest_answers_first"):
+        clients = _book(order)
+        for name in ("big", "small"):
+            clients.note_request(name, InferenceRequest.from_body(
+                {"prompt": "x" * 80, "max_tokens": 8}, request_id=name, model="m", endpoint=Endpoint.COMPLETIONS), 0.0)
+        clients.note_served("unsaid", 20, 8, 1000.0)  # an online caller that has had much service
+        clients.declare_requests("declared", 10**6)  # and one with much work left
+        clients.declare_requests("big", 100, background=True)
+        clients.declare_requests("small", 2, background=True)
+        online = max(clients.key("unsaid"), clients.key("declared"))
+        assert online < clients.key("small") and online < clients.key("big"), order
+        assert clients.first("small") > BACKGROUND_RANK / 2
+        if order == "shortest_first":
+            assert clients.key("small") < clients.key("big")
+        clients.declare_requests("small", 1)  # (a declaration without the flag: in the foreground again)
+        assert clients.first("small") < BACKGROUND_RANK / 2
+        clients.declare_requests("big", None)
+        assert clients.first("big") < BACKGROUND_RANK / 2
+        clients.declare_requests("big", 5, background=True)
+        clients.forget("big")
+        assert clients.first("big") < BACKGROUND_RANK / 2
 
 
 def test_the_work_a_client_says_it_has_left_is_known_whatever_the_order() -> None:

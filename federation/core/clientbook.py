@@ -21,6 +21,10 @@ from fedpool.federation.core.ledger import InflightLedger
 from fedpool.federation.core.types import CLIENT_ORDERS, InferenceRequest
 
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
+# A background client (a Batch API batch) ranks after every other client in every order: its criterion is offset
+# by this, more than any client's work (tokens × requests) comes to; among themselves background clients keep the
+# order's criterion.
+BACKGROUND_RANK = 1e12
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,7 @@ class ClientBook:
         self._work_left: dict[str, float] = {}
         self._requests_left: dict[str, int] = {}
         self._declared: set[str] = set()  # clients that say only how many requests they have left
+        self._background: set[str] = set()  # clients served only with the capacity the others leave (batches)
         self._answer: dict[str, float] = {}  # the answer length each client asks for (max_tokens)
         self._served_s: dict[str, float] = {}  # slot-seconds of the client's answered requests ...
         self._answers: dict[str, int] = {}  # ... and how many there were (their mean: one request's expected)
@@ -74,17 +79,23 @@ class ClientBook:
         if requests is not None:
             self._requests_left[client_id] = max(0, requests)
 
-    def declare_requests(self, client_id: str, requests: int | None) -> None:
+    def declare_requests(self, client_id: str, requests: int | None, *, background: bool = False) -> None:
         """A caller that says only how many requests it has still to complete (None: it says nothing any more):
         ranked by them × its requests' expected work (`expected_work`, in the reported work's units). A client
-        that reports its work itself (`set_remaining`) is ranked by that."""
+        that reports its work itself (`set_remaining`) is ranked by that. `background`: it ranks after every
+        client that is not (BACKGROUND_RANK), until it says nothing any more."""
         if requests is None:
+            self._background.discard(client_id)
             if client_id in self._declared:
                 self._declared.discard(client_id)
                 self._requests_left.pop(client_id, None)
             return
         self._declared.add(client_id)
         self._requests_left[client_id] = max(0, requests)
+        if background:
+            self._background.add(client_id)
+        else:
+            self._background.discard(client_id)
 
     def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
         self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
@@ -217,6 +228,7 @@ class ClientBook:
         self._answers.pop(client_id, None)
         self._requests_left.pop(client_id, None)
         self._declared.discard(client_id)
+        self._background.discard(client_id)
         self._shapes.pop(client_id, None)
         self.done_sending.discard(client_id)
 
@@ -252,12 +264,15 @@ class ClientBook:
         return (shape.prompt_tokens if shape is not None else 0.0) + 0.5 * answer
 
     def first(self, client_id: str) -> float:
-        """The order's own criterion (smaller first); 0 for every client under `fair`."""
+        """The order's own criterion (smaller first); 0 for every client under `fair`; a background client's
+        offset by BACKGROUND_RANK."""
         if self.order == "shortest_first":
-            return self._shortest(client_id)
-        if self.order == "longest_answers_first":
-            return -self._answer.get(client_id, 0.0)
-        return 0.0
+            first = self._shortest(client_id)
+        elif self.order == "longest_answers_first":
+            first = -self._answer.get(client_id, 0.0)
+        else:
+            first = 0.0
+        return first + BACKGROUND_RANK if client_id in self._background else first
 
     def work_left(self, client_id: str) -> float | None:
         """The work a client says it has left, whatever the order: what it reports (fedpool's evals), else the
@@ -279,14 +294,7 @@ class ClientBook:
 
     def key(self, client_id: str) -> tuple[float, float]:
         """Smaller first: the criterion, then requests in flight per unit of weight."""
-        order = self.order
-        if order == "fair":
-            first = 0.0
-        elif order == "shortest_first":
-            first = self._shortest(client_id)
-        else:
-            first = -self._answer.get(client_id, 0.0)
-        return first, self._ledger.clients.get(client_id, 0) / self._weights.get(client_id, 1.0)
+        return self.first(client_id), self._ledger.clients.get(client_id, 0) / self._weights.get(client_id, 1.0)
 
 
 def client_size(shape: Any) -> tuple[float, float] | None:

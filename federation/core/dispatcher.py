@@ -186,12 +186,14 @@ class Dispatcher(GrantPass, AttemptEnds):
         self._clients.set_remaining(client_id, work, requests)
         self._touch(client_id)
 
-    def set_client_requests_left(self, client_id: str, requests: int | None) -> None:
+    def set_client_requests_left(self, client_id: str, requests: int | None, *, background: bool = False) -> None:
         """A caller that says only how many requests it has still to complete (the gateway's
         `X-Fedpool-Requests`): under client_order="shortest_first" ranked by them × one of its requests' expected
         work, least remaining first (SRPT) beside the clients that report their work; None: it says nothing any
-        more (ranked by the service it has had again)."""
-        self._clients.declare_requests(client_id, requests)
+        more (ranked by the service it has had again). `background` (a Batch API batch): in every order it ranks
+        after every client that is not, so online callers keep their latency and it fills the capacity they
+        leave."""
+        self._clients.declare_requests(client_id, requests, background=background)
         self._touch(client_id)
 
     def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
