@@ -364,6 +364,42 @@ async def test_two_models_under_planned_routing_make_at_most_one_plan_per_route_
     assert served == {"ca": "a", "cb": "b"}  # each model's requests on its own servers
 
 
+@pytest.mark.looptime
+async def test_an_online_caller_beside_background_batches_is_placed_at_once_not_paced_by_the_plan(
+        fakes: FakePool) -> None:
+    """A Batch API batch (background, 160 requests of 0.64 s) fills two 4-slot servers of two kinds; an online
+    caller then sends one request at a time. Under `planned` each goes out at once (its client is neither planned
+    nor paced: a plan paces a client to end with the others, and its one request used to go out as the batch
+    ended) and takes the next slot that frees: every one ends within two requests' time, long before the batch."""
+    servers = [fakes.start(max_running=4, decode_s=0.01) for _ in range(2)]
+    snap = PoolSnapshot(version=1, taken_at=0.0, entries=(
+        entry("a100", "A100", servers[0].url, capacity=4, model=servers[0].model),
+        entry("v100", "V100", servers[1].url, capacity=4, model=servers[1].model)))
+    dispatcher = fakes.dispatcher(lambda: snap, make_policy("planned", period_s=0.5, warmup_periods=0.0),
+                                  config=DispatchConfig(client_order="shortest_first", adaptive_windows=False))
+    loop = asyncio.get_running_loop()
+    dispatcher.set_client_requests_left("batch", 160, background=True)
+    dispatcher.set_client_shape("batch", 4, 64)
+
+    def req(client: str, i: int) -> InferenceRequest:
+        return InferenceRequest.from_body({"prompt": f"{client} {i}", "max_tokens": 64, "ignore_eos": True},
+                                          request_id=f"{client}-{i}", model=servers[0].model,
+                                          endpoint=Endpoint.COMPLETIONS, client_id=client)
+
+    batch = asyncio.gather(*(dispatcher.submit(req("batch", i)) for i in range(160)))
+    await asyncio.sleep(2.0)
+    latencies = []
+    for i in range(5):
+        began = loop.time()
+        await dispatcher.submit(req("online", i))
+        latencies.append(loop.time() - began)
+    assert not batch.done()
+    await batch
+    ended = loop.time()
+    assert max(latencies) <= 2 * 0.64 + 0.1, latencies
+    assert ended > 10.0  # (the batch: 160 × 0.64 s over 8 slots, and the online requests' slots)
+
+
 def test_the_solver_is_imported_off_the_grant_path() -> None:
     """The first plan is made on the grant path: importing SciPy's solver there (~0.5 s) held the event loop just as
     the evals started sending. A process that will plan starts importing it in a background thread as soon as it knows

@@ -97,6 +97,11 @@ class ClientBook:
         else:
             self._background.discard(client_id)
 
+    def before_background(self, client_id: str) -> bool:
+        """Whether the client is in the foreground while background clients are about (an online caller beside
+        Batch API batches): served at once, not paced by a plan made for the background work."""
+        return bool(self._background) and client_id not in self._background
+
     def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
         self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
 

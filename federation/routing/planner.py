@@ -137,20 +137,14 @@ class PlannedRouting(Policy, name="planned"):
         if self._plan is None and self.warming_up():
             return Hold.CLIENT_HELD
         client_id = request.client_id
+        if self._st.clients.before_background(client_id):
+            return self._foreground(route, request, tried)
         plans = self._routes.get(route.key) or self._route_plan(route)
         plans.route = route
         if client_id not in plans.clients:
             plans.clients.add(client_id)
             self._placed.add(client_id)
-        plan = plans.plan
-        if servers is not plans.servers_ref and plan is not None:
-            # A new snapshot rebuilt the route's list: the same servers keep the plan (new scrapes every probe
-            # cycle must not re-solve it on the grant path); other servers need one now.
-            key = tuple(sorted(s.id for s in servers))
-            if key == plans.servers_key:
-                plans.servers_ref = servers
-            else:
-                plans.plan = plan = None
+        plan = self._kept_plan(plans, servers)
         if plan is None:
             plan = self._current_plan(plans, servers, client_id, now)  # nothing to follow yet: now
         elif now - plan.made_at >= self.period_s or (client_id not in plan.quotas and not plans.replanning):
@@ -179,6 +173,29 @@ class PlannedRouting(Policy, name="planned"):
         plans.sent.setdefault(client_id, Counter())[plan.kind_of[pick.id]] += 1
         route.memo.clear()  # the pick may have filled its server
         return pick
+
+    @staticmethod
+    def _kept_plan(plans: RoutePlan, servers: Sequence[Any]) -> Plan | None:
+        """The route's plan, unless a new snapshot changed its servers: a rebuilt list of the same servers keeps
+        it (new scrapes every probe cycle must not re-solve it on the grant path); other servers need one now."""
+        plan = plans.plan
+        if servers is not plans.servers_ref and plan is not None:
+            if tuple(sorted(s.id for s in servers)) == plans.servers_key:
+                plans.servers_ref = servers
+            else:
+                plans.plan = plan = None
+        return plan
+
+    def _foreground(self, route: RouteView[S], request: InferenceRequest, tried: set[str]) -> S | Hold:
+        """An online caller beside background batches is neither planned nor paced (a plan paces each client to
+        end with the others: its one request went out at the batches' end): the server its request finishes on
+        soonest (`pick="finish"`), else the least expected wait among those with room. Its slot comes first (the
+        client order) and its answers still teach the plan's costs."""
+        if self._finish is not None:
+            return self._finish.place(route, request, tried)
+        free = route.free_candidates(PICK_SAMPLE, tried, self._rng) or route.free_candidates(PICK_SAMPLE, set(),
+                                                                                              self._rng)
+        return min(free, key=lambda s: s.expected_wait) if free else Hold.ROUTE_FULL
 
     def observe_answer(self, client_id: str, server: ServerEntry, prompt_tokens: int | None,
                        completion_tokens: int | None, latency_s: float = 0.0, times: EngineTimes | None = None) -> None:
