@@ -5,9 +5,9 @@ against the same requests sent online through the gateway and each batch on its 
     python -m fedpool.benchmarks.batch --pools emulated --scale 0.05 --name batch_check   # a quick check
 
 Per pool (the emulated Table 7 pool, benchmarks/configs/table7_pool.yaml; local llama.cpp servers,
-benchmarks/configs/real_pool.yaml), on servers started afresh and registered in a registry of the benchmark's own,
-with the gateway as a process of its own (`serve`, below: the pool app with the Batch API, shortest first,
-`--policy`, default planned), the arms run in turn:
+benchmarks/configs/real_pool.yaml), each arm on servers started afresh (no prompt cache carried over from an earlier
+arm) and registered in a registry of the benchmark's own, with the gateway as a process of its own (`serve`, below:
+the pool app with the Batch API, shortest first, `--policy`, default planned), the arms run in turn:
 
 - **idle**: an online probe (one small request at a time, every `--probe-period` seconds) on the idle pool: its
   latency p99 is the reference for `online_p99_ratio`;
@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -380,30 +380,35 @@ async def run_pool(name: str, args: argparse.Namespace, work: Path) -> PoolResul
     state = Path(tempfile.mkdtemp(prefix="registry-", dir=work))
     registry = await RegistryClient.start(state, probe_interval_s=max(0.2, 1.0 / config.time_scale),
                                           namespace=f"fedpool-bench-batch-{os.getpid()}-{name}")
+
+    def fresh(arm: str) -> contextlib.AbstractAsyncContextManager[Sequence[LiveServer]]:
+        """The pool's servers started afresh for one arm: an engine's prompt cache (the emulator's prefix cache,
+        llama.cpp's slots and its host-memory cache) would serve a later arm the prompts an earlier one sent."""
+        return started_pool(config, work / f"logs-{name}-{arm}", registry)
+
     try:
-        async with started_pool(config, work / f"logs-{name}", registry) as servers:
-            model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
-            batches = {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
-            return await _arms(name, args, work, config, servers, state, batches)
+        return await _arms(name, args, work, config, state, fresh)
     finally:
         await registry.terminate()
 
 
-async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolConfig, servers: Sequence[LiveServer],
-                state: Path, batches: dict[str, list[dict[str, Any]]]) -> PoolResult:
-    model = servers[0].record.model
-    work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
-               for n, lines in batches.items()}
-    async with gateway(state, work, args.policy, config.time_scale, f"{name}-batch") as gw:
+async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolConfig, state: Path,
+                fresh: Callable[[str], contextlib.AbstractAsyncContextManager[Sequence[LiveServer]]]) -> PoolResult:
+    async with fresh("batch") as servers, gateway(state, work, args.policy, config.time_scale, f"{name}-batch") as gw:
+        model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
+        batches = {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
         batch, busy = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
-    async with gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
+    async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
-    async with gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
+    async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         (online_s, online), beside_online = await probed(gw.url, model, args.probe_period, online_arm(gw.url, batches))
-    conventional_s = await conventional_arm(servers, batches, work_of)
+    work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
+               for n, lines in batches.items()}
+    async with fresh("conventional") as servers:
+        conventional_s = await conventional_arm(servers, batches, work_of)
     same = sum(1 for k, v in online.items() if batch.answers.get(k) == v)
     return PoolResult(name, sum(len(v) for v in batches.values()), batch, restart, online_s, conventional_s,
                       idle.p99(), busy.p99(), beside_online.p99(),
