@@ -16,7 +16,11 @@ gateway, each run with its own API key:
 - **lmms-eval** (`lmms-eval eval --model openai`, a text task from a local file, `num_concurrent`);
 - **OpenCompass** (`opencompass CONFIG` with an `OpenAISDK` model, a local tokenizer and its own key, a local
   JSONL dataset);
-- **evalscope perf** (`evalscope perf --api openai --dataset openqa --dataset-path FILE`, streaming).
+- **evalscope perf** (`evalscope perf --api openai --dataset openqa --dataset-path FILE`, streaming);
+- the **openai SDK's batches** (`files.create`, `batches.create`, `files.content`: the Batch API the gateway serves),
+  against the same requests sent online to the server (servers have no Batch API);
+- **inspect_ai's batch mode** (`--batch`, `-M responses_api=false`) through the gateway, against inspect_ai online
+  to the server.
 
 inspect_ai, lmms-eval, OpenCompass and evalscope live in venvs of their own (`scripts/install_tools.sh`, with the
 fixes docs/researchers.md states), the openai SDK and lm-eval in fedpool's; each runs as a researcher would run it,
@@ -137,6 +141,65 @@ async def openai_sdk(base: str, key: str, work: Path) -> ClientRun:
     return ClientRun(True, answers, time.monotonic() - started)
 
 
+def _question_lines() -> list[dict[str, Any]]:
+    """The questions as Batch API lines: a completion and a chat completion each (custom_id completion-i, chat-i)."""
+    lines = []
+    for i, q in enumerate(QUESTIONS):
+        lines.append({"custom_id": f"completion-{i}", "method": "POST", "url": "/v1/completions",
+                      "body": {"model": MODEL, "prompt": q, "max_tokens": 8, "temperature": 0}})
+        lines.append({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 8,
+                               "temperature": 0}})
+    return lines
+
+
+async def openai_sdk_online(base: str, key: str, work: Path) -> ClientRun:
+    """The batches' requests sent one by one (what the batch row compares against: servers have no Batch API)."""
+    import openai
+
+    started = time.monotonic()
+    answers: dict[str, Any] = {}
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as client:
+        for line in _question_lines():
+            if line["url"] == "/v1/completions":
+                done = await client.completions.create(**line["body"])
+                answers[line["custom_id"]] = done.choices[0].text
+            else:
+                chat = await client.chat.completions.create(**line["body"])
+                answers[line["custom_id"]] = chat.choices[0].message.content
+    return ClientRun(True, answers, time.monotonic() - started)
+
+
+async def openai_sdk_batches(base: str, key: str, work: Path) -> ClientRun:
+    """The same requests as two batches (one per endpoint) through the Batch API, unchanged SDK calls."""
+    import openai
+
+    started = time.monotonic()
+    answers: dict[str, Any] = {}
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0) as client:
+        ids = []
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            lines = [line for line in _question_lines() if line["url"] == endpoint]
+            data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+            upload = await client.files.create(file=(f"questions{endpoint.replace('/', '-')}.jsonl", data),
+                                               purpose="batch")
+            batch = await client.batches.create(input_file_id=upload.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                                completion_window="24h")
+            ids.append(batch.id)
+        for batch_id in ids:
+            batch = await client.batches.retrieve(batch_id)
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                await asyncio.sleep(0.2)
+                batch = await client.batches.retrieve(batch_id)
+            if batch.status != "completed" or batch.output_file_id is None:
+                return ClientRun(False, answers, time.monotonic() - started, f"batch {batch_id} {batch.status}")
+            for raw in (await client.files.content(batch.output_file_id)).text.splitlines():
+                line = json.loads(raw)
+                choice = line["response"]["body"]["choices"][0]
+                answers[line["custom_id"]] = choice["message"]["content"] if "message" in choice else choice["text"]
+    return ClientRun(True, answers, time.monotonic() - started)
+
+
 LM_EVAL_TASK = {
     "task": "fedpool_clients_check", "dataset_path": "json", "test_split": "test", "output_type": "generate_until",
     "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
@@ -182,7 +245,9 @@ def fedpool_check():
 '''
 
 
-async def inspect_ai(base: str, key: str, work: Path) -> ClientRun:
+async def inspect_ai(base: str, key: str, work: Path, batch: bool = False) -> ClientRun:
+    """`batch`: its batch mode (`--batch`; `-M responses_api=false`: its default, OpenAI's Responses API, is not
+    the chat completions endpoint a batch line names)."""
     inspect = TOOLS_HOME / "inspect" / "bin" / "inspect"
     if not inspect.exists():
         return ClientRun(False, {}, 0.0, "inspect_ai is not installed (scripts/install_tools.sh)")
@@ -192,7 +257,7 @@ async def inspect_ai(base: str, key: str, work: Path) -> ClientRun:
     code, wall = await _run(
         [str(inspect), "eval", "check_task.py", "--model", f"openai-api/pool/{MODEL}", "--log-dir", str(logs),
          "--log-format", "json", "--max-tokens", "8", "--temperature", "0", "--max-connections", str(CONCURRENCY),
-         "--display", "none"],
+         "--display", "none", *(["--batch", "-M", "responses_api=false"] if batch else [])],
         _env(key, POOL_BASE_URL=f"{base}/v1", POOL_API_KEY=key, INSPECT_LOG_DIR=str(logs)), work / "inspect.log",
         cwd=work)
     if code != 0:
@@ -205,6 +270,10 @@ async def inspect_ai(base: str, key: str, work: Path) -> ClientRun:
         return ClientRun(False, {}, wall, f"inspect status {log.get('status')}: {str(log.get('error'))[:200]}")
     answers = {str(s["id"]): s["output"]["choices"][0]["message"]["content"] for s in log.get("samples", [])}
     return ClientRun(True, answers, wall)
+
+
+async def inspect_ai_batch(base: str, key: str, work: Path) -> ClientRun:
+    return await inspect_ai(base, key, work, batch=True)
 
 
 async def vllm_bench(base: str, key: str, work: Path) -> ClientRun:
@@ -386,6 +455,7 @@ class Client:
     dist: str
     how: str
     run: Callable[[str, str, Path], Awaitable[ClientRun]]
+    direct: Callable[[str, str, Path], Awaitable[ClientRun]] | None = None  # what runs against the server, if not `run`
 
 
 CLIENTS = (
@@ -402,6 +472,12 @@ CLIENTS = (
            "a local JSONL, 12 questions, batch_size=max_workers=4", opencompass),
     Client("evalscope perf", "evalscope", "`evalscope perf --api openai --dataset openqa --dataset-path FILE`, "
            "streaming, 12 questions, parallel 4", evalscope_perf),
+    Client("openai SDK batches", "openai", "`files.create`, `batches.create`, `batches.retrieve`, `files.content`: "
+           "two batches (completions, chat; 12 prompts each); direct: the same requests online (a server has no "
+           "Batch API)", openai_sdk_batches, openai_sdk_online),
+    Client("inspect_ai batch mode", "inspect_ai", "`inspect eval --model openai-api/pool/MODEL --batch -M "
+           "responses_api=false`, 12 samples; direct: online (a server has no Batch API)", inspect_ai_batch,
+           inspect_ai),
 )
 
 
@@ -416,9 +492,10 @@ class Pool:
 async def local_pool(work: Path) -> AsyncIterator[Pool]:
     import ray
 
+    from fedpool.clients.poolapp import serving_pool
     from fedpool.deploy.localpool import LocalPoolSpec, init_loopback_ray, local_servers
+    from fedpool.deploy.process import free_port
     from fedpool.federation import PoolConnection
-    from fedpool.federation.gateway.handlers import Gateway, serving
     from fedpool.registry import RegistryClient
 
     init_loopback_ray()
@@ -428,8 +505,9 @@ async def local_pool(work: Path) -> AsyncIterator[Pool]:
         async with local_servers(registry, spec, work / "logs") as launchers:
             async with PoolConnection(registry) as conn:
                 await conn.refresh()
-                async with serving(Gateway(conn.dispatcher, lambda: conn.snapshot).app()) as url:
-                    yield Pool(launchers[0].record.url, url)
+                port = free_port()  # the gateway `fedpool up` serves: /v1 with the Batch API
+                async with serving_pool(conn, "<html></html>", "127.0.0.1", port, batches_dir=work / "batches"):
+                    yield Pool(launchers[0].record.url, f"http://127.0.0.1:{port}")
     finally:
         await registry.terminate()
         ray.shutdown()
@@ -439,8 +517,9 @@ async def run_all(work: Path) -> list[ClientResult]:
     results = []
     async with local_pool(work) as pool:
         for client in CLIENTS:
-            slug = client.name.split()[0].lower().replace("-", "_")
-            direct = await client.run(pool.server_url, f"sk-{slug}-direct-0123456789", work / slug / "direct")
+            slug = client.name.lower().replace(" ", "_").replace("-", "_")
+            direct = await (client.direct or client.run)(pool.server_url, f"sk-{slug}-direct-0123456789",
+                                                         work / slug / "direct")
             via = await client.run(pool.gateway_url, f"sk-{slug}-gateway-0123456789", work / slug / "gateway")
             dist = client.dist.split()[0]
             tool_version = await (asyncio.to_thread(_vllm_version) if dist == "vllm"
