@@ -183,7 +183,7 @@ async def openai_sdk_batches(base: str, key: str, work: Path) -> ClientRun:
             data = "".join(json.dumps(line) + "\n" for line in lines).encode()
             upload = await client.files.create(file=(f"questions{endpoint.replace('/', '-')}.jsonl", data),
                                                purpose="batch")
-            batch = await client.batches.create(input_file_id=upload.id, endpoint=endpoint,  # type: ignore[arg-type]
+            batch = await client.batches.create(input_file_id=upload.id, endpoint=endpoint,
                                                 completion_window="24h")
             ids.append(batch.id)
         for batch_id in ids:
