@@ -57,14 +57,21 @@ def join_ray(address: str, *, how: str = "--address", advice: str = START_ADVICE
 
     if is_loopback_address(address):  # a loopback-only cluster (`fedpool up`): join it on loopback
         loopback_ray_mode()
-    log.debug("joining the Ray cluster at %s (%s)", address, how)
+    # Ctrl-C raises while the join waits, whatever handler an event loop set (asyncio's only cancels its task,
+    # which the blocking wait does not yield to): set before saying so, so a Ctrl-C from then on is acted on.
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
     try:
+        log.debug("joining the Ray cluster at %s (%s)", address, how)
         _init_within(address, timeout_s)
     except TimeoutError:
         raise ConnectionError(f"no Ray cluster answered at {address!r} ({how}) within {timeout_s:g} s; {advice}"
                               ) from None
     except ConnectionError as exc:
         raise ConnectionError(f"cannot reach a Ray cluster at {address!r} ({how}: {exc}); {advice}") from None
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
     return f"Ray cluster {ray.get_runtime_context().gcs_address} (found by {how})"
 
 
@@ -90,11 +97,8 @@ def _init_within(address: str, timeout_s: float) -> None:
     ray_worker_log = logging.getLogger("ray._private.worker")
     level = ray_worker_log.level
     ray_worker_log.setLevel(logging.ERROR)
-    main = threading.current_thread() is threading.main_thread()
-    # Ctrl-C raises here while the thread connects, whatever handler an event loop set (asyncio's only cancels its
-    # task, which this wait does not yield to); and the wait wakes every WAIT_SLICE_S, so a signal the kernel handed
-    # to one of Ray's threads is acted on at once, not at the deadline (the main thread handles Python's signals).
-    before = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
+    # The wait wakes every WAIT_SLICE_S, so a signal the kernel handed to one of Ray's threads is acted on at once,
+    # not at the deadline (the main thread handles Python's signals; `join_ray` set Ctrl-C to raise).
     try:
         threading.Thread(target=connect, name="fedpool-ray-join", daemon=True).start()
         deadline = time.monotonic() + timeout_s
@@ -103,8 +107,6 @@ def _init_within(address: str, timeout_s: float) -> None:
                 raise TimeoutError(address)
     finally:
         ray_worker_log.setLevel(level)
-        if before is not None:
-            signal.signal(signal.SIGINT, before)
     if failed:
         raise failed[0]
     if threading.current_thread() is threading.main_thread():
