@@ -834,6 +834,8 @@ async def test_capacity_weighted_keeps_answers_off_a_slow_kind_they_would_outlas
         dispatcher = fakes.dispatcher(lambda: snap, policy, config=DispatchConfig(hedging=False))
         dispatcher.set_client_shape("long", 8, 400)
         dispatcher.set_client_shape("short", 8, 8)
+        dispatcher.set_client_requests_left("long", 6)  # the whole run in view (an undeclared caller's is open)
+        dispatcher.set_client_requests_left("short", 24)
 
         def ask(client: str, i: int, tokens: int) -> InferenceRequest:
             return InferenceRequest.from_body({"prompt": f"{client} {i}", "max_tokens": tokens, "ignore_eos": True},
@@ -853,3 +855,28 @@ async def test_capacity_weighted_keeps_answers_off_a_slow_kind_they_would_outlas
     long_on_anywhere, _, makespan_anywhere = await run(horizon=False)
     assert long_on_anywhere["s1"] > 0  # the control
     assert makespan < makespan_anywhere
+
+
+async def test_a_caller_whose_run_has_no_end_in_view_uses_every_kind_until_its_last_request(fakes: FakePool) -> None:
+    """The horizon is the run's end, known only from what callers say: a caller that declares nothing and is still
+    sending (a gateway client streaming an eval) may use the slow kind's idle slots — more is coming, so nothing it
+    sends can outlast the run there. Once it says it has sent its last request, its requests in view are the run's
+    end, and long answers wait for the fast kind."""
+    fast = fakes.start(max_running=4, decode_s=0.01)
+    slow = fakes.start(max_running=4, decode_s=0.025)
+    snap = snapshot_of([fast, slow], capacity=4, accelerators=["A100", "V100"])
+
+    async def run(done_sending: bool) -> Counter[str]:
+        dispatcher = fakes.dispatcher(lambda: snap, make_policy("capacity_weighted", random.Random(0)),
+                                      config=DispatchConfig(hedging=False))
+        dispatcher.set_client_shape("stream", 8, 400)
+        if done_sending:
+            dispatcher.client_done_sending("stream")
+        results = await asyncio.gather(*(dispatcher.submit(InferenceRequest.from_body(
+            {"prompt": f"stream {i}", "max_tokens": 400, "ignore_eos": True}, model="emu-model",
+            request_id=f"stream{i}", endpoint=Endpoint.COMPLETIONS, client_id="stream")) for i in range(8)))
+        assert len({r.request_id for r in results}) == 8 and dispatcher.stats().inflight_total == 0
+        return Counter(r.server_id for r in results)
+
+    assert (await run(done_sending=False))["s1"] > 0
+    assert await run(done_sending=True) == Counter({"s0": 8})

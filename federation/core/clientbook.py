@@ -291,6 +291,11 @@ class ClientBook:
             return self._requests_left.get(client_id, 0) * self.expected_work(client_id)
         return None
 
+    def open_ended(self, client_id: str) -> bool:
+        """Whether the client's run has no end in view: it says nothing of what it has left and has not said it
+        sent its last request (a gateway caller streaming its requests). Nothing can outlast such a run."""
+        return client_id not in self.done_sending and self.work_left(client_id) is None
+
     def _shortest(self, client_id: str) -> float:
         """shortest_first's criterion: the work the client reports left; else the requests it says it has left ×
         one request's expected work; else the service it has had."""

@@ -153,12 +153,12 @@ class EarliestFinish(Policy, name="earliest_finish"):
         client = request.client_id
         known = self._route(route)
         allowed: tuple[str, ...] | None = None
-        if self._horizon and len(known.members) > 1:
+        if self._horizon and len(known.members) > 1 and not state.clients.open_ended(client):
             allowed = self._horizons.cached(known.horizon, client, now)
             if allowed is None:
                 clients, inflight = state.clients, state.ledger.clients
                 allowed = self._horizons.allowed(known.horizon, client, lambda c: client_size(clients.shape(c)), now,
-                                                 lambda: demand_on(route, inflight))
+                                                 lambda: demand_on(route, inflight, clients.requests_left_of))
         if self.waves is not None and not tried and len(known.members) > 1:
             placed = self.waves.place(route, request, now, known.members, known)
             if placed is not None:

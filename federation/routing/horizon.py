@@ -165,12 +165,15 @@ def free_in_kinds(route: Any, kinds: Sequence[str], limit: int, rng: Any) -> lis
     return out
 
 
-def demand_on(route: Any, inflight: Mapping[str, int]) -> Iterable[tuple[str, int]]:
-    """(client, requests waiting on the route + in flight) for the route's waiting clients and those with
-    requests in flight (a client's in-flight count is over every route: most clients use one model)."""
+def demand_on(route: Any, inflight: Mapping[str, int],
+              left: Callable[[str], int | None] = lambda client: None) -> Iterable[tuple[str, int]]:
+    """(client, requests it has on the route) for the route's waiting clients and those with requests in flight:
+    those waiting + in flight, or the requests it says it has still to complete (`left`) where more (a client
+    that streams its run a few at a time has more ahead than in view). A client's in-flight count is over every
+    route: most clients use one model."""
     queues = route.queues
     for client, queue in queues.items():
-        yield client, len(queue) + inflight.get(client, 0)
+        yield client, max(len(queue) + inflight.get(client, 0), left(client) or 0)
     for client, n in inflight.items():
         if client not in queues:
-            yield client, n
+            yield client, max(n, left(client) or 0)

@@ -58,8 +58,10 @@ class SampledPolicy(Policy):
                            forget_server=self._picker.forget_server, pick=self._picker.pick, sample=self._sample)
 
     def place(self, route: RouteView[S], request: InferenceRequest, tried: set[str]) -> S | Hold:
-        if self._horizons is not None and route.kinds > 1 and not tried and self._state is not None:
-            return self._within_horizon(route, request, self._horizons, self._state)
+        state = self._state
+        if (self._horizons is not None and route.kinds > 1 and not tried and state is not None
+                and not state.clients.open_ended(request.client_id)):
+            return self._within_horizon(route, request, self._horizons, state)
         free = route.free_candidates(self._sample, tried, self._rng)
         if not free:
             return Hold.CLIENT_HELD if tried and route.free_candidates(None, _NO_TRIED, self._rng) else Hold.ROUTE_FULL
@@ -72,7 +74,7 @@ class SampledPolicy(Policy):
         passes until one of its kinds has room, and the free slot goes to the next client that may use it."""
         clients, inflight = state.clients, state.ledger.clients
         allowed = horizons.allowed(horizons.of(route), request.client_id, lambda c: client_size(clients.shape(c)),
-                                   state.clock(), lambda: demand_on(route, inflight))
+                                   state.clock(), lambda: demand_on(route, inflight, clients.requests_left_of))
         memo = route.memo  # within one grant pass servers only fill: kinds found full stay full
         held = memo.get(allowed)
         if held is None:
