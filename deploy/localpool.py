@@ -10,7 +10,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import ray
 
@@ -25,6 +25,9 @@ from fedpool.deploy import (
     llama_server_process,
 )
 from fedpool.registry import Engine, RegistryClient, ServerRecord
+
+if TYPE_CHECKING:
+    import psutil
 
 log = logging.getLogger("fedpool.localpool")
 
@@ -90,9 +93,47 @@ def init_loopback_ray(address: str | None = None, num_cpus: int | None = None) -
         ray.init(address=address, **_RAY_SETTINGS)
         return f"joined the Ray cluster at {ray.get_runtime_context().gcs_address} (--address {address})"
     loopback_ray_mode()
-    ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-             **_RAY_SETTINGS)
+    start_local_ray(num_cpus or max(2, os.cpu_count() or 2))
     return f"started a local Ray cluster at {ray.get_runtime_context().gcs_address} (loopback only; it stops with this)"
+
+
+RAY_START_TRIES = 2  # Ray gives its new node a fixed 30 s to register; a loaded machine can miss that once
+_RAY_START_TIMEOUT = "timed out during startup"  # the bare Exception Ray raises then says so (ray/_private/node.py)
+
+
+def start_local_ray(num_cpus: int, init: Callable[..., object] = ray.init) -> None:
+    """Start a new local Ray cluster; once more if Ray's node timed out registering with its own GCS (Ray waits
+    a hard-coded 30 s, which a machine busy with other work can miss): the half-started node's processes (the
+    children this start left that run Ray's programs) are stopped first, so the second start has the machine."""
+    import psutil
+
+    me = psutil.Process()
+    for attempt in range(1, RAY_START_TRIES + 1):
+        before = {child.pid for child in me.children(recursive=True)}
+        try:
+            init(address="local", num_cpus=num_cpus, include_dashboard=False, **_RAY_SETTINGS)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if _RAY_START_TIMEOUT not in str(exc) or attempt == RAY_START_TRIES:
+                raise
+            left = [child for child in me.children(recursive=True) if child.pid not in before and _runs_ray(child)]
+            for child in left:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            psutil.wait_procs(left, timeout=10)
+            log.warning("Ray's local node did not register within Ray's 30 s (is the machine busy?); stopped its %d "
+                        "processes, starting it once more", len(left))
+
+
+def _runs_ray(process: psutil.Process) -> bool:
+    """Whether a process runs one of Ray's own programs (its command line names Ray's install directory)."""
+    import psutil
+
+    ray_dir = os.path.dirname(ray.__file__)
+    try:
+        return any(ray_dir in part for part in process.cmdline())
+    except psutil.Error:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
