@@ -115,16 +115,43 @@ class KindView:
         return sorted(self.capacity, key=lambda k: (speed[k], k))
 
 
+def horizon_work(demand: ModelDemand | None, wanted: float) -> tuple[float, bool]:
+    """(The requests a holder has on a model for the horizon, whether its run has no end in view.) Requests: those
+    waiting and in flight (`wanted`), or, per client, what it says it has left where more (a client that streams
+    its run a few at a time has more ahead than in view). No end in view: some client says nothing of what it
+    has left and has not sent its last (a gateway's streaming caller) — nothing it sends can outlast the run, so
+    none of the holder's kinds are held off (a process's own rule, `ClientBook.open_ended`)."""
+    if demand is None:
+        return wanted, False
+    declared, open_ended = 0.0, False
+    for client in demand.clients:
+        left = client.requests_left
+        if left is None and client.work_left is None and not client.sent_all and not client.loading:
+            open_ended = True
+        declared += max(client.wanted, left or 0)
+    return max(wanted, declared), open_ended
+
+
+def _horizon_allowed(capacity: Mapping[str, int], cost: Mapping[str, dict[str, float]],
+                     work: Mapping[str, tuple[float, bool]]) -> dict[str, set[str]]:
+    """Holder -> the kinds it may use (absent: every kind): where its requests take at most (1 − HORIZON_MARGIN)
+    × the fluid horizon of every holder's work at its cheapest price, or its cheapest kinds."""
+    horizon = fluid_horizon({k: float(n) for k, n in capacity.items()},
+                            ((work[h][0], cost[h]) for h in cost if h in work))
+    return {h: set(usable_kinds(costs, horizon)) for h, costs in cost.items() if h in work and not work[h][1]}
+
+
 def kind_view(servers: Sequence[LeaseServer], demands: Mapping[str, ModelDemand], clients: Sequence[Ranked]
               ) -> KindView:
     """The kinds of `servers`; a holder may use a kind where its requests take at most (1 − HORIZON_MARGIN) × the
-    fluid horizon of every holder's work (`clients`' wants at their cheapest price), or its cheapest kinds."""
+    fluid horizon of every holder's work (`horizon_work` at its cheapest price), or its cheapest kinds."""
     capacity: dict[str, int] = {}
     for server in servers:
         capacity[server.kind] = capacity.get(server.kind, 0) + server.capacity
-    work: dict[str, float] = {}
+    wanted: dict[str, float] = {}
     for _, holder_id, _, n, _ in clients:
-        work[holder_id] = work.get(holder_id, 0.0) + n
+        wanted[holder_id] = wanted.get(holder_id, 0.0) + n
+    work = {h: horizon_work(demands.get(h), n) for h, n in wanted.items()}
     cost: dict[str, dict[str, float]] = {}
     for holder_id in work:
         demand = demands.get(holder_id)
@@ -132,8 +159,7 @@ def kind_view(servers: Sequence[LeaseServer], demands: Mapping[str, ModelDemand]
         if all(costs.get(k, 0.0) > 0 for k in capacity):
             cost[holder_id] = {k: costs[k] for k in capacity}
     median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
-    horizon = fluid_horizon({k: float(n) for k, n in capacity.items()}, ((work[h], cost[h]) for h in cost))
-    allowed = {holder_id: set(usable_kinds(costs, horizon)) for holder_id, costs in cost.items()}
+    allowed = _horizon_allowed(capacity, cost, work)
     for holder_id in work:
         cost.setdefault(holder_id, median)
     return KindView(capacity, cost, allowed)
@@ -245,16 +271,15 @@ def kind_targets(servers: Sequence[LeaseServer], wants: Mapping[str, float], dem
     if len(capacity) < 2:
         return {h: {k: wants[h] for k in capacity} for h in holders}, {}
     cost: dict[str, dict[str, float]] = {}
-    work: dict[str, float] = {}  # requests waiting and in flight
+    work: dict[str, tuple[float, bool]] = {}
     for holder_id in holders:
         demand = demands.get(holder_id)
         costs = demand.kind_costs if demand is not None else {}
-        if all(costs.get(k, 0.0) > 0 for k in capacity):
+        if demand is not None and all(costs.get(k, 0.0) > 0 for k in capacity):
             cost[holder_id] = {k: costs[k] for k in capacity}
-            work[holder_id] = float(sum(c.wanted for c in demand.clients)) if demand is not None else 0.0
+            work[holder_id] = horizon_work(demand, float(sum(c.wanted for c in demand.clients)))
     median = {k: statistics.median(c[k] for c in cost.values()) if cost else 1.0 for k in capacity}
-    horizon = fluid_horizon({k: float(n) for k, n in capacity.items()}, ((work[h], cost[h]) for h in work))
-    allowed = {holder_id: set(usable_kinds(costs, horizon)) for holder_id, costs in cost.items()}
+    allowed = _horizon_allowed(capacity, cost, work)
     for holder_id in holders:
         cost.setdefault(holder_id, median)
     total = sum(wants[h] for h in holders)

@@ -380,8 +380,9 @@ def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_hori
     b.set_servers([LeaseServer("a0", "m", 4, "A100x1/4"), LeaseServer("v0", "m", 4, "V100x1/4"),
                    LeaseServer("v1", "m", 4, "V100x1/4")])
 
-    def report(holder: str, wanted: int, costs: dict[str, float]) -> dict[str, int]:
-        demand = ModelDemand(model="m", clients=(ClientDemand(client=holder, wanted=wanted),), kind_costs=costs)
+    def report(holder: str, wanted: int, costs: dict[str, float], left: int | None = -1) -> dict[str, int]:
+        client = ClientDemand(client=holder, wanted=wanted, requests_left=wanted if left == -1 else left)
+        demand = ModelDemand(model="m", clients=(client,), kind_costs=costs)
         b.report(DemandReport(holder=holder, models=(demand,), held=dict(b.lease(holder).slots),
                               broker=b.incarnation))
         b.reshare()
@@ -399,4 +400,9 @@ def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_hori
     b.release("short")
     b.reshare()
     assert report("long", 20, {"A100x1/4": 3.0, "V100x1/4": 7.0}) == {"a0": 4}
+    # Its run is longer than what is in view (it says 200 requests are left): the slow kind cannot be its tail.
+    assert set(report("long", 20, {"A100x1/4": 3.0, "V100x1/4": 7.0}, left=200)) == {"a0", "v0", "v1"}
+    # Nor when it says nothing of what is left and is still sending (a gateway's streaming caller).
+    report("long", 2, {"A100x1/4": 3.0, "V100x1/4": 7.0})
+    assert set(report("long", 20, {"A100x1/4": 3.0, "V100x1/4": 7.0}, left=None)) == {"a0", "v0", "v1"}
 
