@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -428,6 +429,9 @@ async def evalscope_perf(base: str, key: str, work: Path) -> ClientRun:
     data = work / "openqa.jsonl"
     await _write_jsonl(data, [{"question": q} for q in QUESTIONS])
     out = work / "evalscope_out"
+    # evalscope refuses to write over a database an earlier run left (`--no-timestamp` fixes the path): this run's
+    # answers are read from what it writes, so whatever a previous run left there goes first.
+    await asyncio.to_thread(shutil.rmtree, out, ignore_errors=True)
     # Streaming, as by default: the emulator's streams carry no usage chunk, so evalscope counts tokens with the
     # local tokenizer (real engines send usage when asked, stream_options.include_usage, and need none).
     code, wall = await _run(
