@@ -56,7 +56,16 @@ from fedpool.pipeline.bundled import bundled_spec_paths
 from fedpool.pipeline.stages import StagePool
 from fedpool.pipeline.verifier import VerifierConfig, VerifierPool, VerifierWorker
 from fedpool.pipeline.yamlfile import field_problems, read_yaml
-from fedpool.registry import Engine, LoadSample, RegistryClient, ServerRecord, adapter_for
+from fedpool.registry import (
+    Engine,
+    LoadSample,
+    RegistryClient,
+    ServerEntry,
+    ServerRecord,
+    ServerStatus,
+    UnknownServerError,
+    adapter_for,
+)
 
 log = logging.getLogger("fedpool.bench")
 
@@ -413,16 +422,27 @@ async def started_pool(config: PoolConfig, log_dir: Path, registry: RegistryClie
 
 
 class _NullRegistry:
-    """Stands in for the registry when the conventional arm starts local servers: nothing registers."""
+    """Stands in for the registry when the conventional arm starts local servers: nothing is shared, but it answers
+    as the registry's client does (a heartbeat returns the server's entry, healthy) for the launchers that call it."""
 
-    async def register(self, record: ServerRecord, *_: Any, **__: Any) -> None:
-        return None
+    def __init__(self) -> None:
+        self._records: dict[str, ServerRecord] = {}
+
+    async def register(self, record: ServerRecord, *_: Any, **__: Any) -> ServerEntry:
+        self._records[record.id] = record
+        return self._entry(record.id)
 
     async def deregister(self, server_id: str, *_: Any, **__: Any) -> None:
-        return None
+        self._records.pop(server_id, None)
 
-    async def heartbeat(self, server_id: str, *_: Any, **__: Any) -> None:
-        return None
+    async def heartbeat(self, server_id: str, *_: Any, **__: Any) -> ServerEntry:
+        return self._entry(server_id)
+
+    def _entry(self, server_id: str) -> ServerEntry:
+        record = self._records.get(server_id)
+        if record is None:
+            raise UnknownServerError(server_id)
+        return ServerEntry(record, ServerStatus.HEALTHY, record.capacity or 1, 1.0)
 
 
 async def _wait_healthy(session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
