@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import random
+import statistics
 import time
 from multiprocessing.synchronize import Event
 
@@ -98,15 +99,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def spread(values: list[float]) -> str:
     """The median over repeats with its range: one run's p99 is one stall away from any figure."""
-    return f"{median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
 async def decisions_per_second(n: int = 200_000, servers: int = 64) -> float:
@@ -216,10 +211,10 @@ def main() -> None:
             rows.append((f"{rate:g}", f"{spread(arms['d50'])} / {spread(arms['d99'])}",
                          f"{spread(arms['v50'])} / {spread(arms['v99'])}",
                          f"{spread(arms['a50'])} / {spread(arms['a99'])}",
-                         f"{errors[0]} / {errors[1]}", f"{median(answered):.0f}"))
+                         f"{errors[0]} / {errors[1]}", f"{statistics.median(answered):.0f}"))
             print(f"{rate:>6g} req/s  added p50 / p99 over {args.repeats} repeats: {rows[-1][3]} ms")
-            result = {"gateway_p50_added_ms": f"{median(arms['a50']):.2f}",
-                      "gateway_p99_added_ms": f"{median(arms['a99']):.2f}",
+            result = {"gateway_p50_added_ms": f"{statistics.median(arms['a50']):.2f}",
+                      "gateway_p99_added_ms": f"{statistics.median(arms['a99']):.2f}",
                       "gateway_p99_added_max_ms": f"{max(arms['a99']):.2f}", "repeats": str(args.repeats)}
     finally:
         stop.set()
