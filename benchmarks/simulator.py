@@ -392,10 +392,13 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         if probe_s is not None:
             background.append(asyncio.create_task(_probe(world, probe_s)))
         await asyncio.gather(*(run_eval(dispatchers[e.process], e, clock, outcomes[e.name]) for e in evals))
+        # The makespan ends with the last eval's last answer: what comes after (the lease clients' farewells, one
+        # process after another here, where each real process says its own as it exits) is no eval's time.
+        makespan = clock()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
-    makespan = clock()
+    teardown = clock() - makespan
     stats = [d.stats() for d in dispatchers]
     result = SimResult(
         makespan_s=makespan, outcomes=outcomes, decisions=sum(s.decisions for s in stats),
@@ -403,7 +406,7 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
         wall_s=time.perf_counter() - wall0, inflight_end=sum(s.inflight_total for s in stats),
         completed=sum(s.completed for s in stats), failed=sum(s.failed for s in stats),
         attempts=transport.attempts, servers=server_outcomes(world),
-        extra={"preempted": sum(s.preempted for s in stats),
+        extra={"preempted": sum(s.preempted for s in stats), "teardown_s": teardown,
                "waves": [w for d in dispatchers if (w := (d.policy_state() or {}).get("waves"))]})
     await world.close()
     return result
