@@ -16,7 +16,16 @@ import looptime
 
 from fedpool.benchmarks.scale_oracle import KindModel as EngineModel
 from fedpool.benchmarks.scale_sim import Spec, ideal_s
-from fedpool.benchmarks.simulator import SimResult, SimTransport, World, build_world, make_dispatcher, simulate
+from fedpool.benchmarks.simulator import (
+    EvalOutcome,
+    SimResult,
+    SimTransport,
+    World,
+    build_world,
+    make_dispatcher,
+    run_eval,
+    simulate,
+)
 from fedpool.federation import DispatchConfig, Dispatcher, EarliestFinish, make_policy
 from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest, StreamProgress, Target
 from fedpool.federation.routing.waveplan import (
@@ -279,3 +288,53 @@ def test_what_a_wave_keeps_is_forgotten() -> None:
     assert not policy.waves._probes
     policy.forget_client("eval-0000-text")
     assert policy.waves.known() == 0
+
+
+def test_a_server_whose_lease_went_to_another_process_is_dropped_from_the_wave_not_waited_for() -> None:
+    """The wave holds requests for servers still prefilling what it sent them (videos: 7,000-token prompts) when this
+    process's lease on those servers goes to 0 (another process's now): the held requests go elsewhere — a window
+    of 0 frees no slot for this process, ever — and every request is answered, none on those servers after the
+    lease moved. (It waited for ever before: the process parked, its other slots idle.)"""
+    spec = WAVE
+    policy = make_policy("earliest_finish", random.Random(0))
+    assert isinstance(policy, EarliestFinish) and policy.waves is not None
+    waves = policy.waves
+    sent: list[tuple[float, str]] = []
+    moved: list[tuple[float, set[str]]] = []
+
+    async def go(clock: Any) -> dict[str, EvalOutcome]:
+        world = build_world(spec.kind_table, spec.profiles(), spec.servers, clock)
+        recording = Recording(world.servers, clock)
+        recording.engine_times = True
+        dispatcher = make_dispatcher(recording, world, policy, DispatchConfig(client_order=spec.client_order), clock,
+                                     seed=0)
+        everything = {s.id: spec.max_running for s in world.servers.values()}
+        dispatcher.apply_lease(everything)
+
+        async def take_the_held_servers() -> None:
+            held: set[str] = set()
+            while not held:
+                await asyncio.sleep(0.005)
+                held = {s.id for w in waves._waves.values() for on in w.assigned.values() for s in on}
+            moved.append((clock(), held))
+            dispatcher.apply_lease({sid: 0 if sid in held else n for sid, n in everything.items()})
+
+        outcomes = {e.name: EvalOutcome() for e in spec.eval_list()}
+        mover = asyncio.create_task(take_the_held_servers())
+        await asyncio.wait_for(asyncio.gather(*(run_eval(dispatcher, e, clock, outcomes[e.name])
+                                                for e in spec.eval_list())), timeout=600)
+        await mover
+        sent.extend((t, sid) for t, sid, _ in recording.sent)
+        await world.close()
+        return outcomes
+
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        outcomes = loop.run_until_complete(go(loop.time))
+    finally:
+        loop.close()
+    assert sum(o.answered for o in outcomes.values()) == sum(e.size for e in spec.eval_list())
+    assert all(o.failed == 0 for o in outcomes.values())
+    when, held = moved[0]
+    assert held and waves.stats.dropped > 0
+    assert not [sid for t, sid in sent if t > when and sid in held]

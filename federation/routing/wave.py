@@ -369,7 +369,9 @@ class Waves:
                     wave.prefilled[server.id] = max(start, now) + prompt * model.prefill_s
                 placed = server
                 break
-            if server.inflight < server.window:  # room, yet not usable: gone, or its breaker open
+            if server.inflight < server.window or server.window <= 0:
+                # Room, yet not usable (gone, or its breaker open); or no room it can ever free for this process (a
+                # window of 0: its lease there went to another process): waiting for it would be for ever.
                 gone.append(server)
             else:
                 kinds.add(kind)
