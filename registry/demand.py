@@ -67,6 +67,9 @@ class ClientDemand(BaseModel):
     answered: int = Field(default=0, ge=0)
     requests_left: int | None = Field(default=None, ge=0)
     sent_all: bool = False
+    # Server kind -> what one of its requests costs there (`ModelDemand.kind_costs`' units; empty: its holder's
+    # mean): a process running several evals has its clients' slots placed each on the kinds its work suits.
+    kind_costs: dict[str, float] = Field(default_factory=dict)
 
 
 class ModelDemand(BaseModel):

@@ -265,9 +265,10 @@ class LeaseBroker:
         seconds = sum(h.report.served_slot_s for h in self._holders.values())
         return work / seconds if seconds > 0 and work > 0 else 1.0
 
-    def _ranked(self, model: str) -> tuple[list[Ranked], Callable[[float], float]]:
+    def _ranked(self, model: str, by_client: bool = False) -> tuple[list[Ranked], Callable[[float], float]]:
         """The model's clients that want slots, in the client order (clients still loading in the first class), and
-        the service tie for a capacity (a class's width among clients ranked by service)."""
+        the service tie for a capacity (a class's width among clients ranked by service). `by_client`: each named
+        by its holder and itself (`unit`), not its holder alone."""
         clients: list[Ranked] = []  # rank, holder, weight, wanted, by service
         loading: list[tuple[str, float, float]] = []  # holder, weight, wanted of clients not ready yet
         scale: float | None = None
@@ -278,14 +279,15 @@ class LeaseBroker:
                 for c in demand.clients:
                     if not c.wanted:
                         continue
+                    name = unit(holder_id, c.client) if by_client else holder_id
                     if c.loading:
-                        loading.append((holder_id, c.weight, float(c.wanted)))
+                        loading.append((name, c.weight, float(c.wanted)))
                         continue
                     rank = c.rank
                     if c.served_s is not None:
                         scale = self._work_per_slot_s() if scale is None else scale
                         rank = c.served_s * scale
-                    clients.append((rank, holder_id, c.weight, float(c.wanted), c.served_s is not None))
+                    clients.append((rank, name, c.weight, float(c.wanted), c.served_s is not None))
         clients.sort(key=lambda c: c[0])
         # Clients still loading share the first class: they take the first client's rank (and its kind).
         first = clients[0] if clients else (0.0, "", 1.0, 0.0, False)
@@ -303,16 +305,32 @@ class LeaseBroker:
     def _entitlements(self, model: str, servers: Sequence[LeaseServer]) -> tuple[dict[str, float], KindPlan | None]:
         """Holder -> slots it is entitled to on the model's servers (fractional), by the client order; and, placed
         by kind (`self.placement`), each holder's entitlement per server kind."""
-        clients, tie = self._ranked(model)
         if self.placement != "slots":
-            demands = {h: d for h, holder in self._holders.items() for d in holder.report.models if d.model == model}
-            view = kind_view(servers, demands, clients)
+            # Each client planned on its own (a process running several evals: each eval's requests on the kinds
+            # they suit), its share counted to its holder.
+            units, tie = self._ranked(model, by_client=True)
+            demands = self._client_demands(model)
+            view = kind_view(servers, demands, units)
             if len(view.capacity) > 1:
                 together = all(d.order in MAKESPAN_ORDERS for d in demands.values())
-                by_kind = plan_by_kind(clients, view, tie, finish_together=together)
-                return {h: sum(k.values()) for h, k in by_kind.items()}, (by_kind, view.allowed)
+                by_kind, allowed = holders_of(plan_by_kind(units, view, tie, finish_together=together), view.allowed)
+                return {h: sum(k.values()) for h, k in by_kind.items()}, (by_kind, allowed)
+        clients, tie = self._ranked(model)
         capacity = sum(s.capacity for s in servers)
         return share_by_order(clients, capacity, tie(capacity)), None
+
+    def _client_demands(self, model: str) -> dict[str, ModelDemand]:
+        """`unit` -> the demand of one client of a holder on the model: the client alone, priced as it says (its
+        holder's mean where it does not), in its holder's order."""
+        out: dict[str, ModelDemand] = {}
+        for holder_id, holder in self._holders.items():
+            for demand in holder.report.models:
+                if demand.model == model:
+                    for c in demand.clients:
+                        out[unit(holder_id, c.client)] = ModelDemand.model_construct(
+                            model=model, clients=(c,), kind_costs=c.kind_costs or demand.kind_costs,
+                            order=demand.order)
+        return out
 
     def _spread(self, model: str, servers: list[LeaseServer], wants: Mapping[str, float],
                 learning: bool, plan: KindPlan | None) -> dict[str, dict[str, int]]:
@@ -340,6 +358,32 @@ class LeaseBroker:
                 if sid in ids and n > mine.get(sid, 0):
                     mine[sid] = n
         return mine
+
+
+UNIT_SEP = "\n"  # (no holder id has one: `DemandReport.holder` is one line)
+
+
+def unit(holder_id: str, client: str) -> str:
+    """One client of a holder, as the broker's plan names it."""
+    return f"{holder_id}{UNIT_SEP}{client}"
+
+
+def holders_of(by_unit: Mapping[str, Mapping[str, float]], allowed: Mapping[str, set[str]]) -> KindPlan:
+    """A plan over clients (`unit` -> kind -> slots; -> the kinds it may use), summed over each holder's: the kinds a
+    holder may use are its clients' together (every kind where one of them may use every kind)."""
+    by_kind: dict[str, dict[str, float]] = {}
+    kinds: dict[str, set[str] | None] = {}
+    for name, shares in by_unit.items():
+        holder_id = name.split(UNIT_SEP, 1)[0]
+        mine = by_kind.setdefault(holder_id, {})
+        for kind, n in shares.items():
+            mine[kind] = mine.get(kind, 0.0) + n
+        may = allowed.get(name)
+        if holder_id not in kinds:
+            kinds[holder_id] = None if may is None else set(may)
+        elif kinds[holder_id] is not None:
+            kinds[holder_id] = None if may is None else kinds[holder_id] | may
+    return by_kind, {h: k for h, k in kinds.items() if k is not None}
 
 
 class LeaseService:

@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
-from fedpool.registry import ClientDemand, DemandReport, LeaseBroker, LeaseServer, ModelDemand, loading_report
-from fedpool.registry.leases import learns_at_start
+import pytest
+
+from fedpool.federation.routing.horizon import kind_costs
+from fedpool.registry import (
+    ClientDemand,
+    DemandReport,
+    Engine,
+    LeaseBroker,
+    LeaseServer,
+    ModelDemand,
+    ServerEntry,
+    ServerRecord,
+    ServerStatus,
+    loading_report,
+)
+from fedpool.registry.leases import UNIT_SEP, holders_of, learns_at_start, unit
 from fedpool.registry.placement import whole
 
 
@@ -406,3 +420,31 @@ def test_no_holder_is_placed_on_a_kind_where_its_requests_would_outlast_the_hori
     report("long", 2, {"A100x1/4": 3.0, "V100x1/4": 7.0})
     assert set(report("long", 20, {"A100x1/4": 3.0, "V100x1/4": 7.0}, left=None)) == {"a0", "v0", "v1"}
 
+
+
+def test_a_holder_s_clients_are_planned_each_on_its_own_kinds_and_summed_to_the_holder() -> None:
+    """A process running several evals: the broker plans each of its clients on the kinds that client's own costs
+    suit (`unit`: holder and client), then sums them to the holder — its kinds are its clients' together."""
+    by_unit = {unit("p", "captions"): {"V100": 3.0}, unit("p", "long"): {"A100": 4.0, "V100": 1.0},
+               unit("q", "long"): {"A100": 4.0}}
+    by_kind, allowed = holders_of(by_unit, {unit("p", "long"): {"A100"}, unit("p", "captions"): {"V100"},
+                                            unit("q", "long"): {"A100"}})
+    assert by_kind == {"p": {"V100": 4.0, "A100": 4.0}, "q": {"A100": 4.0}}
+    assert allowed == {"p": {"A100", "V100"}, "q": {"A100"}}
+    # a client that may use every kind (no entry) makes its holder's kinds every kind
+    assert holders_of(by_unit, {unit("p", "long"): {"A100"}})[1] == {}
+    assert UNIT_SEP not in "p" and unit("p", "c").split(UNIT_SEP, 1) == ["p", "c"]
+
+
+def test_each_client_s_own_kind_costs_reach_the_broker() -> None:
+    """The dispatcher's report prices every client of a process on each kind (its own request shape), beside the
+    mean of them all (federation/routing/horizon.py `kind_costs`)."""
+    a100, v100 = (ServerEntry(record=ServerRecord(id=gpu.lower(), url=f"http://{gpu.lower()}", engine=Engine.VLLM,
+                                                  model="m", accelerator=gpu, gpu_count=1),
+                              status=ServerStatus.HEALTHY, capacity=16, weight=1.0) for gpu in ("A100", "V100"))
+    mean, per = kind_costs([a100, v100], {"text": (10, (250.0, 384.0)), "video": (30, (7000.0, 32.0))})
+    assert set(per) == {"text", "video"} and set(mean) == {a100.kind, v100.kind}
+    for kind in mean:
+        assert mean[kind] == pytest.approx((10 * per["text"][kind] + 30 * per["video"][kind]) / 40)
+        assert per["video"][kind] > per["text"][kind]  # (7,000 prompt tokens against 250)
+    assert kind_costs([a100], {"text": (10, (250.0, 384.0))}) == ({}, {})  # one kind: nothing to place

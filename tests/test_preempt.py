@@ -13,6 +13,7 @@ from fedpool.federation import DispatchConfig
 from fedpool.federation.core.attempts import PREEMPT_MAX_AGE_S, engine_cancel_s
 from fedpool.federation.core.dispatcher import PREEMPTED, Dispatcher
 from fedpool.federation.core.types import Endpoint, InferenceRequest, InferenceResult
+from fedpool.federation.core.windows import our_queue
 from fedpool.federation.routing.policies import make_policy
 from fedpool.registry import LoadSample, PoolSnapshot, ServerEntry
 from tests.fakes import FakePool, wall_time
@@ -283,5 +284,30 @@ async def test_a_short_engine_queue_or_the_option_off_takes_nothing_back(fakes: 
     await asyncio.sleep(0.01)
     window = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
     assert window.window == 4 and dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 16}
+    results = await asyncio.gather(*calls)
+    assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}
+
+
+async def test_another_process_s_queue_on_the_engine_is_not_counted_as_ours(fakes: FakePool) -> None:
+    """Six of ours running beside another process's two, and its six waiting in the engine's queue: of the queue,
+    ours is in proportion to what we had there (6 of 14: 2.6, under three quarters of our 6), so our window keeps
+    its size and nothing is taken back. Counted whole (up to our 6) it was a deep queue of ours: the window of a
+    process of long answers shrank to 2 beside a process of long prompts, its leased slots idle. The engine's only
+    client still reads the whole queue as its own (the tests above)."""
+    assert our_queue(6, 8, 6) == pytest.approx(6 * 6 / 14)
+    assert our_queue(14, 2, 16) == 14 and our_queue(0, 0, 0) == 0
+    server = fakes.start(max_running=16, decode_s=0.05)
+    snap = snapshot_of([server], capacity=16)
+    current = [snap]
+    dispatcher = fakes.dispatcher(lambda: current[0], make_policy("least_inflight"))
+    dispatcher.notify_snapshot()
+    calls = submit(dispatcher, 6)
+    await asyncio.sleep(0.2)
+    current[0] = queued_scrape(snap, running=8, waiting=6)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    stats = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+    assert stats.window >= 6 and (stats.window_reason is None or "scrape" not in stats.window_reason)
+    assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 6}
     results = await asyncio.gather(*calls)
     assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}

@@ -34,9 +34,11 @@ log = logging.getLogger("fedpool.dispatcher")
 # capacity lease until its requests arrive, or this long: the lease is asked for while the client gets ready, not
 # at its first request.
 EXPECT_HOLD_S = 2.0
-# Kind -> what the mean of these requests ((requests, (prompt, answer tokens)) per client) costs on one server of
-# that kind, over the routable servers of one model (federation/routing/horizon.py `kind_costs`).
-KindPricer = Callable[[Iterable[ServerEntry], Iterable[tuple[int, tuple[float, float]]]], dict[str, float]]
+# (Kind -> what the mean of these requests (client -> (requests, (prompt, answer tokens))) costs on one server of
+# that kind, client -> kind -> one of its requests'), over the routable servers of one model
+# (federation/routing/horizon.py `kind_costs`).
+KindPricer = Callable[[Iterable[ServerEntry], Mapping[str, tuple[int, tuple[float, float]]]],
+                      tuple[dict[str, float], dict[str, dict[str, float]]]]
 WAIT_POLL_S = 0.25  # while requests wait: breakers half-open, deadlines pass, snapshots are looked at again
 CLIENT_TTL_S = 600.0  # a client with nothing in flight or waiting for this long is forgotten
 MAX_IDLE_ROUTES = 256  # routes kept with nobody waiting (each is rebuilt from the snapshot on demand)
@@ -369,13 +371,18 @@ class GrantPass:
                     loading.add(client)
         snapshot = self._snapshots() if wanted else None
         entries = snapshot.entries if snapshot is not None else ()
-        return tuple(ModelDemand(model=model, clients=tuple(
-            ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
-                         served_s=None if c in loading else clients.served_s(c), loading=c in loading,
-                         work_left=clients.work_left(c), answered=clients.answered(c),
-                         requests_left=clients.requests_left_of(c), sent_all=c in clients.done_sending)
-            for c, n in sorted(per.items())), kind_costs=self._kind_costs(model, entries, per), order=clients.order)
-            for model, per in sorted(wanted.items()) if per)
+        out = []
+        for model, per in sorted(wanted.items()):
+            if per:
+                costs, of_client = self._kind_costs(model, entries, per)
+                out.append(ModelDemand(model=model, clients=tuple(
+                    ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
+                                 served_s=None if c in loading else clients.served_s(c), loading=c in loading,
+                                 work_left=clients.work_left(c), answered=clients.answered(c),
+                                 requests_left=clients.requests_left_of(c), sent_all=c in clients.done_sending,
+                                 kind_costs=of_client.get(c, {}))
+                    for c, n in sorted(per.items())), kind_costs=costs, order=clients.order))
+        return tuple(out)
 
     def client_progress(self, client_id: str) -> ClientDemand:
         """A client with nothing waiting or in flight, as a lease report's `ended` names it: its progress only."""
@@ -384,12 +391,13 @@ class GrantPass:
                             requests_left=clients.requests_left_of(client_id),
                             sent_all=client_id in clients.done_sending)
 
-    def _kind_costs(self, model: str, entries: Iterable[ServerEntry], per: Mapping[str, int]) -> dict[str, float]:
+    def _kind_costs(self, model: str, entries: Iterable[ServerEntry], per: Mapping[str, int]
+                    ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
         if self._price_kinds is None:
-            return {}
+            return {}, {}
         shape = self._clients.shape
         return self._price_kinds((e for e in entries if e.record.model == model),
-                                 ((n, size) for c, n in per.items() if (size := client_size(shape(c))) is not None))
+                                 {c: (n, size) for c, n in per.items() if (size := client_size(shape(c))) is not None})
 
     def _touch(self, client: str) -> None:
         """The client's serving key moved: its waiting requests take their new place."""

@@ -118,6 +118,15 @@ class WindowController:
         return WindowDecision(target, f"engine queue {waiting:g} (scrape)")
 
 
+def our_queue(waiting: float, running: float, ours: float) -> float:
+    """Of an engine's queue (`waiting`, beside `running`), the part that is one dispatcher's with `ours` attempts
+    there: in proportion to its share of all the engine holds (all of it where it is the engine's only client). The
+    engine serves its queue in arrival order, so its attempts are as likely to wait as any other's; counted whole,
+    one process's queue of long prompts shrank the window of another beside it to 2, its leased slots idle."""
+    held = running + waiting
+    return waiting * min(1.0, ours / held) if held > 0 else 0.0
+
+
 def kv_share_back(state: ServerState, client_id: str) -> bool:
     """Give back one of the client's attempts' share of the KV it holds on `state` (its mean there: the estimate may
     have moved since the attempt took it, and the client's share drops to exactly 0 with its last one); True when

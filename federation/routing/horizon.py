@@ -133,20 +133,22 @@ class Horizons:
         return usable_kinds({k: kind.cost.of(*size) for k, kind in kinds.items()}, horizon.horizon, self._margin)
 
 
-def kind_costs(entries: Iterable[Any], sizes: Iterable[tuple[int, tuple[float, float]]]) -> dict[str, float]:
-    """Kind -> the data-sheet price of the mean request among `sizes` ((requests, (prompt, answer tokens)) per
-    client) on one server of that kind, over the routable `entries` of one model: what the lease broker needs to
-    place a process's slots on the kinds its work suits (registry/leases.py). Empty with fewer than two kinds or
-    no size known. O(entries + kinds × clients)."""
+def kind_costs(entries: Iterable[Any], sizes: Mapping[str, tuple[int, tuple[float, float]]]
+               ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The data-sheet prices on one server of each kind, over the routable `entries` of one model, of these clients'
+    requests (client -> (requests, (prompt, answer tokens))): (kind -> their mean request's, client -> kind -> one
+    of its requests'). What the lease broker needs to place a process's slots on the kinds each client's work suits
+    (registry/leases.py). Empty with fewer than two kinds or no size known. O(entries + kinds × clients)."""
     costs: dict[str, ServerCost] = {}
     for entry in entries:
         if entry.status.routable and entry.capacity > 0 and entry.kind not in costs:
             costs[entry.kind] = server_cost(entry)
-    known = [(n, size) for n, size in sizes if n > 0]
+    known = {c: (n, size) for c, (n, size) in sizes.items() if n > 0}
     if len(costs) < 2 or not known:
-        return {}
-    total = sum(n for n, _ in known)
-    return {k: sum(n * cost.of(*size) for n, size in known) / total for k, cost in costs.items()}
+        return {}, {}
+    per = {c: {k: cost.of(*size) for k, cost in costs.items()} for c, (_, size) in known.items()}
+    total = sum(n for n, _ in known.values())
+    return {k: sum(n * per[c][k] for c, (n, _) in known.items()) / total for k in costs}, per
 
 
 def free_in_kinds(route: Any, kinds: Sequence[str], limit: int, rng: Any) -> list[Any]:
