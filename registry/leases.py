@@ -378,11 +378,8 @@ def holders_of(by_unit: Mapping[str, Mapping[str, float]], allowed: Mapping[str,
         mine = by_kind.setdefault(holder_id, {})
         for kind, n in shares.items():
             mine[kind] = mine.get(kind, 0.0) + n
-        may = allowed.get(name)
-        if holder_id not in kinds:
-            kinds[holder_id] = None if may is None else set(may)
-        elif kinds[holder_id] is not None:
-            kinds[holder_id] = None if may is None else kinds[holder_id] | may
+        may, had = allowed.get(name), kinds.get(holder_id, set())
+        kinds[holder_id] = None if may is None or had is None else had | may
     return by_kind, {h: k for h, k in kinds.items() if k is not None}
 
 
