@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedpool.clients.delegate import Sender
 from fedpool.federation import (
     Attempt,
-    Dispatcher,
     Endpoint,
     FailureKind,
     InferenceRequest,
@@ -116,7 +116,7 @@ class EvalRun:
     def __init__(
         self,
         spec: BenchmarkSpec,
-        dispatcher: Dispatcher,
+        dispatcher: Sender,
         out_dir: Path,
         target: EvalTarget,
         *,

@@ -29,7 +29,7 @@ REPLAYED_SPECS = "replayed-specs"  # a replay's specs as saved, so that `fedpool
 # The flags that point a command at its pool, by option name: a run records those it was given, so that the
 # command it suggests (`eval resume`) carries them and a resume given none of them finds the same pool.
 POOL_FLAGS = {"state_dir": "--state-dir", "address": "--address", "registry_url": "--registry-url",
-              "token_path": "--token-file-path"}
+              "token_path": "--token-file-path", "gateway": "--gateway"}
 PATH_FLAGS = ("state_dir", "token_path")
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedpool.clients.delegate import Sender
 from fedpool.clients.eval_client import (
     SUMMARY_ON_ACTORS_FROM,
     EvalProgress,
@@ -16,7 +17,6 @@ from fedpool.clients.eval_client import (
     StartLine,
 )
 from fedpool.clients.rundir import duplicate_names
-from fedpool.federation import Dispatcher
 from fedpool.pipeline import BenchmarkSpec
 from fedpool.pipeline.media import MediaPool
 from fedpool.pipeline.stages import StageHooks, StagePool
@@ -25,7 +25,7 @@ from fedpool.pipeline.verifier import VerifierPool
 
 async def run_evals(
     specs: Sequence[BenchmarkSpec],
-    dispatcher: Dispatcher,
+    dispatcher: Sender,
     out_dir: Path,
     target: EvalTarget,
     *,

@@ -52,9 +52,12 @@ def _reach_pool(args: opt.PoolEvalOptions, plan: RunPlan, specs: list[Any], anno
     """The registry, once some registered server serves the plan's model (NoServerError, before anything is
     written, when none does), and this process's name at the lease broker, to which it announced its evals, each
     loading: known to the broker before the run's heavier start-up, they keep their loading shares when it asks."""
+    from fedpool.clients.delegate import check_gateway
     from fedpool.clients.rundir import require_servers
     from fedpool.registry import holder_id, loading_report
 
+    if args.gateway is not None:  # (the gateway's pool: no registry, no lease of this process's own)
+        return check_gateway(args.gateway, args.api_key, plan.model, args.wait_for_servers), None  # (as the client)
     client, holder = pool_registry(args), holder_id() if announce else None
     report = None if holder is None else loading_report(holder, plan.model, ((s.name, s.at_once(plan.concurrency))
                                                                              for s in specs))
@@ -134,9 +137,9 @@ def _run_eval(args: opt.PoolEvalOptions, out: Path, plan: RunPlan, specs: list[A
         c, specs, out, EvalTarget(model=plan.model, revision=plan.revision), policy=plan.routing, dispatch=dispatch,
         concurrency=plan.concurrency, verifier=lambda: verifier_pool(args), media_actors=args.media_actors,
         metric_actors=args.metric_actors, progress="quiet" if args.quiet else "auto", retry_failed=retry_failed,
-        join_ray=lambda: connect_ray(args), holder=holder,
+        join_ray=lambda: connect_ray(args), holder=holder, gateway=c if args.gateway is not None else None,
         run_info={"policy": plan.policy, "concurrency": plan.concurrency, "client_order": plan.client_order,
-                  "planned": plan.routing == "planned"}))
+                  "planned": plan.routing == "planned", "gateway": args.gateway}))
     report = RunReport(out, time.monotonic() - started, tuple(summaries))
     emit(args, report.as_json(), lambda _: report.text())
     failed = sum(s.summary["failed"] for s in summaries)

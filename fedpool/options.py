@@ -309,6 +309,9 @@ class PoolEvalOptions(PoolApiOptions, WaitOptions, VerifierOptions):
     """`eval run | resume | replay`: evals through the pool."""
 
     json_output: JsonOutput = False
+    gateway: str | None = option(None, "send every request through the fedpool gateway at this URL, which places "
+                                 "them: the evals of every process sending there share one schedule")
+    api_key: Annotated[SecretStr | None, EnvOnly()] = option(None, "your key at --gateway ($FEDPOOL_API_KEY)")
 
 
 class EvalRunOptions(PoolEvalOptions, EvalAskOptions):

@@ -122,8 +122,9 @@ class Gateway:
         self._started = int(clock())
         self._metrics = GatewayMetrics()
         self.overload = Overload(dispatcher)
-        # With keys, the ids are the key file's names (bounded by it); without, the caller's choice: capped.
-        self.client_ids = ClientIds(None if self._keys else max_client_ids, client_ttl_s)
+        # Without keys, the caller's choice; with keys, the key file's names and their callers' own clients
+        # (`_client`): capped either way.
+        self.client_ids = ClientIds(max_client_ids, client_ttl_s)
         self.runs = DeclaredRuns(dispatcher.set_client_requests_left)
         self._forgetting = Forgetting(self.client_ids, dispatcher, max(0.05, client_ttl_s / 10), self.runs)
         self._tune_gc = tune_gc
@@ -249,7 +250,7 @@ class Gateway:
             if self.overload.check():  # before reading the body: refusing must cost as little as possible
                 status = "503"
                 return self._overloaded()
-            client = self._client(request)
+            client = self._client(request, own=True)
             if isinstance(client, web.Response):
                 status = str(client.status)
                 return client
@@ -290,7 +291,8 @@ class Gateway:
             status = "200"
             return web.Response(body=answer_bytes(result.completion, model, endpoint, req.request_id), headers={
                 "Content-Type": "application/json", "X-Fedpool-Server": result.server_id,
-                "X-Fedpool-Attempts": str(len(result.attempts))})
+                "X-Fedpool-Attempts": str(len(result.attempts)), "X-Fedpool-Engine": result.engine,
+                "X-Fedpool-Accelerator": result.accelerator, "X-Fedpool-Revision": result.model_revision})
         except asyncio.CancelledError:
             status = "client_closed"  # the caller went away (handler cancellation): its slot is already back
             raise
@@ -366,8 +368,11 @@ class Gateway:
         """Who is asking, as for an online request (the Batch API scopes files and batches by it), or a 401."""
         return self._client(request)
 
-    def _client(self, request: web.Request) -> str | web.Response:
-        """The client's name, or a 401 response. Never logs a presented secret."""
+    def _client(self, request: web.Request, own: bool = False) -> str | web.Response:
+        """The client's name, or a 401 response. Never logs a presented secret. `own` (an online request): with
+        keys, a caller naming one of its own clients (`X-Fedpool-Client`: an eval of a process that sends through
+        this gateway, `eval run --gateway`) is served as that client of its key, `KEY/NAME`, at the key's weight —
+        each eval ranked and planned on its own, within the id table's cap like any id."""
         presented = bearer(request)
         if not self._keys:
             if presented:  # each tool with its own token is its own client; the token is not kept
@@ -385,8 +390,15 @@ class Gateway:
                 match = key
         if match is None:
             return _error(401, "invalid API key", "authentication_error", code="invalid_api_key")
-        self.client_ids.admit(match.client, time.monotonic())
-        return match.client
+        named = request.headers.get(CLIENT_HEADER) if own else None
+        if not named:
+            self.client_ids.admit(match.client, time.monotonic())
+            return match.client
+        name = f"{match.client}/{CLIENT_NAME.sub('_', named)[:64]}"
+        if name not in self.client_ids:
+            self._dispatcher.set_client_weight(name, match.weight)
+        admitted = self.client_ids.admit(name, time.monotonic())
+        return match.client if admitted == SHARED_CLIENT else admitted  # (past the cap: the key's own, not shared)
 
 
 def _declared(request: web.Request) -> int | web.Response | None:
