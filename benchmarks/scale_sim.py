@@ -44,6 +44,7 @@ from typing import Any
 from fedpool.benchmarks.assignment import Workload, ideal_makespan, saturated_cost
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
 from fedpool.benchmarks.simulator import (
+    GATEWAY_HOP_S,
     MODEL,
     PROBE_S,
     Eval,
@@ -53,6 +54,7 @@ from fedpool.benchmarks.simulator import (
     SimTransport,
     World,
     build_world,
+    delegating,
     kind_counts,
     leasing,
     least_work_baseline,
@@ -105,6 +107,7 @@ class Spec:
     engine_times: bool = False  # answers carry the engine's own prefill and decode times (llama.cpp's `timings`)
     lease_placement: str = PLACEMENT  # how the lease broker shares slots over server kinds (registry/leases.py)
     planned_pick: str = "quota"  # policy `planned`: which server within a client's planned kinds
+    delegate: bool = False  # the processes hand their placement to one gateway (`eval run --gateway`), no leases
     seed: int = 7
 
     def make_policy(self, rng: random.Random) -> Policy:
@@ -176,12 +179,14 @@ def run_virtual(spec: Spec, *, scrapes: bool = True) -> SimResult:
     def dispatchers(transport: SimTransport, world: World, clock: Any) -> list[Dispatcher]:
         transport.engine_times = spec.engine_times
         return [make_dispatcher(transport, world, spec.make_policy(random.Random(p)), spec.config(), clock,
-                                seed=p) for p in range(spec.processes)]
+                                seed=p) for p in range(1 if spec.delegate else spec.processes)]
 
+    # Delegating, the gateway holds every eval's requests at once (its --max-inflight at their total concurrency).
+    senders = delegating(spec.processes, max_inflight=spec.evals * spec.concurrency) if spec.delegate else None
     return simulate(lambda clock: build_world(kinds, profiles, spec.servers, clock), spec.eval_list(), dispatchers,
                     events=churn if spec.churn else None,
                     setup=functools.partial(leasing, placement=spec.lease_placement) if spec.leases else None,
-                    probe_s=PROBE_S if scrapes else None)
+                    probe_s=PROBE_S if scrapes else None, senders_of=senders)
 
 
 def run_baseline(spec: Spec) -> SimResult:
@@ -303,6 +308,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=200, help="requests in flight per eval")
     parser.add_argument("--processes", type=int, default=1, help="client processes (a dispatcher each)")
+    parser.add_argument("--delegate", action="store_true",
+                        help="with --processes: each process hands its placement to one gateway (`eval run "
+                             "--gateway`) instead of leasing slots and placing its own requests")
+    parser.add_argument("--also-leases", action="store_true",
+                        help="with --delegate: also run every world with the processes leasing (the other design)")
     parser.add_argument("--no-leases", action="store_true",
                         help="several processes without capacity leases (each believes it owns every window)")
     parser.add_argument("--lease-placement", choices=PLACEMENTS, default=PLACEMENT,
@@ -328,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     base = Spec(args.servers, args.evals, args.kinds, args.max_running, args.concurrency,
                 processes=args.processes, policy="planned" if args.planned else args.policy,
-                client_order=args.client_order, churn=args.churn, leases=args.processes > 1 and not args.no_leases,
+                client_order=args.client_order, churn=args.churn,
+                leases=args.processes > 1 and not args.no_leases and not args.delegate, delegate=args.delegate,
                 engine_times=args.engine_times, planned_pick=args.planned_pick, lease_placement=args.lease_placement)
     counts = kind_counts(base.kind_table, base.servers)
     worlds = []
@@ -339,11 +350,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"world {seed}: {spec.servers} servers ({counts}), {spec.evals} evals, {requests} requests; ideal "
               f"{ideal:.1f} s", flush=True)
         fedpool = describe(run_virtual(spec), ideal, spec)
+        leasing_ = None
+        if args.also_leases and spec.delegate:
+            other = replace(spec, delegate=False, leases=True)
+            leasing_ = describe(run_virtual(other), ideal, other)
         baseline = describe(run_baseline(spec), ideal, spec) if not args.no_baseline else None
-        for name, described in (("fedpool", fedpool), ("least outstanding work", baseline)):
+        for name, described in (("fedpool", fedpool), ("leasing", leasing_), ("least outstanding work", baseline)):
             if described is not None:  # (the per-kind table goes to the report)
                 print(f"  {name}: { {k: v for k, v in described.items() if k != 'kinds'} }", flush=True)
-        worlds.append(WorldOutcome(seed, requests, ideal, lp, longest, fedpool, baseline))
+        worlds.append(WorldOutcome(seed, requests, ideal, lp, longest, fedpool, baseline, leasing_))
     agreement = None
     if args.agreement:
         small = replace(base, servers=32, evals=8, churn=False, seed=seeds[0])
@@ -367,6 +382,7 @@ class WorldOutcome:
     longest: float
     fedpool: dict[str, Any]
     baseline: dict[str, Any] | None
+    leasing: dict[str, Any] | None = None  # the same processes leasing slots (with --delegate --also-leases)
 
 
 def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
@@ -382,17 +398,22 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
            + f", client order `{spec.client_order}`, {spec.processes} client process"
            f"{'es' if spec.processes != 1 else ''}"
            + (" sharing each server's slots by capacity leases" if spec.leases else
-              " each filling every window (no leases)" if spec.processes > 1 else "")
+              " each handing its placement to one gateway (`eval run --gateway`: the real gateway app in process, "
+              f"{GATEWAY_HOP_S * 1e3:g} ms each way, its --max-inflight at the evals' total concurrency, "
+              f"{spec.evals * spec.concurrency}), whose one dispatcher places every eval's requests"
+              if spec.delegate else " each filling every window (no leases)" if spec.processes > 1 else "")
            + f", {spec.concurrency} requests in flight per eval, the dispatcher's defaults otherwise (hedging on, "
            "where the policy does not place the tail itself)"
            + ("; answers carry their engine's own prefill and decode times where the engine reports them (vLLM with "
               "`--enable-per-request-metrics`, llama.cpp's `timings`; SGLang's do not)" if spec.engine_times else "")
            + ("; servers fail, rejoin, join and leave every 2 s" if spec.churn else ""))
     rows = []
+    leased = all(w.leasing is not None for w in worlds)
     for w in worlds:
-        f, b = w.fedpool, w.baseline
+        f, b, le = w.fedpool, w.baseline, w.leasing
         rows.append((w.seed, w.requests, f"{w.ideal:.1f} s (LP {w.lp:.1f}, longest {w.longest:.2f})",
                      f"{f['makespan_s']:.1f} s ({f['vs_ideal']:.3f})",
+                     *((f"{le['makespan_s']:.1f} s ({le['vs_ideal']:.3f})",) if le is not None and leased else ()),
                      f"{b['makespan_s']:.1f} s ({b['vs_ideal']:.3f})" if b is not None else "—",
                      f"{f['first_s']:.1f} / {f['median_s']:.1f}", f"{f['decision_us']:.0f} µs",
                      f"{f['completed']} / {f['failed']} / {f['inflight_end']}", f"{f['wall_s']:.0f} s"))
@@ -406,10 +427,13 @@ def _body(spec: Spec, counts: dict[str, int], worlds: list[WorldOutcome], agreem
             "Baselines: the ideal (the LP bound at saturated cost; no request faster than alone on the fastest "
             "server) and least outstanding work (every request sent at once to the server with the least "
             "outstanding priced work per unit of speed, its own included; the engines queue the rest).\n\n"
-            + markdown_table(("world", "requests", "ideal", "fedpool (÷ ideal)", "least outstanding work (÷ ideal)",
-                              "eval done: first / median", "decision", "completed / failed / in flight at end",
-                              "machine time"), rows)
+            + markdown_table(("world", "requests", "ideal", "fedpool (÷ ideal)",
+                              *(("the same processes leasing slots (÷ ideal)",) if leased else ()),
+                              "least outstanding work (÷ ideal)", "eval done: first / median", "decision",
+                              "completed / failed / in flight at end", "machine time"), rows)
             + f"\n\nfedpool ÷ ideal over the worlds: {_spread(vs)} (mean, then the lowest and highest world)"
+            + (f"; the same processes leasing slots: {_spread([w.leasing['vs_ideal'] for w in worlds if w.leasing])}"
+               if leased else "")
             + (f"; least outstanding work: {_spread([w.baseline['vs_ideal'] for w in worlds if w.baseline])}"
                if all(w.baseline for w in worlds) else "")
             + f". Decision cost: {_spread([w.fedpool['decision_us'] for w in worlds], '{:.0f}')} µs per grant.")
@@ -459,6 +483,14 @@ def _result(spec: Spec, worlds: list[WorldOutcome], agreement: tuple[float, floa
                                  "decision_us": f"{sum(decisions) / len(decisions):.0f}", "worlds": len(worlds)}
     if spec.processes != 1:
         values["processes"] = spec.processes
+    if spec.delegate:
+        values["design"] = "gateway"
+        leased = [w.leasing["vs_ideal"] for w in worlds if w.leasing is not None]
+        if leased:
+            values["leases_vs_ideal"] = f"{sum(leased) / len(leased):.3f}"
+        below = [w.fedpool["vs_ideal"] < w.baseline["vs_ideal"] for w in worlds if w.baseline is not None]
+        if below:
+            values["below_least_work_worlds"] = f"{sum(below)}/{len(below)}"
     if agreement is not None:
         values["agreement_pct"] = f"{agreement[2]:.1f}"
     values["machine_s"] = f"{sum(w.fedpool['wall_s'] for w in worlds):.0f}"

@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import looptime
+from aiohttp import streams, web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.test_utils import make_mocked_request
+from multidict import CIMultiDict
 
+from fedpool.clients.delegate import DelegatingDispatcher, Sender
 from fedpool.deploy.batching import BatchEngine, PromptTooLong, prompt_blocks
 from fedpool.deploy.emulator import EmulatorProfile, request_shape
 from fedpool.federation import (
@@ -39,6 +44,7 @@ from fedpool.federation import (
     Policy,
 )
 from fedpool.federation.core.types import EngineTimes, StreamProgress, Target
+from fedpool.federation.gateway.handlers import Gateway
 from fedpool.federation.gateway.leases import LeaseClient
 from fedpool.federation.gateway.transport import request_body
 from fedpool.federation.gateway.unpooled import UrlTarget
@@ -280,7 +286,7 @@ def prompt_of(eval_: Eval, k: int) -> str:
     return f"{eval_.name}/{k} " + _BODY[:_ENDS[max(0, eval_.prompt_tokens - 2)]]
 
 
-async def run_eval(dispatcher: Dispatcher, eval_: Eval, clock: Callable[[], float],
+async def run_eval(dispatcher: Sender, eval_: Eval, clock: Callable[[], float],
                    outcome: EvalOutcome) -> None:
     """What an EvalRun does: report the work left, keep `concurrency` requests in flight, say when done."""
     if eval_.start_s > clock():
@@ -360,16 +366,18 @@ def simulate(world_of: Callable[[Callable[[], float]], World], evals: Sequence[E
              dispatchers_of: Callable[[SimTransport, World, Callable[[], float]], Sequence[Dispatcher]],
              events: Callable[[World], Coroutine[Any, Any, None]] | None = None,
              setup: Callable[[World, Sequence[Dispatcher]], contextlib.AbstractAsyncContextManager[Any]] | None = None,
-             probe_s: float | None = PROBE_S) -> SimResult:
+             probe_s: float | None = PROBE_S,
+             senders_of: Callable[[World, Sequence[Dispatcher]], Sequence[Sender]] | None = None) -> SimResult:
     """Run the evals to the end in simulated time. `dispatchers_of` makes one dispatcher per client process;
     `events` (a coroutine on the world) kills, revives, adds and removes servers as the run goes; `setup` wraps
     the run (e.g. lease clients around each dispatcher); every `probe_s` the engines' load is scraped into a new
-    snapshot, as the registry's prober does (None: never)."""
+    snapshot, as the registry's prober does (None: never). `senders_of`: what each client process's evals send
+    through, where it is not its own dispatcher (`delegating`: every process through one gateway)."""
     loop = looptime.new_event_loop(start=0.0)
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(_simulate(loop.time, world_of, evals, dispatchers_of, events, setup,
-                                                 probe_s))
+                                                 probe_s, senders_of))
     finally:
         loop.run_until_complete(loop.shutdown_asyncgens())
         asyncio.set_event_loop(None)
@@ -381,17 +389,19 @@ async def _simulate(clock: Callable[[], float], world_of: Callable[[Callable[[],
                     dispatchers_of: Callable[[SimTransport, World, Callable[[], float]], Sequence[Dispatcher]],
                     events: Callable[[World], Coroutine[Any, Any, None]] | None,
                     setup: Callable[[World, Sequence[Dispatcher]], contextlib.AbstractAsyncContextManager[Any]] | None,
-                    probe_s: float | None = None) -> SimResult:
+                    probe_s: float | None = None,
+                    senders_of: Callable[[World, Sequence[Dispatcher]], Sequence[Sender]] | None = None) -> SimResult:
     world = world_of(clock)
     transport = SimTransport(world.servers)
     dispatchers = dispatchers_of(transport, world, clock)
+    senders: Sequence[Sender] = dispatchers if senders_of is None else senders_of(world, dispatchers)
     outcomes = {e.name: EvalOutcome() for e in evals}
     cpu0, wall0 = time.process_time(), time.perf_counter()
     async with setup(world, dispatchers) if setup is not None else contextlib.nullcontext():
         background = [asyncio.create_task(events(world))] if events is not None else []
         if probe_s is not None:
             background.append(asyncio.create_task(_probe(world, probe_s)))
-        await asyncio.gather(*(run_eval(dispatchers[e.process], e, clock, outcomes[e.name]) for e in evals))
+        await asyncio.gather(*(run_eval(senders[e.process], e, clock, outcomes[e.name]) for e in evals))
         # The makespan ends with the last eval's last answer: what comes after (the lease clients' farewells, one
         # process after another here, where each real process says its own as it exits) is no eval's time.
         makespan = clock()
@@ -514,3 +524,47 @@ async def leasing(world: World, dispatchers: Sequence[Dispatcher], placement: st
     finally:
         for client in clients:
             await client.stop()
+
+
+GATEWAY_HOP_S = 0.0005  # one way between an eval process and the gateway: a request and its answer each cross once
+# (the gateway adds 0.78 ms at the median to a request it relays, benchmarks/results/overhead.md)
+
+
+class InProcessGateway:
+    """A `GatewayPost` to the real gateway app (`federation/gateway/handlers.Gateway`) in this process: each request
+    is the gateway's own handler run on a request object instead of a socket, `hop_s` each way for the network."""
+
+    def __init__(self, gateway: Gateway, hop_s: float = GATEWAY_HOP_S):
+        self.gateway = gateway
+        self._app = gateway.app()
+        self._app.freeze()
+        self._hop_s = hop_s
+
+    async def __call__(self, path: str, headers: Mapping[str, str], body: bytes
+                       ) -> tuple[int, Mapping[str, str], bytes]:
+        await asyncio.sleep(self._hop_s)
+        loop = asyncio.get_running_loop()
+        payload = streams.StreamReader(BaseProtocol(loop), 2 ** 16, loop=loop)  # (no transport: never paused)
+        payload.feed_data(body)
+        payload.feed_eof()
+        request = make_mocked_request("POST", path, headers=CIMultiDict(headers), payload=payload, app=self._app)
+        response = await self._app._handle(request)
+        await asyncio.sleep(self._hop_s)
+        assert isinstance(response, web.Response)  # (a relayed stream would be a StreamResponse: none is asked for)
+        return response.status, response.headers, response.body if isinstance(response.body, bytes) else b""
+
+
+def delegating(processes: int, *, max_inflight: int | None = None, hop_s: float = GATEWAY_HOP_S
+               ) -> Callable[[World, Sequence[Dispatcher]], list[Sender]]:
+    """`senders_of` for processes that hand their placement to one gateway (`eval run --gateway`): the one
+    dispatcher (the gateway's) behind the real gateway app, each process's evals sending through a
+    `DelegatingDispatcher` of its own. `max_inflight`: the gateway's `--max-inflight`."""
+
+    def senders(world: World, dispatchers: Sequence[Dispatcher]) -> list[Sender]:
+        (dispatcher,) = dispatchers
+        gateway = InProcessGateway(Gateway(dispatcher, lambda: world.snapshot, max_inflight=max_inflight,
+                                           tune_gc=False, clock=asyncio.get_running_loop().time), hop_s)
+        clock = asyncio.get_running_loop().time
+        return [DelegatingDispatcher(gateway, clock=clock, where="the gateway") for _ in range(processes)]
+
+    return senders

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from fedpool.benchmarks.scale_sim import Spec, by_kind, main, run_baseline, run_virtual
@@ -48,3 +49,29 @@ def test_leasing_processes_make_the_same_schedule_whatever_the_hash_seed() -> No
                               env={**os.environ, "PYTHONHASHSEED": hash_seed})
         makespans.add(float(done.stdout.strip().splitlines()[-1]))
     assert len(makespans) == 1
+
+
+def test_processes_that_delegate_to_one_gateway_are_placed_as_one_process_places_its_evals() -> None:
+    """Four eval processes sending through one gateway (`eval run --gateway`: the real gateway app in process, each
+    process's evals through a `DelegatingDispatcher`): the gateway's one dispatcher sees all eight evals, declared
+    with their sizes, and places them as one process does — within 2% of one process's makespan (the hops to the
+    gateway, 1 ms a request, are the difference), every request answered once. Its report shows the design beside
+    the same processes leasing slots."""
+    one = Spec(servers=32, evals=8, seed=1, policy="earliest_finish", client_order="longest_answers_first",
+               engine_times=True)
+    four = replace(one, processes=4, delegate=True)
+    alone, delegated = run_virtual(one), run_virtual(four)
+    requests = sum(e.size for e in one.eval_list())
+    assert delegated.completed == requests and delegated.failed == 0 and delegated.inflight_end == 0
+    assert all(o.answered == e.size for e, o in zip(four.eval_list(), delegated.outcomes.values(), strict=True))
+    assert abs(delegated.makespan_s / alone.makespan_s - 1) < 0.02
+
+
+def test_the_delegating_report_shows_the_leasing_design_beside_it(tmp_path: Path) -> None:
+    main(["--servers", "8", "--evals", "4", "--processes", "2", "--delegate", "--also-leases", "--seeds", "5",
+          "--name", "both", "--results-dir", str(tmp_path)])
+    text = (tmp_path / "both.md").read_text()
+    assert "the same processes leasing slots (÷ ideal)" in text and "handing its placement to one gateway" in text
+    last = text.rstrip().splitlines()[-1]
+    assert "processes=2" in last and "design=gateway" in last and "leases_vs_ideal=" in last
+    assert "below_least_work_worlds=" in last
