@@ -21,7 +21,7 @@ from fedpool.federation.core.errors import FailureKind
 from fedpool.federation.core.ledger import HISTORY_S, LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
 from fedpool.federation.core.routes import Route, RouteKey
 from fedpool.federation.core.types import STREAMED_ENGINES, ServerStats
-from fedpool.federation.core.windows import kv_budget, kv_share_back, our_queue
+from fedpool.federation.core.windows import kv_budget, kv_share_back, our_queue, our_scraped_queue
 from fedpool.registry import PoolSnapshot, ServerEntry, adapter_for
 
 if TYPE_CHECKING:
@@ -185,10 +185,8 @@ class ServerBook:
                     state.queue_clear += 1
                     state.queue_full = state.queue_clear < QUEUE_CLEAR_SCRAPES
             if load.waiting > 0 and state.learning is not None:
-                # Ours queued in the engine — its queue in proportion to what we had there then among all it held
-                # (beside other processes, theirs is not ours) — the window shrinks now, not at the next answer;
-                # attempts beyond it that the engine has likely not started are the dispatcher's to take back
-                # (`on_queued`).
+                # Ours queued in the engine (`our_queue`): the window shrinks now, not at the next answer; attempts
+                # beyond it the engine has likely not started are the dispatcher's to take back (`on_queued`).
                 ours = state.scrape_inflight = state.at(load.observed_at)
                 if state.learning.on_scrape(our_queue(load.waiting, load.running, ours), ours) is not None:
                     self._rewindow(state)
@@ -376,17 +374,15 @@ class ServerBook:
                 mean = self._client_latency.get(client_id)
                 reference = latency_s if mean is None else mean + CLIENT_LATENCY_ALPHA * (latency_s - mean)
                 self._client_latency[client_id] = reference
-            # The ledger's busy seconds and occupancy there, as of its clock (ServerSlots' figures).
-            at = self.ledger.clock()
+            at = self.ledger.clock()  # the ledger's busy seconds and occupancy there, as of its clock
             busy = state.busy_total + (at - state.busy_since if state.busy_since is not None else 0.0)
             occupancy = state.occupancy_total + (state.inflight * (at - state.occupancy_at)
                                                  if state.occupancy_at is not None else 0.0)
-            # The engine-queue rule compares the scrape's queue with what was in flight here when it was taken, not
-            # now (the answers since would make an old queue look like a flood).
+            # The engine-queue rule: our part of the scrape's queue, against what was in flight here when it was
+            # taken, not now (answers since would make an old queue look like a flood): `our_scraped_queue`, inline.
             ours, held = state.scrape_inflight, state.scraped_running + state.scraped_waiting
-            queued = state.scraped_waiting * min(1.0, ours / held) if held > 0 else 0.0  # (`our_queue`)
-            decision = learning.on_finish(tokens, latency_s, now, busy, queued, ours,
-                                          occupancy, reference_s=reference)
+            decision = learning.on_finish(tokens, latency_s, now, busy, state.scraped_waiting * min(1.0, ours / held)
+                                          if held > 0 else 0.0, ours, occupancy, reference_s=reference)
             if decision is not None:
                 log.debug("window of %s now %.1f: %s", state.id, decision.window, decision.reason)
                 self._rewindow(state)
@@ -410,9 +406,8 @@ class ServerBook:
         if learning is not None:
             if kind is FailureKind.RATE_LIMITED:
                 learning.on_rate_limited()
-            queued = our_queue(state.scraped_waiting, state.scraped_running, state.scrape_inflight)
-            decision = learning.on_finish(0, 0.0, now, self.ledger.busy_s(state.id), queued, state.scrape_inflight,
-                                          self.ledger.occupancy_s(state.id))
+            decision = learning.on_finish(0, 0.0, now, self.ledger.busy_s(state.id), our_scraped_queue(state),
+                                          state.scrape_inflight, self.ledger.occupancy_s(state.id))
             if decision is not None:
                 self._rewindow(state)
         state.failures[kind.value] = state.failures.get(kind.value, 0) + 1

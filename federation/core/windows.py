@@ -127,6 +127,11 @@ def our_queue(waiting: float, running: float, ours: float) -> float:
     return waiting * min(1.0, ours / held) if held > 0 else 0.0
 
 
+def our_scraped_queue(state: ServerState) -> float:
+    """`our_queue` of the server's last scrape, against what this dispatcher had there when it was taken."""
+    return our_queue(state.scraped_waiting, state.scraped_running, state.scrape_inflight)
+
+
 def kv_share_back(state: ServerState, client_id: str) -> bool:
     """Give back one of the client's attempts' share of the KV it holds on `state` (its mean there: the estimate may
     have moved since the attempt took it, and the client's share drops to exactly 0 with its last one); True when
