@@ -12,9 +12,11 @@ state dir) and are no Ray drivers; the gateways join Ray.
 
 1. **eval run**: N evals (`--processes`, default 8), half of them long-answer ones (`long_a`, `long_b`, ...: 40
    prompts x 48 tokens, no stop; the odd one out is long too) and half short ones (the bundled `arith`, `capitals`,
-   `capitals_mc`, then renamed copies of them: `arith_2`, ...), as one `fedpool eval run` with N `--spec` (**one**)
-   and as N `fedpool eval run` processes started together (**multi**), same flags otherwise; the order of the two
-   arms alternates between repeats. N = 4 is the issue-23 set: `long_a`, `long_b`, `arith`, `capitals`.
+   `capitals_mc`, then renamed copies of them: `arith_2`, ...), as one `fedpool eval run` with N `--spec` (**one**),
+   as N `fedpool eval run` processes started together, each leasing its slots (**multi**), and as the same N
+   processes each sending through one `fedpool gateway` (**gateway**: `eval run --gateway`, the gateway placing
+   every eval's requests, with `eval run`'s default routing), same flags otherwise; the order of the arms
+   alternates between repeats. N = 4 is the issue-23 set: `long_a`, `long_b`, `arith`, `capitals`.
    Times are taken from launch (the moment the processes are started) with the wall clock the records carry
    (`provenance.completed_at`): an eval is done at its last record; its own time is its summary's `wall_time_s`
    and its start-up (launch to the eval's start: the process's imports, reaching the registry, its lease client)
@@ -41,9 +43,10 @@ slower on it than one, and the short evals finish later (3 repeats, engines on o
 their wait for a core and everyone else's CPU, and the engines' prompt and generation counters.
 
 Writes benchmarks/results/multiprocess.md, ending with
-`result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X max_engine_queue=N replicas_eval_vs_one=X
-replicas_busier_share=X lease_calls_per_s=X over_capacity=N` (ratios: medians over repeats; `over_capacity`: the
-registry's exported over-capacity counter over every arm, which must stay 0).
+`result: processes=N repeats=N makespan_vs_one=X latest_eval_vs_one=X leases_makespan_vs_one=X
+leases_latest_eval_vs_one=X max_engine_queue=N replicas_eval_vs_one=X replicas_busier_share=X lease_calls_per_s=X
+over_capacity=N` (ratios: medians over repeats; the first two the gateway arm's, the `leases_` ones the multi arm's;
+`over_capacity`: the registry's exported over-capacity counter over every arm, which must stay 0).
 """
 
 from __future__ import annotations
@@ -105,11 +108,12 @@ ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", 
                   # how full its batches were: decode steps, and the mean busy slots per step since it started
                   "llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
 DECODE_METRICS = ("llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
-EVAL_ARMS = ("one", "multi")
+EVAL_ARMS = ("one", "multi", "gateway")
 TOOL_ARMS = ("one-gateway", "two-replicas")
 TARGETS = {"processes": 8, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
            "replicas_eval_vs_one": 1.10, "replicas_busier_share": 0.55, "over_capacity": 0}
-PROCESSES = 8  # eval processes of the multi arm (`--processes`)
+PROCESSES = 8  # eval processes of the multi and gateway arms (`--processes`)
+EVAL_CONCURRENCY = 64  # `eval run`'s default --concurrency (requests in flight per eval)
 SHORT_EVALS = ("arith", "capitals", "capitals_mc")  # the bundled short evals, taken in this order (then copies)
 
 
@@ -469,15 +473,28 @@ def _eval_timing(bench_dir: Path, launch: float) -> EvalTiming:
 
 
 async def run_eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, limit: int | None) -> EvalArm:
-    """`one`: every spec in one `fedpool eval run`; `multi`: one process per spec, all started at once."""
+    """`one`: every spec in one `fedpool eval run`; `multi`: one process per spec, all started at once, each leasing
+    its slots; `gateway`: the same processes, each sending through one fresh `fedpool gateway` (`--gateway`: it
+    places every eval's requests), whose routing is `eval run`'s defaults (the `one` arm's) and whose
+    --max-inflight holds every eval's concurrency."""
+    pids: dict[str, int] = {}
+    if arm == "gateway":
+        routing = ["--policy", "capacity_weighted", "--client-order", "fair", "--max-inflight",
+                   str(len(specs) * EVAL_CONCURRENCY)]
+        async with gateways(pool, 1, work, pids, routing) as urls:
+            return await _eval_arm(arm, pool, specs, work, limit, pids, ["--gateway", urls[0]])
+    return await _eval_arm(arm, pool, specs, work, limit, pids, [])
+
+
+async def _eval_arm(arm: str, pool: Pool, specs: Sequence[Path], work: Path, limit: int | None,
+                    pids: dict[str, int], via: Sequence[str]) -> EvalArm:
     groups = [list(specs)] if arm == "one" else [[s] for s in specs]
     await asyncio.to_thread(work.mkdir, parents=True, exist_ok=True)
     outs = [work / f"process-{i}" for i in range(len(groups))]
     extra = ["--limit", str(limit)] if limit else []
-    argvs = [_fedpool_argv(pool, "eval", "run", "--quiet", "--model", pool.model, "--out", str(out), *extra,
+    argvs = [_fedpool_argv(pool, "eval", "run", "--quiet", "--model", pool.model, "--out", str(out), *extra, *via,
                            *(a for s in group for a in ("--spec", str(s)))) for group, out in zip(groups, outs,
                                                                                                    strict=True)]
-    pids: dict[str, int] = {}
     async with watching(pool) as watch:
         meter = CpuMeter(pool.engine_pids)
         await meter.start()
@@ -581,9 +598,10 @@ async def _wait_gateway(url: str, model: str, proc: asyncio.subprocess.Process, 
 
 
 @contextlib.asynccontextmanager
-async def gateways(pool: Pool, count: int, work: Path, pids: dict[str, int]) -> AsyncIterator[list[str]]:
-    """`count` fresh `fedpool gateway` processes on the pool (defaults: capacity_weighted, shortest_first), their
-    pids in `pids`."""
+async def gateways(pool: Pool, count: int, work: Path, pids: dict[str, int], flags: Sequence[str] = ()
+                   ) -> AsyncIterator[list[str]]:
+    """`count` fresh `fedpool gateway` processes on the pool (defaults: capacity_weighted, shortest_first; else
+    `flags`), their pids in `pids`."""
     from fedpool.deploy.process import free_port
 
     procs: list[asyncio.subprocess.Process] = []
@@ -594,7 +612,7 @@ async def gateways(pool: Pool, count: int, work: Path, pids: dict[str, int]) -> 
             port = free_port()
             with (work / f"gateway-{i}.log").open("wb") as logf:
                 procs.append(await asyncio.create_subprocess_exec(
-                    *_fedpool_argv(pool, "gateway", None, "--quiet", "--port", str(port)), stdout=logf,
+                    *_fedpool_argv(pool, "gateway", None, "--quiet", "--port", str(port), *flags), stdout=logf,
                     stderr=asyncio.subprocess.STDOUT, env=_env()))
             pids[f"gateway-{i}"] = procs[-1].pid
             urls.append(f"http://127.0.0.1:{port}")
@@ -756,19 +774,20 @@ def _spread(values: Sequence[float], unit: str = "×", digits: int = 2) -> str:
             f"({min(values):.{digits}f}–{max(values):.{digits}f})")
 
 
-def eval_ratios(results: Results, field: str = "done_s") -> dict[str, list[float]]:
-    """Per eval: its time in N processes ÷ in one, each repeat (`done_s`: from launch; `own_s`: from its start)."""
+def eval_ratios(results: Results, field: str = "done_s", arm: str = "multi") -> dict[str, list[float]]:
+    """Per eval: its time in N processes (`arm`) ÷ in one, each repeat (`done_s`: from launch; `own_s`: from its
+    start)."""
     out: dict[str, list[float]] = {}
     for run in results.evals:
-        for name, multi in run["multi"].evals.items():
+        for name, multi in run[arm].evals.items():
             one = run["one"].evals.get(name)
             if one is not None and getattr(one, field) > 0:
                 out.setdefault(name, []).append(getattr(multi, field) / getattr(one, field))
     return out
 
 
-def makespan_ratios(results: Results) -> list[float]:
-    return [r["multi"].makespan_s / r["one"].makespan_s for r in results.evals]
+def makespan_ratios(results: Results, arm: str = "multi") -> list[float]:
+    return [r[arm].makespan_s / r["one"].makespan_s for r in results.evals]
 
 
 def replica_ratios(results: Results) -> dict[str, list[float]]:
@@ -784,17 +803,24 @@ def replica_ratios(results: Results) -> dict[str, list[float]]:
 
 
 def headline(results: Results) -> dict[str, object]:
-    ratios = eval_ratios(results)
+    """The N processes' ratios to one process: through one gateway (`eval run --gateway`, the design for many
+    processes: docs/architecture.md) as `makespan_vs_one` and `latest_eval_vs_one`; each leasing its own slots as
+    `leases_makespan_vs_one` and `leases_latest_eval_vs_one`."""
+    ratios = eval_ratios(results, arm="gateway")
     worst = max((statistics.median(v) for v in ratios.values()), default=None)
-    multi_watches = [r["multi"].watch for r in results.evals] + [r["two-replicas"].watch for r in results.tools]
+    leased = max((statistics.median(v) for v in eval_ratios(results).values()), default=None)
+    multi_watches = [r[a].watch for r in results.evals for a in ("multi", "gateway")] + \
+        [r["two-replicas"].watch for r in results.tools]
     shares = [r["two-replicas"].busier_share for r in results.tools]
     calls = [r["multi"].watch.lease_calls_per_s for r in results.evals]
     replicas = max((statistics.median(v) for v in replica_ratios(results).values()), default=None)
     return {
         "processes": max((len(r["multi"].process_s) for r in results.evals), default=0),
         "repeats": min(len(results.evals), len(results.tools)) if results.tools else len(results.evals),
-        "makespan_vs_one": f"{statistics.median(makespan_ratios(results)):.2f}" if results.evals else "n/a",
+        "makespan_vs_one": f"{statistics.median(makespan_ratios(results, 'gateway')):.2f}" if results.evals else "n/a",
         "latest_eval_vs_one": f"{worst:.2f}" if worst is not None else "n/a",
+        "leases_makespan_vs_one": f"{statistics.median(makespan_ratios(results)):.2f}" if results.evals else "n/a",
+        "leases_latest_eval_vs_one": f"{leased:.2f}" if leased is not None else "n/a",
         "max_engine_queue": max((w.deepest for w in multi_watches), default=0),
         "replicas_eval_vs_one": f"{replicas:.2f}" if replicas is not None else "n/a",
         "replicas_busier_share": f"{statistics.median(shares):.2f}" if shares else "n/a",

@@ -34,6 +34,7 @@ from fedpool.federation.gateway.transport import parse_completion, request_body
 CLIENT_HEADER = "X-Fedpool-Client"  # (the gateway's names: federation/gateway/handlers.py)
 REQUESTS_HEADER = "X-Fedpool-Requests"
 REVISION_HEADER = "X-Model-Revision"
+PROMPT_HEADER = "X-Fedpool-Prompt-Tokens"
 PATHS = {Endpoint.COMPLETIONS: "/v1/completions", Endpoint.CHAT: "/v1/chat/completions"}
 UNREACHABLE_S = 60.0  # how long a request waits for a gateway it cannot reach (or that sheds load) before failing
 BACKOFF_S = (0.25, 2.0)  # first and longest wait between tries at a gateway that did not take the request
@@ -161,6 +162,7 @@ class DelegatingDispatcher:
         self._unreachable_s = unreachable_s
         self._sleep = sleep
         self._declared: dict[str, int] = {}  # eval -> the size of its run (its first report after it started)
+        self._prompts: dict[str, float] = {}  # eval -> its mean prompt tokens, as it announced them
         self.submitted = 0
         self.waited = 0  # tries the gateway did not take (unreachable, or shedding load), waited out
 
@@ -169,6 +171,7 @@ class DelegatingDispatcher:
         """`done=False`: the eval (re)starts, and its next report of what it has left is its run's size."""
         if not done:
             self._declared.pop(client_id, None)
+            self._prompts.pop(client_id, None)
 
     def set_client_remaining(self, client_id: str, work: float, requests: int | None = None) -> None:
         """The first report of a run is its size, declared to the gateway with each request (it counts down what
@@ -177,13 +180,16 @@ class DelegatingDispatcher:
             self._declared[client_id] = requests
 
     def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
-        """Nothing to send: the gateway reads each eval's shape from its requests (prompt, `max_tokens`)."""
+        """The eval's mean prompt, sent with its run size (`X-Fedpool-Prompt-Tokens`): the gateway announces it as
+        the eval's shape when the run starts (its answer budget is each request's `max_tokens`)."""
+        self._prompts[client_id] = prompt_tokens
 
     def expect(self, client_id: str, model: str, requests: int, *, loading: bool = False) -> None:
         """Nothing to ask for: the gateway holds the lease on the pool, not this process."""
 
     def forget(self, client_id: str) -> None:
         self._declared.pop(client_id, None)
+        self._prompts.pop(client_id, None)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
@@ -197,6 +203,9 @@ class DelegatingDispatcher:
         declared = self._declared.get(request.client_id)
         if declared:
             headers[REQUESTS_HEADER] = str(declared)
+            prompt = self._prompts.get(request.client_id)
+            if prompt is not None and prompt > 0:
+                headers[PROMPT_HEADER] = f"{prompt:.6g}"
         if request.revision:
             headers[REVISION_HEADER] = request.revision
         body = json.dumps(request_body(request)).encode()

@@ -13,7 +13,7 @@ from fedpool.federation import DispatchConfig
 from fedpool.federation.core.clientbook import BACKGROUND_RANK, ClientBook
 from fedpool.federation.core.ledger import InflightLedger
 from fedpool.federation.core.types import Endpoint, InferenceRequest
-from fedpool.federation.gateway.handlers import REQUESTS_HEADER, REQUESTS_QUERY
+from fedpool.federation.gateway.handlers import PROMPT_HEADER, REQUESTS_HEADER, REQUESTS_QUERY
 from fedpool.federation.gateway.state import DeclaredRuns
 from tests.conftest import EmulatorFactory
 from tests.test_gateway_leaks import entry, in_flight, post, rig
@@ -165,4 +165,15 @@ async def test_the_run_size_may_ride_on_the_url_and_a_bad_one_is_a_400_naming_it
             assert error["code"] == "invalid_declared_requests"
             assert error["param"] == (REQUESTS_HEADER if headers else REQUESTS_QUERY)
             assert error["param"] in error["message"]
+        for prompt in ("-1", "lots", "1e9"):  # a run's mean prompt tokens, said beside its size
+            async with session.post(pool.url + plain, json=body, headers={REQUESTS_HEADER: "5",
+                                                                          PROMPT_HEADER: prompt}) as resp:
+                assert resp.status == 400
+                error = json.loads(await resp.read())["error"]
+            assert error["param"] == PROMPT_HEADER and prompt in error["message"]
+        async with session.post(pool.url + plain, json=body, headers={REQUESTS_HEADER: "5", PROMPT_HEADER: "812.5",
+                                                                      "X-Fedpool-Client": "evals"}) as resp:
+            assert resp.status == 200
+        shape = pool.dispatcher._clients.shape("evals")
+        assert shape is not None and shape.announced and shape.prompt_tokens == 812.5 and shape.max_tokens == 2
         assert pool.dispatcher.inflight() == {}

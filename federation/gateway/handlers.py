@@ -67,6 +67,8 @@ HOLDERS_PATH = "/pool/holders"  # who is on the pool (`Gateway(holders=...)`), a
 # that takes only a URL (lm-eval's `base_url=http://gateway/v1/completions?fedpool_requests=60`).
 REQUESTS_HEADER = "X-Fedpool-Requests"
 REQUESTS_QUERY = "fedpool_requests"
+PROMPT_HEADER = "X-Fedpool-Prompt-Tokens"  # beside the run size (`eval run --gateway`): its mean prompt (DeclaredRuns)
+MAX_PROMPT_TOKENS = 10_000_000
 CLIENT_NAME = re.compile(r"[^A-Za-z0-9._:@-]")
 GC_GEN0_THRESHOLD = 20_000  # young-generation collections every ~20k net allocations, not 700 (CPython's default)
 # How the gateway's app is served (`serving`; the CLI passes the same): a request whose caller has gone is
@@ -125,7 +127,7 @@ class Gateway:
         # Without keys, the caller's choice; with keys, the key file's names and their callers' own clients
         # (`_client`): capped either way.
         self.client_ids = ClientIds(max_client_ids, client_ttl_s)
-        self.runs = DeclaredRuns(dispatcher.set_client_requests_left)
+        self.runs = DeclaredRuns(dispatcher.set_client_requests_left, dispatcher.set_client_shape)
         self._forgetting = Forgetting(self.client_ids, dispatcher, max(0.05, client_ttl_s / 10), self.runs)
         self._tune_gc = tune_gc
         self._facts_of: PoolSnapshot | None = None
@@ -254,12 +256,12 @@ class Gateway:
             if isinstance(client, web.Response):
                 status = str(client.status)
                 return client
-            declared = _declared(request)
-            if isinstance(declared, web.Response):
+            said = _declared(request)
+            if isinstance(said, web.Response):
                 status = "400"
-                return declared
-            if client == SHARED_CLIENT:
-                declared = None  # (many callers in one bucket: no one caller's size)
+                return said
+            # (many callers in one bucket: no one caller's size)
+            declared, prompt = (None, None) if client == SHARED_CLIENT else said
             try:
                 body = loads(await request.read())
             except (web.HTTPRequestEntityTooLarge, ValueError, UnicodeDecodeError) as exc:
@@ -272,7 +274,7 @@ class Gateway:
                 return req
             model = req.model
             self._inflight += 1
-            self.runs.arrive(client, declared)
+            self.runs.arrive(client, declared, prompt, req.params.max_tokens)
             try:
                 if body.get("stream"):
                     response, status = await self._stream(request, req, model)
@@ -401,24 +403,31 @@ class Gateway:
         return match.client if admitted == SHARED_CLIENT else admitted  # (past the cap: the key's own, not shared)
 
 
-def _declared(request: web.Request) -> int | web.Response | None:
-    """The run size the caller declared (`REQUESTS_HEADER`, else `REQUESTS_QUERY` on the URL), None if it
-    declared none, or a 400 naming the culprit."""
+def _declared(request: web.Request) -> tuple[int | None, float | None] | web.Response:
+    """The run size the caller declared (`REQUESTS_HEADER`, else `REQUESTS_QUERY` on the URL) and its requests' mean
+    prompt tokens (`PROMPT_HEADER`), each None if not said, or a 400 naming the culprit."""
     raw = request.headers.get(REQUESTS_HEADER)
     where = REQUESTS_HEADER
     if raw is None and request.query_string:
         raw, where = request.query.get(REQUESTS_QUERY), REQUESTS_QUERY
+    prompt = request.headers.get(PROMPT_HEADER)
     if raw is None:
-        return None
+        return None, None
+    n, tokens = _number(raw, int), _number(prompt, float)
+    if not 1 <= n <= MAX_DECLARED_REQUESTS or (prompt is not None and not 0 < tokens <= MAX_PROMPT_TOKENS):
+        culprit, given = (PROMPT_HEADER, prompt) if 1 <= n <= MAX_DECLARED_REQUESTS else (where, raw)
+        return _error(400, f"{culprit} must be the number of requests this caller's run sends (from 1 to "
+                      f"{MAX_DECLARED_REQUESTS}), and {PROMPT_HEADER} its requests' mean prompt tokens (above 0, up "
+                      f"to {MAX_PROMPT_TOKENS}), not {str(given)[:40]!r}", "invalid_request_error", param=culprit,
+                      code="invalid_declared_requests")
+    return int(n), tokens if prompt is not None else None
+
+
+def _number(raw: str | None, kind: type[int] | type[float]) -> float:  # (0 where it is none)
     try:
-        n = int(raw.strip())
+        return kind(raw.strip()) if raw is not None else 0
     except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_DECLARED_REQUESTS:
-        return _error(400, f"{where} must be the number of requests this caller's run sends, a whole number "
-                      f"from 1 to {MAX_DECLARED_REQUESTS}, not {raw[:40]!r}", "invalid_request_error",
-                      param=where, code="invalid_declared_requests")
-    return n
+        return 0
 
 
 def upstream_failure(exc: RequestFailed) -> tuple[int, dict[str, object], dict[str, str]]:

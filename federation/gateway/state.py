@@ -165,15 +165,20 @@ class DeclaredRuns:
     behind several replicas a caller's requests left are what it declared less what that replica finished (its
     rank is later than its true one, alike for every caller split the same way)."""
 
-    def __init__(self, report: Callable[[str, int | None], None]):
+    def __init__(self, report: Callable[[str, int | None], None],
+                 announce: Callable[[str, float, int | None], None] | None = None):
         self._report = report  # (client, requests left or None): Dispatcher.set_client_requests_left
+        self._announce = announce  # (client, prompt tokens, max tokens): Dispatcher.set_client_shape
         self._runs: dict[str, _Run] = {}
 
     def __len__(self) -> int:
         return len(self._runs)
 
-    def arrive(self, client: str, declared: int | None) -> None:
-        """A request of `client` was received, with the size its caller declared (None: none)."""
+    def arrive(self, client: str, declared: int | None, prompt_tokens: float | None = None,
+               max_tokens: int | None = None) -> None:
+        """A request of `client` was received, with the size its caller declared (None: none) and, where it said it
+        (`X-Fedpool-Prompt-Tokens`: an `eval run --gateway`), its run's mean prompt: announced as its shape when
+        the run starts, so the first plan or wave need not guess it from the prompt's characters."""
         run = self._runs.get(client)
         if declared is None:
             if run is not None:
@@ -182,6 +187,8 @@ class DeclaredRuns:
             return
         if run is None or run.declared != declared or (run.finished >= run.declared and run.arrived == run.finished):
             run = self._runs[client] = _Run(declared)
+            if prompt_tokens is not None and self._announce is not None:
+                self._announce(client, prompt_tokens, max_tokens)
         run.arrived += 1
         self._report(client, self._left(run))
 
