@@ -29,12 +29,10 @@ from fedpool.clients.batchclient import BatchError
 from fedpool.federation import Endpoint, InferenceRequest, InferenceResult
 from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed, kind_for_status
 from fedpool.federation.core.types import Attempt
+from fedpool.federation.gateway.handlers import CLIENT_HEADER, PROMPT_HEADER, REQUESTS_HEADER
 from fedpool.federation.gateway.transport import parse_completion, request_body
 
-CLIENT_HEADER = "X-Fedpool-Client"  # (the gateway's names: federation/gateway/handlers.py)
-REQUESTS_HEADER = "X-Fedpool-Requests"
 REVISION_HEADER = "X-Model-Revision"
-PROMPT_HEADER = "X-Fedpool-Prompt-Tokens"
 PATHS = {Endpoint.COMPLETIONS: "/v1/completions", Endpoint.CHAT: "/v1/chat/completions"}
 UNREACHABLE_S = 60.0  # how long a request waits for a gateway it cannot reach (or that sheds load) before failing
 BACKOFF_S = (0.25, 2.0)  # first and longest wait between tries at a gateway that did not take the request
@@ -163,7 +161,6 @@ class DelegatingDispatcher:
         self._sleep = sleep
         self._declared: dict[str, int] = {}  # eval -> the size of its run (its first report after it started)
         self._prompts: dict[str, float] = {}  # eval -> its mean prompt tokens, as it announced them
-        self.submitted = 0
         self.waited = 0  # tries the gateway did not take (unreachable, or shedding load), waited out
 
     # ---- what an eval says of itself: the gateway learns it from the requests -----------------------------------
@@ -187,10 +184,6 @@ class DelegatingDispatcher:
     def expect(self, client_id: str, model: str, requests: int, *, loading: bool = False) -> None:
         """Nothing to ask for: the gateway holds the lease on the pool, not this process."""
 
-    def forget(self, client_id: str) -> None:
-        self._declared.pop(client_id, None)
-        self._prompts.pop(client_id, None)
-
     # ---- requests ---------------------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:
         """The answer to `request` through the gateway, or RequestFailed / NoServerError as a dispatcher raises."""
@@ -198,7 +191,6 @@ class DelegatingDispatcher:
             raise RequestFailed(f"{request.request_id}: pinned engines or servers are placed by this process's own "
                                 "dispatcher, not through a gateway (run it without --gateway)", (),
                                 FailureKind.REQUEST_ERROR)
-        self.submitted += 1
         headers = {CLIENT_HEADER: request.client_id, "Content-Type": "application/json"}
         declared = self._declared.get(request.client_id)
         if declared:
