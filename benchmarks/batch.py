@@ -14,6 +14,10 @@ the pool app with the Batch API, shortest first, `--policy`, default planned), t
 - **batch**: the four batches uploaded and created at once with the openai SDK (`files.create`,
   `batches.create`), polled (every 0.25 s, one list call) until all have ended; makespan from the first upload to
   the last batch seen ended. The probe runs beside them;
+- **reserved**: the batch arm again, the gateway started with `--online-reserve N` (default 1): while online
+  callers are about, batches leave the N servers online requests are answered soonest on to them
+  (clients/batchrunner.py `OnlineReserve`); the probe beside it gives `online_p99_ratio_reserved`, its makespan
+  `vs_ideal_reserved` — what online latency costs the batches on these engines;
 - **restart**: the same four batches again, the gateway process killed -9 once 40% of their requests are kept and
   started again on the same directory: every custom_id must be in an output or error file exactly once
   (`lost`, `duplicated` count those that are not, over every batch of every arm);
@@ -27,7 +31,8 @@ benchmarks/assignment.py over the four batches' true token counts (the emulator'
 pool's time scale. `vs_online` and `vs_conventional` are the batch makespan over those arms'; the result line
 carries the emulated pool's vs_ideal and the larger of the two pools' other ratios. Writes
 benchmarks/results/NAME.md (default batch), ending with `result: batches=N requests=N vs_ideal=X vs_online=X
-vs_conventional=X online_p99_ratio=X restarts=N lost=N duplicated=N`.
+vs_conventional=X online_p99_ratio=X online_p99_ratio_reserved=X vs_ideal_reserved=X restarts=N lost=N
+duplicated=N`.
 """
 
 from __future__ import annotations
@@ -132,7 +137,7 @@ async def serve(args: argparse.Namespace) -> None:
     async with PoolConnection(api, policy=args.policy, policy_options=options, config=config) as pool:
         await pool.refresh()
         async with serving_pool(pool, "<html></html>", "127.0.0.1", args.port, backlog=1024,
-                                batches_dir=Path(args.batches)):
+                                batches_dir=Path(args.batches), online_reserve=args.online_reserve):
             await stop.wait()
 
 
@@ -163,10 +168,12 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(state: Path, work: Path, policy: str, time_scale: float, tag: str) -> AsyncIterator[Gateway]:
+async def gateway(state: Path, work: Path, policy: str, time_scale: float, tag: str,
+                  online_reserve: int = 0) -> AsyncIterator[Gateway]:
     port = free_port()
     argv = [sys.executable, "-m", "fedpool.benchmarks.batch", "serve", "--state-dir", str(state), "--port", str(port),
-            "--batches", str(work / f"batches-{tag}"), "--policy", policy, "--time-scale", str(time_scale)]
+            "--batches", str(work / f"batches-{tag}"), "--policy", policy, "--time-scale", str(time_scale),
+            "--online-reserve", str(online_reserve)]
     gw = Gateway(argv, f"http://127.0.0.1:{port}", work / f"gateway-{tag}.log")
     await gw.start()
     try:
@@ -184,6 +191,8 @@ class Probe:
     model: str
     period_s: float
     latencies: list[float] = field(default_factory=list)
+    servers: list[str] = field(default_factory=list)  # the server that answered each (X-Fedpool-Server)
+    sent_at: list[float] = field(default_factory=list)  # when each was sent (time.monotonic())
     refused: int = 0  # answered with an error (the gateway overloaded): not retried, not in the latencies
 
     async def run(self, stop: asyncio.Event, count: int | None = None) -> None:
@@ -194,8 +203,11 @@ class Probe:
             while not stop.is_set() and (count is None or len(self.latencies) + self.refused < count):
                 began = time.monotonic()
                 try:
-                    await client.completions.create(model=self.model, prompt=prompt, max_tokens=16, temperature=0)
+                    raw = await client.completions.with_raw_response.create(model=self.model, prompt=prompt,
+                                                                            max_tokens=16, temperature=0)
                     self.latencies.append(time.monotonic() - began)
+                    self.servers.append(raw.headers.get("X-Fedpool-Server", "?"))
+                    self.sent_at.append(began)
                 except openai.APIStatusError:
                     self.refused += 1
                 with contextlib.suppress(TimeoutError):
@@ -338,22 +350,34 @@ class PoolResult:
     restart: BatchRun
     online_s: float
     conventional_s: float
-    idle_p99_s: float
-    busy_p99_s: float
+    idle: Probe  # the probe on the idle pool
+    busy: Probe  # beside the batch arm
+    reserved: BatchRun  # the batch arm again, the gateway leaving `reserve` servers to online callers
+    beside_reserved: Probe
     online_arm_p99_s: float  # the probe's p99 beside the online arm
     probes: tuple[int, int, int]
     refused: tuple[int, int, int]  # the probe's requests refused, idle / beside the batches / beside online
-    p50s: tuple[float, float]  # the probe's median latency, idle / beside the batches
     ideal_s: float | None
     answers_same_pct: float
     sizes: dict[str, int]
+    reserve: int
+
+    @property
+    def idle_p99_s(self) -> float:
+        return self.idle.p99()
+
+    @property
+    def busy_p99_s(self) -> float:
+        return self.busy.p99()
 
     @property
     def ratios(self) -> dict[str, float | None]:
         return {"vs_ideal": self.batch.makespan_s / self.ideal_s if self.ideal_s else None,
                 "vs_online": self.batch.makespan_s / self.online_s,
                 "vs_conventional": self.batch.makespan_s / self.conventional_s,
-                "online_p99_ratio": self.busy_p99_s / self.idle_p99_s}
+                "online_p99_ratio": self.busy_p99_s / self.idle_p99_s,
+                "vs_ideal_reserved": self.reserved.makespan_s / self.ideal_s if self.ideal_s else None,
+                "online_p99_ratio_reserved": self.beside_reserved.p99() / self.idle_p99_s}
 
 
 def ideal_wall_s(config: PoolConfig, batches: dict[str, list[dict[str, Any]]]) -> float | None:
@@ -400,6 +424,10 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
         batch, busy = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
+    async with fresh("reserved"), gateway(state, work, args.policy, config.time_scale, f"{name}-reserved",
+                                          online_reserve=args.online_reserve) as gw:
+        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (online callers are about from here)
+        reserved, beside_reserved = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
     async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
     async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
@@ -411,12 +439,11 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
         conventional_s = await conventional_arm(servers, batches, work_of)
     same = sum(1 for k, v in online.items() if batch.answers.get(k) == v)
     return PoolResult(name, sum(len(v) for v in batches.values()), batch, restart, online_s, conventional_s,
-                      idle.p99(), busy.p99(), beside_online.p99(),
+                      idle, busy, reserved, beside_reserved, beside_online.p99(),
                       (len(idle.latencies), len(busy.latencies), len(beside_online.latencies)),
                       (idle.refused, busy.refused, beside_online.refused),
-                      (idle.quantile(0.5), busy.quantile(0.5)),
                       ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
-                      {n: len(v) for n, v in batches.items()})
+                      {n: len(v) for n, v in batches.items()}, args.online_reserve)
 
 
 async def probed(url: str, model: str, period_s: float, arm: Coroutine[Any, Any, T]) -> tuple[T, Probe]:
@@ -443,6 +470,9 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
         parts.append(markdown_table(["arm", "makespan s", "notes"], [
             ["batch", _f(r.batch.makespan_s), "ends: " + ", ".join(f"{n} {_f(t, 1)}" for n, t in
                                                                    sorted(r.batch.ends.items(), key=lambda x: x[1]))],
+            [f"batch, --online-reserve {r.reserve}", _f(r.reserved.makespan_s),
+             f"the probe beside it: p50 {_f(r.beside_reserved.quantile(0.5), 3)} s, p99 "
+             f"{_f(r.beside_reserved.p99(), 3)} s; lost {r.reserved.lost}, duplicated {r.reserved.duplicated}"],
             ["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
              f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
             ["online (4 SDK clients × 8)", _f(r.online_s), f"answers the same as the batch arm's: "
@@ -456,16 +486,52 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
              "online_p99_ratio", "p50 idle/busy s", "probes idle/batch/online", "refused idle/batch/online"],
             [[len(r.sizes), r.requests, _f(ratios["vs_ideal"], 3), _f(ratios["vs_online"], 3),
               _f(ratios["vs_conventional"], 3), _f(r.idle_p99_s, 3), _f(r.busy_p99_s, 3),
-              _f(ratios["online_p99_ratio"], 3), f"{_f(r.p50s[0], 3)}/{_f(r.p50s[1], 3)}",
+              _f(ratios["online_p99_ratio"], 3), f"{_f(r.idle.quantile(0.5), 3)}/{_f(r.busy.quantile(0.5), 3)}",
               "/".join(map(str, r.probes)), "/".join(map(str, r.refused))]]))
+        parts.append(online_latency(r, ratios))
         parts.append("\nBatches: " + ", ".join(f"{n} {k}" for n, k in r.sizes.items()) + "; statuses "
                      + ", ".join(f"{n} {s}" for n, s in r.batch.statuses.items()) + "\n")
     return "\n".join(parts)
 
 
+def online_latency(r: PoolResult, ratios: Mapping[str, float | None]) -> str:
+    """Where the probe was answered and how fast, beside the batches with and without the reserve; on an emulated
+    pool, what one engine step costs the probe alone and beside a step's full chunked-prefill budget."""
+    rows = []
+    for arm, probe in (("idle", r.idle), ("beside the batches", r.busy),
+                       (f"beside the batches, --online-reserve {r.reserve}", r.beside_reserved)):
+        for server in sorted(set(probe.servers)):
+            times = sorted(t for t, s in zip(probe.latencies, probe.servers, strict=True) if s == server)
+            rows.append([arm, server, len(times), _f(times[len(times) // 2], 3), _f(times[-1], 3)])
+    out = ["\nThe probe by the server that answered it:\n",
+           markdown_table(["arm", "server", "probes", "p50 s", "max s"], rows),
+           f"\nWith --online-reserve {r.reserve}: online_p99_ratio {_f(ratios['online_p99_ratio_reserved'], 3)}, "
+           f"vs_ideal {_f(ratios['vs_ideal_reserved'], 3)} (without: {_f(ratios['online_p99_ratio'], 3)}, "
+           f"{_f(ratios['vs_ideal'], 3)}).\n"]
+    profiles = load_pool_config(POOLS[r.pool]).profiles()
+    if profiles:
+        body = {"model": "m", "prompt": "probe: " + " ".join(WORDS[:16]), "max_tokens": 16, "temperature": 0}
+        steps = []
+        for server, p in profiles.items():
+            _, _, prompt, answer = request_shape(body, False, p, 0)
+            alone = prompt * p.prefill_s_per_token + answer * p.decode_s_per_token
+            chunk = p.decode_s_per_token + p.max_batched_tokens * p.prefill_s_per_token
+            steps.append([server, p.name, prompt, answer, _f(1e3 * p.decode_s_per_token, 1), _f(1e3 * alone, 0),
+                          p.max_batched_tokens, _f(1e3 * chunk, 0), _f(answer * chunk / alone, 1)])
+        out += ["\nWhy online latency rises beside batches on these engines (the emulator's step model, "
+                "deploy/batching.py): every step decodes one token of each running answer and prefills up to "
+                "`max_batched_tokens` of the prompts waiting, so the probe's every token waits for the step's prefill. "
+                "Engine milliseconds:\n",
+                markdown_table(["server", "profile", "probe prompt", "answer", "step alone", "probe alone",
+                                "chunk tokens", "step with a full chunk", "probe ÷ alone, every step a full chunk"],
+                               steps)]
+    return "\n".join(out)
+
+
 def result_of(results: Sequence[PoolResult]) -> dict[str, object]:
     ratios = [r.ratios for r in results]
     ideal = [x["vs_ideal"] for x in ratios if x["vs_ideal"] is not None]
+    reserved = [x["vs_ideal_reserved"] for x in ratios if x["vs_ideal_reserved"] is not None]
 
     def worst(key: str) -> str:
         values = [x[key] for x in ratios if x[key] is not None]
@@ -474,9 +540,11 @@ def result_of(results: Sequence[PoolResult]) -> dict[str, object]:
     return {"batches": sum(len(r.sizes) for r in results), "requests": sum(r.requests for r in results),
             "vs_ideal": _f(ideal[0], 3) if ideal else "-", "vs_online": worst("vs_online"),
             "vs_conventional": worst("vs_conventional"), "online_p99_ratio": worst("online_p99_ratio"),
+            "online_p99_ratio_reserved": worst("online_p99_ratio_reserved"),
+            "vs_ideal_reserved": _f(reserved[0], 3) if reserved else "-",
             "restarts": sum(r.restart.starts - 1 for r in results),
-            "lost": sum(r.batch.lost + r.restart.lost for r in results),
-            "duplicated": sum(r.batch.duplicated + r.restart.duplicated for r in results)}
+            "lost": sum(r.batch.lost + r.restart.lost + r.reserved.lost for r in results),
+            "duplicated": sum(r.batch.duplicated + r.restart.duplicated + r.reserved.duplicated for r in results)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -489,11 +557,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     served.add_argument("--batches", required=True)
     served.add_argument("--policy", default="planned")
     served.add_argument("--time-scale", type=float, default=1.0)
+    served.add_argument("--online-reserve", type=int, default=0)
     parser.add_argument("--pools", default="emulated,llamacpp", help="comma-separated: emulated, llamacpp")
     parser.add_argument("--scale", type=float, default=1.0, help="batch sizes × this (at least 1 request each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="planned")
     parser.add_argument("--probe-period", type=float, default=0.5)
+    parser.add_argument("--online-reserve", type=int, default=1,
+                        help="servers the gateway leaves to online callers in the reserved arm")
     parser.add_argument("--idle-probe-s", type=float, default=20.0)
     parser.add_argument("--name", default="batch", help="the report's name under benchmarks/results/")
     parser.add_argument("--work-dir", type=Path, default=None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -34,7 +35,9 @@ from fedpool.federation.gateway.batchstore import (
 )
 from fedpool.federation.gateway.handlers import answer_bytes, upstream_failure
 from fedpool.federation.gateway.state import LAG_LIMIT_S, Overload
+from fedpool.federation.routing.pricing import step_cost
 from fedpool.pipeline.ownership import DirectoryLock
+from fedpool.registry import PoolSnapshot
 
 log = logging.getLogger("fedpool.batches")
 
@@ -48,6 +51,7 @@ MAX_PASSES = 3  # passes over a batch's input before lines still without a resul
 # it refuses online callers, `Overload`): the batch's own answers are what loads it, and online callers go first.
 YIELD_LAG_S = LAG_LIMIT_S / 2
 YIELD_POLL_S = 0.05
+ONLINE_ABOUT_S = 30.0  # online traffic is about (`OnlineReserve`) for this long after its last request
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +62,45 @@ class RunnerConfig:
     yield_lag_s: float | None = YIELD_LAG_S  # None: batches never wait for the loop
 
 
+class OnlineReserve:
+    """`--online-reserve N`: while online callers are about (a request that is not a batch's in the last
+    `about_s`), a batch starts nothing new on the N servers of its model an online request is answered soonest on
+    (the least data-sheet step time, `pricing.step_cost`; ties by id), and always keeps one server. Why: a batch
+    fills every engine's steps with prompts (up to its chunked-prefill budget, 8,192 tokens a step by default), so an
+    online request beside it decodes each token in a step that prefills too (docs/operators.md, "Batches and online
+    traffic"); the servers held answer online at idle speed, at the price of their share of the batches' work. Requests
+    already there end where they are; when online traffic has been gone `about_s`, batches use every server again."""
+
+    def __init__(self, servers: int, dispatcher: Dispatcher, snapshot: Callable[[], PoolSnapshot | None], *,
+                 about_s: float = ONLINE_ABOUT_S):
+        self.servers, self.dispatcher, self.snapshot, self.about_s = servers, dispatcher, snapshot, about_s
+        self._of: tuple[PoolSnapshot | None, dict[str, tuple[str, ...] | None]] = (None, {})
+
+    def pins(self, model: str) -> tuple[str, ...] | None:
+        """The servers a batch request for `model` may go to now (None: any of them)."""
+        if self.servers <= 0 or not self.dispatcher.online_within(self.about_s):
+            return None
+        snapshot = self.snapshot()
+        if snapshot is None:
+            return None
+        if self._of[0] is not snapshot:  # (a new snapshot every registry poll: ranked once per model each)
+            self._of = (snapshot, {})
+        memo = self._of[1]
+        if model not in memo:
+            view = snapshot.filter(model=model, routable_only=True)
+            entries = sorted(view.entries, key=lambda e: (step_cost(e, 1), e.id))
+            held = min(self.servers, len(entries) - 1)
+            memo[model] = tuple(sorted(e.id for e in entries[held:])) if held > 0 else None
+        return memo[model]
+
+
 class BatchRunner:
     """Runs every unfinished batch of a store over one dispatcher; owns the store's directory while it runs."""
 
     def __init__(self, store: BatchStore, dispatcher: Dispatcher, slots: Callable[[str], int], *,
-                 config: RunnerConfig | None = None, clock: Callable[[], float] = time.time):
-        self.store, self.dispatcher = store, dispatcher
+                 config: RunnerConfig | None = None, clock: Callable[[], float] = time.time,
+                 reserve: OnlineReserve | None = None):
+        self.store, self.dispatcher, self.reserve = store, dispatcher, reserve
         self.slots = slots  # the slots of the servers that serve a model now
         self.config = config or RunnerConfig()
         self.clock = clock
@@ -254,7 +291,10 @@ class _Run:
         request_id = f"{batch.id}-{line.number}"
         request = InferenceRequest.from_body(line.body, request_id=request_id, model=batch.model, endpoint=endpoint,
                                              client_id=batch.id)
+        reserve = self.runner.reserve
         while True:
+            if reserve is not None:
+                request = dataclasses.replace(request, pinned_servers=reserve.pins(batch.model))
             try:
                 result = await self.runner.dispatcher.submit(request)
                 break

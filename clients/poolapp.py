@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fedpool.clients.batchrunner import BatchRunner
+from fedpool.clients.batchrunner import BatchRunner, OnlineReserve
 from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import PoolConnection, PoolHolders
 from fedpool.federation.gateway.auth import bearer, matches
@@ -236,14 +236,16 @@ def build_app(gateway: Gateway, pool: PoolConnection, page: str, *, runner: JobR
 async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *, api_keys: list[ApiKey] | None = None,
                        max_inflight: int | None = None, runner: JobRunner | None = None,
                        jobs_token: str | None = None, reuse_port: bool | None = None,
-                       backlog: int = 128, batches_dir: Path | None = None) -> AsyncIterator[str]:
+                       backlog: int = 128, batches_dir: Path | None = None,
+                       online_reserve: int = 0) -> AsyncIterator[str]:
     """The gateway over `pool`, the pool page, (with `batches_dir`) the Batch API over the batches kept there and
     (with `runner`) the jobs API, served on host:port for the block; yields the base URL. The runners start first,
     so a directory another server owns is refused (OwnershipError) before anything listens, and they stop before the
     listener closes."""
     gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=api_keys, max_inflight=max_inflight,
                       holders=pool.holders)
-    batch_runner, batches = await batch_service(gateway, pool, batches_dir) if batches_dir else (None, None)
+    batch_runner, batches = (await batch_service(gateway, pool, batches_dir, online_reserve=online_reserve)
+                             if batches_dir else (None, None))
     try:
         if runner is not None:
             await runner.start()
@@ -263,11 +265,14 @@ async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *,
 
 
 async def batch_service(gateway: Gateway, pool: PoolConnection, root: Path, *, max_file_bytes: int = MAX_FILE_BYTES,
-                        max_lines: int = MAX_LINES) -> tuple[BatchRunner, BatchesApi]:
+                        max_lines: int = MAX_LINES, online_reserve: int = 0) -> tuple[BatchRunner, BatchesApi]:
     """The Batch API over the batches kept in `root` (input files up to `max_file_bytes` and `max_lines` requests),
-    and its runner, started: the batches a stopped server left unfinished go on now."""
+    and its runner, started: the batches a stopped server left unfinished go on now. `online_reserve`: servers of
+    each model batches leave to online callers while they are about (`OnlineReserve`)."""
     store = await asyncio.to_thread(BatchStore, root)
-    batch_runner = BatchRunner(store, pool.dispatcher, lambda model: model_slots(pool.snapshot, model))
+    reserve = OnlineReserve(online_reserve, pool.dispatcher, lambda: pool.snapshot) if online_reserve else None
+    batch_runner = BatchRunner(store, pool.dispatcher, lambda model: model_slots(pool.snapshot, model),
+                               reserve=reserve)
     await batch_runner.start()
     api = BatchesApi(gateway, pool.dispatcher, store, lambda: pool.snapshot, started=batch_runner.started,
                      cancelled=batch_runner.cancelled, max_file_bytes=max_file_bytes,

@@ -123,8 +123,8 @@ async def _serve_gateway(client: Any, args: opt.GatewayOptions, keys: Any, jobs_
                 verifier_factory=lambda: evals.verifier_pool(args),
                 roots=[r.expanduser().resolve() for r in args.root] or [private_dir(jobs_dir / "data")])
             async with serving_pool(pool, pool_page(), args.host, args.port, api_keys=keys,
-                                    max_inflight=args.max_inflight, runner=runner, jobs_token=jobs_token,
-                                    reuse_port=args.reuse_port or None, backlog=1024,
+                                    max_inflight=args.max_inflight, runner=runner, jobs_token=jobs_token, backlog=1024,
+                                    reuse_port=args.reuse_port or None, online_reserve=args.online_reserve,
                                     batches_dir=args.batches_dir and args.batches_dir.expanduser().resolve()) as base:
                 stop = stop_on_signals()
                 print(f"fedpool gateway on {base}/v1 (policy {args.policy}, "

@@ -1,10 +1,9 @@
 """`fedpool up`: a local pool that stays up for the eval tools researchers already run, and `fedpool down`.
 
-One process brings up local Ray (started on loopback, or an existing cluster joined), the registry, N local
-servers (llama.cpp with the bundled Gemma by default, vLLM's CPU build, or the emulator), the OpenAI-compatible
-gateway and the pool page; prints the base URL and paste-ready commands; and on Ctrl-C / SIGTERM stops
-everything it started. `--detach` runs that process in the background (its pid in STATE_DIR/up.pid, its log
-in STATE_DIR/up.log); `fedpool down` stops it (deploy/updir.py keeps the state dir)."""
+One process brings up local Ray (started on loopback, or an existing cluster joined), the registry, N local servers
+(llama.cpp with the bundled Gemma by default, vLLM's CPU build, or the emulator), the OpenAI-compatible gateway and
+the pool page; prints the base URL and paste-ready commands; and on Ctrl-C / SIGTERM stops everything it started.
+`--detach` runs it in the background (pid in STATE_DIR/up.pid, log in STATE_DIR/up.log); `fedpool down` stops it."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 from openai.types import Batch
 
-from fedpool.clients.batchrunner import BatchRunner
+from fedpool.clients.batchrunner import BatchRunner, OnlineReserve
 from fedpool.clients.poolapp import batch_service, build_app
 from fedpool.deploy.emulator import Faults
 from fedpool.deploy.process import free_port
@@ -53,8 +53,8 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def served(registry: RegistryClient, emulators: EmulatorFactory, where: Path, *, servers: int = 2,
-                 decode_s: float = 0.002, model: str = "emu-model", faults: Faults | None = None
-                 ) -> AsyncIterator[Served]:
+                 decode_s: float = 0.002, model: str = "emu-model", faults: Faults | None = None,
+                 online_reserve: int = 0) -> AsyncIterator[Served]:
     """`servers` emulated servers of 4 slots, and the pool app with the Batch API over them (shortest first)."""
     for i in range(servers):
         server = await emulators.start(model=model, max_running=4, decode_s=decode_s, faults=faults)
@@ -65,7 +65,7 @@ async def served(registry: RegistryClient, emulators: EmulatorFactory, where: Pa
         await pool.refresh()
         gateway = Gateway(pool.dispatcher, lambda: pool.snapshot, api_keys=KEYS, max_body_bytes=64 * 1024)
         runner, api = await batch_service(gateway, pool, where / "batches", max_file_bytes=MAX_FILE_BYTES,
-                                          max_lines=1000)
+                                          max_lines=1000, online_reserve=online_reserve)
         try:
             async with serving(build_app(gateway, pool, "<html></html>", batches=api)) as url:
                 yield Served(url, pool, runner, where / "batches")
@@ -378,6 +378,37 @@ async def test_a_short_batch_goes_before_a_long_one(registry: RegistryClient, em
         assert long_at_short_end.completed - long_at_short_start.completed < 16
         await client.batches.cancel(long.id)
         await until_final(client, long.id)
+        await client.close()
+
+
+async def test_an_online_reserve_leaves_a_server_to_online_callers_while_they_are_about(
+        registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path) -> None:
+    """`--online-reserve 1` on two like servers (emu-0 is held: ties go by id): while an online caller is about, a
+    batch sends nothing to emu-0, so every request emu-0 answered is an online one; once online traffic has been
+    gone longer than the reserve looks back, the next batch uses emu-0 too."""
+    async with served(registry, emulators, tmp_path, decode_s=0.01, online_reserve=1) as pool:
+        held, other = emulators.servers
+        client = pool.client()
+
+        async def online() -> str:
+            raw = await client.completions.with_raw_response.create(model="emu-model", prompt="online", max_tokens=4)
+            return raw.headers["X-Fedpool-Server"]
+
+        answered = [await online()]
+        batch = await submit(client, [request_line(i, max_tokens=8) for i in range(40)])
+        while (await client.batches.retrieve(batch.id)).status not in FINAL:
+            answered.append(await online())
+        done = await until_final(client, batch.id)
+        assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 40
+        assert held.stats.completed == answered.count("emu-0") and other.stats.completed >= 40
+        assert pool.runner.reserve is not None and pool.runner.reserve.pins("emu-model") == ("emu-1",)
+
+        pool.runner.reserve = OnlineReserve(1, pool.pool.dispatcher, lambda: pool.pool.snapshot, about_s=0.2)
+        await asyncio.sleep(0.5)  # (online traffic gone longer than the reserve's 0.2 s)
+        assert pool.runner.reserve.pins("emu-model") is None
+        before = held.stats.completed
+        again = await until_final(client, (await submit(client, [request_line(100 + i) for i in range(40)])).id)
+        assert again.status == "completed" and held.stats.completed > before
         await client.close()
 
 

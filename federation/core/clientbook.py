@@ -102,6 +102,16 @@ class ClientBook:
         Batch API batches): served at once, not paced by a plan made for the background work."""
         return bool(self._background) and client_id not in self._background
 
+    def foreground_since(self, since: float) -> bool:
+        """Whether a client that is not a background one (an online caller) submitted a request at `since` or
+        later (O(clients seen since then): the most recent are last)."""
+        for client_id, seen in reversed(self._seen.items()):
+            if seen < since:
+                return False
+            if client_id not in self._background:
+                return True
+        return False
+
     def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
         self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
 

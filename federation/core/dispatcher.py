@@ -196,6 +196,11 @@ class Dispatcher(GrantPass, AttemptEnds):
         self._clients.declare_requests(client_id, requests, background=background)
         self._touch(client_id)
 
+    def online_within(self, seconds: float) -> bool:
+        """Whether a caller that is not a Batch API batch (online traffic, an eval) submitted a request in the
+        last `seconds` (the batches' online reserve reads it: clients/batchrunner.py `OnlineReserve`)."""
+        return self._clients.foreground_since(self._clock() - seconds)
+
     def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
         """A client's expected prompt length and answer budget, before its first request (the planned
         policy's prior; answers' usage replaces it), so a first plan need not wait for this client to send."""
