@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import openai
 
 from fedpool.benchmarks.assignment import Workload, ideal_makespan
@@ -233,6 +234,7 @@ class BatchRun:
     failed: int
     statuses: dict[str, str]
     starts: int = 1  # how many times the gateway process was started in the arm
+    engine_busy: dict[str, float] = field(default_factory=dict)  # emulated server -> engine seconds in steps
 
 
 async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, restart_at: float | None = None,
@@ -284,6 +286,21 @@ async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, re
     expected = {line["custom_id"] for lines in batches.values() for line in lines}
     return BatchRun(makespan, ends, answers, len(expected - set(seen)), sum(n - 1 for n in seen.values() if n > 1),
                     failed, {n: b.status for n, b in final.items()}, gw.starts)
+
+
+async def engine_busy(servers: Sequence[LiveServer]) -> dict[str, float]:
+    """Emulated server -> the engine seconds it has spent in steps with work (`fedpool_emulator_busy_seconds_total`;
+    servers are fresh each arm, so this is the arm's); other servers are left out."""
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session:
+        for server in servers:
+            if server.profile is None:
+                continue
+            async with session.get(server.record.url + "/metrics") as response:
+                for line in (await response.text()).splitlines():
+                    if line.startswith("fedpool_emulator_busy_seconds_total "):
+                        out[server.record.id] = float(line.split()[1])
+    return out
 
 
 async def online_arm(url: str, batches: dict[str, list[dict[str, Any]]]) -> tuple[float, dict[str, str]]:
@@ -424,10 +441,12 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
         batch, busy = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
-    async with fresh("reserved"), gateway(state, work, args.policy, config.time_scale, f"{name}-reserved",
+        batch.engine_busy = await engine_busy(servers)
+    async with fresh("reserved") as servers, gateway(state, work, args.policy, config.time_scale, f"{name}-reserved",
                                           online_reserve=args.online_reserve) as gw:
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (online callers are about from here)
         reserved, beside_reserved = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
+        reserved.engine_busy = await engine_busy(servers)
     async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
     async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
@@ -508,7 +527,16 @@ def online_latency(r: PoolResult, ratios: Mapping[str, float | None]) -> str:
            f"\nWith --online-reserve {r.reserve}: online_p99_ratio {_f(ratios['online_p99_ratio_reserved'], 3)}, "
            f"vs_ideal {_f(ratios['vs_ideal_reserved'], 3)} (without: {_f(ratios['online_p99_ratio'], 3)}, "
            f"{_f(ratios['vs_ideal'], 3)}).\n"]
-    profiles = load_pool_config(POOLS[r.pool]).profiles()
+    config = load_pool_config(POOLS[r.pool])
+    profiles = config.profiles()
+    if r.batch.engine_busy:
+        out += ["\nEach engine's busy share of the batch arm (engine seconds in steps with work ÷ makespan × "
+                f"time scale {config.time_scale:g}; the LP's ideal keeps every engine busy to its end):\n",
+                markdown_table(["server", "batch arm", f"--online-reserve {r.reserve}"],
+                               [[server, _f(busy / (r.batch.makespan_s * config.time_scale), 3),
+                                 _f(r.reserved.engine_busy.get(server, 0.0)
+                                    / (r.reserved.makespan_s * config.time_scale), 3)]
+                                for server, busy in sorted(r.batch.engine_busy.items())])]
     if profiles:
         body = {"model": "m", "prompt": "probe: " + " ".join(WORDS[:16]), "max_tokens": 16, "temperature": 0}
         steps = []

@@ -21,7 +21,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpool.federation import Dispatcher, Endpoint, InferenceRequest, NoServerError, RequestFailed
+from fedpool.federation import Dispatcher, Endpoint, InferenceRequest, NoServerError, PoolSnapshot, RequestFailed
 from fedpool.federation.gateway.answers import dumps, loads
 from fedpool.federation.gateway.batchstore import (
     BatchStore,
@@ -37,7 +37,6 @@ from fedpool.federation.gateway.handlers import answer_bytes, upstream_failure
 from fedpool.federation.gateway.state import LAG_LIMIT_S, Overload
 from fedpool.federation.routing.pricing import step_cost
 from fedpool.pipeline.ownership import DirectoryLock
-from fedpool.registry import PoolSnapshot
 
 log = logging.getLogger("fedpool.batches")
 
