@@ -26,6 +26,9 @@ the pool app with the Batch API, shortest first, `--policy`, default planned), t
 - **conventional**: each batch on its own server (the most work on the fastest), sent straight to it at twice its
   slots; on a pool with fewer servers than batches, batches share servers in turn.
 
+The batch and reserved arms run `--repeats` times on the emulated pool (default 3: one run there has read from
+1.16 to 1.44× the ideal on the same code) and `--real-repeats` times on llama.cpp (default 1), each on fresh
+servers behind a fresh gateway; their ratios are medians over the runs, printed with the lowest and highest.
 `vs_ideal` (the emulated pool only): the batch arm's makespan over the ideal makespan, the LP of
 benchmarks/assignment.py over the four batches' true token counts (the emulator's own `request_shape`) at the
 pool's time scale. `vs_online` and `vs_conventional` are the batch makespan over those arms'; the result line
@@ -44,6 +47,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -129,7 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
                                   token=resolve_client_token(state_dir=state))
     assert api is not None, f"no registry API in {state}"
     scale = args.time_scale
-    config = DispatchConfig(no_server_timeout_s=10.0, client_order="shortest_first",
+    config = DispatchConfig(no_server_timeout_s=10.0, client_order=args.client_order,
                             learn_period_s=max(0.1, 2.0 / scale))
     options = {"period_s": max(0.05, 1.0 / scale)} if args.policy == "planned" else {}
     stop = asyncio.Event()
@@ -170,11 +174,11 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(state: Path, work: Path, policy: str, time_scale: float, tag: str,
-                  online_reserve: int = 0) -> AsyncIterator[Gateway]:
+                  online_reserve: int = 0, client_order: str = "shortest_first") -> AsyncIterator[Gateway]:
     port = free_port()
     argv = [sys.executable, "-m", "fedpool.benchmarks.batch", "serve", "--state-dir", str(state), "--port", str(port),
             "--batches", str(work / f"batches-{tag}"), "--policy", policy, "--time-scale", str(time_scale),
-            "--online-reserve", str(online_reserve)]
+            "--online-reserve", str(online_reserve), "--client-order", client_order]
     gw = Gateway(argv, f"http://127.0.0.1:{port}", work / f"gateway-{tag}.log")
     await gw.start()
     try:
@@ -360,41 +364,62 @@ async def conventional_arm(servers: Sequence[LiveServer], batches: dict[str, lis
 
 # ---- one pool -----------------------------------------------------------------------------------------------------
 @dataclass
+class Repeats:
+    """One arm run again and again, each time on fresh servers behind a fresh gateway: (the batches' run, the probe
+    beside it) each time."""
+
+    runs: list[tuple[BatchRun, Probe]]
+
+    @property
+    def median(self) -> tuple[BatchRun, Probe]:
+        """The run of the median makespan (the lower middle of an even count)."""
+        ordered = sorted(self.runs, key=lambda run: run[0].makespan_s)
+        return ordered[(len(ordered) - 1) // 2]
+
+    def spread(self, value: Callable[[BatchRun, Probe], float]) -> tuple[float, float, float]:
+        """(median, lowest, highest) of a figure over the runs."""
+        values = sorted(value(run, probe) for run, probe in self.runs)
+        return statistics.median(values), values[0], values[-1]
+
+
+@dataclass
 class PoolResult:
     pool: str
     requests: int
-    batch: BatchRun
+    batches: Repeats  # the batch arm, the probe beside it
     restart: BatchRun
     online_s: float
     conventional_s: float
     idle: Probe  # the probe on the idle pool
-    busy: Probe  # beside the batch arm
-    reserved: BatchRun  # the batch arm again, the gateway leaving `reserve` servers to online callers
-    beside_reserved: Probe
-    online_arm_p99_s: float  # the probe's p99 beside the online arm
-    probes: tuple[int, int, int]
-    refused: tuple[int, int, int]  # the probe's requests refused, idle / beside the batches / beside online
+    reserved: Repeats  # the batch arm again, the gateway leaving `reserve` servers to online callers
+    beside_online: Probe  # the probe beside the online arm
     ideal_s: float | None
     answers_same_pct: float
     sizes: dict[str, int]
     reserve: int
 
     @property
-    def idle_p99_s(self) -> float:
-        return self.idle.p99()
+    def batch(self) -> BatchRun:
+        return self.batches.median[0]
 
-    @property
-    def busy_p99_s(self) -> float:
-        return self.busy.p99()
+    def spreads(self) -> dict[str, tuple[float, float, float] | None]:
+        """Each ratio over the repeats: (median, lowest, highest); None where it does not apply."""
+        idle = self.idle.p99()
+        ideal = self.ideal_s
+
+        def of_makespan(arm: Repeats, over: float | None) -> tuple[float, float, float] | None:
+            return arm.spread(lambda run, _: run.makespan_s / over) if over else None
+
+        return {"vs_ideal": of_makespan(self.batches, ideal), "vs_online": of_makespan(self.batches, self.online_s),
+                "vs_conventional": of_makespan(self.batches, self.conventional_s),
+                "online_p99_ratio": self.batches.spread(lambda _, probe: probe.p99() / idle),
+                "vs_ideal_reserved": of_makespan(self.reserved, ideal),
+                "online_p99_ratio_reserved": self.reserved.spread(lambda _, probe: probe.p99() / idle)}
 
     @property
     def ratios(self) -> dict[str, float | None]:
-        return {"vs_ideal": self.batch.makespan_s / self.ideal_s if self.ideal_s else None,
-                "vs_online": self.batch.makespan_s / self.online_s,
-                "vs_conventional": self.batch.makespan_s / self.conventional_s,
-                "online_p99_ratio": self.busy_p99_s / self.idle_p99_s,
-                "vs_ideal_reserved": self.reserved.makespan_s / self.ideal_s if self.ideal_s else None,
-                "online_p99_ratio_reserved": self.beside_reserved.p99() / self.idle_p99_s}
+        """Each ratio's median over the repeats."""
+        return {k: v[0] if v is not None else None for k, v in self.spreads().items()}
 
 
 def ideal_wall_s(config: PoolConfig, batches: dict[str, list[dict[str, Any]]]) -> float | None:
@@ -435,32 +460,46 @@ async def run_pool(name: str, args: argparse.Namespace, work: Path) -> PoolResul
 
 async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolConfig, state: Path,
                 fresh: Callable[[str], contextlib.AbstractAsyncContextManager[Sequence[LiveServer]]]) -> PoolResult:
-    async with fresh("batch") as servers, gateway(state, work, args.policy, config.time_scale, f"{name}-batch") as gw:
-        model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
-        batches = {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
-        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
-        _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
-        batch, busy = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
-        batch.engine_busy = await engine_busy(servers)
-    async with fresh("reserved") as servers, gateway(state, work, args.policy, config.time_scale, f"{name}-reserved",
-                                          online_reserve=args.online_reserve) as gw:
-        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (online callers are about from here)
-        reserved, beside_reserved = await probed(gw.url, model, args.probe_period, batch_arm(gw, batches))
-        reserved.engine_busy = await engine_busy(servers)
-    async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart") as gw:
+    batch_runs: list[tuple[BatchRun, Probe]] = []
+    reserved_runs: list[tuple[BatchRun, Probe]] = []
+    idle: Probe | None = None
+    batches: dict[str, list[dict[str, Any]]] = {}
+    model = ""
+    for i in range(args.repeats if name == "emulated" else args.real_repeats):
+        tag = "" if i == 0 else f"-{i + 1}"
+        async with fresh(f"batch{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
+                                                            f"{name}-batch{tag}",
+                                                            client_order=args.client_order) as gw:
+            model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
+            batches = batches or {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
+            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
+            if idle is None:
+                _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
+            batch_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
+            batch_runs[-1][0].engine_busy = await engine_busy(servers)
+        async with fresh(f"reserved{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
+                                                               f"{name}-reserved{tag}",
+                                                               online_reserve=args.online_reserve,
+                                                               client_order=args.client_order) as gw:
+            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (online callers about from here)
+            reserved_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
+            reserved_runs[-1][0].engine_busy = await engine_busy(servers)
+    assert idle is not None
+    async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart",
+                                          client_order=args.client_order) as gw:
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
-    async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online") as gw:
+    async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online",
+                                         client_order=args.client_order) as gw:
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         (online_s, online), beside_online = await probed(gw.url, model, args.probe_period, online_arm(gw.url, batches))
     work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
                for n, lines in batches.items()}
     async with fresh("conventional") as servers:
         conventional_s = await conventional_arm(servers, batches, work_of)
-    same = sum(1 for k, v in online.items() if batch.answers.get(k) == v)
-    return PoolResult(name, sum(len(v) for v in batches.values()), batch, restart, online_s, conventional_s,
-                      idle, busy, reserved, beside_reserved, beside_online.p99(),
-                      (len(idle.latencies), len(busy.latencies), len(beside_online.latencies)),
-                      (idle.refused, busy.refused, beside_online.refused),
+    first = batch_runs[0][0]
+    same = sum(1 for k, v in online.items() if first.answers.get(k) == v)
+    return PoolResult(name, sum(len(v) for v in batches.values()), Repeats(batch_runs), restart, online_s,
+                      conventional_s, idle, Repeats(reserved_runs), beside_online,
                       ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
                       {n: len(v) for n, v in batches.items()}, args.online_reserve)
 
@@ -481,62 +520,77 @@ def _f(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _spread(x: tuple[float, float, float] | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x[0]:.{digits}f} ({x[1]:.{digits}f}–{x[2]:.{digits}f})"
+
+
+def _ends(run: BatchRun) -> str:
+    return ", ".join(f"{n} {_f(t, 1)}" for n, t in sorted(run.ends.items(), key=lambda x: x[1]))
+
+
 def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
     parts = [f"Scale {args.scale:g} of the full sizes, seed {args.seed}, gateway policy `{args.policy}`, "
-             f"client order shortest_first, probe every {args.probe_period:g} s.\n"]
+             f"client order {args.client_order}, probe every {args.probe_period:g} s. The batch arm and the reserved "
+             f"arm run {args.repeats} times on the emulated pool and {args.real_repeats} on llama.cpp, each time on "
+             "fresh servers behind a fresh gateway; ratios are the median over those runs (lowest–highest), the "
+             "other arms run once.\n"]
     for r in results:
         parts.append(f"## {r.pool} pool ({POOLS[r.pool].name})\n")
-        parts.append(markdown_table(["arm", "makespan s", "notes"], [
-            ["batch", _f(r.batch.makespan_s), "ends: " + ", ".join(f"{n} {_f(t, 1)}" for n, t in
-                                                                   sorted(r.batch.ends.items(), key=lambda x: x[1]))],
-            [f"batch, --online-reserve {r.reserve}", _f(r.reserved.makespan_s),
-             f"the probe beside it: p50 {_f(r.beside_reserved.quantile(0.5), 3)} s, p99 "
-             f"{_f(r.beside_reserved.p99(), 3)} s; lost {r.reserved.lost}, duplicated {r.reserved.duplicated}"],
-            ["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
-             f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
-            ["online (4 SDK clients × 8)", _f(r.online_s), f"answers the same as the batch arm's: "
-             f"{r.answers_same_pct:.1f}%; the probe's p99 beside it {_f(r.online_arm_p99_s, 3)} s"],
-            ["conventional (a server each)", _f(r.conventional_s), ""],
-            ["ideal (LP)", _f(r.ideal_s), "emulated pools only"],
-        ]))
-        ratios = r.ratios
+        rows = [[f"batch, run {i + 1}", _f(run.makespan_s), "ends: " + _ends(run)]
+                for i, (run, _) in enumerate(r.batches.runs)]
+        rows += [[f"batch, --online-reserve {r.reserve}, run {i + 1}", _f(run.makespan_s),
+                  f"the probe beside it: p50 {_f(probe.quantile(0.5), 3)} s, p99 {_f(probe.p99(), 3)} s; "
+                  f"ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.reserved.runs)]
+        rows += [["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
+                  f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
+                 ["online (4 SDK clients × 8)", _f(r.online_s), f"answers the same as the batch arm's first run: "
+                  f"{r.answers_same_pct:.1f}%; the probe's p99 beside it {_f(r.beside_online.p99(), 3)} s"],
+                 ["conventional (a server each)", _f(r.conventional_s), ""],
+                 ["ideal (LP)", _f(r.ideal_s), "emulated pools only"]]
+        parts.append(markdown_table(["arm", "makespan s", "notes"], rows))
+        spreads = r.spreads()
+        busy = r.batches.median[1]
         parts.append("\n" + markdown_table(
-            ["batches", "requests", "vs_ideal", "vs_online", "vs_conventional", "online p99 idle s", "busy s",
-             "online_p99_ratio", "p50 idle/busy s", "probes idle/batch/online", "refused idle/batch/online"],
-            [[len(r.sizes), r.requests, _f(ratios["vs_ideal"], 3), _f(ratios["vs_online"], 3),
-              _f(ratios["vs_conventional"], 3), _f(r.idle_p99_s, 3), _f(r.busy_p99_s, 3),
-              _f(ratios["online_p99_ratio"], 3), f"{_f(r.idle.quantile(0.5), 3)}/{_f(r.busy.quantile(0.5), 3)}",
-              "/".join(map(str, r.probes)), "/".join(map(str, r.refused))]]))
-        parts.append(online_latency(r, ratios))
+            ["batches", "requests", "vs_ideal", "vs_online", "vs_conventional", "online p99 idle s",
+             "beside the batches s", "online_p99_ratio", "p50 idle/beside s", "probes idle/batch/online",
+             "refused idle/batch/online"],
+            [[len(r.sizes), r.requests, _spread(spreads["vs_ideal"]), _spread(spreads["vs_online"]),
+              _spread(spreads["vs_conventional"]), _f(r.idle.p99(), 3), _f(busy.p99(), 3),
+              _spread(spreads["online_p99_ratio"]), f"{_f(r.idle.quantile(0.5), 3)}/{_f(busy.quantile(0.5), 3)}",
+              f"{len(r.idle.latencies)}/{len(busy.latencies)}/{len(r.beside_online.latencies)}",
+              f"{r.idle.refused}/{busy.refused}/{r.beside_online.refused}"]]))
+        parts.append(online_latency(r, spreads))
         parts.append("\nBatches: " + ", ".join(f"{n} {k}" for n, k in r.sizes.items()) + "; statuses "
                      + ", ".join(f"{n} {s}" for n, s in r.batch.statuses.items()) + "\n")
     return "\n".join(parts)
 
 
-def online_latency(r: PoolResult, ratios: Mapping[str, float | None]) -> str:
-    """Where the probe was answered and how fast, beside the batches with and without the reserve; on an emulated
-    pool, what one engine step costs the probe alone and beside a step's full chunked-prefill budget."""
+def online_latency(r: PoolResult, spreads: Mapping[str, tuple[float, float, float] | None]) -> str:
+    """Where the probe was answered and how fast, beside the batches with and without the reserve (the median
+    runs); each engine's busy share; on an emulated pool, what one engine step costs the probe alone and beside a
+    step's full chunked-prefill budget."""
+    (batch, busy), (reserved, beside_reserved) = r.batches.median, r.reserved.median
     rows = []
-    for arm, probe in (("idle", r.idle), ("beside the batches", r.busy),
-                       (f"beside the batches, --online-reserve {r.reserve}", r.beside_reserved)):
+    for arm, probe in (("idle", r.idle), ("beside the batches", busy),
+                       (f"beside the batches, --online-reserve {r.reserve}", beside_reserved)):
         for server in sorted(set(probe.servers)):
             times = sorted(t for t, s in zip(probe.latencies, probe.servers, strict=True) if s == server)
             rows.append([arm, server, len(times), _f(times[len(times) // 2], 3), _f(times[-1], 3)])
-    out = ["\nThe probe by the server that answered it:\n",
+    out = ["\nThe probe by the server that answered it (the median runs):\n",
            markdown_table(["arm", "server", "probes", "p50 s", "max s"], rows),
-           f"\nWith --online-reserve {r.reserve}: online_p99_ratio {_f(ratios['online_p99_ratio_reserved'], 3)}, "
-           f"vs_ideal {_f(ratios['vs_ideal_reserved'], 3)} (without: {_f(ratios['online_p99_ratio'], 3)}, "
-           f"{_f(ratios['vs_ideal'], 3)}).\n"]
+           f"\nWith --online-reserve {r.reserve}: online_p99_ratio {_spread(spreads['online_p99_ratio_reserved'])}, "
+           f"vs_ideal {_spread(spreads['vs_ideal_reserved'])}; without: {_spread(spreads['online_p99_ratio'])}, "
+           f"{_spread(spreads['vs_ideal'])}.\n"]
     config = load_pool_config(POOLS[r.pool])
     profiles = config.profiles()
-    if r.batch.engine_busy:
-        out += ["\nEach engine's busy share of the batch arm (engine seconds in steps with work ÷ makespan × "
-                f"time scale {config.time_scale:g}; the LP's ideal keeps every engine busy to its end):\n",
+    if batch.engine_busy:
+        out += ["\nEach engine's busy share of the batch arm's median run (engine seconds in steps with work ÷ "
+                f"makespan × time scale {config.time_scale:g}; the LP's ideal keeps every engine busy to its end):\n",
                 markdown_table(["server", "batch arm", f"--online-reserve {r.reserve}"],
-                               [[server, _f(busy / (r.batch.makespan_s * config.time_scale), 3),
-                                 _f(r.reserved.engine_busy.get(server, 0.0)
-                                    / (r.reserved.makespan_s * config.time_scale), 3)]
-                                for server, busy in sorted(r.batch.engine_busy.items())])]
+                               [[server, _f(seconds / (batch.makespan_s * config.time_scale), 3),
+                                 _f(reserved.engine_busy.get(server, 0.0)
+                                    / (reserved.makespan_s * config.time_scale), 3)]
+                                for server, seconds in sorted(batch.engine_busy.items())])]
     if profiles:
         body = {"model": "m", "prompt": "probe: " + " ".join(WORDS[:16]), "max_tokens": 16, "temperature": 0}
         steps = []
@@ -565,14 +619,15 @@ def result_of(results: Sequence[PoolResult]) -> dict[str, object]:
         values = [x[key] for x in ratios if x[key] is not None]
         return _f(max(values), 3) if values else "-"  # type: ignore[type-var]
 
+    runs = [run for r in results for arm in (r.batches, r.reserved) for run, _ in arm.runs] + [
+        r.restart for r in results]
     return {"batches": sum(len(r.sizes) for r in results), "requests": sum(r.requests for r in results),
             "vs_ideal": _f(ideal[0], 3) if ideal else "-", "vs_online": worst("vs_online"),
             "vs_conventional": worst("vs_conventional"), "online_p99_ratio": worst("online_p99_ratio"),
             "online_p99_ratio_reserved": worst("online_p99_ratio_reserved"),
             "vs_ideal_reserved": _f(reserved[0], 3) if reserved else "-",
             "restarts": sum(r.restart.starts - 1 for r in results),
-            "lost": sum(r.batch.lost + r.restart.lost + r.reserved.lost for r in results),
-            "duplicated": sum(r.batch.duplicated + r.restart.duplicated + r.reserved.duplicated for r in results)}
+            "lost": sum(run.lost for run in runs), "duplicated": sum(run.duplicated for run in runs)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -586,11 +641,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     served.add_argument("--policy", default="planned")
     served.add_argument("--time-scale", type=float, default=1.0)
     served.add_argument("--online-reserve", type=int, default=0)
+    served.add_argument("--client-order", default="shortest_first")
     parser.add_argument("--pools", default="emulated,llamacpp", help="comma-separated: emulated, llamacpp")
     parser.add_argument("--scale", type=float, default=1.0, help="batch sizes × this (at least 1 request each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="planned")
     parser.add_argument("--probe-period", type=float, default=0.5)
+    parser.add_argument("--client-order", default="shortest_first",
+                        help="the gateway's order between clients (the issue's: shortest_first between batches)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the batch and reserved arms, emulated pool")
+    parser.add_argument("--real-repeats", type=int, default=1,
+                        help="runs of the batch and reserved arms on the llama.cpp pool (each takes minutes)")
     parser.add_argument("--online-reserve", type=int, default=1,
                         help="servers the gateway leaves to online callers in the reserved arm")
     parser.add_argument("--idle-probe-s", type=float, default=20.0)
