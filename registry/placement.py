@@ -26,9 +26,6 @@ else:
 Ranked = tuple[float, str, float, float, bool]  # a client in the order: rank, holder, weight, wanted, by service
 KindPlan = tuple[dict[str, dict[str, float]], dict[str, set[str]]]  # holder -> kind -> slots; -> kinds it may use
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
-# In a class of clients ranked by service, a client's weight falls linearly with the service it has had beyond the
-# class's least served, to this fraction at the class's width (`_order_fill`).
-SERVICE_GRADE_FLOOR = 0.1
 
 # The horizon rule, one for a process's own clients (federation/routing/horizon.py) and for the broker's holders:
 HORIZON_MARGIN = 0.2  # a request may take up to (1 - margin) × the horizon on a kind (engines run below their
@@ -62,11 +59,7 @@ def usable_kinds(prices: Mapping[str, float], horizon: float, margin: float = HO
 def _order_fill(clients: Sequence[Ranked], capacity: float, service_tie: float) -> tuple[list[float], float]:
     """Each client's share of `capacity` in the client order — clients of a smaller rank first, each up to what
     it wants; equal ranks (within RANK_TIE, or `service_tie` between clients ranked by service) share by weight —
-    and what is left. In a class of clients ranked by service, the further one is ahead of the class's least served,
-    the less its weight (SERVICE_GRADE_FLOOR at the class's width): least attained service first, without flipping
-    every slot from one client to the other at each renewal as a strict order does — as one flat class, a short
-    run beside a long one got no more than an equal share (behind two gateway replicas, a short lm-eval run took
-    1.3× its time behind one, where the gateway ranks them strictly by service)."""
+    and what is left."""
     got = [0.0] * len(clients)
     left = float(capacity)
     i = 0
@@ -76,12 +69,7 @@ def _order_fill(clients: Sequence[Ranked], capacity: float, service_tie: float) 
         while j < len(clients) and clients[j][0] - clients[i][0] <= (
                 max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
             j += 1
-        members = list(clients[i:j])
-        if service_tie > 0 and len(members) > 1 and all(c[4] for c in members):
-            least = members[0][0]
-            members = [(r, h, w * max(SERVICE_GRADE_FLOOR, 1.0 - (r - least) / service_tie), n, by)
-                       for r, h, w, n, by in members]
-        for k, share in enumerate(water_fill(members, left)):
+        for k, share in enumerate(water_fill(list(clients[i:j]), left)):
             got[i + k] = share
             left -= share
         i = j
