@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -12,9 +13,10 @@ from fedpool.deploy.emulator import SGLANG_ABORT_CHECK_S
 from fedpool.federation import DispatchConfig
 from fedpool.federation.core.attempts import PREEMPT_MAX_AGE_S, engine_cancel_s
 from fedpool.federation.core.dispatcher import PREEMPTED, Dispatcher
+from fedpool.federation.core.policy import Hold
 from fedpool.federation.core.types import Endpoint, InferenceRequest, InferenceResult
 from fedpool.federation.core.windows import our_queue
-from fedpool.federation.routing.policies import make_policy
+from fedpool.federation.routing.policies import CapacityWeighted, make_policy
 from fedpool.registry import LoadSample, PoolSnapshot, ServerEntry
 from tests.fakes import FakePool, wall_time
 from tests.test_dispatcher import snapshot_of
@@ -311,3 +313,48 @@ async def test_another_process_s_queue_on_the_engine_is_not_counted_as_ours(fake
     assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 6}
     results = await asyncio.gather(*calls)
     assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}
+
+
+class _Holding(CapacityWeighted):
+    """A real policy that holds one client while `hold` (as a plan does a client it wants on servers without room)."""
+
+    hold = True
+
+    def place(self, route: Any, request: InferenceRequest, tried: set[str]) -> Any:
+        if self.hold and request.client_id == "short":
+            return Hold.CLIENT_HELD
+        return super().place(route, request, tried)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "placed"])
+async def test_no_slot_is_taken_for_a_client_the_policy_holds(fakes: FakePool, held: bool) -> None:
+    """shortest_first, a full route: a short caller waits behind a long one's young attempts. Placed, it takes
+    some of them (`_take_for_order`). Held by the policy, taking them only handed the slots back to the long one
+    at the next grant: three small batches took each other's attempts at every pass and none of 155 requests
+    ended in 12 minutes. Now one round is taken for it, and no more until it has been granted a slot."""
+    server = fakes.start(decode_s=0.05)
+    snap = snapshot_of([server], capacity=4, engines=["vllm"])
+    policy = _Holding()
+    policy.hold = held
+    dispatcher = fakes.dispatcher(lambda: snap, policy, config=DispatchConfig(client_order="shortest_first"))
+    dispatcher.notify_snapshot()
+    dispatcher.apply_lease({"s0": 4})
+
+    def send(client: str, n: int) -> list[asyncio.Future[InferenceResult]]:
+        dispatcher.set_client_requests_left(client, n)
+        return [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
+            {"prompt": f"{client} q{i}", "max_tokens": 40, "ignore_eos": True}, request_id=f"{client}-{i}",
+            model="emu-model", endpoint=Endpoint.COMPLETIONS, client_id=client))) for i in range(n)]
+
+    long = send("long", 8)
+    await asyncio.sleep(0.1)  # the long caller's first four hold every slot, 0.1 s old
+    short = send("short", 2)
+    await asyncio.sleep(0.3)
+    first = dispatcher.stats().preempted
+    assert 1 <= first <= (2 if held else 4)  # held: one round for the short caller (two of its requests wait)
+    await asyncio.sleep(1.0)
+    if held:  # never again while it has not been granted a slot (before, at every pass: none ended)
+        assert dispatcher.stats().preempted == first and dispatcher.stats().completed == 0
+    policy.hold = False
+    await asyncio.gather(*long, *short)
+    assert dispatcher.stats().completed == 10

@@ -65,6 +65,9 @@ class Route:
         self._heap: list[tuple[float, float, int, str]] = []
         self._pushed: dict[str, ClientKey] = {}  # the key of each client's newest heap entry
         self.waiting = 0  # live waiters
+        # The client the grant pass last took slots back for (`GrantPass._take_for_order`), until it is granted one:
+        # no more are taken for it meanwhile (the policy may hold it, and the slots go to others again).
+        self.took_for: str | None = None
         # Clients a policy held until a server of one of these groups has room (`park`): out of the heap, so a
         # grant pass does not walk them again; back when such a server frees, the servers change, or `unpark_all`.
         # A server of a group getting room unparks only the group's first parked client in the serving order (not

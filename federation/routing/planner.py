@@ -440,7 +440,10 @@ class PlannedRouting(Policy, name="planned"):
         clients = sorted(shapes)
         for client in clients:
             self._classify(client)
-        servers = list(route)
+        # Only servers taking requests: one without a window (no lease there, tripped) planned as capacity held a
+        # client for it while the others ran (a small batch planned onto V100s its gateway held no lease on waited
+        # for ever, and the grant pass took slots for it from the others at every turn).
+        servers = [s for s in route if s.window > 0]
         if not clients or not servers:
             return Plan(now, 0.0, {})  # nothing to plan: every client waits for the next plan
         assert self._speed is not None
