@@ -197,7 +197,6 @@ class Probe:
     period_s: float
     latencies: list[float] = field(default_factory=list)
     servers: list[str] = field(default_factory=list)  # the server that answered each (X-Fedpool-Server)
-    sent_at: list[float] = field(default_factory=list)  # when each was sent (time.monotonic())
     refused: int = 0  # answered with an error (the gateway overloaded): not retried, not in the latencies
 
     async def run(self, stop: asyncio.Event, count: int | None = None) -> None:
@@ -212,7 +211,6 @@ class Probe:
                                                                             max_tokens=16, temperature=0)
                     self.latencies.append(time.monotonic() - began)
                     self.servers.append(raw.headers.get("X-Fedpool-Server", "?"))
-                    self.sent_at.append(began)
                 except openai.APIStatusError:
                     self.refused += 1
                 with contextlib.suppress(TimeoutError):
