@@ -27,6 +27,8 @@ state dir) and are no Ray drivers; the gateways join Ray.
    until both processes have sent one (lm-eval's start-up is outside the clock) and reads which server answered
    each request (the gateway's `X-Fedpool-Server`). `replicas_eval_vs_one`: each lm-eval run's time (start line
    to its last answer) behind two replicas ÷ behind one gateway, the median over repeats, the worse of the two runs.
+   Each part's repeats follow one untimed run on the fresh pool (`--no-warmup`: none): the arm met first by the
+   engines and the registry, with no cost learned yet, had read up to 1.4x the same arm's later repeats.
 3. **lease traffic**: the registry's count of lease calls (`RegistryClient.leases()["calls"]`) before and after
    each arm, over the arm's wall time; the broker's holders and the slots it granted per server, sampled every
    0.5 s.
@@ -109,6 +111,7 @@ ENGINE_METRICS = ("llamacpp:requests_deferred", "llamacpp:requests_processing", 
                   "llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
 DECODE_METRICS = ("llamacpp:n_decode_total", "llamacpp:n_busy_slots_per_decode")
 EVAL_ARMS = ("one", "multi", "gateway")
+WARMUP_LIMIT = 8  # samples of each eval in part 1's untimed warm-up
 TOOL_ARMS = ("one-gateway", "two-replicas")
 TARGETS = {"processes": 8, "repeats": 3, "makespan_vs_one": 1.05, "latest_eval_vs_one": 1.10, "max_engine_queue": 1,
            "replicas_eval_vs_one": 1.10, "replicas_busier_share": 0.55, "over_capacity": 0}
@@ -732,6 +735,9 @@ async def run_all(args: argparse.Namespace, work: Path) -> tuple[Results, Pool]:
     async with local_pool(work, args.servers, args.slots, args.threads, split(args.engine_cpus)) as pool:
         if "evals" in args.parts:
             specs = write_specs(work / "specs", args.long_prompts, args.long_tokens, args.processes)
+            if args.warmup:  # untimed: the servers' first requests and the registry's first cost figures
+                warm = min(args.limit or WARMUP_LIMIT, WARMUP_LIMIT)
+                await run_eval_arm("one", pool, specs, work / "evals-warmup", warm)
             for r, order in enumerate(_orders(EVAL_ARMS, args.repeats)):
                 runs: dict[str, EvalArm] = {}
                 for arm in order:
@@ -750,6 +756,10 @@ async def run_all(args: argparse.Namespace, work: Path) -> tuple[Results, Pool]:
                 gate = ServerCountingGate(session)
                 await gate.start()
                 try:
+                    if args.warmup:  # untimed, as above: the arm run first is otherwise the one on a cold pool
+                        await settle(pool)
+                        await run_tool_arm("one-gateway", "warmup", pool, workloads, task_dir, work / "tools-warmup",
+                                           gate)
                     for r, order in enumerate(_orders(TOOL_ARMS, args.repeats)):
                         tool_runs: dict[str, ToolArm] = {}
                         for arm in order:
@@ -1105,7 +1115,11 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
         f"registry probing every {PROBE_INTERVAL_S:g} s. Every eval run, gateway and lm-eval is its own process "
         f"joining the pool (`--address`, `--state-dir`); the eval processes reach the registry over its HTTP API "
         f"(no Ray driver), the gateways through Ray. {len(results.evals)} alternating repeats of part 1, "
-        f"{len(results.tools)} of part 2; ratios are medians with the (lowest–highest) over repeats.",
+        f"{len(results.tools)} of part 2; ratios are medians with the (lowest–highest) over repeats. "
+        + (f"Before each part's repeats, one untimed run on the fresh pool (part 1: one process, the first "
+           f"{WARMUP_LIMIT} samples of each eval; part 2: the one-gateway arm), so that no timed arm is the one "
+           "that meets the engines' and the registry's first requests." if getattr(args, "warmup", False) else
+           "No untimed warm-up run (`--no-warmup`): the first timed arm of each part met the fresh pool."),
         "",
         _cores_sentence(split(args.engine_cpus)),
         "",
@@ -1154,6 +1168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=48)
     parser.add_argument("--limit", type=int, help="only the first N samples of each eval in part 1 (development)")
     parser.add_argument("--tool-arith", type=int, default=60, help="arith samples of the lm-eval part")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed runs before "
+                        f"each part's repeats (part 1: one process, the first {WARMUP_LIMIT} samples of each eval; "
+                        "part 2: the one-gateway arm)")
     parser.add_argument("--engine-cpus", type=int, default=0, help="cores kept for the engines, every other "
                         "process on the rest (default 0: every process shares every core)")
     parser.add_argument("--name", default="multiprocess")
@@ -1169,7 +1186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 TITLE = "Many processes, one pool: N eval processes and gateway replicas sharing the servers' slots"
 RUN_SETTINGS = ("repeats", "processes", "servers", "slots", "threads", "long_prompts", "long_tokens", "limit",
-                "tool_arith", "engine_cpus")
+                "tool_arith", "engine_cpus", "warmup")
 
 
 def execute(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]:
@@ -1193,6 +1210,7 @@ def rerender(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]
     """The report again from what a run kept in its work dir (a report's text changed, not the numbers)."""
     work = args.from_work_dir
     run = json.loads((work / RUN_FILE).read_text(encoding="utf-8"))
+    args.warmup = False  # (a run from before the warm-up existed had none)
     for key, value in run["settings"].items():
         setattr(args, key, value)
     results = load_results(work)

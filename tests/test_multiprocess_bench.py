@@ -35,7 +35,8 @@ def test_multiprocess_benchmark_small(tmp_path: Path) -> None:
     assert float(str(line["replicas_eval_vs_one"])) > 0, line
     assert line["over_capacity"] == 0, line  # the registry's exported counter, through every arm
     assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
-    (evals,) = results.evals
+    (evals,) = results.evals  # the untimed warm-up runs ran first, and are not among the repeats
+    assert all((tmp_path / "work" / part / "arm.json").is_file() for part in ("evals-warmup", "tools-warmup"))
     for arm in multiprocess.EVAL_ARMS:
         run = evals[arm]
         assert sorted(run.evals) == ["arith", "capitals", "long_a", "long_b", "long_c"], arm
