@@ -311,6 +311,36 @@ def test_long_answers_are_never_held_for_the_pace() -> None:
     assert isinstance(p.place("big", view), Server)  # nor does it hold the others back
 
 
+def test_an_open_ended_caller_is_not_paced_behind_callers_with_more_waiting() -> None:
+    """Gateway callers that say nothing of their size are planned over kinds but not paced: their quotas are only
+    what each has waiting, so a caller sending one request at a time reached its whole quota with its first and
+    waited, plan after plan, while the others had requests waiting (a probe beside four SDK clients on two
+    llama.cpp servers: 78 s for a 16-token answer). The client order decides between them; a caller that said
+    its size is still paced."""
+    p = Planning(warmup_periods=0.0, order="shortest_first")
+    view = View([p.server("a", "A100"), p.server("b", "A100")])
+    for client in ("bulk0", "bulk1", "probe"):
+        p.clients.note_request(client, prompt_of(client, 400, 16), p.now)
+    p.clients.waiting.update({"bulk0": 8, "bulk1": 8, "probe": 1})
+    assert p.clients.open_ended("probe") and p.clients.open_ended("bulk0")
+    for client in ("bulk0", "bulk1", "probe"):  # each asks once: the plan covers it from its next ask
+        p.place(client, view)
+    plan = p.policy.plan()
+    assert plan is not None and set(plan.kind_quotas) == {"bulk0", "bulk1", "probe"}
+    assert isinstance(p.place("bulk0", view), Server)
+    assert isinstance(p.place("probe", view), Server)  # held before: its next share 1/1 against bulk1's 1/8
+    p.has("sized", 8, prompt_chars=400, max_tokens=16)  # says it has 8 left: paced with others that say so
+    p.has("other", 80, prompt_chars=400, max_tokens=16)
+    p.clients.waiting.update({"sized": 8, "other": 80})
+    p.now += 1.0
+    for client in ("sized", "other"):
+        p.place(client, view)
+    plan = p.policy.plan()
+    assert plan is not None and plan.kind_quotas["sized"] and plan.kind_quotas["other"]
+    assert p.place("sized", view) is Hold.CLIENT_HELD  # 1/8 of its quota against other's 1/80
+    assert isinstance(p.place("probe", view), Server)  # the open-ended caller is not held by their pace
+
+
 def test_a_client_that_announced_its_shape_is_planned_before_it_sends() -> None:
     p = Planning(warmup_periods=0.5)
     fast, slow = p.server("fast", "A100"), p.server("slow", "V100")

@@ -281,10 +281,14 @@ class PlannedRouting(Policy, name="planned"):
         """The client's planned kinds where it is not ahead of its plan's pace: a kind's slots go to the waiting
         clients planned on it in proportion to their quotas there (the one whose next request there is the
         smallest share of its quota goes first), not in the client order alone, so that a plan giving a kind many
-        of one client's quick prompts beside another's few long ones is carried out. Clients with long answers
-        are outside the pace (neither held nor holding): each request is a long chain, and paced with the others
-        their last ones started last and ended after everything else."""
-        if client_id in self._long_answers:
+        of one client's quick prompts beside another's few long ones is carried out. Outside the pace (neither
+        held nor holding): clients with long answers — each request is a long chain, and paced with the others
+        their last ones started last and ended after everything else — and open-ended callers (saying nothing of
+        their size: `ClientBook.open_ended`), whose quota is only what they have waiting — a caller sending one
+        request at a time reached its whole quota with each and waited, plan after plan, until the others had
+        sent nearly all theirs (a probe beside four SDK clients on two llama.cpp servers: 78 s for 16 tokens);
+        the client order decides between them."""
+        if client_id in self._long_answers or self._st.clients.open_ended(client_id):
             return quotas
         plan = plans.plan
         assert plan is not None
@@ -296,10 +300,10 @@ class PlannedRouting(Policy, name="planned"):
 
     def _paces(self, plans: RoutePlan, plan: Plan, route: RouteView) -> dict[str, float]:
         """Kind -> its pace (`plans.kind_paces`). Clients whose long prompts the interference rule may hold set no
-        pace (a slot they cannot take would stay empty), nor do clients with long answers."""
-        waiting, long_answers = self._st.clients.waiting, self._long_answers
-        return kind_paces(plan, plans.sent, lambda c: bool(waiting.get(c)) and not self._stalls(c)
-                          and c not in long_answers, route.free_in)
+        pace (a slot they cannot take would stay empty), nor do those outside it (`_due`)."""
+        book, long_answers = self._st.clients, self._long_answers
+        return kind_paces(plan, plans.sent, lambda c: bool(book.waiting.get(c)) and not self._stalls(c)
+                          and c not in long_answers and not book.open_ended(c), route.free_in)
 
     def _best(self, client_id: str, plans: RoutePlan, quotas: Mapping[str, float], servers: Sequence[Any],
               memo: dict[str, Any]) -> Any:
