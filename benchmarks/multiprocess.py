@@ -922,6 +922,27 @@ def _evals_section(results: Results, servers: Sequence[str]) -> list[str]:
     return lines
 
 
+def _noise_of_one_eval(results: Results) -> list[str]:
+    """How far one short eval's done time moves within an arm (the same eval twice in one process), against the
+    time the last short eval ends in each arm: what a single eval's ratio can tell."""
+    runs = [r for r in results.evals if {"arith", "arith_2"} <= set(r["one"].evals)]
+    shorts = [n for n in (results.evals[0]["one"].evals if results.evals else ()) if not n.startswith("long_")]
+    if not runs or not shorts:
+        return []
+
+    def last_short(run: dict[str, EvalArm], arm: str) -> float:
+        return max(run[arm].evals[n].done_s for n in shorts if n in run[arm].evals)
+
+    twins = [r["one"].evals["arith"].done_s / r["one"].evals["arith_2"].done_s for r in runs]
+    return ["", f"- One eval's ratio carries the order its requests happened to be served in: `arith` and `arith_2` "
+            f"are the same eval (the same prompts) in the same process, and in the one-process arm `arith` ended "
+            f"{_spread(twins)} as late as `arith_2`. The moment the last short eval ends, gateway ÷ one: "
+            f"{_spread([last_short(r, 'gateway') / last_short(r, 'one') for r in results.evals])}; multi ÷ one: "
+            f"{_spread([last_short(r, 'multi') / last_short(r, 'one') for r in results.evals])}. "
+            "`latest_eval_vs_one` is the largest of eight such medians, each over a handful of repeats, so it reads "
+            "above 1 by this spread even where the arms do not differ."]
+
+
 def _makespan_why(results: Results) -> list[str]:
     """The makespan's difference between the arms split into the schedule (decode steps, batch fullness) and the
     cores (the engines' and everyone else's CPU seconds), medians over repeats; nothing where not sampled."""
@@ -1049,6 +1070,7 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
                 "reaches the registry over its HTTP API and takes its first capacity lease (it starts no Ray CPU "
                 "actor for evals of this size)."]
         out += _makespan_why(results)
+        out += _noise_of_one_eval(results)
     queued = [(f"evals repeat {r + 1} {arm}", run[arm].watch,
                [c for t in run[arm].evals.values() for c in t.lost_copies])
               for r, run in enumerate(results.evals) for arm in EVAL_ARMS]
