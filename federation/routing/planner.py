@@ -282,12 +282,9 @@ class PlannedRouting(Policy, name="planned"):
         clients planned on it in proportion to their quotas there (the one whose next request there is the
         smallest share of its quota goes first), not in the client order alone, so that a plan giving a kind many
         of one client's quick prompts beside another's few long ones is carried out. Outside the pace (neither
-        held nor holding): clients with long answers — each request is a long chain, and paced with the others
-        their last ones started last and ended after everything else — and open-ended callers (saying nothing of
-        their size: `ClientBook.open_ended`), whose quota is only what they have waiting — a caller sending one
-        request at a time reached its whole quota with each and waited, plan after plan, until the others had
-        sent nearly all theirs (a probe beside four SDK clients on two llama.cpp servers: 78 s for 16 tokens);
-        the client order decides between them."""
+        held nor holding): clients with long answers (paced, their last long chains started last and ended after
+        everything else) and open-ended callers (`ClientBook.open_ended`: their quota is what they have waiting,
+        so one sending a request at a time waited plan after plan: 78 s for a 16-token probe beside SDK clients)."""
         if client_id in self._long_answers or self._st.clients.open_ended(client_id):
             return quotas
         plan = plans.plan
