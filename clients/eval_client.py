@@ -104,6 +104,7 @@ class StartLine:
 @dataclass
 class _Counters:
     done: int = 0
+    answered: int = 0  # samples whose request has its outcome (answered or failed), recorded or not yet
     failed: int = 0
     retried: int = 0
     written: int = 0
@@ -208,7 +209,7 @@ class EvalRun:
             writer = await asyncio.to_thread(self._open_writer, data_hash)
             todo = [s for s in samples if s.sample_id not in writer.done_ids]
             total = len(samples)
-            self._counters.done = total - len(todo)
+            self._counters.done = self._counters.answered = total - len(todo)
             words = _mean_prompt_words(self.spec, todo)  # rendered once: work estimate and planner prior alike
             self._work_each = words + DECODE_WEIGHT * self.spec.generation.max_tokens
             if self._verifier is not None and self._verifier.config.shares_engine_cores:
@@ -355,6 +356,10 @@ class EvalRun:
                 self._dispatcher.client_done_sending(self.spec.name)
                 return
             record = await self._evaluate(sample)
+            # Left: what has no outcome yet, told in the step the dispatcher counted the answer (told as records
+            # were written, a lease report counted some answered and left: "16 / 304" for an eval of 300).
+            self._counters.answered += 1
+            self._report_remaining(total - self._counters.answered)
             if self._stages.after is not None:
                 # Scoring runs on the CPU actors while this worker sends its next request.
                 task = asyncio.create_task(self._after_stage(record, writer, total, started))
@@ -398,7 +403,6 @@ class EvalRun:
         if await writer.append(record):
             self._counters.written += 1
         self._counters.done += 1
-        self._report_remaining(total - self._counters.done)
         if record.failed:
             self._counters.failed += 1
         if record.provenance.attempts > 1:
