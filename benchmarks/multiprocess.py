@@ -939,8 +939,8 @@ def _noise_of_one_eval(results: Results) -> list[str]:
             f"{_spread(twins)} as late as `arith_2`. The moment the last short eval ends, gateway ÷ one: "
             f"{_spread([last_short(r, 'gateway') / last_short(r, 'one') for r in results.evals])}; multi ÷ one: "
             f"{_spread([last_short(r, 'multi') / last_short(r, 'one') for r in results.evals])}. "
-            "`latest_eval_vs_one` is the largest of eight such medians, each over a handful of repeats, so it reads "
-            "above 1 by this spread even where the arms do not differ."]
+            f"`latest_eval_vs_one` is the largest of {len(results.evals[0]['one'].evals)} such medians, each over "
+            f"{len(results.evals)} repeats, so it reads above 1 by this spread even where the arms do not differ."]
 
 
 def _makespan_why(results: Results) -> list[str]:
@@ -1140,7 +1140,7 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
         f"{len(results.tools)} of part 2; ratios are medians with the (lowest–highest) over repeats. "
         + (f"Before each part's repeats, one untimed run on the fresh pool (part 1: one process, the first "
            f"{WARMUP_LIMIT} samples of each eval; part 2: the one-gateway arm), so that no timed arm is the one "
-           "that meets the engines' and the registry's first requests." if getattr(args, "warmup", False) else
+           "that meets the engines' and the registry's first requests." if args.warmup else
            "No untimed warm-up run (`--no-warmup`): the first timed arm of each part met the fresh pool."),
         "",
         _cores_sentence(split(args.engine_cpus)),
