@@ -290,6 +290,42 @@ async def test_a_short_engine_queue_or_the_option_off_takes_nothing_back(fakes: 
     assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}
 
 
+@pytest.mark.parametrize("case", ["tail", "the-only-server", "still-sending"])
+async def test_at_a_tail_a_short_engine_queue_is_taken_back_for_a_server_with_room(fakes: FakePool, case: str) -> None:
+    """The client has sent its last request and nothing waits in the dispatcher: a queue too short to shrink a
+    window mid-run (10 of 16 waiting, under three quarters) only lengthens the run where another server has room.
+    The scrape shrinks the window to what runs and one more (6 + 1); the 9 attempts beyond it run on the other
+    server, each answered once (a Table 7 V100 kept 35-60 long prompts queued for 40 s while the three other
+    servers idled). The same queue stays on the pool's only server (nowhere sooner to run it), and while the client
+    says it has more to send (its next requests would find the engine's batch empty)."""
+    dispatcher, current, both = one_then_two(fakes)
+    calls = submit(dispatcher, 16)
+    if case == "still-sending":
+        dispatcher.set_client_requests_left("default", 100)
+    else:
+        dispatcher.client_done_sending("default")
+    await asyncio.sleep(0.2)
+    assert dispatcher.inflight() == {"s0": 16}
+    if case != "the-only-server":
+        current[0] = both  # the second server joins, idle: nothing waits to go to it
+        dispatcher.notify_snapshot()
+    current[0] = queued_scrape(current[0], running=6, waiting=10, version=3)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    window = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+    if case != "tail":
+        assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 16} and window.window == 16
+        await asyncio.gather(*calls)
+        return
+    assert window.window == 7 and window.window_reason is not None and "tail" in window.window_reason
+    assert dispatcher.stats().preempted == 9 and dispatcher.inflight() == {"s0": 7, "s1": 9}
+    results = await asyncio.gather(*calls)
+    assert sorted(r.request_id for r in results) == sorted(f"r{i}" for i in range(16))
+    given_back = [r for r in results if any(a.detail == PREEMPTED for a in r.attempts)]
+    assert len(given_back) == 9 and all(r.server_id == "s1" for r in given_back)
+    assert dispatcher.inflight() == {}
+
+
 async def test_another_process_s_queue_on_the_engine_is_not_counted_as_ours(fakes: FakePool) -> None:
     """Six of ours running beside another process's two, and its six waiting in the engine's queue: of the queue,
     ours is in proportion to what we had there (6 of 14: 2.6, under three quarters of our 6), so our window keeps

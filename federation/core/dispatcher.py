@@ -129,7 +129,8 @@ class Dispatcher(GrantPass, AttemptEnds):
         # callers ranked by their service exist only there; attempts.py `take_for`).
         self._preempt = Preemptions(clock)
         if config.give_back_queued:
-            self._book.on_queued = self._take_back_queued
+            self._book.on_queued, self._book.at_tail = self._take_back_queued, self._at_tail
+        self._all_sent = (math.nan, False)  # (when, whether every client in flight has sent its last: _at_tail)
         self._give_back_queued = config.give_back_queued
         self._order_takes = config.client_order == "shortest_first"
 
@@ -258,6 +259,20 @@ class Dispatcher(GrantPass, AttemptEnds):
         the ones the engine has queued, not started, however long they have waited (docs/architecture.md)."""
         if state.inflight > state.window:
             self._preempt.over_limit(state, state.inflight - state.window, math.inf)
+
+    def _at_tail(self, state: ServerState) -> bool:
+        """Whether the server is at a tail: nothing waits on its routes, another of their servers has room, and
+        every client with a request in flight has sent its last (or has no end in view: an online caller) — a
+        queue in its engine is then worth moving (windows.py). Read once per clock tick."""
+        routes = state.routes
+        if not routes or any(route.waiting for route in routes) or not any(r.has_room_besides(state) for r in routes):
+            return False
+        now = self._clock()
+        if self._all_sent[0] != now:
+            clients = self._clients
+            done = clients.done_sending
+            self._all_sent = (now, bool(done) and all(c in done or clients.open_ended(c) for c in self._ledger.clients))
+        return self._all_sent[1]
 
     # ---- the hot path -------------------------------------------------------------------------------
     async def submit(self, request: InferenceRequest) -> InferenceResult:

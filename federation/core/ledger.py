@@ -337,11 +337,12 @@ class ServerLearning:
     def on_rate_limited(self) -> None:
         self._rate_limited += 1
 
-    def on_scrape(self, waiting: float, inflight: int) -> WindowDecision | None:
-        """A new scrape of the engine (`inflight`: this dispatcher's attempts there when it was taken)."""
+    def on_scrape(self, waiting: float, inflight: int, tail: bool = False) -> WindowDecision | None:
+        """A new scrape of the engine (`inflight`: this dispatcher's attempts there when it was taken; `tail`:
+        WindowController.on_scrape's)."""
         if not self.adaptive:
             return None
-        decision = self.controller.on_scrape(waiting, inflight)
+        decision = self.controller.on_scrape(waiting, inflight, tail=tail)
         if decision is not None:
             self.last_decision = decision
         return decision

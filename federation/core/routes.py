@@ -126,6 +126,10 @@ class Route:
                     group[index] = last
                     self._gpos[last] = index
 
+    def has_room_besides(self, state: ServerState) -> bool:
+        """Whether a server of the route other than `state` has room now."""
+        return len(self.free) > (1 if state in self._pos else 0)
+
     def group_by(self, group_of: Callable[[ServerState], str]) -> None:
         """Keep the servers with room also by `group_of` (once per route: a policy that wants it asks)."""
         if self._group_of is group_of:

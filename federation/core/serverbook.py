@@ -1,10 +1,9 @@
 """What one dispatcher knows about each server: one `ServerState` per server (its in-flight figures from the
-ledger, admission window, learned speed, circuit breaker, answer counters) and the routes it serves, each
-with an index of its servers that have room, kept current as slots are taken and given back, windows move,
-breakers open and close and snapshots arrive. A grant samples from that index: O(1), whatever the pool's size.
-
-A server that leaves the snapshot leaves every route at once; its state is forgotten when nothing of it is
-in flight any more (long-running processes hold no state for servers that are gone).
+ledger, admission window, learned speed, circuit breaker, answer counters) and the routes it serves, each with an
+index of its servers that have room, kept current as slots are taken and given back, windows move, breakers open
+and close and snapshots arrive. A grant samples from that index: O(1), whatever the pool's size. A server that
+leaves the snapshot leaves every route at once; its state is forgotten when nothing of it is in flight any more
+(long-running processes hold no state for servers that are gone).
 """
 
 from __future__ import annotations
@@ -128,9 +127,10 @@ class ServerBook:
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
         # The KV cache one request of a client is expected to hold (ClientBook.kv_tokens); None: no KV admission.
         self.kv_cost: Callable[[str], float] | None = None
-        # Told when a scrape of a server's engine queue shrank its window below what is in flight there (the
-        # dispatcher takes the youngest attempts back; None: nothing is taken).
+        # Told when a scrape of a server's engine queue shrank its window below what is in flight there (the dispatcher
+        # takes the youngest back; None: nothing is); `at_tail`: WindowController.on_scrape's, asked at such a scrape.
         self.on_queued: Callable[[ServerState], None] | None = None
+        self.at_tail: Callable[[ServerState], bool] = lambda _state: False
 
     # ---- the pool ---------------------------------------------------------------------------------
     def sync(self, snapshot: PoolSnapshot | None) -> bool:
@@ -188,7 +188,8 @@ class ServerBook:
                 # Ours queued in the engine (`our_queue`): the window shrinks now, not at the next answer; attempts
                 # beyond it the engine has likely not started are the dispatcher's to take back (`on_queued`).
                 ours = state.scrape_inflight = state.at(load.observed_at)
-                if state.learning.on_scrape(our_queue(load.waiting, load.running, ours), ours) is not None:
+                queued = our_queue(load.waiting, load.running, ours)
+                if state.learning.on_scrape(queued, ours, self.at_tail(state)) is not None:
                     self._rewindow(state)
                     if state.inflight > state.window and self.on_queued is not None:
                         self.on_queued(state)

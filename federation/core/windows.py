@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # engine wait in its queue (three waiting for every one running: the last wait three batches); a smaller queue keeps
 # a KV-bound engine's batch full (docs/architecture.md).
 SCRAPE_QUEUE_SHARE = 0.75
+TAIL_QUEUE = 2  # at a tail (nothing waits in the dispatcher, another server has room), the queue that shrinks it
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,18 +105,23 @@ class WindowController:
         self._last_throughput = obs.throughput
         return decision
 
-    def on_scrape(self, waiting: float, inflight: int) -> WindowDecision | None:
+    def on_scrape(self, waiting: float, inflight: int, *, tail: bool = False) -> WindowDecision | None:
         """The engine's queue as a scrape shows it, between answers (`waiting`: this dispatcher's attempts queued
         there, of `inflight` it had there then): the engine-queue rule of `decide`, shrinking only, at the probe
         rate, and only for a queue of most of those attempts (`SCRAPE_QUEUE_SHARE`): at the answers' rate alone a
-        deep queue goes unseen for as long as no answer comes (docs/architecture.md)."""
-        if waiting < max(self.queue_allowance, SCRAPE_QUEUE_SHARE * inflight):
+        deep queue goes unseen for as long as no answer comes (docs/architecture.md). At a `tail` (nothing waits
+        for a slot in the dispatcher, another server has room) a queue of TAIL_QUEUE shrinks it to what runs and
+        one more: nothing else would keep the batch full there, and the queued attempts can start elsewhere now."""
+        if tail and waiting >= TAIL_QUEUE:
+            target = max(1.0, inflight - waiting + 1)
+        elif waiting < max(self.queue_allowance, SCRAPE_QUEUE_SHARE * inflight):
             return None
-        target = max(1.0, inflight - waiting + self.queue_allowance)
+        else:
+            target = max(1.0, inflight - waiting + self.queue_allowance)
         if target >= self.window:
             return None
         self.window = target
-        return WindowDecision(target, f"engine queue {waiting:g} (scrape)")
+        return WindowDecision(target, f"engine queue {waiting:g} (scrape{', tail' if tail else ''})")
 
 
 def our_queue(waiting: float, running: float, ours: float) -> float:
