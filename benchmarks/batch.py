@@ -9,9 +9,8 @@ benchmarks/configs/real_pool.yaml), each arm on servers started afresh (no promp
 arm) and registered in a registry of the benchmark's own, with the gateway as a process of its own (`serve`, below:
 the pool app with the Batch API, shortest first, `--policy`, default planned), the arms run in turn:
 
-- **idle**: an online probe (a small request every `--probe-period` seconds on a fixed schedule, whether or not the
-  ones before it are answered: the same probe load in every arm) on the idle pool: its latency p99 is the reference
-  for `online_p99_ratio`;
+- **idle**: an online probe (one small request at a time, every `--probe-period` seconds) on the idle pool: its
+  latency p99 is the reference for `online_p99_ratio`;
 - **batch**: the four batches uploaded and created at once with the openai SDK (`files.create`,
   `batches.create`), polled (every 0.25 s, one list call) until all have ended; makespan from the first upload to
   the last batch seen ended. The probe runs beside them;
@@ -191,10 +190,7 @@ async def gateway(state: Path, work: Path, policy: str, time_scale: float, tag: 
 # ---- the arms -----------------------------------------------------------------------------------------------------
 @dataclass
 class Probe:
-    """Online requests, one small request every `period_s` on a fixed schedule until stopped, each sent whether or
-    not the ones before it have been answered (open loop: a probe that waited for a slow answer before sending the
-    next would send fewer while latency is high and understate its tail, and an arm that answered it faster would
-    carry more probe work): the latencies seen."""
+    """One small online request at a time, every `period_s`, until stopped: the latencies seen."""
 
     url: str
     model: str
@@ -202,42 +198,25 @@ class Probe:
     latencies: list[float] = field(default_factory=list)
     servers: list[str] = field(default_factory=list)  # the server that answered each (X-Fedpool-Server)
     refused: int = 0  # answered with an error (the gateway overloaded): not retried, not in the latencies
-    sent: int = 0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Send a probe every `period_s` from now until `stop`; then wait for those still unanswered."""
+    async def run(self, stop: asyncio.Event, count: int | None = None) -> None:
+        """Probe until `stop` (or `count` requests: a warm-up)."""
         client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="probe-client-key", max_retries=0)
-        started, pending = time.monotonic(), set[asyncio.Task[None]]()
+        prompt = "probe: " + " ".join(WORDS[:16])
         try:
-            while not stop.is_set():
-                pending.add(asyncio.create_task(self._one(client)))
-                pending = {task for task in pending if not task.done()}
-                self.sent += 1
-                next_at = started + self.sent * self.period_s
+            while not stop.is_set() and (count is None or len(self.latencies) + self.refused < count):
+                began = time.monotonic()
+                try:
+                    raw = await client.completions.with_raw_response.create(model=self.model, prompt=prompt,
+                                                                            max_tokens=16, temperature=0)
+                    self.latencies.append(time.monotonic() - began)
+                    self.servers.append(raw.headers.get("X-Fedpool-Server", "?"))
+                except openai.APIStatusError:
+                    self.refused += 1
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
-            await asyncio.gather(*pending)
+                    await asyncio.wait_for(stop.wait(), max(0.0, self.period_s - (time.monotonic() - began)))
         finally:
             await client.close()
-
-    async def warm_up(self, count: int) -> None:
-        """`count` probes one after another, untimed (the gateway's first request loads its policy)."""
-        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="probe-client-key", max_retries=0)
-        try:
-            for _ in range(count):
-                await self._one(client)
-        finally:
-            await client.close()
-
-    async def _one(self, client: openai.AsyncOpenAI) -> None:
-        began = time.monotonic()
-        try:
-            raw = await client.completions.with_raw_response.create(
-                model=self.model, prompt="probe: " + " ".join(WORDS[:16]), max_tokens=16, temperature=0)
-            self.latencies.append(time.monotonic() - began)
-            self.servers.append(raw.headers.get("X-Fedpool-Server", "?"))
-        except openai.APIStatusError:
-            self.refused += 1
 
     def p99(self) -> float:
         return self.quantile(0.99)
@@ -491,7 +470,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                                                             client_order=args.client_order) as gw:
             model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
             batches = batches or {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
-            await Probe(gw.url, model, 0.0).warm_up(WARM_UP)
+            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
             if idle is None:
                 _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
             batch_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
@@ -500,7 +479,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                                                                f"{name}-reserved{tag}",
                                                                online_reserve=args.online_reserve,
                                                                client_order=args.client_order) as gw:
-            await Probe(gw.url, model, 0.0).warm_up(WARM_UP)  # (online callers about from here)
+            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (online callers about from here)
             reserved_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
             reserved_runs[-1][0].engine_busy = await engine_busy(servers)
     assert idle is not None
@@ -509,7 +488,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
     async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online",
                                          client_order=args.client_order) as gw:
-        await Probe(gw.url, model, 0.0).warm_up(WARM_UP)
+        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
         (online_s, online), beside_online = await probed(gw.url, model, args.probe_period, online_arm(gw.url, batches))
     work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
                for n, lines in batches.items()}
