@@ -14,6 +14,8 @@ the pool app with the Batch API, shortest first, `--policy`, default planned), t
 - **batch**: the four batches uploaded and created at once with the openai SDK (`files.create`,
   `batches.create`), polled (every 0.25 s, one list call) until all have ended; makespan from the first upload to
   the last batch seen ended. The probe runs beside them;
+- **batch without the probe**: the batch arm again with nothing beside it: the makespan the ratios read (the
+  probe, answered first beside the batches, is work the ideal, online and conventional arms do not do);
 - **reserved**: the batch arm again, the gateway started with `--online-reserve N` (default 1): while online
   callers are about, batches leave the N servers online requests are answered soonest on to them
   (clients/batchrunner.py `OnlineReserve`); the probe beside it gives `online_p99_ratio_reserved`, its makespan
@@ -22,16 +24,17 @@ the pool app with the Batch API, shortest first, `--policy`, default planned), t
   started again on the same directory: every custom_id must be in an output or error file exactly once
   (`lost`, `duplicated` count those that are not, over every batch of every arm);
 - **online**: the same requests sent online through the gateway by four openai-SDK clients (one per batch, each
-  with its own key), 8 at a time each, the probe beside them as beside the batches (the same load in both arms);
+  with its own key), 8 at a time each, nothing beside them;
 - **conventional**: each batch on its own server (the most work on the fastest), sent straight to it at twice its
   slots; on a pool with fewer servers than batches, batches share servers in turn.
 
-The batch and reserved arms run `--repeats` times on the emulated pool (default 3: one run there has read from
-1.16 to 1.44× the ideal on the same code) and `--real-repeats` times on llama.cpp (default 1), each on fresh
-servers behind a fresh gateway; their ratios are medians over the runs, printed with the lowest and highest.
-`vs_ideal` (the emulated pool only): the batch arm's makespan over the ideal makespan, the LP of
+The batch arms (with the probe and without) and the reserved arm run `--repeats` times on the emulated pool
+(default 3: one run there has read from 1.16 to 1.44× the ideal on the same code) and `--real-repeats` times on
+llama.cpp (default 1), each on fresh servers behind a fresh gateway; their ratios are medians over the runs,
+printed with the lowest and highest.
+`vs_ideal` (the emulated pool only): the batch arm's makespan without the probe over the ideal makespan, the LP of
 benchmarks/assignment.py over the four batches' true token counts (the emulator's own `request_shape`) at the
-pool's time scale. `vs_online` and `vs_conventional` are the batch makespan over those arms'; the result line
+pool's time scale. `vs_online` and `vs_conventional` are that makespan over those arms'; the result line
 carries the emulated pool's vs_ideal and the larger of the two pools' other ratios. Writes
 benchmarks/results/NAME.md (default batch), ending with `result: batches=N requests=N vs_ideal=X vs_online=X
 vs_conventional=X online_p99_ratio=X online_p99_ratio_reserved=X vs_ideal_reserved=X restarts=N lost=N
@@ -385,12 +388,12 @@ class PoolResult:
     pool: str
     requests: int
     batches: Repeats  # the batch arm, the probe beside it
+    plain: Repeats  # the batch arm without the probe (its probes: none): the makespan ratios
     restart: BatchRun
     online_s: float
     conventional_s: float
     idle: Probe  # the probe on the idle pool
     reserved: Repeats  # the batch arm again, the gateway leaving `reserve` servers to online callers
-    beside_online: Probe  # the probe beside the online arm
     ideal_s: float | None
     answers_same_pct: float
     sizes: dict[str, int]
@@ -398,7 +401,7 @@ class PoolResult:
 
     @property
     def batch(self) -> BatchRun:
-        return self.batches.median[0]
+        return self.plain.median[0]
 
     def spreads(self) -> dict[str, tuple[float, float, float] | None]:
         """Each ratio over the repeats: (median, lowest, highest); None where it does not apply."""
@@ -408,8 +411,8 @@ class PoolResult:
         def of_makespan(arm: Repeats, over: float | None) -> tuple[float, float, float] | None:
             return arm.spread(lambda run, _: run.makespan_s / over) if over else None
 
-        return {"vs_ideal": of_makespan(self.batches, ideal), "vs_online": of_makespan(self.batches, self.online_s),
-                "vs_conventional": of_makespan(self.batches, self.conventional_s),
+        return {"vs_ideal": of_makespan(self.plain, ideal), "vs_online": of_makespan(self.plain, self.online_s),
+                "vs_conventional": of_makespan(self.plain, self.conventional_s),
                 "online_p99_ratio": self.batches.spread(lambda _, probe: probe.p99() / idle),
                 "vs_ideal_reserved": of_makespan(self.reserved, ideal),
                 "online_p99_ratio_reserved": self.reserved.spread(lambda _, probe: probe.p99() / idle)}
@@ -459,6 +462,7 @@ async def run_pool(name: str, args: argparse.Namespace, work: Path) -> PoolResul
 async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolConfig, state: Path,
                 fresh: Callable[[str], contextlib.AbstractAsyncContextManager[Sequence[LiveServer]]]) -> PoolResult:
     batch_runs: list[tuple[BatchRun, Probe]] = []
+    plain_runs: list[tuple[BatchRun, Probe]] = []
     reserved_runs: list[tuple[BatchRun, Probe]] = []
     idle: Probe | None = None
     batches: dict[str, list[dict[str, Any]]] = {}
@@ -475,6 +479,13 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                 _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
             batch_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
             batch_runs[-1][0].engine_busy = await engine_busy(servers)
+        async with fresh(f"plain{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
+                                                            f"{name}-plain{tag}",
+                                                            client_order=args.client_order) as gw:
+            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (as every arm: loads the policy)
+            plain = await batch_arm(gw, batches)
+            plain.engine_busy = await engine_busy(servers)
+            plain_runs.append((plain, Probe(gw.url, model, args.probe_period)))  # (no probe beside it)
         async with fresh(f"reserved{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
                                                                f"{name}-reserved{tag}",
                                                                online_reserve=args.online_reserve,
@@ -489,15 +500,15 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online",
                                          client_order=args.client_order) as gw:
         await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
-        (online_s, online), beside_online = await probed(gw.url, model, args.probe_period, online_arm(gw.url, batches))
+        online_s, online = await online_arm(gw.url, batches)
     work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
                for n, lines in batches.items()}
     async with fresh("conventional") as servers:
         conventional_s = await conventional_arm(servers, batches, work_of)
     first = batch_runs[0][0]
     same = sum(1 for k, v in online.items() if first.answers.get(k) == v)
-    return PoolResult(name, sum(len(v) for v in batches.values()), Repeats(batch_runs), restart, online_s,
-                      conventional_s, idle, Repeats(reserved_runs), beside_online,
+    return PoolResult(name, sum(len(v) for v in batches.values()), Repeats(batch_runs), Repeats(plain_runs), restart,
+                      online_s, conventional_s, idle, Repeats(reserved_runs),
                       ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
                       {n: len(v) for n, v in batches.items()}, args.online_reserve)
 
@@ -528,21 +539,27 @@ def _ends(run: BatchRun) -> str:
 
 def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
     parts = [f"Scale {args.scale:g} of the full sizes, seed {args.seed}, gateway policy `{args.policy}`, "
-             f"client order {args.client_order}, probe every {args.probe_period:g} s. The batch arm and the reserved "
-             f"arm run {args.repeats} times on the emulated pool and {args.real_repeats} on llama.cpp, each time on "
-             "fresh servers behind a fresh gateway; ratios are the median over those runs (lowest–highest), the "
-             "other arms run once.\n"]
+             f"client order {args.client_order}, probe every {args.probe_period:g} s. The batch arm (with the probe "
+             f"beside it, and without it) and the reserved arm run {args.repeats} times on the emulated pool and "
+             f"{args.real_repeats} on llama.cpp, each time on fresh servers behind a fresh gateway; ratios are the "
+             "median over those runs (lowest–highest), the other arms run once. The makespan ratios (vs_ideal, "
+             "vs_online, vs_conventional) are read from the runs without the probe, as the ideal, the online arm and "
+             "the conventional arm run without it: beside the batches it is answered first, so it is work they do "
+             "that the others do not (on llama.cpp each probe holds a slot for ~2 s there).\n"]
     for r in results:
         parts.append(f"## {r.pool} pool ({POOLS[r.pool].name})\n")
         rows = [[f"batch, run {i + 1}", _f(run.makespan_s), "ends: " + _ends(run)]
-                for i, (run, _) in enumerate(r.batches.runs)]
+                for i, (run, _) in enumerate(r.plain.runs)]
+        rows += [[f"batch, the probe beside it, run {i + 1}", _f(run.makespan_s),
+                  f"the probe: {len(probe.latencies)} answered, p50 {_f(probe.quantile(0.5), 3)} s, p99 "
+                  f"{_f(probe.p99(), 3)} s; ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.batches.runs)]
         rows += [[f"batch, --online-reserve {r.reserve}, run {i + 1}", _f(run.makespan_s),
                   f"the probe beside it: p50 {_f(probe.quantile(0.5), 3)} s, p99 {_f(probe.p99(), 3)} s; "
                   f"ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.reserved.runs)]
         rows += [["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
                   f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
                  ["online (4 SDK clients × 8)", _f(r.online_s), f"answers the same as the batch arm's first run: "
-                  f"{r.answers_same_pct:.1f}%; the probe's p99 beside it {_f(r.beside_online.p99(), 3)} s"],
+                  f"{r.answers_same_pct:.1f}%"],
                  ["conventional (a server each)", _f(r.conventional_s), ""],
                  ["ideal (LP)", _f(r.ideal_s), "emulated pools only"]]
         parts.append(markdown_table(["arm", "makespan s", "notes"], rows))
@@ -550,13 +567,12 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
         busy = r.batches.median[1]
         parts.append("\n" + markdown_table(
             ["batches", "requests", "vs_ideal", "vs_online", "vs_conventional", "online p99 idle s",
-             "beside the batches s", "online_p99_ratio", "p50 idle/beside s", "probes idle/batch/online",
-             "refused idle/batch/online"],
+             "beside the batches s", "online_p99_ratio", "p50 idle/beside s", "probes idle/beside",
+             "refused idle/beside"],
             [[len(r.sizes), r.requests, _spread(spreads["vs_ideal"]), _spread(spreads["vs_online"]),
               _spread(spreads["vs_conventional"]), _f(r.idle.p99(), 3), _f(busy.p99(), 3),
               _spread(spreads["online_p99_ratio"]), f"{_f(r.idle.quantile(0.5), 3)}/{_f(busy.quantile(0.5), 3)}",
-              f"{len(r.idle.latencies)}/{len(busy.latencies)}/{len(r.beside_online.latencies)}",
-              f"{r.idle.refused}/{busy.refused}/{r.beside_online.refused}"]]))
+              f"{len(r.idle.latencies)}/{len(busy.latencies)}", f"{r.idle.refused}/{busy.refused}"]]))
         parts.append(online_latency(r, spreads))
         parts.append("\nBatches: " + ", ".join(f"{n} {k}" for n, k in r.sizes.items()) + "; statuses "
                      + ", ".join(f"{n} {s}" for n, s in r.batch.statuses.items()) + "\n")
@@ -567,7 +583,7 @@ def online_latency(r: PoolResult, spreads: Mapping[str, tuple[float, float, floa
     """Where the probe was answered and how fast, beside the batches with and without the reserve (the median
     runs); each engine's busy share; on an emulated pool, what one engine step costs the probe alone and beside a
     step's full chunked-prefill budget."""
-    (batch, busy), (reserved, beside_reserved) = r.batches.median, r.reserved.median
+    (batch, _), (_, busy), (reserved, beside_reserved) = r.plain.median, r.batches.median, r.reserved.median
     rows = []
     for arm, probe in (("idle", r.idle), ("beside the batches", busy),
                        (f"beside the batches, --online-reserve {r.reserve}", beside_reserved)):
@@ -582,7 +598,8 @@ def online_latency(r: PoolResult, spreads: Mapping[str, tuple[float, float, floa
     config = load_pool_config(POOLS[r.pool])
     profiles = config.profiles()
     if batch.engine_busy:
-        out += ["\nEach engine's busy share of the batch arm's median run (engine seconds in steps with work ÷ "
+        out += ["\nEach engine's busy share of the batch arm's median run without the probe (engine seconds in steps "
+                "with work ÷ "
                 f"makespan × time scale {config.time_scale:g}; the LP's ideal keeps every engine busy to its end):\n",
                 markdown_table(["server", "batch arm", f"--online-reserve {r.reserve}"],
                                [[server, _f(seconds / (batch.makespan_s * config.time_scale), 3),
