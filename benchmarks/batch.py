@@ -548,7 +548,7 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
              "that the others do not (on llama.cpp each probe holds a slot for ~2 s there).\n"]
     for r in results:
         parts.append(f"## {r.pool} pool ({POOLS[r.pool].name})\n")
-        rows = [[f"batch, run {i + 1}", _f(run.makespan_s), "ends: " + _ends(run)]
+        rows = [[f"batch, nothing beside it, run {i + 1}", _f(run.makespan_s), "ends: " + _ends(run)]
                 for i, (run, _) in enumerate(r.plain.runs)]
         rows += [[f"batch, the probe beside it, run {i + 1}", _f(run.makespan_s),
                   f"the probe: {len(probe.latencies)} answered, p50 {_f(probe.quantile(0.5), 3)} s, p99 "
