@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # engine wait in its queue (three waiting for every one running: the last wait three batches); a smaller queue keeps
 # a KV-bound engine's batch full (docs/architecture.md).
 SCRAPE_QUEUE_SHARE = 0.75
-TAIL_QUEUE = 2  # at a tail (nothing waits in the dispatcher, another server has room), the queue that shrinks it
+TAIL_QUEUE = 2  # at a tail (`Dispatcher._at_tail`), the engine queue that shrinks a window
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +109,10 @@ class WindowController:
         """The engine's queue as a scrape shows it, between answers (`waiting`: this dispatcher's attempts queued
         there, of `inflight` it had there then): the engine-queue rule of `decide`, shrinking only, at the probe
         rate, and only for a queue of most of those attempts (`SCRAPE_QUEUE_SHARE`): at the answers' rate alone a
-        deep queue goes unseen for as long as no answer comes (docs/architecture.md). At a `tail` (nothing waits
-        for a slot in the dispatcher, another server has room) a queue of TAIL_QUEUE shrinks it to what runs and
-        one more: nothing else would keep the batch full there, and the queued attempts can start elsewhere now."""
+        deep queue goes unseen for as long as no answer comes (docs/architecture.md). At a `tail` (every client in
+        flight has sent its last, nothing waits, another server has room: `Dispatcher._at_tail`) a queue of
+        TAIL_QUEUE shrinks it to what runs and one more: nothing else would keep the batch full there, and the queued
+        attempts can start elsewhere now."""
         if tail and waiting >= TAIL_QUEUE:
             target = max(1.0, inflight - waiting + 1)
         elif waiting < max(self.queue_allowance, SCRAPE_QUEUE_SHARE * inflight):
