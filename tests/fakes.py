@@ -23,7 +23,6 @@ import json
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from fedpool.deploy.batching import BatchEngine
@@ -168,7 +167,7 @@ class FakeServer:
         out_tokens = max_tokens if body.get("ignore_eos") is True else min(max_tokens, stops_at)
         self.received += 1
         try:
-            first_token = None if progress is None else partial(setattr, progress, "decoding", True)
+            first_token = None if progress is None else progress.mark
             generation = await self.engine.generate(prompt_tokens, out_tokens, (), rid, first_token)
         except asyncio.CancelledError:
             self._dropped_or_raise()

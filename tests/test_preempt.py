@@ -145,22 +145,39 @@ async def test_on_llamacpp_streamed_attempts_give_their_slot_back(fakes: FakePoo
     await slots_come_back_as_the_engine_lets_go(dispatcher, calls)
 
 
-async def test_on_llamacpp_a_streamed_attempt_still_in_its_prompt_is_not_given_back(fakes: FakePool) -> None:
+@pytest.mark.parametrize("renewed", [False, True], ids=["as-it-decodes", "lease-renewed-meanwhile"])
+async def test_on_llamacpp_a_streamed_attempt_in_its_prompt_is_given_back_once_it_decodes(fakes: FakePool,
+                                                                                          renewed: bool) -> None:
     """llama.cpp reads a cancel between its batches and a prompt is one batch, so a stream cancelled in its prompt
     holds its slot to the prompt's end (preempt.py: 3.6-6.9 s on a real llama-server): giving it back would only
-    queue the request sent in its place in the engine. A streamed attempt is taken only once its engine has sent
-    its first token; then it lets go at its next token."""
+    queue the request sent in its place in the engine. A streamed attempt is taken once its engine has sent its
+    first token — at that token, not at the next lease (which may come after the age limit) — and it lets go at
+    its next token. The same lease again meanwhile takes nothing twice."""
     dispatcher = leased(fakes, engine="llamacpp", prefill_s=0.05)
     calls = submit(dispatcher, 4, words="a b c ")  # four 4-word prompts: one 0.8 s prefill step
     await asyncio.sleep(0.3)
-    dispatcher.apply_lease({"s0": 1})  # in their prompt: none taken
+    dispatcher.apply_lease({"s0": 1})  # in their prompt: none taken now
     await asyncio.sleep(0.01)
     assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 4}
-    await asyncio.sleep(0.6)  # the prompt step is done: each has its first token, under a second old
-    dispatcher.apply_lease({"s0": 1})  # (the lease as the broker renews it)
-    await asyncio.sleep(0.01)
+    if renewed:
+        await asyncio.sleep(0.2)
+        dispatcher.apply_lease({"s0": 1})  # (the lease as the broker renews it, the prompts still running)
+    await asyncio.sleep(0.6 - (0.2 if renewed else 0.0))  # the prompt step is done: each has its first token
     assert dispatcher.stats().preempted == 3 and dispatcher.stats().waiting == 3
     await slots_come_back_as_the_engine_lets_go(dispatcher, calls)
+
+
+async def test_on_llamacpp_an_attempt_whose_prompt_outlasts_the_age_limit_is_not_given_back(fakes: FakePool) -> None:
+    """A prompt that ends past the age limit: its attempt has cost too much engine time to be given back, at its
+    first token as at a later lease."""
+    dispatcher = leased(fakes, engine="llamacpp", prefill_s=0.2)
+    calls = submit(dispatcher, 4, words="a b c ")  # four 4-word prompts: one 3.2 s prefill step
+    await asyncio.sleep(0.3)
+    dispatcher.apply_lease({"s0": 1})
+    await asyncio.sleep(3.5)  # past the prompt: each has its first token, older than the limit
+    assert dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 4}
+    results = await asyncio.gather(*calls)
+    assert all(len(r.attempts) == 1 for r in results) and dispatcher.inflight() == {}
 
 
 # ---- an engine queue seen by a scrape ------------------------------------------------------------------------

@@ -272,10 +272,12 @@ class Preemptions:
         self.count = 0  # attempts given back
         self.lost_s = 0.0  # the engine time they had used
 
-    def over_limit(self, server: ServerState, excess: int, max_age_s: float | None = None) -> int:
+    def over_limit(self, server: ServerState, excess: int, max_age_s: float | None = None,
+                   when_decoding: Callable[[], None] | None = None) -> int:
         """Take up to `excess` attempts on the server (beyond those already taken), the youngest first and only
         those younger than the age limit (`max_age_s`, else the one given at construction) and racing no copy;
-        returns how many were taken now."""
+        returns how many were taken now. A streamed attempt passed over in its prompt calls `when_decoding` as it
+        starts to decode (to be looked at again then, not at the next lease)."""
         max_age = self._max_age_s if max_age_s is None else max_age_s
         self.pending()  # (drops the taken ones that ended before they could see their cancel)
         running = server.attempts
@@ -287,7 +289,10 @@ class Preemptions:
         for attempt in reversed(running.values()):  # (noted as each attempt starts: the youngest last)
             if taken >= excess or now - attempt.started >= max_age:
                 break
-            taken += self._take(attempt, now)
+            if self._take(attempt, now):
+                taken += 1
+            elif when_decoding is not None and (progress := attempt.progress) is not None and not progress.decoding:
+                progress.then = when_decoding
         return taken
 
     def pending(self) -> int:

@@ -5,7 +5,7 @@ and the simulator)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
@@ -207,10 +207,18 @@ class StreamProgress:
     dispatcher hands one to `Transport.complete` for an attempt it may give back; the transport marks it at the
     body's first bytes (only a streamed attempt that decodes is given back: federation/core/attempts.py)."""
 
-    __slots__ = ("decoding",)
+    __slots__ = ("decoding", "then")
 
     def __init__(self) -> None:
         self.decoding = False
+        self.then: Callable[[], None] | None = None  # called once, as it starts to decode (a give-back deferred)
+
+    def mark(self) -> None:
+        """The engine sent the answer's first bytes: the prompt is done."""
+        self.decoding = True
+        then, self.then = self.then, None
+        if then is not None:
+            then()
 
 
 class Target(Protocol):

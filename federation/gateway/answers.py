@@ -96,7 +96,7 @@ async def assemble_stream(
     buffer = b""
     async for chunk in content.iter_any():
         if progress is not None:
-            progress.decoding = True
+            progress.mark()
             progress = None
         size += len(chunk)
         if size > MAX_RESPONSE_BYTES:
