@@ -42,7 +42,7 @@ from typing import Any
 
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.federation.gateway.leases import RENEW_S, LeaseClient
-from fedpool.registry import ClientDemand, DemandReport, Lease, ModelDemand
+from fedpool.registry import ClientDemand, DemandReport, Lease, ModelDemand, Served
 from fedpool.registry.leases import RESHARE_BUDGET, LeaseBroker, LeaseServer, LeaseService
 
 KINDS = (("A100:vllm", 0.25), ("A100:sglang", 0.25), ("V100:vllm", 0.5))  # server kind, share of the pool
@@ -291,8 +291,11 @@ class Holder:
     def done_sending(self, client_id: str) -> bool:
         return False
 
-    def served_totals(self) -> tuple[float, float]:
-        return 0.0, 0.0
+    def served_totals(self) -> Served:
+        return Served()
+
+    def price_by_pool(self, served: Served) -> None:
+        pass
 
     # ---- LeaseRegistry ----
     async def lease(self, report: DemandReport, known_version: int = -1, wait_s: float = 0.0) -> Lease:

@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler, Middleware
 from pydantic import TypeAdapter, ValidationError
 
 from fedpool.registry.auth import token_digest
+from fedpool.registry.demand import Served
 from fedpool.registry.errors import AuthError, RegistrationError, RegistryError, UnknownServerError
 from fedpool.registry.holders import PoolHolders
 from fedpool.registry.leases import Lease
@@ -79,13 +80,15 @@ class ApiBackend(Protocol):
 
 def lease_json(lease: Lease) -> dict[str, Any]:
     return {"holder": lease.holder, "broker": lease.broker, "version": lease.version, "ttl_s": lease.ttl_s,
-            "slots": dict(lease.slots), "safe": dict(lease.safe), "holders": lease.holders}
+            "slots": dict(lease.slots), "safe": dict(lease.safe), "holders": lease.holders,
+            "pool_served": list(lease.pool_served)}
 
 
 def lease_from_json(data: dict[str, Any]) -> Lease:
     return Lease(holder=str(data["holder"]), broker=str(data["broker"]), version=int(data["version"]),
                  ttl_s=float(data["ttl_s"]), slots={str(k): int(v) for k, v in data["slots"].items()},
-                 safe={str(k): int(v) for k, v in data["safe"].items()}, holders=int(data["holders"]))
+                 safe={str(k): int(v) for k, v in data["safe"].items()}, holders=int(data["holders"]),
+                 pool_served=Served(*(float(x) for x in data.get("pool_served", ())[:3])))
 
 
 ENTRY = TypeAdapter(ServerEntry)  # a server as the operator commands get it: the same entry as through Ray

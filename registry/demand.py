@@ -9,7 +9,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -85,6 +85,16 @@ class ModelDemand(BaseModel):
     order: str = Field(default="", max_length=64)
 
 
+class Served(NamedTuple):
+    """Answers summed: their work (prompt + 2 × completion tokens), the slot-seconds they held and their completion
+    tokens. One process's (`DemandReport`), or every holder's as the broker last summed them (`Lease.pool_served`):
+    what a process that has had no answer yet prices its callers' requests by."""
+
+    work: float = 0.0
+    slot_s: float = 0.0
+    answer_tokens: float = 0.0
+
+
 class DemandReport(BaseModel):
     """What one holder (a dispatcher) sends each renewal. The wire format of `RegistryActor.lease`."""
 
@@ -98,6 +108,7 @@ class DemandReport(BaseModel):
     # Every answer this holder has had: its work (prompt + 2 × completion tokens) and the slot-seconds it held.
     served_work: float = Field(default=0.0, ge=0)
     served_slot_s: float = Field(default=0.0, ge=0)
+    served_answer_tokens: float = Field(default=0.0, ge=0)  # and their completion tokens
     # An announcement (`loading_report`): what a process is about to run, sent before it can use a lease. Its
     # clients count in the shares — nobody else is leased their slots — but it is leased nothing until it reports
     # as a holder: the slots a process still starting up was leased could go to nobody until it said it held them.

@@ -27,7 +27,7 @@ from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fedpool.registry.demand import ClientDemand as ClientDemand  # (the wire format: its names from here too)
-from fedpool.registry.demand import DemandReport
+from fedpool.registry.demand import DemandReport, Served
 from fedpool.registry.demand import ModelDemand as ModelDemand
 from fedpool.registry.holders import (
     DurationHistogram,
@@ -62,6 +62,7 @@ SERVICE_TIE_S = 2.0  # clients ranked by service within this many seconds of an 
 PLACEMENTS = ("plan", "slots")
 MAKESPAN_ORDERS = ("fair", "longest_answers_first")  # client orders whose holders the plan may finish together
 PLACEMENT = "plan"
+NO_ANSWERS = Served()
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class Lease:
     # within the lease: the fallbacks of every holder add up to at most each server's slots); then nothing.
     safe: Mapping[str, int]
     holders: int  # holders known to the broker
+    pool_served: Served = NO_ANSWERS  # every holder's answers at the last re-share (a process with none prices by it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,7 @@ class LeaseBroker:
         self.recomputes = 0
         self.book = HoldersBook(clock, wall_clock)  # who is on the pool, for the people watching it
         self.over_capacity = 0  # servers whose leases summed past their slots after a re-share (a bug: stays 0)
+        self.served = NO_ANSWERS  # every holder's answers, summed at each re-share
 
     # ---- what holders and the registry say ---------------------------------------------------------
     def report(self, report: DemandReport, known_version: int | None = None) -> None:
@@ -173,9 +176,9 @@ class LeaseBroker:
     def lease(self, holder_id: str) -> Lease:
         holder = self._holders.get(holder_id)
         if holder is None:
-            return Lease(holder_id, self.incarnation, 0, self.ttl_s, {}, {}, len(self._holders))
+            return Lease(holder_id, self.incarnation, 0, self.ttl_s, {}, {}, len(self._holders), self.served)
         return Lease(holder_id, self.incarnation, holder.version, self.ttl_s, dict(holder.slots), dict(holder.safe),
-                     len(self._holders))
+                     len(self._holders), self.served)
 
     def version(self, holder_id: str) -> int:
         holder = self._holders.get(holder_id)
@@ -214,6 +217,9 @@ class LeaseBroker:
                 by_model.setdefault(server.model, []).append(server)
         learning = self.learning()
         self._shares = self._share_out()
+        reports = [h.report for h in self._holders.values()]
+        self.served = Served(sum(r.served_work for r in reports), sum(r.served_slot_s for r in reports),
+                             sum(r.served_answer_tokens for r in reports))
         new: dict[str, dict[str, int]] = {h: {} for h in (*self._holders, *self._silent)}
         for model, servers in by_model.items():
             ids = {s.id for s in servers}
@@ -261,8 +267,7 @@ class LeaseBroker:
 
     def _work_per_slot_s(self) -> float:
         """Work per slot-second over every holder's answers: the scale that ranks service as work."""
-        work = sum(h.report.served_work for h in self._holders.values())
-        seconds = sum(h.report.served_slot_s for h in self._holders.values())
+        work, seconds, _ = self.served
         return work / seconds if seconds > 0 and work > 0 else 1.0
 
     def _ranked(self, model: str, by_client: bool = False) -> tuple[list[Ranked], Callable[[float], float]]:

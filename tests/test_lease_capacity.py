@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from fedpool.federation.core.attempts import PREEMPT_MAX_AGE_S
 from fedpool.federation.gateway.leases import LeaseClient
-from fedpool.registry import ClientDemand, DemandReport, Lease, ModelDemand
+from fedpool.registry import ClientDemand, DemandReport, Lease, ModelDemand, Served
 from fedpool.registry.leases import LeaseBroker, LeaseServer, LeaseService, learns_at_start
 
 MODEL = "m"
@@ -105,8 +105,11 @@ class Process:
     def done_sending(self, client_id: str) -> bool:
         return False
 
-    def served_totals(self) -> tuple[float, float]:
-        return 0.0, 0.0
+    def served_totals(self) -> Served:
+        return Served()
+
+    def price_by_pool(self, served: Served) -> None:
+        pass
 
     # ---- the model ----
     def room(self, sid: str) -> int:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fedpool.federation.core.clientbook import ClientBook
+from fedpool.federation.core.ledger import InflightLedger
+from fedpool.federation.core.types import Endpoint, InferenceRequest
 from fedpool.federation.routing.horizon import kind_costs
 from fedpool.registry import (
     ClientDemand,
@@ -12,11 +15,13 @@ from fedpool.registry import (
     LeaseBroker,
     LeaseServer,
     ModelDemand,
+    Served,
     ServerEntry,
     ServerRecord,
     ServerStatus,
     loading_report,
 )
+from fedpool.registry.api import lease_from_json, lease_json
 from fedpool.registry.leases import UNIT_SEP, holders_of, learns_at_start, unit
 from fedpool.registry.placement import whole
 
@@ -273,6 +278,51 @@ def test_service_ranks_are_put_on_one_scale_across_holders() -> None:
     report("b", "tool-b", 20.0, work=2_000.0, slot_s=20.0, rank=2_000.0)
     b.broker.reshare()
     assert total(b.slots("a")) == 8 and b.slots("b") == {}
+
+
+def test_a_process_with_no_answer_yet_prices_its_callers_by_every_holder_s_answers() -> None:
+    """Two gateway replicas start together: gw-short's caller asks for 4-token answers and has had some; gw-long's
+    asks for 64 and has had none, so its process knew no seconds to price them by (its 3 in flight counted 0) and
+    the broker shared the slots evenly for as long as its first answer took (~5 s of an 8 s lm-eval run on
+    llama.cpp). The broker sums every holder's answers into each lease; priced by them, the long-answer caller's
+    requests in flight rank it behind the short one, and the short one gets the slots."""
+    b = Broker()
+    ledgers = {name: InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0) for name in ("gw-short", "gw-long")}
+    books = {name: ClientBook("shortest_first", ledger) for name, ledger in ledgers.items()}
+
+    def report(holder: str, client: str, max_tokens: int) -> None:
+        book = books[holder]
+        book.note_request(client, InferenceRequest.from_body(
+            {"prompt": "x" * 80, "max_tokens": max_tokens}, request_id=client, model="m",
+            endpoint=Endpoint.COMPLETIONS), 0.0)
+        served = book.served_totals()
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8,
+                                                              served_s=book.served_s(client)),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), served_work=served.work,
+                                     served_slot_s=served.slot_s, served_answer_tokens=served.answer_tokens,
+                                     held=b.slots(holder), broker=b.broker.incarnation))
+        b.broker.reshare()
+        book.pool_served = lease_from_json(lease_json(b.broker.lease(holder))).pool_served  # (over the HTTP API)
+
+    short_slot, long_slot = ledgers["gw-short"].slots("s0"), ledgers["gw-long"].slots("s1")
+    for _ in range(4):
+        ledgers["gw-short"].take(short_slot, "arith")
+    ledgers["gw-short"].release(short_slot, "arith")
+    books["gw-short"].note_served("arith", 60, 3, 0.47)  # one 3-token answer held its slot 0.47 s
+    for _ in range(3):
+        ledgers["gw-long"].take(long_slot, "long")
+    long = books["gw-long"]
+    report("gw-long", "long", 64)  # priced by nothing yet: 0 s each
+    assert long.expected_s("long") == 0.0 and long.served_s("long") == 0.0
+    report("gw-short", "arith", 4)
+    assert b.broker.lease("gw-long").pool_served == Served(60.0 + 2 * 3, 0.47, 3.0)
+    assert total(b.slots("gw-short")) < 8  # (ranked on gw-long's 0 s, arith is not behind)
+    for _ in range(3):  # each adopts its lease and reports again; the first brought gw-long the pool's figures
+        report("gw-long", "long", 64)
+        report("gw-short", "arith", 4)
+    assert long.expected_s("long") == pytest.approx(64 * 0.47 / 3)
+    assert long.served_s("long") == pytest.approx(3 * 64 * 0.47 / 3)  # 30 slot-s against arith's 3 × 0.47 + 0.47
+    assert total(b.slots("gw-short")) == 8 and b.slots("gw-long") == {}
 
 
 def test_two_holders_each_spread_over_both_servers_not_one_server_each() -> None:

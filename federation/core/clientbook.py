@@ -19,6 +19,7 @@ from typing import Any
 
 from fedpool.federation.core.ledger import InflightLedger
 from fedpool.federation.core.types import CLIENT_ORDERS, InferenceRequest
+from fedpool.registry import Served
 
 DEFAULT_ANSWER_TOKENS = 256.0  # a client that states no max_tokens
 # A background client (a Batch API batch) ranks after every other client in every order: its criterion is offset
@@ -59,6 +60,7 @@ class ClientBook:
         self._all_work = 0.0  # every answer's work (prompt + 2 × completion tokens) ...
         self._all_s = 0.0  # ... and slot-seconds: the scale that puts service on the reported work's units
         self._all_answer_tokens = 0.0  # every answer's completion tokens (a request's slot-seconds, guessed)
+        self.pool_served = Served()  # every lease holder's answers (the broker's sum): the prices before our first
         self._shapes: dict[str, ClientShape] = {}
         self._sequence: dict[str, float] = {}  # mean KV its answers held: prompt + half the completion tokens
         self.done_sending: set[str] = set()
@@ -158,9 +160,13 @@ class ClientBook:
         return self._served_s.get(client_id, 0.0) + max(0.0, self._ledger.held_s(client_id),
                                                          n * self.expected_s(client_id))
 
-    def served_totals(self) -> tuple[float, float]:
-        """Every answer's work and slot-seconds (the scale `served` uses)."""
-        return self._all_work, self._all_s
+    def served_totals(self) -> Served:
+        """Every answer's work, slot-seconds (the scale `served` uses) and completion tokens."""
+        return Served(self._all_work, self._all_s, self._all_answer_tokens)
+
+    def _totals(self) -> Served:
+        """This process's answers; before its first, the pool's (`pool_served`, from the lease broker)."""
+        return self.served_totals() if self._all_s > 0 else self.pool_served
 
     def served(self, client_id: str) -> float:
         """The service a client has had, in the reported work's units (see the module docstring): its answered
@@ -191,16 +197,18 @@ class ClientBook:
         return self._expected_work(client_id, self._scale())
 
     def _scale(self) -> float:
-        return self._all_work / self._all_s if self._all_s > 0 and self._all_work > 0 else 1.0
+        work, slot_s, _ = self._totals()
+        return work / slot_s if slot_s > 0 and work > 0 else 1.0
 
     def _expected_work(self, client_id: str, scale: float) -> float:
         """One of the client's requests, in work: its answers' mean slot-seconds on the work scale; before its
-        first, `expected_s` on it; before any answer anywhere, its shape's work (prompt + 2 × its answer budget:
-        the first requests of a caller asking for 64 tokens and of one asking for 4 already rank apart)."""
+        first, `expected_s` on it; before any answer anywhere (here or at another lease holder), its shape's work
+        (prompt + 2 × its answer budget: the first requests of a caller asking for 64 tokens and of one asking for
+        4 already rank apart)."""
         answers = self._answers.get(client_id)
         if answers:
             return self._served_s[client_id] / answers * scale
-        if self._all_s > 0:
+        if self._totals().slot_s > 0:
             return self.expected_s(client_id) * scale
         shape = self._shapes.get(client_id)
         if shape is None:
@@ -212,18 +220,20 @@ class ClientBook:
         """The slot-seconds one of the client's requests is expected to hold: its answers' mean. Before its first,
         the more of its shape's work at the pool's slot-seconds per unit of work and its answer budget at the
         pool's slot-seconds per answer token (a sequence holds its slot about one decode step per answer token, a
-        prompt a step or a few: guessed by work alone, a long-answer caller was ranked as short). 0 before any
-        answer anywhere."""
+        prompt a step or a few: guessed by work alone, a long-answer caller was ranked as short). The pool's: this
+        process's answers; before its first, every lease holder's (`pool_served`: a gateway replica started beside
+        another priced a long-answer caller at 0 until its own first answer, ~5 s on llama.cpp, and the broker
+        shared the slots evenly with a short one meanwhile). 0 before any answer anywhere."""
         answers = self._answers.get(client_id)
         if answers:
             return self._served_s[client_id] / answers
         shape = self._shapes.get(client_id)
-        if shape is None or self._all_s <= 0:
+        work, slot_s, tokens = self._totals()
+        if shape is None or slot_s <= 0:
             return 0.0
         answer = KV_ANSWER_TOKENS if shape.max_tokens is None else shape.max_tokens
-        by_work = (shape.prompt_tokens + SERVED_DECODE_WEIGHT * answer) * self._all_s / self._all_work \
-            if self._all_work > 0 else 0.0
-        by_steps = answer * self._all_s / self._all_answer_tokens if self._all_answer_tokens > 0 else 0.0
+        by_work = (shape.prompt_tokens + SERVED_DECODE_WEIGHT * answer) * slot_s / work if work > 0 else 0.0
+        by_steps = answer * slot_s / tokens if tokens > 0 else 0.0
         return max(by_work, by_steps)
 
     def idle(self, now: float, ttl_s: float) -> list[str]:

@@ -50,7 +50,7 @@ from fedpool.federation.core.types import (
     StreamProgress,
     Transport,
 )
-from fedpool.registry import PoolSnapshot
+from fedpool.registry import PoolSnapshot, Served
 
 log = logging.getLogger("fedpool.dispatcher")
 
@@ -229,9 +229,14 @@ class Dispatcher(GrantPass, AttemptEnds):
         return snapshot.revisions() if snapshot is not None else {}
 
     # ---- capacity leases (federation/gateway/leases.py renews them; the dispatcher decides within them) ---------
-    def served_totals(self) -> tuple[float, float]:
-        """Every answer's work (prompt + 2 × completion tokens) and the engine slot-seconds they held."""
+    def served_totals(self) -> Served:
+        """Every answer's work (prompt + 2 × completion tokens), the engine slot-seconds they held, their tokens."""
         return self._clients.served_totals()
+
+    def price_by_pool(self, served: Served) -> None:
+        """Every lease holder's answers, as the broker sums them: until this process has an answer of its own, its
+        callers' requests are priced by them (`ClientBook.expected_s`)."""
+        self._clients.pool_served = served
 
     def held(self) -> dict[str, int]:
         """The capacity lease this process works within now, per server."""

@@ -267,7 +267,7 @@ class BatchesApi:
         active = await asyncio.to_thread(self.store.active)
         mine = summary.lines * summary.work_each
         ahead = [b.left * b.work_each for b in active if b.model == summary.model and b.left * b.work_each <= mine]
-        work, slot_s = self._dispatcher.served_totals()
+        work, slot_s, _ = self._dispatcher.served_totals()
         slots = model_slots(self._snapshot(), summary.model)
         if work <= 0 or slot_s <= 0 or slots <= 0:
             return {"seconds": None, "meets_window": None, "shorter_batches_ahead": len(ahead),

@@ -22,7 +22,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from fedpool.registry import ClientDemand, DemandReport, HolderKind, Lease, ModelDemand, holder_id, holder_info
+from fedpool.registry import (
+    ClientDemand,
+    DemandReport,
+    HolderKind,
+    Lease,
+    ModelDemand,
+    Served,
+    holder_id,
+    holder_info,
+)
 
 log = logging.getLogger("fedpool.leases")
 
@@ -66,7 +75,9 @@ class LeaseHolder(Protocol):
 
     def done_sending(self, client_id: str) -> bool: ...
 
-    def served_totals(self) -> tuple[float, float]: ...
+    def served_totals(self) -> Served: ...
+
+    def price_by_pool(self, served: Served) -> None: ...
 
 
 @runtime_checkable
@@ -186,10 +197,11 @@ class LeaseClient:
             demand = self._wanted = self._coming(self._wanted)
         else:
             self._wanted = ()
-        work, slot_s = dispatcher.served_totals()
+        served = dispatcher.served_totals()
         return DemandReport(holder=self.holder, models=demand, inflight=dispatcher.inflight(),
-                            held=dispatcher.held(), broker=self._broker, served_work=work, served_slot_s=slot_s,
-                            info=self.info, ended=self._ended(demand))
+                            held=dispatcher.held(), broker=self._broker, served_work=served.work,
+                            served_slot_s=served.slot_s, served_answer_tokens=served.answer_tokens, info=self.info,
+                            ended=self._ended(demand))
 
     def _ended(self, demand: tuple[ModelDemand, ...]) -> tuple[ModelDemand, ...]:
         """The clients of the last report that this one leaves out, with their progress now."""
@@ -244,7 +256,8 @@ class LeaseClient:
 
     def _apply(self, lease: Lease, sent_at: float) -> None:
         """Work within `lease`, valid until `ttl_s` after the report it answers was sent (one that comes later
-        than that is not applied)."""
+        than that is not applied). Its pool figures are taken whatever its age."""
+        self._dispatcher.price_by_pool(lease.pool_served)
         if sent_at + lease.ttl_s <= self._clock():
             return
         if lease.broker != self._broker and self._broker is not None:
