@@ -181,11 +181,14 @@ async def test_on_llamacpp_an_attempt_whose_prompt_outlasts_the_age_limit_is_not
 
 
 # ---- an engine queue seen by a scrape ------------------------------------------------------------------------
-def queued_scrape(snap: PoolSnapshot, running: int, waiting: int, version: int = 2) -> PoolSnapshot:
-    """The same pool, with the first server's engine scraped now: `running` running, `waiting` in its queue."""
+def queued_scrape(snap: PoolSnapshot, running: int, waiting: int, version: int = 2,
+                  kv: float | None = None) -> PoolSnapshot:
+    """The same pool, with the first server's engine scraped now: `running` running, `waiting` in its queue, its KV
+    cache `kv` full (None: it does not say)."""
     first, *rest = snap.entries
     scraped = ServerEntry(record=first.record, status=first.status, capacity=first.capacity, weight=first.weight,
-                          load=LoadSample(running=running, waiting=waiting, observed_at=wall_time()))
+                          load=LoadSample(running=running, waiting=waiting, observed_at=wall_time(),
+                                          kv_cache_usage=kv))
     return PoolSnapshot(version=version, taken_at=0.0, entries=(scraped, *rest))
 
 
@@ -203,6 +206,30 @@ def one_then_two(fakes: FakePool, give_back_queued: bool = True,
                                   config=DispatchConfig(give_back_queued=give_back_queued))
     dispatcher.notify_snapshot()
     return dispatcher, current, both
+
+
+async def test_a_queue_the_engine_is_still_admitting_shrinks_nothing_one_behind_a_full_cache_does(
+        fakes: FakePool) -> None:
+    """vLLM and SGLang admit a burst of prompts a step's token budget at a time: sixteen sent at once show 2 running
+    and 14 waiting while the cache is near empty and the batch has free slots. That queue is prompts waiting for
+    their prefill step, which no other server would start sooner than the engine gets to them: the window stays
+    and nothing is taken back (taken back, an emulated A100 then ran 20-70 of its 256 for ~5 s). The same queue
+    behind a full cache is overflow: the window shrinks and the attempts beyond it move, as before."""
+    dispatcher, current, both = one_then_two(fakes)
+    calls = submit(dispatcher, 16)
+    await asyncio.sleep(0.2)
+    current[0] = queued_scrape(both, running=2, waiting=14, kv=0.002)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    window = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+    assert window.window == 16 and dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": 16}
+    current[0] = queued_scrape(both, running=2, waiting=14, version=3, kv=0.95)
+    dispatcher.notify_snapshot()
+    await asyncio.sleep(0.01)
+    window = next(s for s in dispatcher.stats().servers if s.server_id == "s0")
+    assert window.window == 4 and dispatcher.stats().preempted == 12 and dispatcher.inflight() == {"s0": 4, "s1": 12}
+    results = await asyncio.gather(*calls)
+    assert len({r.request_id for r in results}) == 16 and dispatcher.inflight() == {}
 
 
 @pytest.mark.parametrize("age", [0.2, PREEMPT_MAX_AGE_S + 0.5], ids=["just-sent", "older-than-the-lease-limit"])

@@ -315,6 +315,7 @@ class ServerLearning:
     _rate_limited: int = 0
     full: bool = False  # the window was full at some point this period
     period_start: float | None = None
+    admitting: bool = False  # the last scrape that showed a queue found the engine admitting it (windows.admitting)
 
     @classmethod
     def for_capacity(
@@ -337,12 +338,15 @@ class ServerLearning:
     def on_rate_limited(self) -> None:
         self._rate_limited += 1
 
-    def on_scrape(self, waiting: float, inflight: int, tail: bool = False) -> WindowDecision | None:
-        """A new scrape of the engine (`inflight`: this dispatcher's attempts there when it was taken; `tail`:
-        WindowController.on_scrape's)."""
+    def on_scrape(self, waiting: float, inflight: int, tail: bool = False,
+                  admitting: bool = False) -> WindowDecision | None:
+        """A new scrape of the engine that shows a queue (`inflight`: this dispatcher's attempts there when it was
+        taken; `tail` and `admitting`: WindowController.on_scrape's, `admitting` kept for the next period's
+        decision)."""
+        self.admitting = admitting
         if not self.adaptive:
             return None
-        decision = self.controller.on_scrape(waiting, inflight, tail=tail)
+        decision = self.controller.on_scrape(waiting, inflight, tail=tail, admitting=admitting)
         if decision is not None:
             self.last_decision = decision
         return decision
@@ -373,6 +377,7 @@ class ServerLearning:
             rate_limited=self._rate_limited,
             window_was_full=self.full,
             inflight=inflight,
+            admitting=self.admitting,
         )
         self._latencies, self._rate_limited, self.full = [], 0, False
         self.last_decision = self.controller.decide(obs)

@@ -20,7 +20,7 @@ from fedpool.federation.core.errors import FailureKind
 from fedpool.federation.core.ledger import HISTORY_S, LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
 from fedpool.federation.core.routes import Route, RouteKey
 from fedpool.federation.core.types import STREAMED_ENGINES, ServerStats
-from fedpool.federation.core.windows import kv_budget, kv_share_back, our_queue, our_scraped_queue
+from fedpool.federation.core.windows import admitting, kv_budget, kv_share_back, our_queue, our_scraped_queue
 from fedpool.registry import PoolSnapshot, ServerEntry, adapter_for
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ class ServerBook:
                 # beyond it the engine has likely not started are the dispatcher's to take back (`on_queued`).
                 ours = state.scrape_inflight = state.at(load.observed_at)
                 queued = our_queue(load.waiting, load.running, ours)
-                if state.learning.on_scrape(queued, ours, self.at_tail(state)) is not None:
+                if state.learning.on_scrape(queued, ours, self.at_tail(state), admitting(load, state.capacity)):
                     self._rewindow(state)
                     if state.inflight > state.window and self.on_queued is not None:
                         self.on_queued(state)
