@@ -109,20 +109,21 @@ def test_window_grows_while_the_engine_does_not_queue_and_shrinks_on_queueing() 
 
 
 def test_a_queue_the_engine_is_still_admitting_shrinks_no_window() -> None:
-    """A burst of prompts waits in vLLM's or SGLang's queue for its prefill steps while the cache has room and the
-    batch free slots: neither the scrape's rule nor the period's shrinks the window for it. Behind a full cache or
-    a full batch, or where the engine does not say how full its cache is, a queue is overflow."""
-    burst = LoadSample(running=11, waiting=245, observed_at=0.0, kv_cache_usage=0.002)
-    assert admitting(burst, 256)
+    """A queue the book finds the engine still `admitting` (tests/test_preempt.py) shrinks no window, by the
+    scrape's rule or the period's; at a tail the queue moves to servers with room all the same. Admitting: the
+    cache has room and the batch a free slot; behind a full cache or a full batch, or where the engine does not say
+    how full its cache is, a queue is overflow."""
+    assert admitting(LoadSample(running=11, waiting=245, observed_at=0.0, kv_cache_usage=0.002), 256)
     assert not admitting(LoadSample(running=11, waiting=245, observed_at=0.0, kv_cache_usage=KV_ROOM), 256)
     assert not admitting(LoadSample(running=256, waiting=20, observed_at=0.0, kv_cache_usage=0.3), 256)
     assert not admitting(LoadSample(running=11, waiting=245, observed_at=0.0), 256)  # (llama.cpp: not said)
     ctl = WindowController(capacity=256)
     assert ctl.on_scrape(245, 256, admitting=True) is None and ctl.window == 256
     assert ctl.decide(obs(scraped_waiting=245, inflight=256, admitting=True)).window == 256
-    assert ctl.on_scrape(245, 256).window == pytest.approx(256 - 245 + 0.05 * 256)
-    tail = WindowController(capacity=256)  # at a tail the queue moves to servers with room all the same
-    assert tail.on_scrape(10, 40, tail=True, admitting=True).window == 31
+    shrunk = ctl.on_scrape(245, 256)
+    assert shrunk is not None and shrunk.window == pytest.approx(256 - 245 + 0.05 * 256)
+    tail = WindowController(capacity=256).on_scrape(10, 40, tail=True, admitting=True)
+    assert tail is not None and tail.window == 31
 
 
 def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> None:
