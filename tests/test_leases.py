@@ -296,7 +296,7 @@ def test_a_process_with_no_answer_yet_prices_its_callers_by_every_holder_s_answe
             {"prompt": "x" * 80, "max_tokens": max_tokens}, request_id=client, model="m",
             endpoint=Endpoint.COMPLETIONS), 0.0)
         served = book.served_totals()
-        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8,
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8, rank=book.first(client),
                                                               served_s=book.served_s(client)),))
         b.broker.report(DemandReport(holder=holder, models=(demand,), served_work=served.work,
                                      served_slot_s=served.slot_s, served_answer_tokens=served.answer_tokens,
@@ -312,8 +312,8 @@ def test_a_process_with_no_answer_yet_prices_its_callers_by_every_holder_s_answe
     for _ in range(3):
         ledgers["gw-long"].take(long_slot, "long")
     long = books["gw-long"]
-    report("gw-long", "long", 64)  # priced by nothing yet: 0 s each
-    assert long.expected_s("long") == 0.0 and long.served_s("long") == 0.0
+    report("gw-long", "long", 64)  # priced by nothing yet: no seconds, ranked by its shape
+    assert long.expected_s("long") == 0.0 and long.served_s("long") is None
     report("gw-short", "arith", 4)
     assert b.broker.lease("gw-long").pool_served == Served(60.0 + 2 * 3, 0.47, 3.0)
     assert total(b.slots("gw-short")) < 8  # (ranked on gw-long's 0 s, arith is not behind)
@@ -322,6 +322,38 @@ def test_a_process_with_no_answer_yet_prices_its_callers_by_every_holder_s_answe
         report("gw-short", "arith", 4)
     assert long.expected_s("long") == pytest.approx(64 * 0.47 / 3)
     assert long.served_s("long") == pytest.approx(3 * 64 * 0.47 / 3)  # 30 slot-s against arith's 3 × 0.47 + 0.47
+    assert total(b.slots("gw-short")) == 8 and b.slots("gw-long") == {}
+
+
+def test_before_any_answer_anywhere_two_replicas_callers_are_ranked_by_their_requests_shapes() -> None:
+    """Two gateway replicas' callers start together and nothing has been answered anywhere: no seconds to count
+    service in (each would read 0 s, and they shared the slots 4 and 4), so each is ranked by its requests' shapes
+    (prompt + 2 × answer budget), as one gateway ranks them: the caller asking for 4-token answers gets all 8 slots
+    and the one asking for 64 none, until answers give them seconds (its requests in flight, first sent, give
+    their slots back at their first token: tests/test_preempt.py)."""
+    b = Broker()
+    ledgers = {name: InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0) for name in ("gw-short", "gw-long")}
+    books = {name: ClientBook("shortest_first", ledger) for name, ledger in ledgers.items()}
+    for ledger, client in zip(ledgers.values(), ("arith", "long"), strict=True):
+        slot = ledger.slots("s0")
+        for _ in range(4):  # the first lease split the slots 4 and 4
+            ledger.take(slot, client)
+
+    def report(holder: str, client: str, max_tokens: int) -> None:
+        book = books[holder]
+        book.note_request(client, InferenceRequest.from_body(
+            {"prompt": "x" * 80, "max_tokens": max_tokens}, request_id=client, model="m",
+            endpoint=Endpoint.COMPLETIONS), 0.0)
+        assert book.served_s(client) is None  # (nothing answered anywhere)
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8, rank=book.first(client),
+                                                              served_s=book.served_s(client)),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), held=b.slots(holder),
+                                     broker=b.broker.incarnation))
+        b.broker.reshare()
+
+    for _ in range(3):  # each adopts its lease and reports again
+        report("gw-long", "long", 64)
+        report("gw-short", "arith", 4)
     assert total(b.slots("gw-short")) == 8 and b.slots("gw-long") == {}
 
 

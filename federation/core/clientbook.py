@@ -153,8 +153,13 @@ class ClientBook:
         seconds they have held their slots so far where that is more (before any answer says what to expect);
         else None. Counting those in flight keeps it continuous: a long request's seconds do not arrive all at
         once when it ends, so two processes' clients ranked on it do not swap places each time a long answer
-        lands."""
+        lands. None too before any answer anywhere (here or, as the broker last said, at any holder): no seconds
+        to count in yet, and the broker ranks the client by `first` — its requests' shapes (prompt + 2 × answer
+        budget), as one gateway ranks them; counted in seconds held, two replicas' callers read equal and were
+        leased 4 and 4 of 8 slots where one gateway gives the short caller all 8."""
         if self.order != "shortest_first" or client_id in self._work_left or client_id in self._declared:
+            return None
+        if self._totals().slot_s <= 0:
             return None
         n = self._ledger.of_client(client_id)
         return self._served_s.get(client_id, 0.0) + max(0.0, self._ledger.held_s(client_id),
