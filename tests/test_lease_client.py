@@ -14,7 +14,7 @@ from fedpool.federation.core.grants import EXPECT_HOLD_S
 from fedpool.federation.core.types import DispatchConfig, Endpoint, InferenceRequest
 from fedpool.federation.gateway.leases import IDLE_HOLD_S, LeaseClient
 from fedpool.federation.routing.policies import make_policy
-from fedpool.registry import DemandReport, Lease
+from fedpool.registry import DemandReport, Lease, Served
 from fedpool.registry.leases import LeaseBroker, LeaseServer, LeaseService
 from tests.fakes import FakePool
 from tests.test_dispatcher import request, snapshot_of
@@ -197,9 +197,10 @@ async def test_a_process_over_its_shrunk_lease_reports_each_slot_it_lets_go_at_o
 
 async def test_a_client_ranked_by_service_reports_its_requests_in_flight_as_they_run(fakes: FakePool) -> None:
     """Under shortest_first a caller that reports no work left is ranked by the service it has attained, and the
-    lease report counts its requests in flight by the seconds they have held their slots so far (before any
-    answer), then by what its answers held on average from when each takes its slot: counted only when an answer
-    lands, a long answer moved its rank all at once, and two processes' callers swapped places."""
+    lease report counts its requests in flight by the seconds they have held their slots so far (before an answer
+    of its own), then by what its answers held on average from when each takes its slot: counted only when an
+    answer lands, a long answer moved its rank all at once, and two processes' callers swapped places. Before any
+    answer anywhere there are no seconds to count in: it reports none, and the broker ranks it by its shapes."""
     server = fakes.start(decode_s=0.05)
     snap = snapshot_of([server], capacity=4)
     dispatcher = fakes.dispatcher(lambda: snap, make_policy("least_inflight"),
@@ -214,9 +215,12 @@ async def test_a_client_ranked_by_service_reports_its_requests_in_flight_as_they
     calls = [asyncio.ensure_future(dispatcher.submit(InferenceRequest.from_body(
         {"prompt": f"q{n}", "max_tokens": 40, "ignore_eos": True}, request_id=f"r{n}", model="emu-model",
         endpoint=Endpoint.COMPLETIONS, client_id="tool"))) for n in range(2)]
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(0.01)
+    assert served() is None  # nothing answered anywhere: no seconds yet
+    dispatcher.price_by_pool(Served(1e6, 1.0, 1e6))  # another holder's answers: short, so held seconds count
+    await asyncio.sleep(0.99)
     assert dispatcher.inflight() == {"s0": 2}
-    assert served() == pytest.approx(2.0, abs=0.1)  # two slots held for a second each, nothing answered yet
+    assert served() == pytest.approx(2.0, abs=0.1)  # two slots held for a second each, nothing answered here yet
     await asyncio.sleep(0.5)
     assert served() == pytest.approx(3.0, abs=0.1)  # still rising with the time that passes
     answers = await asyncio.gather(*calls)
