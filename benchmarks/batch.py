@@ -24,14 +24,17 @@ the pool app with the Batch API, shortest first, `--policy`, default planned), t
   started again on the same directory: every custom_id must be in an output or error file exactly once
   (`lost`, `duplicated` count those that are not, over every batch of every arm);
 - **online**: the same requests sent online through the gateway by four openai-SDK clients (one per batch, each
-  with its own key), 8 at a time each, nothing beside them;
+  with its own key), 8 at a time each, nothing beside them: right after the batch arm without the probe, in every
+  repeat on llama.cpp and the first on the emulated pool (`--online-repeats`); `vs_online` pairs each with that
+  run (one online run read 89.7 s against 92.1 s the session before on the same code: a single denominator's
+  spread decided a ratio that sits near 1);
 - **conventional**: each batch on its own server (the most work on the fastest), sent straight to it at twice its
   slots; on a pool with fewer servers than batches, batches share servers in turn.
 
 The batch arms (with the probe and without) and the reserved arm run `--repeats` times on the emulated pool
 (default 3: one run there has read from 1.16 to 1.44× the ideal on the same code) and `--real-repeats` times on
 llama.cpp (default 1), each on fresh servers behind a fresh gateway; their ratios are medians over the runs,
-printed with the lowest and highest.
+printed with the lowest and highest. The restart and conventional arms run once.
 `vs_ideal` (the emulated pool only): the batch arm's makespan without the probe over the ideal makespan, the LP of
 benchmarks/assignment.py over the four batches' true token counts (the emulator's own `request_shape`) at the
 pool's time scale. `vs_online` and `vs_conventional` are that makespan over those arms'; the result line
@@ -390,7 +393,7 @@ class PoolResult:
     batches: Repeats  # the batch arm, the probe beside it
     plain: Repeats  # the batch arm without the probe (its probes: none): the makespan ratios
     restart: BatchRun
-    online_s: float
+    online: list[float]  # the online arm's makespans: run i beside the batch arm's run i (the first `online_repeats`)
     conventional_s: float
     idle: Probe  # the probe on the idle pool
     reserved: Repeats  # the batch arm again, the gateway leaving `reserve` servers to online callers
@@ -411,11 +414,21 @@ class PoolResult:
         def of_makespan(arm: Repeats, over: float | None) -> tuple[float, float, float] | None:
             return arm.spread(lambda run, _: run.makespan_s / over) if over else None
 
-        return {"vs_ideal": of_makespan(self.plain, ideal), "vs_online": of_makespan(self.plain, self.online_s),
+        return {"vs_ideal": of_makespan(self.plain, ideal), "vs_online": self.vs_online(),
                 "vs_conventional": of_makespan(self.plain, self.conventional_s),
                 "online_p99_ratio": self.batches.spread(lambda _, probe: probe.p99() / idle),
                 "vs_ideal_reserved": of_makespan(self.reserved, ideal),
                 "online_p99_ratio_reserved": self.reserved.spread(lambda _, probe: probe.p99() / idle)}
+
+    def vs_online(self) -> tuple[float, float, float]:
+        """The batch arm's makespan over the online arm's, run by run where the online arm ran beside it (each pair
+        on the same machine minutes apart), else over the online arm's median: (median, lowest, highest)."""
+        runs = [run.makespan_s for run, _ in self.plain.runs]
+        if len(self.online) > 1:
+            values = sorted(b / o for b, o in zip(runs, self.online, strict=False))
+        else:
+            values = sorted(b / self.online[0] for b in runs)
+        return statistics.median(values), values[0], values[-1]
 
     @property
     def ratios(self) -> dict[str, float | None]:
@@ -464,6 +477,8 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     batch_runs: list[tuple[BatchRun, Probe]] = []
     plain_runs: list[tuple[BatchRun, Probe]] = []
     reserved_runs: list[tuple[BatchRun, Probe]] = []
+    online_runs: list[float] = []
+    online: dict[str, str] = {}
     idle: Probe | None = None
     batches: dict[str, list[dict[str, Any]]] = {}
     model = ""
@@ -486,6 +501,13 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
             plain = await batch_arm(gw, batches)
             plain.engine_busy = await engine_busy(servers)
             plain_runs.append((plain, Probe(gw.url, model, args.probe_period)))  # (no probe beside it)
+        if i < online_repeats(name, args):
+            async with fresh(f"online{tag}"), gateway(state, work, args.policy, config.time_scale,
+                                                     f"{name}-online{tag}", client_order=args.client_order) as gw:
+                await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
+                online_s, answers = await online_arm(gw.url, batches)
+                online_runs.append(online_s)
+                online = online or answers
         async with fresh(f"reserved{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
                                                                f"{name}-reserved{tag}",
                                                                online_reserve=args.online_reserve,
@@ -497,10 +519,6 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart",
                                           client_order=args.client_order) as gw:
         restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
-    async with fresh("online"), gateway(state, work, args.policy, config.time_scale, f"{name}-online",
-                                         client_order=args.client_order) as gw:
-        await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
-        online_s, online = await online_arm(gw.url, batches)
     work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
                for n, lines in batches.items()}
     async with fresh("conventional") as servers:
@@ -508,9 +526,18 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     first = batch_runs[0][0]
     same = sum(1 for k, v in online.items() if first.answers.get(k) == v)
     return PoolResult(name, sum(len(v) for v in batches.values()), Repeats(batch_runs), Repeats(plain_runs), restart,
-                      online_s, conventional_s, idle, Repeats(reserved_runs),
+                      online_runs, conventional_s, idle, Repeats(reserved_runs),
                       ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
                       {n: len(v) for n, v in batches.items()}, args.online_reserve)
+
+
+def online_repeats(name: str, args: argparse.Namespace) -> int:
+    """How many of the pool's repeats run the online arm too: `--online-repeats`, else every repeat on llama.cpp (its
+    vs_online sits near 1, where one online run's spread decides the ratio) and the first on the emulated pool (~130
+    s a run, and its batches take a third of that)."""
+    repeats = args.repeats if name == "emulated" else args.real_repeats
+    chosen = args.online_repeats if args.online_repeats is not None else (1 if name == "emulated" else repeats)
+    return max(1, min(repeats, chosen))
 
 
 async def probed(url: str, model: str, period_s: float, arm: Coroutine[Any, Any, T]) -> tuple[T, Probe]:
@@ -542,10 +569,13 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
              f"client order {args.client_order}, probe every {args.probe_period:g} s. The batch arm (with the probe "
              f"beside it, and without it) and the reserved arm run {args.repeats} times on the emulated pool and "
              f"{args.real_repeats} on llama.cpp, each time on fresh servers behind a fresh gateway; ratios are the "
-             "median over those runs (lowest–highest), the other arms run once. The makespan ratios (vs_ideal, "
-             "vs_online, vs_conventional) are read from the runs without the probe, as the ideal, the online arm and "
-             "the conventional arm run without it: beside the batches it is answered first, so it is work they do "
-             "that the others do not (on llama.cpp each probe holds a slot for ~2 s there).\n"]
+             f"median over those runs (lowest–highest); the online arm runs in the first "
+             f"{online_repeats('emulated', args)} of them on the emulated pool and {online_repeats('llamacpp', args)} "
+             "on llama.cpp, right after the run without the probe, and vs_online pairs each online run with that run "
+             "(with one, every run over it); the restart and conventional arms run once. The makespan ratios "
+             "(vs_ideal, vs_online, vs_conventional) are read from the runs without the probe, as the ideal, the "
+             "online arm and the conventional arm run without it: beside the batches it is answered first, so it is "
+             "work they do that the others do not (on llama.cpp each probe holds a slot for ~2 s there).\n"]
     for r in results:
         parts.append(f"## {r.pool} pool ({POOLS[r.pool].name})\n")
         rows = [[f"batch, nothing beside it, run {i + 1}", _f(run.makespan_s), "ends: " + _ends(run)]
@@ -558,8 +588,10 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
                   f"ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.reserved.runs)]
         rows += [["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
                   f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
-                 ["online (4 SDK clients × 8)", _f(r.online_s), f"answers the same as the batch arm's first run: "
-                  f"{r.answers_same_pct:.1f}%"],
+                 *[[f"online (4 SDK clients × 8), run {i + 1}", _f(online_s),
+                    f"answers the same as the batch arm's first run: {r.answers_same_pct:.1f}%" if i == 0 else
+                    "right after the batch arm's run without the probe of the same number"]
+                   for i, online_s in enumerate(r.online)],
                  ["conventional (a server each)", _f(r.conventional_s), ""],
                  ["ideal (LP)", _f(r.ideal_s), "emulated pools only"]]
         parts.append(markdown_table(["arm", "makespan s", "notes"], rows))
@@ -667,6 +699,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of the batch and reserved arms, emulated pool")
     parser.add_argument("--real-repeats", type=int, default=1,
                         help="runs of the batch and reserved arms on the llama.cpp pool (each takes minutes)")
+    parser.add_argument("--online-repeats", type=int, default=None,
+                        help="repeats that run the online arm too (default: all on llama.cpp, the first on emulated)")
     parser.add_argument("--online-reserve", type=int, default=1,
                         help="servers the gateway leaves to online callers in the reserved arm")
     parser.add_argument("--idle-probe-s", type=float, default=20.0)
