@@ -10,7 +10,7 @@ from fedpool.federation.core.ledger import (
     InflightLedger,
     StallClock,
 )
-from fedpool.federation.core.windows import KV_ROOM, WindowController, WindowObservation, admitting
+from fedpool.federation.core.windows import KV_ROOM, WindowController, WindowObservation, admissible
 from fedpool.registry import LoadSample
 
 
@@ -109,21 +109,35 @@ def test_window_grows_while_the_engine_does_not_queue_and_shrinks_on_queueing() 
 
 
 def test_a_queue_the_engine_is_still_admitting_shrinks_no_window() -> None:
-    """A queue the book finds the engine still `admitting` (tests/test_preempt.py) shrinks no window, by the
-    scrape's rule or the period's; at a tail the queue moves to servers with room all the same. Admitting: the
-    cache has room and the batch a free slot; behind a full cache or a full batch, or where the engine does not say
-    how full its cache is, a queue is overflow."""
-    assert admitting(LoadSample(running=11, waiting=245, observed_at=0.0, kv_cache_usage=0.002), 256)
-    assert not admitting(LoadSample(running=11, waiting=245, observed_at=0.0, kv_cache_usage=KV_ROOM), 256)
-    assert not admitting(LoadSample(running=256, waiting=20, observed_at=0.0, kv_cache_usage=0.3), 256)
-    assert not admitting(LoadSample(running=11, waiting=245, observed_at=0.0), 256)  # (llama.cpp: not said)
+    """A queue the book finds the engine can still start (`admissible`, tests/test_preempt.py) shrinks no window, by
+    the scrape's rule or the period's; at a tail the queue moves to servers with room all the same. Admissible: the
+    cache has room and the batch a free slot — as many as the room takes where the cache's size and a request's
+    KV are known (our part in proportion), else all; behind a full cache or a full batch, or where the engine does
+    not say how full its cache is, a queue is overflow."""
+    def load(running: float, waiting: float, usage: float | None) -> LoadSample:
+        return LoadSample(running=running, waiting=waiting, observed_at=0.0, kv_cache_usage=usage)
+
+    assert admissible(load(11, 245, 0.002), 256, 245) == (245, False)
+    assert admissible(load(11, 245, 0.002), 256, 245, 938_192, 1_500.0) == (245, True)  # (room for ~560)
+    assert admissible(load(11, 245, KV_ROOM), 256, 245) == (0.0, False)
+    assert admissible(load(11, 245, KV_ROOM), 256, 245, 938_192, 1_500.0) == (0.0, True)
+    assert admissible(load(256, 20, 0.3), 256, 20) == (0.0, False)
+    assert admissible(load(11, 245, None), 256, 245, 938_192, 1_500.0) == (0.0, False)  # (llama.cpp: not said)
+    # A V100 of the Table 7 pool: 48 running, 117 long-context prompts (~7,000 tokens) queued, its cache 85% full.
+    room, measured = admissible(load(48, 117, 0.85), 256, 117, 184_848, 7_032.0)
+    assert measured and room == pytest.approx(0.05 * 184_848 / 7_032)
+    assert admissible(load(10, 100, 0.5), 256, 50, 1_000, 20.0) == (10.0, True)  # ours: half the queue, half the room
     ctl = WindowController(capacity=256)
-    assert ctl.on_scrape(245, 256, admitting=True) is None and ctl.window == 256
-    assert ctl.decide(obs(scraped_waiting=245, inflight=256, admitting=True)).window == 256
+    assert ctl.on_scrape(245, 256, admissible=245) is None and ctl.window == 256
+    assert ctl.decide(obs(scraped_waiting=245, inflight=256, admissible=245)).window == 256
     shrunk = ctl.on_scrape(245, 256)
     assert shrunk is not None and shrunk.window == pytest.approx(256 - 245 + 0.05 * 256)
-    tail = WindowController(capacity=256).on_scrape(10, 40, tail=True, admitting=True)
+    tail = WindowController(capacity=256).on_scrape(10, 40, tail=True, admissible=10)
     assert tail is not None and tail.window == 31
+    # Measured, the overflow shrinks the window though under three quarters of ours there; guessed, it does not.
+    assert WindowController(capacity=256).on_scrape(117, 165, admissible=room) is None
+    v100 = WindowController(capacity=256).on_scrape(117, 165, admissible=room, measured=True)
+    assert v100 is not None and v100.window == pytest.approx(165 - (117 - room) + 0.05 * 256)
 
 
 def test_window_shrinks_on_429_and_latency_inflation_and_respects_bounds() -> None:

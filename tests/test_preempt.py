@@ -182,11 +182,12 @@ async def test_on_llamacpp_an_attempt_whose_prompt_outlasts_the_age_limit_is_not
 
 # ---- an engine queue seen by a scrape ------------------------------------------------------------------------
 def queued_scrape(snap: PoolSnapshot, running: int, waiting: int, version: int = 2,
-                  kv: float | None = None) -> PoolSnapshot:
+                  kv: float | None = None, kv_tokens: int | None = None) -> PoolSnapshot:
     """The same pool, with the first server's engine scraped now: `running` running, `waiting` in its queue, its KV
-    cache `kv` full (None: it does not say)."""
+    cache `kv` full (None: it does not say) of `kv_tokens` (its record's; None: not known)."""
     first, *rest = snap.entries
-    scraped = ServerEntry(record=first.record, status=first.status, capacity=first.capacity, weight=first.weight,
+    record = first.record.model_copy(update={"kv_cache_tokens": kv_tokens}) if kv_tokens else first.record
+    scraped = ServerEntry(record=record, status=first.status, capacity=first.capacity, weight=first.weight,
                           load=LoadSample(running=running, waiting=waiting, observed_at=wall_time(),
                                           kv_cache_usage=kv))
     return PoolSnapshot(version=version, taken_at=0.0, entries=(scraped, *rest))
@@ -208,13 +209,16 @@ def one_then_two(fakes: FakePool, give_back_queued: bool = True,
     return dispatcher, current, both
 
 
-@pytest.mark.parametrize("case", ["admitting", "cache-full", "cache-not-said"])
+@pytest.mark.parametrize("case", ["admitting", "cache-full", "cache-not-said", "cache-room-for-three"])
 async def test_a_queue_the_engine_is_still_admitting_shrinks_nothing(fakes: FakePool, case: str) -> None:
     """vLLM and SGLang admit a burst of prompts a step's token budget at a time: the queue a scrape shows while the
     cache is near empty and the batch has free slots is prompts waiting for their prefill step: the window stays
     and nothing is taken back (taken back, an emulated A100 then ran 20-70 of its 256 for ~5 s). The same queue
     behind a full cache, or on an engine that does not say how full its cache is (llama.cpp), is overflow: the
-    window shrinks and the attempts beyond it move. Each request is answered once."""
+    window shrinks and the attempts beyond it move. Where the record says how large the cache is, only what its
+    room takes is admitting (here about three requests of ~21 tokens each — its prompt and half its 40-token budget
+    — in 40% of 160): the rest is overflow, taken back though it is under three quarters of those there (a V100 kept
+    117 long-context prompts queued behind room for 4 while its twin stood idle). Each request is answered once."""
     dispatcher, current, both = one_then_two(fakes)
     calls = submit(dispatcher, 16)
     await asyncio.sleep(0.2)
@@ -223,13 +227,17 @@ async def test_a_queue_the_engine_is_still_admitting_shrinks_nothing(fakes: Fake
     await asyncio.sleep(0.01)
     left = 16 - sum(1 for c in calls if c.done())
     assert dispatcher.inflight() == {"s0": 16}
-    kv = {"admitting": 0.002, "cache-full": 0.95, "cache-not-said": None}[case]
-    current[0] = queued_scrape(both, running=2, waiting=left - 2, version=3, kv=kv)
+    kv = {"admitting": 0.002, "cache-full": 0.95, "cache-not-said": None, "cache-room-for-three": 0.5}[case]
+    tokens = 160 if case == "cache-room-for-three" else None
+    current[0] = queued_scrape(both, running=2, waiting=left - 2, version=3, kv=kv, kv_tokens=tokens)
     dispatcher.notify_snapshot()
     await asyncio.sleep(0.01)
     window = next(s for s in dispatcher.stats().servers if s.server_id == "s0").window
     if case == "admitting":
         assert window == 16 and dispatcher.stats().preempted == 0 and dispatcher.inflight() == {"s0": left}
+    elif case == "cache-room-for-three":  # what runs (2), what the cache's room takes (~3) and the allowance (2)
+        assert left - 2 - 3 < 0.75 * left and window == 7 and dispatcher.stats().preempted == left - window
+        assert dispatcher.inflight() == {"s0": window, "s1": left - window}
     else:  # what runs (2) and the allowance (2); the rest run on the server with room
         assert window == 4 and dispatcher.stats().preempted == left - 4
         assert dispatcher.inflight() == {"s0": 4, "s1": left - 4}

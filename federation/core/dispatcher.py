@@ -124,6 +124,7 @@ class Dispatcher(GrantPass, AttemptEnds):
         self._book = ServerBook(BookSettings(config.window_factor, config.adaptive_windows, config.learn_throughput,
                                              config.breaker_failures, config.breaker_cooldown_s,
                                              config.learn_period_s), self._ledger, clock=clock)
+        self._book.kv_size = self._clients.kv_tokens
         self._book.kv_cost = self._clients.kv_tokens if config.kv_admission else None
         # Attempts that may give their slot back: when a lease shrinks, when a scrape shows them queued in their
         # engine beyond the window (give_back_queued), and to a caller first in the order (shortest_first only:

@@ -315,7 +315,7 @@ class ServerLearning:
     _rate_limited: int = 0
     full: bool = False  # the window was full at some point this period
     period_start: float | None = None
-    admitting: bool = False  # the last scrape that showed a queue found the engine admitting it (windows.admitting)
+    admissible: float = 0.0  # of the last scrape's queue (ours), what the engine could still start (windows.admissible)
 
     @classmethod
     def for_capacity(
@@ -338,15 +338,15 @@ class ServerLearning:
     def on_rate_limited(self) -> None:
         self._rate_limited += 1
 
-    def on_scrape(self, waiting: float, inflight: int, tail: bool = False,
-                  admitting: bool = False) -> WindowDecision | None:
+    def on_scrape(self, waiting: float, inflight: int, tail: bool = False, admissible: float = 0.0,
+                  measured: bool = False) -> WindowDecision | None:
         """A new scrape of the engine that shows a queue (`inflight`: this dispatcher's attempts there when it was
-        taken; `tail` and `admitting`: WindowController.on_scrape's, `admitting` kept for the next period's
-        decision)."""
-        self.admitting = admitting
+        taken; `tail`, `admissible` and `measured`: WindowController.on_scrape's, `admissible` kept for the next
+        period's decision)."""
+        self.admissible = admissible
         if not self.adaptive:
             return None
-        decision = self.controller.on_scrape(waiting, inflight, tail=tail, admitting=admitting)
+        decision = self.controller.on_scrape(waiting, inflight, tail=tail, admissible=admissible, measured=measured)
         if decision is not None:
             self.last_decision = decision
         return decision
@@ -377,7 +377,7 @@ class ServerLearning:
             rate_limited=self._rate_limited,
             window_was_full=self.full,
             inflight=inflight,
-            admitting=self.admitting,
+            admissible=self.admissible,
         )
         self._latencies, self._rate_limited, self.full = [], 0, False
         self.last_decision = self.controller.decide(obs)

@@ -20,7 +20,15 @@ from fedpool.federation.core.errors import FailureKind
 from fedpool.federation.core.ledger import HISTORY_S, LEARN_PERIOD_S, InflightLedger, ServerLearning, ServerSlots
 from fedpool.federation.core.routes import Route, RouteKey
 from fedpool.federation.core.types import STREAMED_ENGINES, ServerStats
-from fedpool.federation.core.windows import admitting, kv_budget, kv_share_back, our_queue, our_scraped_queue
+from fedpool.federation.core.windows import (
+    admissible,
+    guard_queue,
+    kv_budget,
+    kv_share_back,
+    mean_kv,
+    our_queue,
+    our_scraped_queue,
+)
 from fedpool.registry import PoolSnapshot, ServerEntry, adapter_for
 
 if TYPE_CHECKING:
@@ -33,10 +41,6 @@ CLIENT_LATENCY_ALPHA = 0.05  # one answer's weight in its client's mean latency 
 # scale), with this many periods' time constant: a server measured slow once and then given nothing (the
 # others' expected waits always lower) is tried again instead of keeping that one measurement for good.
 STALE_PERIODS = 2.0
-# The engine's own queue as a safety net: a server whose newest scrape shows requests waiting beyond what this
-# dispatcher knows is full for new grants until QUEUE_CLEAR_SCRAPES scrapes in a row show its queue empty.
-QUEUE_TRIP = 1.0
-QUEUE_CLEAR_SCRAPES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +129,8 @@ class ServerBook:
         self._stale_after_s = STALE_PERIODS * settings.learn_period_s
         self.lease_slots: Mapping[str, int] | None = None  # this process's capacity lease (None: not leasing)
         self.on_forget: Callable[[str], None] | None = None  # told when a server's state is dropped
-        # The KV cache one request of a client is expected to hold (ClientBook.kv_tokens); None: no KV admission.
+        # A client's request's KV (ClientBook.kv_tokens): `kv_size` for windows.admissible, `kv_cost` for KV admission.
+        self.kv_size: Callable[[str], float] | None = None
         self.kv_cost: Callable[[str], float] | None = None
         # Told when a scrape of a server's engine queue shrank its window below what is in flight there (the dispatcher
         # takes the youngest back; None: nothing is); `at_tail`: WindowController.on_scrape's, asked at such a scrape.
@@ -176,20 +181,15 @@ class ServerBook:
         if load is not None and load.observed_at > state.scrape_at:
             state.scrape_at = load.observed_at
             if self._settings.engine_queue_guard:
-                # The engine's own queue: requests waiting there beyond ours (its scrape compared with what we had
-                # in flight then) mean someone else filled it; no new grants until it shows empty again.
-                beyond = load.running + load.waiting - state.capacity
-                if load.waiting >= QUEUE_TRIP and beyond >= QUEUE_TRIP:
-                    state.queue_full, state.queue_clear = True, 0
-                elif state.queue_full and load.waiting <= 0:
-                    state.queue_clear += 1
-                    state.queue_full = state.queue_clear < QUEUE_CLEAR_SCRAPES
+                guard_queue(state, load)
             if load.waiting > 0 and state.learning is not None:
                 # Ours queued in the engine (`our_queue`): the window shrinks now, not at the next answer; attempts
                 # beyond it the engine has likely not started are the dispatcher's to take back (`on_queued`).
                 ours = state.scrape_inflight = state.at(load.observed_at)
                 queued = our_queue(load.waiting, load.running, ours)
-                if state.learning.on_scrape(queued, ours, self.at_tail(state), admitting(load, state.capacity)):
+                start = admissible(load, state.capacity, queued, entry.record.kv_cache_tokens,
+                                   mean_kv(self.ledger.clients_on(state.id), self.kv_size))
+                if state.learning.on_scrape(queued, ours, self.at_tail(state), *start):
                     self._rewindow(state)
                     if state.inflight > state.window and self.on_queued is not None:
                         self.on_queued(state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,12 @@ if TYPE_CHECKING:
 # a KV-bound engine's batch full (docs/architecture.md).
 SCRAPE_QUEUE_SHARE = 0.75
 TAIL_QUEUE = 2  # at a tail (`Dispatcher._at_tail`), the engine queue that shrinks a window
-# An engine whose KV cache is under this full and whose batch has a free slot is still admitting its queue (`admitting`)
+# The engine's own queue as a safety net (`guard_queue`): a server whose newest scrape shows requests waiting beyond
+# what this dispatcher knows is full for new grants until QUEUE_CLEAR_SCRAPES scrapes in a row show its queue empty.
+QUEUE_TRIP = 1.0
+QUEUE_CLEAR_SCRAPES = 2
+# An engine whose KV cache is under this full and whose batch has a free slot is still admitting its queue
+# (`admissible`: as many of it as the cache's room below this takes)
 KV_ROOM = 0.9
 
 
@@ -32,7 +38,7 @@ class WindowObservation:
     rate_limited: int  # HTTP 429s this period
     window_was_full: bool  # this dispatcher used the whole window at some point
     inflight: int | None = None  # what this dispatcher had on the server when its engine was last scraped
-    admitting: bool = False  # that scrape's queue was prompts waiting for their prefill step (`admitting`)
+    admissible: float = 0.0  # of that scrape's queue (ours), the prompts the engine can still start (`admissible`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +92,12 @@ class WindowController:
                 recent.popleft()
         if obs.rate_limited:
             decision = WindowDecision(max(1.0, self.window * self.shrink), f"{obs.rate_limited} × HTTP 429")
-        elif obs.scraped_waiting >= self.queue_allowance and not obs.admitting:
+        elif (overflow := obs.scraped_waiting - obs.admissible) >= self.queue_allowance:
             if obs.inflight is not None:
                 # What the engine was running for us when the scrape was taken (`inflight`: ours there then; the
-                # queue counted at most what we had there), plus a short queue: one step to the right size, not a
-                # shrink per period while a queue we built earlier drains.
-                target = obs.inflight - min(obs.scraped_waiting, obs.inflight) + self.queue_allowance
+                # queue counted at most what we had there) and what it can still start, plus a short queue: one step
+                # to the right size, not a shrink per period while a queue we built earlier drains.
+                target = obs.inflight - min(overflow, obs.inflight) + self.queue_allowance
                 new = max(1.0, min(self.window, target))
             else:
                 new = max(1.0, self.window * self.shrink)
@@ -109,38 +115,73 @@ class WindowController:
         self._last_throughput = obs.throughput
         return decision
 
-    def on_scrape(self, waiting: float, inflight: int, *, tail: bool = False,
-                  admitting: bool = False) -> WindowDecision | None:
+    def on_scrape(self, waiting: float, inflight: int, *, tail: bool = False, admissible: float = 0.0,
+                  measured: bool = False) -> WindowDecision | None:
         """The engine's queue as a scrape shows it, between answers (`waiting`: this dispatcher's attempts queued
         there, of `inflight` it had there then): the engine-queue rule of `decide`, shrinking only, at the probe
-        rate, and only for a queue of most of those attempts (`SCRAPE_QUEUE_SHARE`): at the answers' rate alone a
-        deep queue goes unseen for as long as no answer comes (docs/architecture.md). At a `tail` (every client in
-        flight has sent its last, nothing waits, another server has room: `Dispatcher._at_tail`) a queue of
-        TAIL_QUEUE shrinks it to what runs and one more: nothing else would keep the batch full there, and the queued
-        attempts can start elsewhere now. Elsewhere, a queue the engine is still `admitting` shrinks nothing."""
+        rate: at the answers' rate alone a deep queue goes unseen for as long as no answer comes
+        (docs/architecture.md). At a `tail` (every client in flight has sent its last, nothing waits, another server
+        has room: `Dispatcher._at_tail`) a queue of TAIL_QUEUE shrinks it to what runs and one more: nothing else
+        would keep the batch full there, and the queued attempts can start elsewhere now. Elsewhere only the queue
+        beyond what the engine can still start (`admissible`) counts, and, unless that was `measured` against the
+        engine's free cache, only a queue of most of our attempts there (`SCRAPE_QUEUE_SHARE`): a shorter one keeps a
+        KV-bound engine's batch full."""
+        overflow = waiting - admissible
         if tail and waiting >= TAIL_QUEUE:
             target = max(1.0, inflight - waiting + 1)
-        elif admitting or waiting < max(self.queue_allowance, SCRAPE_QUEUE_SHARE * inflight):
+        elif overflow < max(self.queue_allowance, 0.0 if measured else SCRAPE_QUEUE_SHARE * inflight):
             return None
         else:
-            target = max(1.0, inflight - waiting + self.queue_allowance)
+            target = max(1.0, inflight - overflow + self.queue_allowance)
         if target >= self.window:
             return None
         self.window = target
         return WindowDecision(target, f"engine queue {waiting:g} (scrape{', tail' if tail else ''})")
 
 
-def admitting(load: LoadSample, capacity: int) -> bool:
-    """Whether an engine's queue (as the scrape `load` shows it) is prompts waiting for their prefill step, not
-    overflow: its KV cache has room (under KV_ROOM full) and its batch a free slot. vLLM and SGLang admit a burst of
-    prompts a step's token budget at a time: 256 sent at once to an idle emulated A100 showed 11 running and 245
-    waiting, its cache 0.2% full, and the engine-queue rules shrank the window to 24 and took 232 back — the
-    engine then ran 20-70 where it could run 256, for the ~5 s its window took to grow back (Table 7 pool, the
-    batch bench: 1.12-1.17x the ideal; 1.08-1.09x with such queues left alone). A queue behind a full cache or a
-    full batch is overflow, and shrinks the window as before; an engine that does not say how full its cache is
-    (llama.cpp's builds of today) is never taken to be admitting."""
+def admissible(load: LoadSample, capacity: int, queued: float, kv_cache_tokens: int | None = None,
+               kv_each: float | None = None) -> tuple[float, bool]:
+    """Of `queued` (this dispatcher's part of the engine's queue in the scrape `load`), how many are prompts waiting
+    for their prefill step, which the engine can still start as it is, not overflow; and whether that was measured
+    against its free cache. vLLM and SGLang admit a burst of prompts a step's token budget at a time: 256 sent at
+    once to an idle emulated A100 showed 11 running and 245 waiting, its cache 0.2% full, and the engine-queue rules
+    shrank the window to 24 and took 232 back — the engine then ran 20-70 where it could run 256, for the ~5 s its
+    window took to grow back (Table 7 pool, the batch bench: 1.12-1.17x the ideal; 1.08-1.09x with such queues left
+    alone). None while the cache is KV_ROOM full or the batch has no free slot, or where the engine does not say how
+    full its cache is (llama.cpp's builds of today). Where the cache's size (`kv_cache_tokens`, the record's) and
+    what one of ours holds (`kv_each`) are known, as many of the queue as the cache's room below KV_ROOM takes, our
+    part in proportion; else all of it (counted whole, a queue of long prompts the cache had room for few of was
+    kept: a V100 held 117 long-context prompts queued beside 48 running for 4 s while its twin stood idle)."""
     usage = load.kv_cache_usage
-    return usage is not None and usage < KV_ROOM and load.running < capacity
+    if usage is None or load.waiting <= 0 or queued <= 0:
+        return 0.0, False
+    measured = bool(kv_cache_tokens and kv_each and kv_each > 0)
+    if usage >= KV_ROOM or load.running >= capacity:
+        return 0.0, measured
+    if not measured:
+        return queued, False
+    assert kv_cache_tokens is not None and kv_each is not None
+    room = (KV_ROOM - usage) * kv_cache_tokens / kv_each
+    return min(queued, room * queued / load.waiting), True
+
+
+def mean_kv(clients: Mapping[str, int], kv_tokens: Callable[[str], float] | None) -> float | None:
+    """The KV cache one of these attempts (client -> attempts) is expected to hold (`ClientBook.kv_tokens`)."""
+    count = sum(clients.values())
+    if kv_tokens is None or count <= 0:
+        return None
+    return sum(n * kv_tokens(c) for c, n in clients.items()) / count
+
+
+def guard_queue(state: ServerState, load: LoadSample) -> None:
+    """The engine's own queue (a new scrape, `load`): requests waiting there beyond its capacity mean someone else
+    filled it; the server takes no new grants (`queue_full`) until it shows empty again."""
+    beyond = load.running + load.waiting - state.capacity
+    if load.waiting >= QUEUE_TRIP and beyond >= QUEUE_TRIP:
+        state.queue_full, state.queue_clear = True, 0
+    elif state.queue_full and load.waiting <= 0:
+        state.queue_clear += 1
+        state.queue_full = state.queue_clear < QUEUE_CLEAR_SCRAPES
 
 
 def our_queue(waiting: float, running: float, ours: float) -> float:
