@@ -147,7 +147,7 @@ def admissible(load: LoadSample, capacity: int, queued: float, kv_cache_tokens: 
     once to an idle emulated A100 showed 11 running and 245 waiting, its cache 0.2% full, and the engine-queue rules
     shrank the window to 24 and took 232 back — the engine then ran 20-70 where it could run 256, for the ~5 s its
     window took to grow back (Table 7 pool, the batch bench: 1.12-1.17x the ideal; 1.08-1.09x with such queues left
-    alone). None while the cache is KV_ROOM full or the batch has no free slot, or where the engine does not say how
+    alone). Nothing while the cache is KV_ROOM full or the batch has no free slot, or where the engine does not say how
     full its cache is (llama.cpp's builds of today). Where the cache's size (`kv_cache_tokens`, the record's) and
     what one of ours holds (`kv_each`) are known, as many of the queue as the cache's room below KV_ROOM takes, our
     part in proportion; else all of it (counted whole, a queue of long prompts the cache had room for few of was
