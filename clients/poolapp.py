@@ -273,6 +273,7 @@ async def batch_service(gateway: Gateway, pool: PoolConnection, root: Path, *, m
     reserve = OnlineReserve(online_reserve, pool.dispatcher, lambda: pool.snapshot) if online_reserve else None
     batch_runner = BatchRunner(store, pool.dispatcher, lambda model: model_slots(pool.snapshot, model),
                                reserve=reserve)
+    gateway.steer = reserve.online if reserve is not None else None  # (online requests to the servers held)
     await batch_runner.start()
     api = BatchesApi(gateway, pool.dispatcher, store, lambda: pool.snapshot, started=batch_runner.started,
                      cancelled=batch_runner.cancelled, max_file_bytes=max_file_bytes,

@@ -23,7 +23,7 @@ from fedpool.federation.routing.planner import PlannedRouting  # registers the `
 from fedpool.federation.routing.policies import make_policy, policy_names, prepare_policy
 
 # The registry's types in this room's interface: what `PoolConnection.snapshot` and `PoolConnection.holders` return.
-from fedpool.registry import HolderView, PoolHolders, PoolSnapshot
+from fedpool.registry import HolderView, PoolHolders, PoolSnapshot, ServerEntry
 
 __all__ = [
     "Attempt",
@@ -49,6 +49,7 @@ __all__ = [
     "PoolSnapshot",
     "RequestFailed",
     "SamplingParams",
+    "ServerEntry",
     "ServerStats",
     "ServerView",
     "Timeouts",

@@ -26,7 +26,7 @@ from fedpool.clients.batchrunner import BatchRunner, OnlineReserve
 from fedpool.clients.poolapp import batch_service, build_app
 from fedpool.deploy.emulator import Faults
 from fedpool.deploy.process import free_port
-from fedpool.federation import DispatchConfig, PoolConnection
+from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
 from fedpool.federation.gateway.handlers import ApiKey, Gateway, serving
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
@@ -46,6 +46,7 @@ class Served:
     pool: PoolConnection
     runner: BatchRunner
     batches_dir: Path
+    gateway: Gateway
 
     def client(self, key: ApiKey = KEYS[0]) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key.secret, max_retries=0)
@@ -68,7 +69,7 @@ async def served(registry: RegistryClient, emulators: EmulatorFactory, where: Pa
                                           max_lines=1000, online_reserve=online_reserve)
         try:
             async with serving(build_app(gateway, pool, "<html></html>", batches=api)) as url:
-                yield Served(url, pool, runner, where / "batches")
+                yield Served(url, pool, runner, where / "batches", gateway)
         finally:
             await runner.stop()
 
@@ -394,14 +395,21 @@ async def test_an_online_reserve_leaves_a_server_to_online_callers_while_they_ar
             raw = await client.completions.with_raw_response.create(model="emu-model", prompt="online", max_tokens=4)
             return raw.headers["X-Fedpool-Server"]
 
+        reserve = pool.runner.reserve
+        asked = InferenceRequest("asked", "emu-model", Endpoint.COMPLETIONS, prompt="online")
+        assert reserve is not None and pool.gateway.steer == reserve.online
         answered = [await online()]
+        assert reserve.online(asked) is None  # (no batch about: online requests go anywhere)
         batch = await submit(client, [request_line(i, max_tokens=8) for i in range(40)])
+        steered = []
         while (await client.batches.retrieve(batch.id)).status not in FINAL:
+            steered.append(reserve.online(asked))
             answered.append(await online())
         done = await until_final(client, batch.id)
         assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 40
         assert held.stats.completed == answered.count("emu-0") and other.stats.completed >= 40
-        assert pool.runner.reserve is not None and pool.runner.reserve.pins("emu-model") == ("emu-1",)
+        assert reserve.pins("emu-model") == ("emu-1",) and ("emu-0",) in steered  # online steered to the held one
+        assert reserve.online(asked) is None  # (the batch is over)
 
         pool.runner.reserve = OnlineReserve(1, pool.pool.dispatcher, lambda: pool.pool.snapshot, about_s=0.2)
         await asyncio.sleep(0.5)  # (online traffic gone longer than the reserve's 0.2 s)
@@ -409,6 +417,29 @@ async def test_an_online_reserve_leaves_a_server_to_online_callers_while_they_ar
         before = held.stats.completed
         again = await until_final(client, (await submit(client, [request_line(100 + i) for i in range(40)])).id)
         assert again.status == "completed" and held.stats.completed > before
+        await client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_an_online_request_steered_to_a_failing_server_is_answered_by_another(
+        registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path, stream: bool) -> None:
+    """The online reserve steers online requests to the servers held for them (federation/gateway/state.py
+    `Steer`); where the held server fails them (every answer a 500 here), the request goes once more to any server
+    and is answered: a preference never costs an online caller an answer the pool could give."""
+    async with served(registry, emulators, tmp_path) as pool:
+        failing, other = emulators.servers
+        failing.faults = Faults(error_rate=1.0)
+        pool.gateway.steer = lambda request: ("emu-0",)
+        client = pool.client()
+        if stream:
+            parts = [c.choices[0].text async for c in await client.completions.create(
+                model="emu-model", prompt="online", max_tokens=5, stream=True) if c.choices]
+            assert "".join(parts).strip()
+        else:
+            raw = await client.completions.with_raw_response.create(model="emu-model", prompt="online", max_tokens=5)
+            assert raw.headers["X-Fedpool-Server"] == "emu-1" and raw.parse().choices[0].text.strip()
+        assert failing.stats.requests_by_status.get("500", 0) >= 1 and failing.stats.completed == 0  # (tried there)
+        assert other.stats.completed == 1
         await client.close()
 
 

@@ -104,6 +104,10 @@ class ClientBook:
         Batch API batches): served at once, not paced by a plan made for the background work."""
         return bool(self._background) and client_id not in self._background
 
+    def background_about(self) -> bool:
+        """Whether a background client (a Batch API batch) has said it has requests left."""
+        return bool(self._background)
+
     def foreground_since(self, since: float) -> bool:
         """Whether a client that is not a background one (an online caller) submitted a request at `since` or
         later (O(clients seen since then): the most recent are last)."""

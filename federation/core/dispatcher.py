@@ -204,6 +204,10 @@ class Dispatcher(GrantPass, AttemptEnds):
         last `seconds` (the batches' online reserve reads it: clients/batchrunner.py `OnlineReserve`)."""
         return self._clients.foreground_since(self._clock() - seconds)
 
+    def background_about(self) -> bool:
+        """Whether a Batch API batch is a client with requests left (`OnlineReserve` steers online requests then)."""
+        return self._clients.background_about()
+
     def set_client_shape(self, client_id: str, prompt_tokens: float, max_tokens: int | None) -> None:
         """A client's expected prompt length and answer budget, before its first request (the planned
         policy's prior; answers' usage replaces it), so a first plan need not wait for this client to send."""

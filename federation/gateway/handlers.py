@@ -48,6 +48,9 @@ from fedpool.federation.gateway.state import (
     GatewayMetrics,
     Overload,
     PoolFacts,
+    Steer,
+    steered,
+    submit_steered,
 )
 from fedpool.federation.gateway.streams import StreamRelay
 from fedpool.registry import PoolHolders, PoolSnapshot
@@ -79,8 +82,7 @@ RUNNER_OPTIONS: Mapping[str, Any] = {"access_log": None, "handler_cancellation":
 @contextlib.asynccontextmanager
 async def serving(app: web.Application, host: str = "127.0.0.1", port: int = 0, *, reuse_port: bool | None = None,
                   backlog: int = 128) -> AsyncIterator[str]:
-    """Serve `app` on host:port (0: a free port the OS picks) for the block, with RUNNER_OPTIONS; yields its
-    base URL."""
+    """Serve `app` on host:port (0: the OS picks) for the block, with RUNNER_OPTIONS; yields its base URL."""
     runner = web.AppRunner(app, **RUNNER_OPTIONS)
     await runner.setup()
     try:
@@ -106,9 +108,10 @@ class Gateway:
         tune_gc: bool = True,
         clock: Callable[[], float] = time.time,
         holders: Callable[[], Awaitable[PoolHolders | None]] | None = None,
+        steer: Steer | None = None,
     ):
         """`holders`: who is on the pool (`PoolConnection.holders`), served at HOLDERS_PATH as the caller may see
-        it (`auth.visible_holders`)."""
+        it (`auth.visible_holders`); `steer` (the Batch API sets it): where online requests go first (`Steer`)."""
         self._dispatcher = dispatcher
         self._holders = holders
         self._alias_secret = secrets.token_bytes(16)  # the holders view's aliases: stable while this gateway runs
@@ -129,7 +132,7 @@ class Gateway:
         self.client_ids = ClientIds(max_client_ids, client_ttl_s)
         self.runs = DeclaredRuns(dispatcher.set_client_requests_left, dispatcher.set_client_shape)
         self._forgetting = Forgetting(self.client_ids, dispatcher, max(0.05, client_ttl_s / 10), self.runs)
-        self._tune_gc = tune_gc
+        self._tune_gc, self.steer = tune_gc, steer
         self._facts_of: PoolSnapshot | None = None
         self._facts = PoolFacts.of(None)
         self._request_ids = itertools.count()
@@ -277,9 +280,9 @@ class Gateway:
             self.runs.arrive(client, declared, prompt, req.params.max_tokens)
             try:
                 if body.get("stream"):
-                    response, status = await self._stream(request, req, model)
+                    response, status = await self._stream(request, steered(req, self.steer), model)
                     return response
-                result = await self._dispatcher.submit(req)
+                result = await submit_steered(self._dispatcher, req, self.steer)
             except NoServerError as exc:
                 status = "503"
                 return _error(503, str(exc), "service_unavailable", code="no_server",
@@ -360,11 +363,8 @@ class Gateway:
 
     # ---- who is asking --------------------------------------------------------------------------
     def knows(self, presented: bytes | None) -> bool:
-        """Whether `presented` is one of the API keys (False when the gateway has none)."""
-        found = False
-        for key in self._keys:
-            found |= matches(presented, key.secret.encode())
-        return found
+        """Whether `presented` is one of the API keys (False when the gateway has none; every key is compared)."""
+        return any([matches(presented, key.secret.encode()) for key in self._keys])  # (a list: no early exit)
 
     def client_of(self, request: web.Request) -> str | web.Response:
         """Who is asking, as for an online request (the Batch API scopes files and batches by it), or a 401."""

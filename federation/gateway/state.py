@@ -1,8 +1,11 @@
 """What a gateway keeps between requests, each thing bounded: the facts it reads of the current snapshot (computed
 once per snapshot), the client ids it tells apart (capped, forgotten when idle, here and in the dispatcher), the
 runs callers declared the size of (`DeclaredRuns`, forgotten with their ids), whether
-its loop is overloaded (the dispatcher's own measure of its lag, no timer), and its metrics (a server that left the
-pool loses its series)."""
+its loop is overloaded (the dispatcher's own measure of its lag, no timer), its metrics (a server that left the
+pool loses its series), and where online requests go first (`Steer`: the Batch API's online reserve,
+clients/batchrunner.py `OnlineReserve`, names the servers an online request is answered on while batches run; the
+request is pinned to them, and a failure another server could answer sends it once more without them, so a
+preference never costs an online caller an answer the pool could give)."""
 
 from __future__ import annotations
 
@@ -13,13 +16,15 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from fedpool.federation.core.dispatcher import Dispatcher
+from fedpool.federation.core.errors import FailureKind, NoServerError, RequestFailed
+from fedpool.federation.core.types import InferenceRequest, InferenceResult
 from fedpool.registry import PoolSnapshot
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -325,3 +330,35 @@ class GatewayMetrics:
             self.inflight.remove(gone)
             self.window.remove(gone)
         self._servers = set(figures)
+
+
+# ---- where online requests go first ---------------------------------------------------------------------------
+Steer = Callable[[InferenceRequest], tuple[str, ...] | None]  # an online request -> its servers first (None: any)
+
+
+def steered(req: InferenceRequest, steer: Steer | None) -> InferenceRequest:
+    """The request pinned where `steer` sends it (unchanged where it names nothing, or the request is pinned)."""
+    servers = steer(req) if steer is not None and req.pinned_servers is None else None
+    return req if servers is None else replace(req, pinned_servers=servers)
+
+
+async def submit_steered(dispatcher: Dispatcher, req: InferenceRequest, steer: Steer | None) -> InferenceResult:
+    """`dispatcher.submit` of the steered request; where it fails on the servers it was steered to in a way
+    another server could answer (a retriable failure, or none of them routable in time), once more on any server
+    of its model. A request the engine refused as wrong (REQUEST_ERROR), or a failure on this side (UNEXPECTED),
+    is not sent again."""
+    pinned = steered(req, steer)
+    if pinned is req:
+        return await dispatcher.submit(req)
+    try:
+        return await dispatcher.submit(pinned)
+    except (NoServerError, RequestFailed) as exc:
+        if not elsewhere_may(exc):
+            raise
+    return await dispatcher.submit(req)  # (the dispatcher counted the steered one failed: a rare path, said so)
+
+
+def elsewhere_may(exc: NoServerError | RequestFailed) -> bool:
+    """Whether another server may answer what failed so on the servers a request was steered to."""
+    return isinstance(exc, NoServerError) or exc.last_kind not in (None, FailureKind.REQUEST_ERROR,
+                                                                   FailureKind.UNEXPECTED)

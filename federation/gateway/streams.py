@@ -29,6 +29,7 @@ from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed
 from fedpool.federation.core.types import Endpoint, InferenceRequest, StreamBody
 from fedpool.federation.gateway.answers import dumps, loads
+from fedpool.federation.gateway.state import elsewhere_may
 from fedpool.federation.gateway.unpooled import classify_exception
 from fedpool.registry import Engine, PoolSnapshot, ServerEntry
 
@@ -123,6 +124,9 @@ class StreamRelay:
                 self.outcome.client_gone = True  # the client's doing, not a failure of the pool
                 return self._out or web.Response(status=499)
             except (RequestFailed, NoServerError) as exc:
+                if not self.started and current.pinned_servers is not None and elsewhere_may(exc):
+                    current = replace(current, pinned_servers=None)  # (steered, state.py `Steer`: once more, anywhere)
+                    continue
                 if not self.started:
                     raise
                 # A continuation found no replica to run on in time (the dispatcher counted a RequestFailed).
@@ -149,11 +153,15 @@ class StreamRelay:
                             self._req.request_id, broke.server.id, self._progress.chunks)
 
     def _elsewhere(self, req: InferenceRequest, broke: _Broke) -> InferenceRequest:
-        """The same request, on any other server of its route (RequestFailed when there is none)."""
+        """The same request, on any other server of its route; where its pins (an online request steered to the
+        servers held for it, state.py `Steer`) leave none, on any other of its model (RequestFailed when there is
+        none)."""
         snapshot = self._snapshot()
-        view = snapshot.filter(model=req.model, revision=req.revision, engines=req.pinned_engines,
-                               server_ids=req.pinned_servers, routable_only=True) if snapshot else None
-        others = tuple(s.id for s in (view.entries if view else ()) if s.id != broke.server.id)
+        others: tuple[str, ...] = ()
+        for pins in (req.pinned_servers, None) if req.pinned_servers is not None else (None,):
+            view = snapshot.filter(model=req.model, revision=req.revision, engines=req.pinned_engines,
+                                   server_ids=pins, routable_only=True) if snapshot else None
+            others = others or tuple(s.id for s in (view.entries if view else ()) if s.id != broke.server.id)
         if not others:
             err = AttemptError(broke.kind, "the stream broke before its first byte and no other server serves it")
             raise RequestFailed(f"request {req.request_id}: {err}", (), broke.kind, err, broke.server.id)
