@@ -9,17 +9,21 @@ benchmarks/configs/real_pool.yaml), each arm on servers started afresh (no promp
 arm) and registered in a registry of the benchmark's own, with the gateway as a process of its own (`serve`, below:
 the pool app with the Batch API, shortest first, `--policy`, default planned), the arms run in turn:
 
+The gateway runs with the product's `--online-reserve` (1 server per model, `--online-reserve` here; the
+unreserved arm's excepted): while online callers are about, batches leave the N servers online requests are
+answered soonest on to them, and online requests go there (clients/batchrunner.py `OnlineReserve`).
+
 - **idle**: an online probe (one small request at a time, every `--probe-period` seconds) on the idle pool: its
   latency p99 is the reference for `online_p99_ratio`;
 - **batch**: the four batches uploaded and created at once with the openai SDK (`files.create`,
   `batches.create`), polled (every 0.25 s, one list call) until all have ended; makespan from the first upload to
-  the last batch seen ended. The probe runs beside them;
-- **batch without the probe**: the batch arm again with nothing beside it: the makespan the ratios read (the
-  probe, answered first beside the batches, is work the ideal, online and conventional arms do not do);
-- **reserved**: the batch arm again, the gateway started with `--online-reserve N` (default 1): while online
-  callers are about, batches leave the N servers online requests are answered soonest on to them
-  (clients/batchrunner.py `OnlineReserve`); the probe beside it gives `online_p99_ratio_reserved`, its makespan
-  `vs_ideal_reserved` — what online latency costs the batches on these engines;
+  the last batch seen ended. The probe runs beside them: `online_p99_ratio`, and the makespan over the ideal
+  `vs_ideal_beside_online` — what keeping online latency costs the batches on these engines;
+- **batch without the probe**: the batch arm again with nothing beside it (warmed up by a batch of 3 requests, not
+  by online ones, which would hold the reserve for 30 s): the makespan the ratios read (nothing online is about, so
+  batches use every server, as the ideal, online and conventional arms do);
+- **unreserved**: the batch arm with the probe again, the gateway started with `--online-reserve 0` (batches fill
+  every server even beside online callers): `online_p99_ratio_unreserved`, what the reserve spares the probe;
 - **restart**: the same four batches again, the gateway process killed -9 once 40% of their requests are kept and
   started again on the same directory: every custom_id must be in an output or error file exactly once
   (`lost`, `duplicated` count those that are not, over every batch of every arm);
@@ -31,7 +35,7 @@ the pool app with the Batch API, shortest first, `--policy`, default planned), t
 - **conventional**: each batch on its own server (the most work on the fastest), sent straight to it at twice its
   slots; on a pool with fewer servers than batches, batches share servers in turn.
 
-The batch arms (with the probe and without) and the reserved arm run `--repeats` times on the emulated pool
+The batch arms (with the probe and without) and the unreserved arm run `--repeats` times on the emulated pool
 (default 3: one run there has read from 1.16 to 1.44× the ideal on the same code) and `--real-repeats` times on
 llama.cpp (default 1), each on fresh servers behind a fresh gateway; their ratios are medians over the runs,
 printed with the lowest and highest. The restart and conventional arms run once.
@@ -40,7 +44,7 @@ benchmarks/assignment.py over the four batches' true token counts (the emulator'
 pool's time scale. `vs_online` and `vs_conventional` are that makespan over those arms'; the result line
 carries the emulated pool's vs_ideal and the larger of the two pools' other ratios. Writes
 benchmarks/results/NAME.md (default batch), ending with `result: batches=N requests=N vs_ideal=X vs_online=X
-vs_conventional=X online_p99_ratio=X online_p99_ratio_reserved=X vs_ideal_reserved=X restarts=N lost=N
+vs_conventional=X online_p99_ratio=X vs_ideal_beside_online=X online_p99_ratio_unreserved=X restarts=N lost=N
 duplicated=N`.
 """
 
@@ -69,6 +73,7 @@ import openai
 from fedpool.benchmarks.assignment import Workload, ideal_makespan
 from fedpool.benchmarks.report import markdown_table, write_report
 from fedpool.benchmarks.speedup_engine import LiveServer, PoolConfig, load_pool_config, started_pool
+from fedpool.clients.batchrunner import ONLINE_RESERVE
 from fedpool.deploy import EngineProcess, free_port
 from fedpool.deploy.emulator import request_shape
 
@@ -180,7 +185,7 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(state: Path, work: Path, policy: str, time_scale: float, tag: str,
-                  online_reserve: int = 0, client_order: str = "shortest_first") -> AsyncIterator[Gateway]:
+                  online_reserve: int = ONLINE_RESERVE, client_order: str = "shortest_first") -> AsyncIterator[Gateway]:
     port = free_port()
     argv = [sys.executable, "-m", "fedpool.benchmarks.batch", "serve", "--state-dir", str(state), "--port", str(port),
             "--batches", str(work / f"batches-{tag}"), "--policy", policy, "--time-scale", str(time_scale),
@@ -390,13 +395,13 @@ class Repeats:
 class PoolResult:
     pool: str
     requests: int
-    batches: Repeats  # the batch arm, the probe beside it
+    batches: Repeats  # the batch arm, the probe beside it (the reserve held while it is about)
     plain: Repeats  # the batch arm without the probe (its probes: none): the makespan ratios
     restart: BatchRun
     online: list[float]  # the online arm's makespans: run i beside the batch arm's run i (the first `online_repeats`)
     conventional_s: float
     idle: Probe  # the probe on the idle pool
-    reserved: Repeats  # the batch arm again, the gateway leaving `reserve` servers to online callers
+    unreserved: Repeats  # the batch arm with the probe again, the gateway leaving no server to online callers
     ideal_s: float | None
     answers_same_pct: float
     sizes: dict[str, int]
@@ -417,8 +422,9 @@ class PoolResult:
         return {"vs_ideal": of_makespan(self.plain, ideal), "vs_online": self.vs_online(),
                 "vs_conventional": of_makespan(self.plain, self.conventional_s),
                 "online_p99_ratio": self.batches.spread(lambda _, probe: probe.p99() / idle),
-                "vs_ideal_reserved": of_makespan(self.reserved, ideal),
-                "online_p99_ratio_reserved": self.reserved.spread(lambda _, probe: probe.p99() / idle)}
+                "vs_ideal_beside_online": of_makespan(self.batches, ideal),
+                "online_p99_ratio_unreserved": self.unreserved.spread(lambda _, probe: probe.p99() / idle),
+                "vs_ideal_unreserved": of_makespan(self.unreserved, ideal)}
 
     def vs_online(self) -> tuple[float, float, float]:
         """The batch arm's makespan over the online arm's, run by run where the online arm ran beside it (each pair
@@ -476,7 +482,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                 fresh: Callable[[str], contextlib.AbstractAsyncContextManager[Sequence[LiveServer]]]) -> PoolResult:
     batch_runs: list[tuple[BatchRun, Probe]] = []
     plain_runs: list[tuple[BatchRun, Probe]] = []
-    reserved_runs: list[tuple[BatchRun, Probe]] = []
+    unreserved_runs: list[tuple[BatchRun, Probe]] = []
     online_runs: list[float] = []
     online: dict[str, str] = {}
     idle: Probe | None = None
@@ -485,7 +491,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     for i in range(args.repeats if name == "emulated" else args.real_repeats):
         tag = "" if i == 0 else f"-{i + 1}"
         async with fresh(f"batch{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
-                                                            f"{name}-batch{tag}",
+                                                            f"{name}-batch{tag}", online_reserve=args.online_reserve,
                                                             client_order=args.client_order) as gw:
             model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
             batches = batches or {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
@@ -495,9 +501,10 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
             batch_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
             batch_runs[-1][0].engine_busy = await engine_busy(servers)
         async with fresh(f"plain{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
-                                                            f"{name}-plain{tag}",
+                                                            f"{name}-plain{tag}", online_reserve=args.online_reserve,
                                                             client_order=args.client_order) as gw:
-            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (as every arm: loads the policy)
+            # (as every arm, a first request loads the policy: here a batch's, so nothing online is about)
+            await batch_arm(gw, {"warm-up": next(iter(batches.values()))[:WARM_UP]})
             plain = await batch_arm(gw, batches)
             plain.engine_busy = await engine_busy(servers)
             plain_runs.append((plain, Probe(gw.url, model, args.probe_period)))  # (no probe beside it)
@@ -508,13 +515,12 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                 online_s, answers = await online_arm(gw.url, batches)
                 online_runs.append(online_s)
                 online = online or answers
-        async with fresh(f"reserved{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
-                                                               f"{name}-reserved{tag}",
-                                                               online_reserve=args.online_reserve,
-                                                               client_order=args.client_order) as gw:
-            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)  # (online callers about from here)
-            reserved_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
-            reserved_runs[-1][0].engine_busy = await engine_busy(servers)
+        async with fresh(f"unreserved{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
+                                                                 f"{name}-unreserved{tag}", online_reserve=0,
+                                                                 client_order=args.client_order) as gw:
+            await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
+            unreserved_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
+            unreserved_runs[-1][0].engine_busy = await engine_busy(servers)
     assert idle is not None
     async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart",
                                           client_order=args.client_order) as gw:
@@ -526,7 +532,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     first = batch_runs[0][0]
     same = sum(1 for k, v in online.items() if first.answers.get(k) == v)
     return PoolResult(name, sum(len(v) for v in batches.values()), Repeats(batch_runs), Repeats(plain_runs), restart,
-                      online_runs, conventional_s, idle, Repeats(reserved_runs),
+                      online_runs, conventional_s, idle, Repeats(unreserved_runs),
                       ideal_wall_s(config, batches), 100.0 * same / max(1, len(online)),
                       {n: len(v) for n, v in batches.items()}, args.online_reserve)
 
@@ -567,7 +573,7 @@ def _ends(run: BatchRun) -> str:
 def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
     parts = [f"Scale {args.scale:g} of the full sizes, seed {args.seed}, gateway policy `{args.policy}`, "
              f"client order {args.client_order}, probe every {args.probe_period:g} s. The batch arm (with the probe "
-             f"beside it, and without it) and the reserved arm run {args.repeats} times on the emulated pool and "
+             f"beside it, and without it) and the unreserved arm run {args.repeats} times on the emulated pool and "
              f"{args.real_repeats} on llama.cpp, each time on fresh servers behind a fresh gateway; ratios are the "
              f"median over those runs (lowest–highest); the online arm runs in the first "
              f"{online_repeats('emulated', args)} of them on the emulated pool and {online_repeats('llamacpp', args)} "
@@ -580,12 +586,12 @@ def body(results: Sequence[PoolResult], args: argparse.Namespace) -> str:
         parts.append(f"## {r.pool} pool ({POOLS[r.pool].name})\n")
         rows = [[f"batch, nothing beside it, run {i + 1}", _f(run.makespan_s), "ends: " + _ends(run)]
                 for i, (run, _) in enumerate(r.plain.runs)]
-        rows += [[f"batch, the probe beside it, run {i + 1}", _f(run.makespan_s),
+        rows += [[f"batch, the probe beside it (--online-reserve {r.reserve}), run {i + 1}", _f(run.makespan_s),
                   f"the probe: {len(probe.latencies)} answered, p50 {_f(probe.quantile(0.5), 3)} s, p99 "
                   f"{_f(probe.p99(), 3)} s; ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.batches.runs)]
-        rows += [[f"batch, --online-reserve {r.reserve}, run {i + 1}", _f(run.makespan_s),
-                  f"the probe beside it: p50 {_f(probe.quantile(0.5), 3)} s, p99 {_f(probe.p99(), 3)} s; "
-                  f"ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.reserved.runs)]
+        rows += [[f"batch, the probe beside it, --online-reserve 0, run {i + 1}", _f(run.makespan_s),
+                  f"the probe: {len(probe.latencies)} answered, p50 {_f(probe.quantile(0.5), 3)} s, p99 "
+                  f"{_f(probe.p99(), 3)} s; ends: {_ends(run)}"] for i, (run, probe) in enumerate(r.unreserved.runs)]
         rows += [["restart (kill -9 at 40%)", _f(r.restart.makespan_s), f"lost {r.restart.lost}, duplicated "
                   f"{r.restart.duplicated}, gateway starts {r.restart.starts}"],
                  *[[f"online (4 SDK clients × 8), run {i + 1}", _f(online_s),
@@ -615,28 +621,29 @@ def online_latency(r: PoolResult, spreads: Mapping[str, tuple[float, float, floa
     """Where the probe was answered and how fast, beside the batches with and without the reserve (the median
     runs); each engine's busy share; on an emulated pool, what one engine step costs the probe alone and beside a
     step's full chunked-prefill budget."""
-    (batch, _), (_, busy), (reserved, beside_reserved) = r.plain.median, r.batches.median, r.reserved.median
+    (batch, _), (beside, busy), (_, unreserved) = r.plain.median, r.batches.median, r.unreserved.median
     rows = []
-    for arm, probe in (("idle", r.idle), ("beside the batches", busy),
-                       (f"beside the batches, --online-reserve {r.reserve}", beside_reserved)):
+    for arm, probe in (("idle", r.idle), (f"beside the batches, --online-reserve {r.reserve}", busy),
+                       ("beside the batches, --online-reserve 0", unreserved)):
         for server in sorted(set(probe.servers)):
             times = sorted(t for t, s in zip(probe.latencies, probe.servers, strict=True) if s == server)
             rows.append([arm, server, len(times), _f(times[len(times) // 2], 3), _f(times[-1], 3)])
     out = ["\nThe probe by the server that answered it (the median runs):\n",
            markdown_table(["arm", "server", "probes", "p50 s", "max s"], rows),
-           f"\nWith --online-reserve {r.reserve}: online_p99_ratio {_spread(spreads['online_p99_ratio_reserved'])}, "
-           f"vs_ideal {_spread(spreads['vs_ideal_reserved'])}; without: {_spread(spreads['online_p99_ratio'])}, "
-           f"{_spread(spreads['vs_ideal'])}.\n"]
+           f"\nBeside the probe, with --online-reserve {r.reserve}: online_p99_ratio "
+           f"{_spread(spreads['online_p99_ratio'])}, the batches at {_spread(spreads['vs_ideal_beside_online'])} of "
+           f"the ideal; with --online-reserve 0: {_spread(spreads['online_p99_ratio_unreserved'])}, "
+           f"{_spread(spreads['vs_ideal_unreserved'])}. Nothing online beside them: "
+           f"{_spread(spreads['vs_ideal'])} (vs_ideal).\n"]
     config = load_pool_config(POOLS[r.pool])
     profiles = config.profiles()
     if batch.engine_busy:
-        out += ["\nEach engine's busy share of the batch arm's median run without the probe (engine seconds in steps "
-                "with work ÷ "
+        out += ["\nEach engine's busy share of the batch arm's median runs (engine seconds in steps with work ÷ "
                 f"makespan × time scale {config.time_scale:g}; the LP's ideal keeps every engine busy to its end):\n",
-                markdown_table(["server", "batch arm", f"--online-reserve {r.reserve}"],
+                markdown_table(["server", "nothing beside it", f"the probe beside it, --online-reserve {r.reserve}"],
                                [[server, _f(seconds / (batch.makespan_s * config.time_scale), 3),
-                                 _f(reserved.engine_busy.get(server, 0.0)
-                                    / (reserved.makespan_s * config.time_scale), 3)]
+                                 _f(beside.engine_busy.get(server, 0.0)
+                                    / (beside.makespan_s * config.time_scale), 3)]
                                 for server, seconds in sorted(batch.engine_busy.items())])]
     if profiles:
         body = {"model": "m", "prompt": "probe: " + " ".join(WORDS[:16]), "max_tokens": 16, "temperature": 0}
@@ -660,19 +667,19 @@ def online_latency(r: PoolResult, spreads: Mapping[str, tuple[float, float, floa
 def result_of(results: Sequence[PoolResult]) -> dict[str, object]:
     ratios = [r.ratios for r in results]
     ideal = [x["vs_ideal"] for x in ratios if x["vs_ideal"] is not None]
-    reserved = [x["vs_ideal_reserved"] for x in ratios if x["vs_ideal_reserved"] is not None]
+    beside = [x["vs_ideal_beside_online"] for x in ratios if x["vs_ideal_beside_online"] is not None]
 
     def worst(key: str) -> str:
         values = [x[key] for x in ratios if x[key] is not None]
         return _f(max(values), 3) if values else "-"  # type: ignore[type-var]
 
-    runs = [run for r in results for arm in (r.batches, r.reserved) for run, _ in arm.runs] + [
+    runs = [run for r in results for arm in (r.batches, r.plain, r.unreserved) for run, _ in arm.runs] + [
         r.restart for r in results]
     return {"batches": sum(len(r.sizes) for r in results), "requests": sum(r.requests for r in results),
             "vs_ideal": _f(ideal[0], 3) if ideal else "-", "vs_online": worst("vs_online"),
             "vs_conventional": worst("vs_conventional"), "online_p99_ratio": worst("online_p99_ratio"),
-            "online_p99_ratio_reserved": worst("online_p99_ratio_reserved"),
-            "vs_ideal_reserved": _f(reserved[0], 3) if reserved else "-",
+            "vs_ideal_beside_online": _f(beside[0], 3) if beside else "-",
+            "online_p99_ratio_unreserved": worst("online_p99_ratio_unreserved"),
             "restarts": sum(r.restart.starts - 1 for r in results),
             "lost": sum(run.lost for run in runs), "duplicated": sum(run.duplicated for run in runs)}
 
@@ -687,7 +694,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     served.add_argument("--batches", required=True)
     served.add_argument("--policy", default="planned")
     served.add_argument("--time-scale", type=float, default=1.0)
-    served.add_argument("--online-reserve", type=int, default=0)
+    served.add_argument("--online-reserve", type=int, default=ONLINE_RESERVE)
     served.add_argument("--client-order", default="shortest_first")
     parser.add_argument("--pools", default="emulated,llamacpp", help="comma-separated: emulated, llamacpp")
     parser.add_argument("--scale", type=float, default=1.0, help="batch sizes × this (at least 1 request each)")
@@ -696,13 +703,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-period", type=float, default=0.5)
     parser.add_argument("--client-order", default="shortest_first",
                         help="the gateway's order between clients (the issue's: shortest_first between batches)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the batch and reserved arms, emulated pool")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the batch and unreserved arms, emulated pool")
     parser.add_argument("--real-repeats", type=int, default=1,
-                        help="runs of the batch and reserved arms on the llama.cpp pool (each takes minutes)")
+                        help="runs of the batch and unreserved arms on the llama.cpp pool (each takes minutes)")
     parser.add_argument("--online-repeats", type=int, default=None,
                         help="repeats that run the online arm too (default: all on llama.cpp, the first on emulated)")
-    parser.add_argument("--online-reserve", type=int, default=1,
-                        help="servers the gateway leaves to online callers in the reserved arm")
+    parser.add_argument("--online-reserve", type=int, default=ONLINE_RESERVE,
+                        help="servers the gateway leaves to online callers (the product's default; unreserved arm: 0)")
     parser.add_argument("--idle-probe-s", type=float, default=20.0)
     parser.add_argument("--name", default="batch", help="the report's name under benchmarks/results/")
     parser.add_argument("--work-dir", type=Path, default=None)

@@ -59,6 +59,11 @@ MAX_PASSES = 3  # passes over a batch's input before lines still without a resul
 YIELD_LAG_S = LAG_LIMIT_S / 2
 YIELD_POLL_S = 0.05
 ONLINE_ABOUT_S = 30.0  # online traffic is about (`OnlineReserve`) for this long after its last request
+# Servers per model batches leave to online callers while they are about (`OnlineReserve`), by default: a batch is
+# background work (OpenAI's Batch API: results within a window, online traffic first), and an online request beside
+# batch prefill waits 80-100 times its idle time (docs/operators.md, "Batches and online traffic"); 0 lets batches
+# fill every server even then.
+ONLINE_RESERVE = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +100,7 @@ class OnlineReserve:
         """The servers an online request goes to first (None: any): while a batch has requests left, those held
         for online callers, unless each has as many of this gateway's requests in flight as it has slots (online
         traffic past what the reserve holds spreads as it would without one). One online request sent beside the
-        batches to a V100 read 4.05 s where the held A100 answered in 0.035 s (the batch bench's reserved arm)."""
+        batches to a V100 read 4.05 s where the held A100 answered in 0.035 s (the batch bench's Table 7 pool)."""
         if self.servers <= 0 or not self.dispatcher.background_about():
             return None
         held, _ = self._split(request.model)

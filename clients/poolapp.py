@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fedpool.clients.batchrunner import BatchRunner, OnlineReserve
+from fedpool.clients.batchrunner import ONLINE_RESERVE, BatchRunner, OnlineReserve
 from fedpool.clients.jobs import JobRunner, JobsApi
 from fedpool.federation import PoolConnection, PoolHolders
 from fedpool.federation.gateway.auth import bearer, matches
@@ -237,7 +237,7 @@ async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *,
                        max_inflight: int | None = None, runner: JobRunner | None = None,
                        jobs_token: str | None = None, reuse_port: bool | None = None,
                        backlog: int = 128, batches_dir: Path | None = None,
-                       online_reserve: int = 0) -> AsyncIterator[str]:
+                       online_reserve: int = ONLINE_RESERVE) -> AsyncIterator[str]:
     """The gateway over `pool`, the pool page, (with `batches_dir`) the Batch API over the batches kept there and
     (with `runner`) the jobs API, served on host:port for the block; yields the base URL. The runners start first,
     so a directory another server owns is refused (OwnershipError) before anything listens, and they stop before the
@@ -265,7 +265,8 @@ async def serving_pool(pool: PoolConnection, page: str, host: str, port: int, *,
 
 
 async def batch_service(gateway: Gateway, pool: PoolConnection, root: Path, *, max_file_bytes: int = MAX_FILE_BYTES,
-                        max_lines: int = MAX_LINES, online_reserve: int = 0) -> tuple[BatchRunner, BatchesApi]:
+                        max_lines: int = MAX_LINES,
+                        online_reserve: int = ONLINE_RESERVE) -> tuple[BatchRunner, BatchesApi]:
     """The Batch API over the batches kept in `root` (input files up to `max_file_bytes` and `max_lines` requests),
     and its runner, started: the batches a stopped server left unfinished go on now. `online_reserve`: servers of
     each model batches leave to online callers while they are about (`OnlineReserve`)."""

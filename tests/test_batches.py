@@ -22,12 +22,13 @@ import openai
 import pytest
 from openai.types import Batch
 
-from fedpool.clients.batchrunner import BatchRunner, OnlineReserve
+from fedpool.clients.batchrunner import ONLINE_RESERVE, BatchRunner, OnlineReserve
 from fedpool.clients.poolapp import batch_service, build_app
 from fedpool.deploy.emulator import Faults
 from fedpool.deploy.process import free_port
 from fedpool.federation import DispatchConfig, Endpoint, InferenceRequest, PoolConnection
 from fedpool.federation.gateway.handlers import ApiKey, Gateway, serving
+from fedpool.options import GatewayOptions
 from fedpool.registry import Engine, RegistryClient, ServerRecord
 from tests.conftest import TEST_TOKEN, EmulatorFactory, wait_http_up
 
@@ -395,6 +396,7 @@ async def test_an_online_reserve_leaves_a_server_to_online_callers_while_they_ar
             raw = await client.completions.with_raw_response.create(model="emu-model", prompt="online", max_tokens=4)
             return raw.headers["X-Fedpool-Server"]
 
+        assert GatewayOptions.model_fields["online_reserve"].default == ONLINE_RESERVE  # (the CLI's, the app's)
         reserve = pool.runner.reserve
         asked = InferenceRequest("asked", "emu-model", Endpoint.COMPLETIONS, prompt="online")
         assert reserve is not None and pool.gateway.steer == reserve.online
@@ -417,6 +419,24 @@ async def test_an_online_reserve_leaves_a_server_to_online_callers_while_they_ar
         before = held.stats.completed
         again = await until_final(client, (await submit(client, [request_line(100 + i) for i in range(40)])).id)
         assert again.status == "completed" and held.stats.completed > before
+        await client.close()
+
+
+async def test_a_batch_that_has_ended_is_no_online_caller_for_the_reserve(
+        registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path) -> None:
+    """With the reserve on and nobody online, batches use every server, and a batch that has ended (in the
+    dispatcher's foreground again: it says nothing any more) does not make the next one leave a server free as if an
+    online caller were about."""
+    async with served(registry, emulators, tmp_path, decode_s=0.01, online_reserve=1) as pool:
+        held, other = emulators.servers
+        client = pool.client()
+        first = await until_final(client, (await submit(client, [request_line(i, max_tokens=8) for i in range(40)])).id)
+        assert first.status == "completed" and held.stats.completed > 0 and other.stats.completed > 0
+        assert pool.runner.reserve is not None and pool.runner.reserve.pins("emu-model") is None
+        assert not pool.pool.dispatcher.online_within(60.0)
+        before = held.stats.completed
+        second = await until_final(client, (await submit(client, [request_line(50 + i) for i in range(40)])).id)
+        assert second.status == "completed" and held.stats.completed > before
         await client.close()
 
 

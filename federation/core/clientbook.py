@@ -66,6 +66,9 @@ class ClientBook:
         self.done_sending: set[str] = set()
         self.waiting: Counter[str] = Counter()  # requests queued for a slot, per client
         self._seen: dict[str, float] = {}  # client -> when it last submitted or was answered (insertion-ordered)
+        # When a client that was not a background one as it submitted (an online caller) last did: a batch that has
+        # ended is in the foreground again (it says nothing any more), and is not an online caller for it.
+        self._foreground_at = float("-inf")
 
     # ---- what clients say ---------------------------------------------------------------------------
     def set_weight(self, client_id: str, weight: float) -> None:
@@ -109,14 +112,9 @@ class ClientBook:
         return bool(self._background)
 
     def foreground_since(self, since: float) -> bool:
-        """Whether a client that is not a background one (an online caller) submitted a request at `since` or
-        later (O(clients seen since then): the most recent are last)."""
-        for client_id, seen in reversed(self._seen.items()):
-            if seen < since:
-                return False
-            if client_id not in self._background:
-                return True
-        return False
+        """Whether a client that was not a background one as it submitted (an online caller) submitted a request
+        at `since` or later."""
+        return self._foreground_at >= since
 
     def announce_shape(self, client_id: str, prompt_tokens: float, max_tokens: float | None) -> None:
         self._shapes[client_id] = ClientShape(max(1.0, prompt_tokens), max_tokens, announced=True)
@@ -134,6 +132,8 @@ class ClientBook:
         if client_id in seen:
             del seen[client_id]  # most recent last: the idle sweep looks at the front only
         seen[client_id] = now
+        if client_id not in self._background:
+            self._foreground_at = now
 
     def note_served(self, client_id: str, prompt_tokens: int | None, completion_tokens: int | None,
                     slot_s: float) -> None:
