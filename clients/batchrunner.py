@@ -104,8 +104,8 @@ class OnlineReserve:
         if self.servers <= 0 or not self.dispatcher.background_about():
             return None
         held, _ = self._split(request.model)
-        inflight = self.dispatcher.inflight()
-        if not held or all(inflight.get(e.id, 0) >= e.capacity for e in held):
+        ledger = self.dispatcher.ledger  # (per held server: O(N), not O(servers), on each online request)
+        if not held or all(ledger.on_server(e.id) >= e.capacity for e in held):
             return None
         return tuple(e.id for e in held)
 

@@ -440,6 +440,34 @@ async def test_a_batch_that_has_ended_is_no_online_caller_for_the_reserve(
         await client.close()
 
 
+async def test_online_requests_past_the_held_servers_slots_spread_as_without_a_reserve(
+        registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path) -> None:
+    """While a batch runs, online requests go to the held server (emu-0) until it has as many of them in flight as
+    it has slots (4); past that, the reserve names no server and online requests spread as they would without it."""
+    async with served(registry, emulators, tmp_path, decode_s=0.02, online_reserve=1) as pool:
+        client, reserve, ledger = pool.client(), pool.runner.reserve, pool.pool.dispatcher.ledger
+        assert reserve is not None
+        asked = InferenceRequest("asked", "emu-model", Endpoint.COMPLETIONS, prompt="online")
+        await client.completions.create(model="emu-model", prompt="first", max_tokens=2)  # (online callers about)
+        batch = await submit(client, [request_line(i, max_tokens=30) for i in range(60)])
+
+        async def batch_about() -> bool:
+            return reserve.online(asked) == ("emu-0",)
+
+        await until(batch_about, 30, "the batch under way")
+        online = [asyncio.create_task(client.completions.with_raw_response.create(
+            model="emu-model", prompt=f"online {i}", max_tokens=60)) for i in range(4)]
+
+        async def held_full() -> bool:
+            return ledger.on_server("emu-0") >= 4
+
+        await until(held_full, 30, "four online requests in flight on the held server")
+        assert reserve.online(asked) is None  # (past its slots: anywhere)
+        assert {(await task).headers["X-Fedpool-Server"] for task in online} == {"emu-0"}
+        assert (await until_final(client, batch.id)).status == "completed"
+        await client.close()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
 async def test_an_online_request_steered_to_a_failing_server_is_answered_by_another(
         registry: RegistryClient, emulators: EmulatorFactory, tmp_path: Path, stream: bool) -> None:

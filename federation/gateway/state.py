@@ -355,7 +355,7 @@ async def submit_steered(dispatcher: Dispatcher, req: InferenceRequest, steer: S
     except (NoServerError, RequestFailed) as exc:
         if not elsewhere_may(exc):
             raise
-    return await dispatcher.submit(req)  # (the dispatcher counted the steered one failed: a rare path, said so)
+    return await dispatcher.submit(req)  # (the steered try counts as a failed request in the dispatcher's stats)
 
 
 def elsewhere_may(exc: NoServerError | RequestFailed) -> bool:
