@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -208,12 +209,14 @@ class Probe:
     period_s: float
     latencies: list[float] = field(default_factory=list)
     servers: list[str] = field(default_factory=list)  # the server that answered each (X-Fedpool-Server)
+    sent_at: list[float] = field(default_factory=list)  # when each was sent, seconds from the probe's start
     refused: int = 0  # answered with an error (the gateway overloaded): not retried, not in the latencies
 
     async def run(self, stop: asyncio.Event, count: int | None = None) -> None:
         """Probe until `stop` (or `count` requests: a warm-up)."""
         client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="probe-client-key", max_retries=0)
         prompt = "probe: " + " ".join(WORDS[:16])
+        start = time.monotonic()
         try:
             while not stop.is_set() and (count is None or len(self.latencies) + self.refused < count):
                 began = time.monotonic()
@@ -222,6 +225,7 @@ class Probe:
                                                                             max_tokens=16, temperature=0)
                     self.latencies.append(time.monotonic() - began)
                     self.servers.append(raw.headers.get("X-Fedpool-Server", "?"))
+                    self.sent_at.append(began - start)
                 except openai.APIStatusError:
                     self.refused += 1
                 with contextlib.suppress(TimeoutError):
@@ -250,15 +254,22 @@ class BatchRun:
     engine_busy: dict[str, float] = field(default_factory=dict)  # emulated server -> engine seconds in steps
 
 
+def jsonl(lines: Sequence[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
 async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, restart_at: float | None = None,
-                    poll_s: float = 0.25) -> BatchRun:
+                    poll_s: float = 0.25, files: Mapping[str, bytes] | None = None,
+                    ended: asyncio.Event | None = None) -> BatchRun:
     """Upload and create every batch at once, poll until all end (killing and restarting the gateway once
-    `restart_at` of the requests are kept, if given); read their output and error files."""
+    `restart_at` of the requests are kept, if given; then `ended` is set); read their output and error files.
+    `files`: each batch's input file, written beforehand (30 MB of JSON on the emulated pool: written here, it held
+    this process's loop for ~0.14 s while the probe beside it was timing a request)."""
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="batch-client-key", max_retries=2)
     started = time.monotonic()
 
     async def create(name: str, lines: list[dict[str, Any]]) -> str:
-        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        data = files[name] if files is not None else jsonl(lines)
         uploaded = await client.files.create(file=(f"{name}.jsonl", data), purpose="batch")
         batch = await client.batches.create(input_file_id=uploaded.id, endpoint=lines[0]["url"],
                                             completion_window="24h")
@@ -282,6 +293,8 @@ async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, re
             await gw.start()
         await asyncio.sleep(poll_s)
     makespan = max(ends.values())
+    if ended is not None:
+        ended.set()  # (the probe beside it stops before the output files are read and parsed here)
     answers, seen, failed = {}, Counter[str](), 0
     for batch in final.values():
         for file_id in (batch.output_file_id, batch.error_file_id):
@@ -487,6 +500,7 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
     online: dict[str, str] = {}
     idle: Probe | None = None
     batches: dict[str, list[dict[str, Any]]] = {}
+    files: dict[str, bytes] = {}
     model = ""
     for i in range(args.repeats if name == "emulated" else args.real_repeats):
         tag = "" if i == 0 else f"-{i + 1}"
@@ -495,17 +509,19 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                                                             client_order=args.client_order) as gw:
             model = servers[0].record.model  # (a llama.cpp pool serves its model under its alias)
             batches = batches or {s.name: lines_of(s, model, args.scale, args.seed) for s in SHAPES[name]}
+            files = files or {n: jsonl(lines) for n, lines in batches.items()}
             await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
             if idle is None:
-                _, idle = await probed(gw.url, model, args.probe_period, asyncio.sleep(args.idle_probe_s))
-            batch_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
+                _, idle = await probed(gw.url, model, args.probe_period, lambda ended: asyncio.sleep(args.idle_probe_s))
+            batch_runs.append(await probed(gw.url, model, args.probe_period, functools.partial(
+                batch_arm, gw, batches, files=files)))
             batch_runs[-1][0].engine_busy = await engine_busy(servers)
         async with fresh(f"plain{tag}") as servers, gateway(state, work, args.policy, config.time_scale,
                                                             f"{name}-plain{tag}", online_reserve=args.online_reserve,
                                                             client_order=args.client_order) as gw:
             # (as every arm, a first request loads the policy: here a batch's, so nothing online is about)
             await batch_arm(gw, {"warm-up": next(iter(batches.values()))[:WARM_UP]})
-            plain = await batch_arm(gw, batches)
+            plain = await batch_arm(gw, batches, files=files)
             plain.engine_busy = await engine_busy(servers)
             plain_runs.append((plain, Probe(gw.url, model, args.probe_period)))  # (no probe beside it)
         if i < online_repeats(name, args):
@@ -519,12 +535,13 @@ async def _arms(name: str, args: argparse.Namespace, work: Path, config: PoolCon
                                                                  f"{name}-unreserved{tag}", online_reserve=0,
                                                                  client_order=args.client_order) as gw:
             await Probe(gw.url, model, 0.0).run(asyncio.Event(), count=WARM_UP)
-            unreserved_runs.append(await probed(gw.url, model, args.probe_period, batch_arm(gw, batches)))
+            unreserved_runs.append(await probed(gw.url, model, args.probe_period, functools.partial(
+                batch_arm, gw, batches, files=files)))
             unreserved_runs[-1][0].engine_busy = await engine_busy(servers)
     assert idle is not None
     async with fresh("restart"), gateway(state, work, args.policy, config.time_scale, f"{name}-restart",
                                           client_order=args.client_order) as gw:
-        restart = await batch_arm(gw, batches, restart_at=RESTART_AT)
+        restart = await batch_arm(gw, batches, restart_at=RESTART_AT, files=files)
     work_of = {n: sum(len(json.dumps(line["body"])) / 4 + 2 * line["body"]["max_tokens"] for line in lines)
                for n, lines in batches.items()}
     async with fresh("conventional") as servers:
@@ -546,12 +563,14 @@ def online_repeats(name: str, args: argparse.Namespace) -> int:
     return max(1, min(repeats, chosen))
 
 
-async def probed(url: str, model: str, period_s: float, arm: Coroutine[Any, Any, T]) -> tuple[T, Probe]:
-    """Run the arm with the online probe beside it (so the batch and online arms carry the same probe load)."""
+async def probed(url: str, model: str, period_s: float,
+                 arm: Callable[..., Coroutine[Any, Any, T]]) -> tuple[T, Probe]:
+    """Run the arm with the online probe beside it until the arm sets the event it is given as `ended` (or
+    ends)."""
     probe, stop = Probe(url, model, period_s), asyncio.Event()
     probing = asyncio.create_task(probe.run(stop))
     try:
-        return await arm, probe
+        return await arm(ended=stop), probe
     finally:
         stop.set()
         await probing
@@ -628,8 +647,12 @@ def online_latency(r: PoolResult, spreads: Mapping[str, tuple[float, float, floa
         for server in sorted(set(probe.servers)):
             times = sorted(t for t, s in zip(probe.latencies, probe.servers, strict=True) if s == server)
             rows.append([arm, server, len(times), _f(times[len(times) // 2], 3), _f(times[-1], 3)])
+    slowest = sorted(zip(busy.latencies, busy.sent_at, busy.servers, strict=True), reverse=True)[:3]
     out = ["\nThe probe by the server that answered it (the median runs):\n",
            markdown_table(["arm", "server", "probes", "p50 s", "max s"], rows),
+           f"\nThe slowest probes beside the batches (--online-reserve {r.reserve}, the median run): "
+           + "; ".join(f"{_f(t, 3)} s sent {_f(at, 1)} s into the arm, on {server}" for t, at, server in slowest)
+           + ".\n",
            f"\nBeside the probe, with --online-reserve {r.reserve}: online_p99_ratio "
            f"{_spread(spreads['online_p99_ratio'])}, the batches at {_spread(spreads['vs_ideal_beside_online'])} of "
            f"the ideal; with --online-reserve 0: {_spread(spreads['online_p99_ratio_unreserved'])}, "
