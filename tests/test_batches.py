@@ -455,15 +455,19 @@ async def test_online_requests_past_the_held_servers_slots_spread_as_without_a_r
             return reserve.online(asked) == ("emu-0",)
 
         await until(batch_about, 30, "the batch under way")
-        online = [asyncio.create_task(client.completions.with_raw_response.create(
-            model="emu-model", prompt=f"online {i}", max_tokens=60)) for i in range(4)]
+        async def ask(i: int) -> str:
+            raw = await client.completions.with_raw_response.create(model="emu-model", prompt=f"online {i}",
+                                                                    max_tokens=60)
+            return raw.headers["X-Fedpool-Server"]
+
+        online = [asyncio.create_task(ask(i)) for i in range(4)]
 
         async def held_full() -> bool:
             return ledger.on_server("emu-0") >= 4
 
         await until(held_full, 30, "four online requests in flight on the held server")
         assert reserve.online(asked) is None  # (past its slots: anywhere)
-        assert {(await task).headers["X-Fedpool-Server"] for task in online} == {"emu-0"}
+        assert {await task for task in online} == {"emu-0"}
         assert (await until_final(client, batch.id)).status == "completed"
         await client.close()
 
