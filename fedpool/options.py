@@ -237,8 +237,7 @@ class GatewayOptions(PoolApiOptions, VerifierOptions):
     api_key_file: Path | None = option(None, "client:secret[:weight] per line; without it the gateway is open")
     jobs_dir: Path | None = option(None, "also serve the jobs API (/jobs), jobs kept in this directory")
     batches_dir: Path | None = option(None, "also serve the Batch API (/v1/files, /v1/batches), kept here")
-    online_reserve: NonNegativeInt = option(1, "servers per model batches leave free while online callers are about "
-                                            "(0: batches fill every server even then)")
+    online_reserve: NonNegativeInt = option(1, "servers per model batches leave free while online callers are about")
     client_order: ClientOrder = option("shortest_first", "who is served first when the pool is full (shortest_first: "
                                        "a client that reports no work left, by the service it has had, least first)")
     max_inflight: PositiveInt | None = option(None, "requests held at once before answering 429 (default: twice the "
