@@ -39,6 +39,7 @@ from fedpool.registry.holders import (
     servers_over_capacity,
 )
 from fedpool.registry.placement import (
+    SERVICE_NO_STEP,
     KindPlan,
     Ranked,
     kind_view,
@@ -274,7 +275,7 @@ class LeaseBroker:
         """The model's clients that want slots, in the client order (clients still loading in the first class), and
         the service tie for a capacity (a class's width among clients ranked by service). `by_client`: each named
         by its holder and itself (`unit`), not its holder alone."""
-        clients: list[Ranked] = []  # rank, holder, weight, wanted, by service
+        clients: list[Ranked] = []  # rank, holder, weight, wanted, by service (its step)
         loading: list[tuple[str, float, float]] = []  # holder, weight, wanted of clients not ready yet
         scale: float | None = None
         for holder_id, holder in self._holders.items():
@@ -288,18 +289,20 @@ class LeaseBroker:
                     if c.loading:
                         loading.append((name, c.weight, float(c.wanted)))
                         continue
-                    rank = c.rank
-                    if c.served_s is not None:
+                    rank, step = c.rank, 0.0
+                    if c.served_s is not None:  # (by service: its level without its requests in flight, where said)
                         scale = self._work_per_slot_s() if scale is None else scale
-                        rank = c.served_s * scale
-                    clients.append((rank, name, c.weight, float(c.wanted), c.served_s is not None))
+                        rank = max(0.0, c.served_s - (c.running * c.request_s if c.request_s else 0.0)) * scale
+                        step = c.request_s * scale if c.request_s else SERVICE_NO_STEP
+                    clients.append((rank, name, c.weight, float(c.wanted), step))
         clients.sort(key=lambda c: c[0])
         # Clients still loading share the first class: they take the first client's rank (and its kind).
-        first = clients[0] if clients else (0.0, "", 1.0, 0.0, False)
+        first = clients[0] if clients else (0.0, "", 1.0, 0.0, 0.0)
         clients[:0] = [(first[0], holder_id, weight, n, first[4]) for holder_id, weight, n in loading]
-        # Clients ranked by the service they have attained are one class while they are within what an equal share
-        # of the slots gives in SERVICE_TIE_S: ranked strictly, the one a hair behind got every slot it wanted and
-        # the other none until it fell behind in turn — whole requests later, as slots are not taken back.
+        # Clients ranked by the service they have attained and not saying what a request adds to it are one class
+        # while they are within what an equal share of the slots gives in SERVICE_TIE_S: ranked strictly, the one a
+        # hair behind got every slot it wanted and the other none until it fell behind in turn — whole requests
+        # later, as slots are not taken back. (Those that say share by levels: registry/fills.py.)
         by_service = sum(1 for c in clients if c[4])
 
         def tie(capacity: float) -> float:

@@ -12,6 +12,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fedpool.registry.fills import SERVICE_NO_STEP as SERVICE_NO_STEP
+from fedpool.registry.fills import Ranked as Ranked
+from fedpool.registry.fills import level_fill, water_fill
+
 if TYPE_CHECKING:
     from scipy.optimize import linprog
 
@@ -23,7 +27,6 @@ else:
 
         return solve(*args, **kwargs)
 
-Ranked = tuple[float, str, float, float, bool]  # a client in the order: rank, holder, weight, wanted, by service
 KindPlan = tuple[dict[str, dict[str, float]], dict[str, set[str]]]  # holder -> kind -> slots; -> kinds it may use
 RANK_TIE = 1e-9  # ranks closer than this (relative) are one class: they share by weight
 
@@ -58,18 +61,25 @@ def usable_kinds(prices: Mapping[str, float], horizon: float, margin: float = HO
 
 def _order_fill(clients: Sequence[Ranked], capacity: float, service_tie: float) -> tuple[list[float], float]:
     """Each client's share of `capacity` in the client order — clients of a smaller rank first, each up to what
-    it wants; equal ranks (within RANK_TIE, or `service_tie` between clients ranked by service) share by weight —
-    and what is left."""
+    it wants; equal ranks (within RANK_TIE, or `service_tie` between clients ranked by service) share by weight;
+    a run of clients ranked by service that each say what one slot adds to their service share by levels
+    (`level_fill`) — and what is left."""
     got = [0.0] * len(clients)
     left = float(capacity)
     i = 0
     while i < len(clients) and left > 1e-9:
         j = i + 1  # one class: ranks equal within a relative tolerance (within service_tie, by service)
-        tie = RANK_TIE * max(1.0, abs(clients[i][0]))
-        while j < len(clients) and clients[j][0] - clients[i][0] <= (
-                max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
-            j += 1
-        for k, share in enumerate(water_fill(list(clients[i:j]), left)):
+        if clients[i][4] > 0:
+            while j < len(clients) and clients[j][4] > 0:
+                j += 1
+            shares = level_fill(clients[i:j], left)
+        else:
+            tie = RANK_TIE * max(1.0, abs(clients[i][0]))
+            while j < len(clients) and clients[j][0] - clients[i][0] <= (
+                    max(tie, service_tie) if clients[i][4] and clients[j][4] else tie):
+                j += 1
+            shares = water_fill(list(clients[i:j]), left)
+        for k, share in enumerate(shares):
             got[i + k] = share
             left -= share
         i = j
@@ -478,23 +488,3 @@ def whole(wants: Mapping[str, float], ends: Mapping[str, float] | None = None,
     for holder in sorted(wants, key=key)[:max(0, spare)]:
         out[holder] += 1.0
     return out
-
-
-def water_fill(clients: list[tuple[float, str, float, float, bool]], capacity: float) -> list[float]:
-    """Max-min fair by weight: each client gets weight × level, capped at what it wants."""
-    got = [0.0] * len(clients)
-    active = [i for i, c in enumerate(clients) if c[3] > 0]
-    left = capacity
-    while active and left > 1e-9:
-        weight = sum(clients[i][2] for i in active)
-        level = left / weight
-        capped = [i for i in active if clients[i][3] - got[i] <= level * clients[i][2]]
-        if not capped:
-            for i in active:
-                got[i] += level * clients[i][2]
-            return got
-        for i in capped:
-            left -= clients[i][3] - got[i]
-            got[i] = clients[i][3]
-        active = [i for i in active if i not in capped]
-    return got

@@ -22,6 +22,7 @@ from fedpool.registry import (
     loading_report,
 )
 from fedpool.registry.api import lease_from_json, lease_json
+from fedpool.registry.fills import level_fill
 from fedpool.registry.leases import UNIT_SEP, holders_of, learns_at_start, unit
 from fedpool.registry.placement import whole
 
@@ -394,6 +395,49 @@ def test_clients_ranked_by_service_share_while_near_equal_and_one_far_behind_goe
         report("gw0", "arith", 30.0)
         report("gw1", "long", 39.0)  # 9 slot-seconds ahead: arith is behind by more than the tie
     assert total(b.slots("gw0")) == 8 and b.slots("gw1") == {}
+
+
+def test_callers_that_say_what_a_request_adds_share_by_levels_of_service_as_one_gateway_serves_them() -> None:
+    """Two gateway replicas' callers ranked by service, each saying the slot-seconds one of its requests holds
+    (arith 1 s, long 7 s) and its requests in flight. One gateway gives each free slot to the caller least served
+    so far, so the short caller holds about 7 of 8 slots while both have had nothing; the broker shares by the same
+    levels (a tie class gave 4 and 4: the short lm-eval run took 1.2-1.5x as long behind its own replica). Levels
+    move continuously: two callers a hair apart share nearly evenly, and a caller far behind goes first."""
+    b = Broker()
+
+    def report(holder: str, client: str, served_s: float, request_s: float, running: int) -> dict[str, int]:
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8, served_s=served_s,
+                                                              request_s=request_s, running=running),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), served_work=100.0, served_slot_s=10.0,
+                                     held=dict(b.broker.lease(holder).slots), broker=b.broker.incarnation))
+        b.broker.reshare()
+        return b.slots(holder)
+
+    for _ in range(3):  # each adopts its lease and reports again (nothing answered yet: its level is what it runs)
+        report("gw0", "arith", 0.0, 1.0, 0)
+        report("gw1", "long", 0.0, 7.0, 0)
+    assert total(b.slots("gw0")) == 7 and total(b.slots("gw1")) == 1
+    for _ in range(3):  # equal requests, 0.5 slot-seconds apart: nearly even, never all to one
+        report("gw0", "arith", 30.5, 1.0, 4)
+        report("gw1", "long", 31.0, 1.0, 4)
+    assert total(b.slots("gw0")) == 4 and total(b.slots("gw1")) == 4
+    for _ in range(3):  # long far ahead (a newcomer's arith far behind): arith first, up to what it wants
+        report("gw0", "arith", 4.0, 1.0, 4)
+        report("gw1", "long", 60.0, 1.0, 4)
+    assert total(b.slots("gw0")) == 8 and b.slots("gw1") == {}
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.0, 5.5, 8.0, 30.0])
+def test_level_fill_gives_out_the_capacity_lowest_levels_first_each_up_to_what_it_wants(capacity: float) -> None:
+    clients = [(0.0, "a", 1.0, 8.0, 1.0), (0.0, "b", 1.0, 8.0, 7.0), (3.0, "c", 2.0, 4.0, 1.0),
+               (100.0, "d", 1.0, 8.0, 1.0)]
+    got = level_fill(clients, capacity)
+    assert sum(got) == pytest.approx(min(capacity, sum(c[3] for c in clients)))
+    assert all(0.0 <= g <= c[3] + 1e-9 for g, c in zip(got, clients, strict=True))
+    if 0 < capacity < 28:  # a client at a higher level than another's reaches gets nothing
+        assert got[3] == 0.0
+        levels = [c[0] + g * c[4] / c[2] for g, c in zip(got, clients, strict=True) if 0 < g < c[3]]
+        assert max(levels) - min(levels) == pytest.approx(0.0, abs=1e-6)  # those not capped stand level
 
 
 def test_a_holder_in_flight_beyond_its_share_keeps_its_fair_spread_of_them_on_each_server() -> None:

@@ -169,6 +169,15 @@ class ClientBook:
         return self._served_s.get(client_id, 0.0) + max(0.0, self._ledger.held_s(client_id),
                                                          n * self.expected_s(client_id))
 
+    def request_s(self, client_id: str) -> tuple[float | None, int]:
+        """What `served_s` counts each of the client's requests in flight at (`expected_s`; None where it is not
+        ranked by service or nothing prices it yet) and how many it has in flight: the broker shares by levels of
+        service with them (registry/fills.py `level_fill`)."""
+        if self.served_s(client_id) is None:
+            return None, 0
+        expected = self.expected_s(client_id)
+        return (expected if expected > 0 else None), self._ledger.of_client(client_id)
+
     def served_totals(self) -> Served:
         """Every answer's work, slot-seconds (the scale `served` uses) and completion tokens."""
         return Served(self._all_work, self._all_s, self._all_answer_tokens)

@@ -381,13 +381,18 @@ class GrantPass:
             if per:
                 costs, of_client = self._kind_costs(model, entries, per)
                 out.append(ModelDemand(model=model, clients=tuple(
-                    ClientDemand(client=c, wanted=n, rank=clients.first(c), weight=clients.weight(c),
-                                 served_s=None if c in loading else clients.served_s(c), loading=c in loading,
-                                 work_left=clients.work_left(c), answered=clients.answered(c),
-                                 requests_left=clients.requests_left_of(c), sent_all=c in clients.done_sending,
-                                 kind_costs=of_client.get(c, {}))
-                    for c, n in sorted(per.items())), kind_costs=costs, order=clients.order))
+                    self._client_demand(c, n, c in loading, of_client.get(c, {})) for c, n in sorted(per.items())),
+                    kind_costs=costs, order=clients.order))
         return tuple(out)
+
+    def _client_demand(self, c: str, wanted: int, loading: bool, kind_costs: dict[str, float]) -> ClientDemand:
+        clients = self._clients
+        request_s, running = (None, 0) if loading else clients.request_s(c)
+        return ClientDemand(client=c, wanted=wanted, rank=clients.first(c), weight=clients.weight(c),
+                            served_s=None if loading else clients.served_s(c), request_s=request_s, running=running,
+                            loading=loading, work_left=clients.work_left(c), answered=clients.answered(c),
+                            requests_left=clients.requests_left_of(c), sent_all=c in clients.done_sending,
+                            kind_costs=kind_costs)
 
     def client_progress(self, client_id: str) -> ClientDemand:
         """A client with nothing waiting or in flight, as a lease report's `ended` names it: its progress only."""
