@@ -1107,10 +1107,12 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
            for run in results.tools):
         out.append(f"- A replica that held no slot for more than {STARVED_S:g} s while its client was sending: under "
                    "`shortest_first` both callers are ranked by the service they have attained (slot-seconds, "
-                   "answered and in flight, on the scale of every holder's answers), and they share while within "
-                   "2 s of an equal share of each other (registry/leases.py `SERVICE_TIE_S`). A caller further "
-                   "ahead than that gets no new slot until the other has caught up (least attained service across "
-                   "processes), and slots change hands only as the requests holding them end.")
+                   "answered and in flight, on the scale of every holder's answers) and share by levels of it "
+                   "(registry/fills.py `level_fill`: each slot to the lowest level, a request counted at what one "
+                   "of the caller's requests holds). A caller whose answered service is ahead by more than the "
+                   "other's requests in flight are worth gets no new slot until the other has caught up (least "
+                   "attained service across processes), and slots change hands only as the requests holding them "
+                   "end.")
     return out
 
 

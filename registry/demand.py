@@ -54,10 +54,11 @@ class ClientDemand(BaseModel):
     # two processes whose own answers so far differ put one client before another the same way.
     served_s: float | None = Field(default=None, ge=0)
     # With `served_s`: the slot-seconds one of its requests is expected to hold (None: not said) and its requests
-    # in flight, which `served_s` counts at that each. The broker then shares by levels of service, as one gateway
-    # serves each free slot to the caller least served so far: a caller whose requests are short is given as many
-    # more slots (registry/fills.py `level_fill`), where equal slots made a short lm-eval run 1.2-1.5x slower behind
-    # its own gateway replica than behind one gateway shared with a long one.
+    # in flight, which `served_s` counts at that each; without it (nothing answered anywhere yet), the engine steps
+    # one of its requests takes by its shape, its level starting at 0. The broker shares by levels of service, as
+    # one gateway serves each free slot to the caller least served so far: a caller whose requests are short is
+    # given as many more slots (registry/fills.py `level_fill`), where equal slots made a short lm-eval run 1.2-1.5x
+    # slower behind its own gateway replica than behind one gateway shared with a long one.
     request_s: float | None = Field(default=None, gt=0)
     running: int = Field(default=0, ge=0)
     # Not ready yet: an eval still reading its samples (`wanted`: what it may send at most). Its rank says nothing

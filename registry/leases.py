@@ -271,6 +271,12 @@ class LeaseBroker:
         work, seconds, _ = self.served
         return work / seconds if seconds > 0 and work > 0 else 1.0
 
+    def _work_per_answer_token(self) -> float:
+        """Work per answer token over every holder's answers (1 before any): what a client that reported before any
+        answer anywhere, its requests' answer steps, comes to on the scale service is ranked in."""
+        work, _, tokens = self.served
+        return work / tokens if tokens > 0 and work > 0 else 1.0
+
     def _ranked(self, model: str, by_client: bool = False) -> tuple[list[Ranked], Callable[[float], float]]:
         """The model's clients that want slots, in the client order (clients still loading in the first class), and
         the service tie for a capacity (a class's width among clients ranked by service). `by_client`: each named
@@ -294,6 +300,8 @@ class LeaseBroker:
                         scale = self._work_per_slot_s() if scale is None else scale
                         rank = max(0.0, c.served_s - (c.running * c.request_s if c.request_s else 0.0)) * scale
                         step = c.request_s * scale if c.request_s else SERVICE_NO_STEP
+                    elif c.request_s:  # (nothing answered anywhere when it reported: its shape's steps, from 0)
+                        rank, step = 0.0, c.request_s * self._work_per_answer_token()
                     clients.append((rank, name, c.weight, float(c.wanted), step))
         clients.sort(key=lambda c: c[0])
         # Clients still loading share the first class: they take the first client's rank (and its kind).

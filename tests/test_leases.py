@@ -427,6 +427,45 @@ def test_callers_that_say_what_a_request_adds_share_by_levels_of_service_as_one_
     assert total(b.slots("gw0")) == 8 and b.slots("gw1") == {}
 
 
+def test_before_any_answer_anywhere_callers_share_by_their_requests_steps_and_keep_them_as_counts_change() -> None:
+    """Nothing answered anywhere: each replica's caller says what one of its requests takes by its shape (its
+    decode steps: a 6-shot prompt with a 4-token answer 5, a short prompt with a 48-token one 49) and the broker
+    shares by levels from 0 — about 7 of 8 slots to the short caller, whatever each has in flight. Ranked by its
+    shape × its requests in flight instead, the short caller passed behind once it ran 7 and back once it ran
+    fewer, and every pass cancelled one caller's young attempts (16-34 per llama.cpp server in one lm-eval run)."""
+    b = Broker()
+    ledgers = {name: InflightLedger(clock=lambda: 0.0, wall_clock=lambda: 0.0) for name in ("gw-short", "gw-long")}
+    books = {name: ClientBook("shortest_first", ledger) for name, ledger in ledgers.items()}
+    shapes = {"gw-short": ("arith", "x" * 256, 4), "gw-long": ("long", "x" * 80, 48)}
+
+    def report(holder: str) -> dict[str, int]:
+        book = books[holder]
+        client, prompt, max_tokens = shapes[holder]
+        book.note_request(client, InferenceRequest.from_body(
+            {"prompt": prompt, "max_tokens": max_tokens}, request_id=client, model="m",
+            endpoint=Endpoint.COMPLETIONS), 0.0)
+        request_s, running = book.request_s(client)
+        assert book.served_s(client) is None and request_s is not None  # (no seconds anywhere: its shape's steps)
+        demand = ModelDemand(model="m", clients=(ClientDemand(client=client, wanted=8, rank=book.first(client),
+                                                              request_s=request_s, running=running),))
+        b.broker.report(DemandReport(holder=holder, models=(demand,), held=b.slots(holder),
+                                     broker=b.broker.incarnation))
+        b.broker.reshare()
+        return b.slots(holder)
+
+    assert books["gw-short"].request_s("arith") == (None, 0)  # (nothing known of it yet)
+    for running in (0, 7, 1, 4):  # its requests in flight change; its share does not
+        slot = ledgers["gw-short"].slots("s0")
+        while ledgers["gw-short"].of_client("arith") < running:
+            ledgers["gw-short"].take(slot, "arith")
+        while ledgers["gw-short"].of_client("arith") > running:
+            ledgers["gw-short"].release(slot, "arith")
+        for _ in range(2):
+            report("gw-long")
+            report("gw-short")
+        assert total(b.slots("gw-short")) == 7 and total(b.slots("gw-long")) == 1
+
+
 @pytest.mark.parametrize("capacity", [0.0, 1.0, 5.5, 8.0, 30.0])
 def test_level_fill_gives_out_the_capacity_lowest_levels_first_each_up_to_what_it_wants(capacity: float) -> None:
     clients = [(0.0, "a", 1.0, 8.0, 1.0), (0.0, "b", 1.0, 8.0, 7.0), (3.0, "c", 2.0, 4.0, 1.0),

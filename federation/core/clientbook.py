@@ -40,6 +40,7 @@ class ClientShape:
 CHARS_PER_TOKEN = 4.0  # a prompt's tokens guessed from its characters until the client or an answer says
 SERVED_DECODE_WEIGHT = 2.0  # a completion token's share of a full batch step against a prompt token's
 KV_ANSWER_TOKENS = 256.0  # a client that states no max_tokens: the answer its sequence is expected to grow by
+PREFILL_TOKENS_PER_STEP = 512.0  # prompt tokens an engine prefills in one step (llama.cpp's and vLLM's batch order)
 KV_ALPHA = 0.2  # one answer's weight in its client's mean sequence length (prompt + completion tokens)
 
 
@@ -158,9 +159,9 @@ class ClientBook:
         else None. Counting those in flight keeps it continuous: a long request's seconds do not arrive all at
         once when it ends, so two processes' clients ranked on it do not swap places each time a long answer
         lands. None too before any answer anywhere (here or, as the broker last said, at any holder): no seconds
-        to count in yet, and the broker ranks the client by `first` — its requests' shapes (prompt + 2 × answer
-        budget), as one gateway ranks them; counted in seconds held, two replicas' callers read equal and were
-        leased 4 and 4 of 8 slots where one gateway gives the short caller all 8."""
+        to count in yet, and the broker shares by its requests' shapes (`request_s`: their decode steps); counted
+        in seconds held, two replicas' callers read equal and were leased 4 and 4 of 8 slots where one gateway
+        gives the short caller nearly all."""
         if self.order != "shortest_first" or client_id in self._work_left or client_id in self._declared:
             return None
         if self._totals().slot_s <= 0:
@@ -170,13 +171,22 @@ class ClientBook:
                                                          n * self.expected_s(client_id))
 
     def request_s(self, client_id: str) -> tuple[float | None, int]:
-        """What `served_s` counts each of the client's requests in flight at (`expected_s`; None where it is not
-        ranked by service or nothing prices it yet) and how many it has in flight: the broker shares by levels of
-        service with them (registry/fills.py `level_fill`)."""
-        if self.served_s(client_id) is None:
+        """What one of the client's requests adds to its service, and how many it has in flight: the broker shares
+        by levels of service with them (registry/fills.py `level_fill`). One request's slot-seconds (`expected_s`,
+        what `served_s` counts each in flight at); before any answer anywhere, when there are no seconds to count
+        in and `served_s` is None, its shape's decode steps (`shape_steps`: the broker prices them as the pool's
+        answer tokens once it has some) — ranked strictly by its shape instead, a caller whose requests were in
+        flight passed behind the other and back as their counts changed, and each pass cancelled the young
+        attempts of one of them (llama.cpp: 16-34 requests cancelled per server in an 8-15 s lm-eval run).
+        (None, 0) where it is not ranked by service or nothing prices it yet."""
+        if not self.by_service(client_id):
             return None, 0
+        running = self._ledger.of_client(client_id)
+        if self._totals().slot_s <= 0:
+            shape = self._shapes.get(client_id)
+            return (shape_steps(shape) if shape is not None else None), running
         expected = self.expected_s(client_id)
-        return (expected if expected > 0 else None), self._ledger.of_client(client_id)
+        return (expected if expected > 0 else None), running
 
     def served_totals(self) -> Served:
         """Every answer's work, slot-seconds (the scale `served` uses) and completion tokens."""
@@ -343,6 +353,13 @@ class ClientBook:
     def key(self, client_id: str) -> tuple[float, float]:
         """Smaller first: the criterion, then requests in flight per unit of weight."""
         return self.first(client_id), self._ledger.clients.get(client_id, 0) / self._weights.get(client_id, 1.0)
+
+
+def shape_steps(shape: ClientShape) -> float:
+    """The engine steps a request of this shape holds its slot for: one per answer token (its budget) and its
+    prompt's, a step per PREFILL_TOKENS_PER_STEP tokens and at least one (engines prefill a prompt in batches)."""
+    answer = KV_ANSWER_TOKENS if shape.max_tokens is None else shape.max_tokens
+    return answer + max(1.0, shape.prompt_tokens / PREFILL_TOKENS_PER_STEP)
 
 
 def client_size(shape: Any) -> tuple[float, float] | None:
