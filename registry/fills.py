@@ -33,8 +33,8 @@ def level_fill(clients: Sequence[Ranked], capacity: float) -> list[float]:
         else:
             high = mid
     got = shares(high)
-    over = sum(got) - capacity
-    return [g - over * g / sum(got) for g in got] if over > 0 else got
+    total = sum(got)
+    return [g * capacity / total for g in got] if total > capacity else got
 
 
 def water_fill(clients: list[Ranked], capacity: float) -> list[float]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from fedpool.registry.demand import ClientDemand as ClientDemand  # (the wire format: its names from here too)
 from fedpool.registry.demand import DemandReport, Served
 from fedpool.registry.demand import ModelDemand as ModelDemand
+from fedpool.registry.fills import SERVICE_NO_STEP, Ranked
 from fedpool.registry.holders import (
     DurationHistogram,
     HeldBy,
@@ -39,9 +40,7 @@ from fedpool.registry.holders import (
     servers_over_capacity,
 )
 from fedpool.registry.placement import (
-    SERVICE_NO_STEP,
     KindPlan,
-    Ranked,
     kind_view,
     plan_by_kind,
     share_by_order,

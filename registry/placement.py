@@ -12,9 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fedpool.registry.fills import SERVICE_NO_STEP as SERVICE_NO_STEP
-from fedpool.registry.fills import Ranked as Ranked
-from fedpool.registry.fills import level_fill, water_fill
+from fedpool.registry.fills import Ranked, level_fill, water_fill
 
 if TYPE_CHECKING:
     from scipy.optimize import linprog
