@@ -86,7 +86,7 @@ from fedpool.benchmarks.realtool_speedup import (
     arith,
     stories,
 )
-from fedpool.benchmarks.report import RESULTS_DIR, code_version, markdown_table, write_report
+from fedpool.benchmarks.report import RESULTS_DIR, code_version, compile_bytecode, markdown_table, write_report
 from fedpool.federation.core.dispatcher import PREEMPTED
 from fedpool.registry import RegistryClient
 
@@ -1145,7 +1145,7 @@ def body(results: Results, servers: Sequence[str], args: argparse.Namespace, ren
            "that meets the engines' and the registry's first requests." if args.warmup else
            "No untimed warm-up run (`--no-warmup`): the first timed arm of each part met the fresh pool."),
         "",
-        _cores_sentence(split(args.engine_cpus)),
+        _cores_sentence(split(args.engine_cpus)) + (f" {args.bytecode}" if getattr(args, "bytecode", "") else ""),
         "",
         _evals_sentence(results, args)
         + f". lm-eval: `arith` ({args.tool_arith} samples) and `long` ({args.long_prompts} x {args.long_tokens}), "
@@ -1219,9 +1219,10 @@ def execute(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]]
     with tempfile.TemporaryDirectory(prefix="fedpool-multiprocess-") as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        args.bytecode = compile_bytecode()
         (work / RUN_FILE).write_text(json.dumps({
             "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "code": code_version(),
+            "code": code_version(), "bytecode": args.bytecode,
             "settings": {k: getattr(args, k) for k in RUN_SETTINGS}}), encoding="utf-8")
         results, pool = asyncio.run(run_all(args, work))
     line = headline(results)
@@ -1235,6 +1236,7 @@ def rerender(args: argparse.Namespace) -> tuple[Results, Path, dict[str, object]
     work = args.from_work_dir
     run = json.loads((work / RUN_FILE).read_text(encoding="utf-8"))
     args.warmup = False  # (a run from before the warm-up existed had none)
+    args.bytecode = run.get("bytecode", "")  # (nor did one from before the bytecode was compiled first say so)
     for key, value in run["settings"].items():
         setattr(args, key, value)
     results = load_results(work)

@@ -138,7 +138,8 @@ def one_of(*words: str) -> OneOf:
 class Options(BaseSettings):
     """The options of `fedpool` itself, which every command's settings carry."""
 
-    model_config = SettingsConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    # (built when a command first validates its options: one model of the many each start defines)
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, defer_build=True)
     verbose: Annotated[bool, Flag(("-v", "--verbose"))] = option(False, "log debug detail to stderr")
 
 

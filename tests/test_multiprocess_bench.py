@@ -34,6 +34,7 @@ def test_multiprocess_benchmark_small(tmp_path: Path) -> None:
     assert line["processes"] == PROCESSES and line["repeats"] == 1, line
     assert float(str(line["replicas_eval_vs_one"])) > 0, line
     assert line["over_capacity"] == 0, line  # the registry's exported counter, through every arm
+    assert "Bytecode: fedpool's modules compiled once before the arms" in path.read_text()  # and the report says so
     assert path.read_text().rstrip().endswith("result: " + " ".join(f"{k}={v}" for k, v in line.items()))
     (evals,) = results.evals  # the untimed warm-up runs ran first, and are not among the repeats
     assert all((tmp_path / "work" / part / "arm.json").is_file() for part in ("evals-warmup", "tools-warmup"))
