@@ -1028,6 +1028,34 @@ def _tools_section(results: Results, servers: Sequence[str]) -> list[str]:
     return lines
 
 
+def _latest_name(results: Results, arm: str) -> str:
+    """The eval whose median multi ÷ one is the largest in `arm` (the one its `..._latest_eval_vs_one` reads)."""
+    ratios = eval_ratios(results, arm=arm)
+    return max(ratios, key=lambda n: statistics.median(ratios[n]))
+
+
+def _latest_eval(results: Results, arm: str) -> str:
+    """What `arm`'s latest eval against its one-process time spent, start-up and its own run."""
+    name, owns = _latest_name(results, arm), eval_ratios(results, "own_s", arm=arm)
+
+    def median(of: str, field_name: str) -> float:
+        return statistics.median(getattr(r[of].evals[name], field_name) for r in results.evals)
+
+    where = "through one gateway" if arm == "gateway" else "leasing"
+    return (f"- {where.capitalize()}, the latest eval against its one-process time is `{name}`: done "
+            f"{median(arm, 'done_s'):.1f} s from launch in its own process against {median('one', 'done_s'):.1f} s in "
+            f"one (medians). Of that, start-up (launch to the eval's start) was {median(arm, 'started_s'):.1f} s "
+            f"against {median('one', 'started_s'):.1f} s, and its own run {median(arm, 'own_s'):.1f} s against "
+            f"{median('one', 'own_s'):.1f} s (own time ÷ one: {_spread(owns[name])}).")
+
+
+def _medians_of(results: Results, arm: str) -> str:
+    """Every eval's median multi ÷ one in `arm`, with its spread: how far apart evals of the same arm read."""
+    ratios = eval_ratios(results, arm=arm)
+    return ("Every eval's done from launch, " + arm + " ÷ one: "
+            + "; ".join(f"`{n}` {_spread(v)}" for n, v in ratios.items()) + ".")
+
+
 def _findings(results: Results, line: dict[str, object]) -> list[str]:
     """Each target against its number; where one is missed, the numbers that say why."""
     out = ["## Targets", ""]
@@ -1042,20 +1070,11 @@ def _findings(results: Results, line: dict[str, object]) -> list[str]:
         out.append(f"- {key} = {value} (target {'≥' if key in ('processes', 'repeats') else '≤'} {target}): "
                    + ("met" if met else "**not met**"))
     if results.evals:
-        ratios, owns = eval_ratios(results), eval_ratios(results, "own_s")
-        name = max(ratios, key=lambda n: statistics.median(ratios[n]))
-        one = statistics.median(r["one"].evals[name].done_s for r in results.evals)
-        multi = statistics.median(r["multi"].evals[name].done_s for r in results.evals)
-        start_one = statistics.median(r["one"].evals[name].started_s for r in results.evals)
-        start_multi = statistics.median(r["multi"].evals[name].started_s for r in results.evals)
-        own_one = statistics.median(r["one"].evals[name].own_s for r in results.evals)
-        own_multi = statistics.median(r["multi"].evals[name].own_s for r in results.evals)
-        out += ["", f"- The latest eval against its one-process time is `{name}`: done {multi:.1f} s from launch in "
-                f"its own process against {one:.1f} s in one (medians). Of that, start-up (launch to the eval's "
-                f"start) was {start_multi:.1f} s against {start_one:.1f} s, and its own run {own_multi:.1f} s "
-                f"against {own_one:.1f} s (own time ÷ one: {_spread(owns[name])}). Its process held a "
-                "first slot " + _spread([r["multi"].first_slot_s().get(name, float("nan"))
-                                         - r["multi"].evals[name].started_s for r in results.evals], " s", 1)
+        name = _latest_name(results, "multi")
+        out += ["", _latest_eval(results, "gateway") + " " + _medians_of(results, "gateway"),
+                "", _latest_eval(results, "multi") + " Its process held a first slot "
+                + _spread([r["multi"].first_slot_s().get(name, float("nan")) - r["multi"].evals[name].started_s
+                           for r in results.evals], " s", 1)
                 + " after the eval started (in one process: "
                 + _spread([r["one"].first_slot_s().get(name, float("nan")) - r["one"].evals[name].started_s
                            for r in results.evals], " s", 1)

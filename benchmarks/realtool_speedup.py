@@ -57,7 +57,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from fedpool.benchmarks.report import RESULTS_DIR, markdown_table, write_report
-from fedpool.federation.gateway.handlers import REQUESTS_QUERY
+from fedpool.federation.gateway import REQUESTS_QUERY
 
 log = logging.getLogger("fedpool.realtool")
 

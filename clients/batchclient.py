@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, Any, Literal, TextIO
 
 FINAL = ("completed", "failed", "expired", "cancelled")
-CLIENT_HEADER = "X-Fedpool-Client"  # the gateway's name for a caller without a key (handlers.CLIENT_HEADER)
+CLIENT_HEADER = "X-Fedpool-Client"  # the gateway's name for a caller without a key (federation/gateway CLIENT_HEADER)
 NOT_FOUND_CODES = ("file_not_found", "batch_not_found", "model_not_found")
 CHUNK_BYTES = 1 << 16
 BAR_WIDTH = 24

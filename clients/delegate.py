@@ -29,7 +29,7 @@ from fedpool.clients.batchclient import BatchError
 from fedpool.federation import Endpoint, InferenceRequest, InferenceResult
 from fedpool.federation.core.errors import AttemptError, FailureKind, NoServerError, RequestFailed, kind_for_status
 from fedpool.federation.core.types import Attempt
-from fedpool.federation.gateway.handlers import CLIENT_HEADER, PROMPT_HEADER, REQUESTS_HEADER
+from fedpool.federation.gateway import CLIENT_HEADER, PROMPT_HEADER, REQUESTS_HEADER
 from fedpool.federation.gateway.transport import parse_completion, request_body
 
 REVISION_HEADER = "X-Model-Revision"

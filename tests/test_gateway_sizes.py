@@ -13,7 +13,7 @@ from fedpool.federation import DispatchConfig
 from fedpool.federation.core.clientbook import BACKGROUND_RANK, ClientBook
 from fedpool.federation.core.ledger import InflightLedger
 from fedpool.federation.core.types import Endpoint, InferenceRequest
-from fedpool.federation.gateway.handlers import PROMPT_HEADER, REQUESTS_HEADER, REQUESTS_QUERY
+from fedpool.federation.gateway import PROMPT_HEADER, REQUESTS_HEADER, REQUESTS_QUERY
 from fedpool.federation.gateway.state import DeclaredRuns
 from tests.conftest import EmulatorFactory
 from tests.test_gateway_leaks import entry, in_flight, post, rig

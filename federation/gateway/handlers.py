@@ -34,6 +34,7 @@ from prometheus_client import generate_latest
 from fedpool.federation.core.dispatcher import Dispatcher
 from fedpool.federation.core.errors import FailureKind, NoServerError, RequestFailed
 from fedpool.federation.core.types import Completion, Endpoint, InferenceRequest
+from fedpool.federation.gateway import CLIENT_HEADER, PROMPT_HEADER, REQUESTS_HEADER, REQUESTS_QUERY
 from fedpool.federation.gateway.answers import dumps, loads
 from fedpool.federation.gateway.auth import ApiKey, bearer, matches, parse_api_keys, visible_holders
 from fedpool.federation.gateway.state import (
@@ -64,13 +65,7 @@ _ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}  # a route's pa
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait while the model's servers are all unroutable
-CLIENT_HEADER = "X-Fedpool-Client"
 HOLDERS_PATH = "/pool/holders"  # who is on the pool (`Gateway(holders=...)`), as the caller may see it
-# A caller's run size: how many requests it sends in all (`DeclaredRuns`); the header, or the URL's query for a tool
-# that takes only a URL (lm-eval's `base_url=http://gateway/v1/completions?fedpool_requests=60`).
-REQUESTS_HEADER = "X-Fedpool-Requests"
-REQUESTS_QUERY = "fedpool_requests"
-PROMPT_HEADER = "X-Fedpool-Prompt-Tokens"  # beside the run size (`eval run --gateway`): its mean prompt (DeclaredRuns)
 MAX_PROMPT_TOKENS = 10_000_000
 CLIENT_NAME = re.compile(r"[^A-Za-z0-9._:@-]")
 GC_GEN0_THRESHOLD = 20_000  # young-generation collections every ~20k net allocations, not 700 (CPython's default)

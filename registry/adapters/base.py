@@ -7,7 +7,6 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from fedpool.registry.records import Engine
 from fedpool.registry.snapshot import LoadSample
@@ -41,6 +40,8 @@ class MetricSamples:
         self._values: dict[str, list[tuple[dict[str, str], float]]] = {}
         if wanted is not None:
             text = select_families(text, wanted | {n.removesuffix("_total") for n in wanted})
+        from prometheus_client.parser import text_string_to_metric_families  # (its package: ~40 ms a start)
+
         try:
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
