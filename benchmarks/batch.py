@@ -16,7 +16,7 @@ answered soonest on to them, and online requests go there (clients/batchrunner.p
 - **idle**: an online probe (one small request at a time, every `--probe-period` seconds) on the idle pool: its
   latency p99 is the reference for `online_p99_ratio`;
 - **batch**: the four batches uploaded and created at once with the openai SDK (`files.create`,
-  `batches.create`), polled (one list call every 1 s, every 0.25 s over the last 8 requests) until all have
+  `batches.create`), polled (one list call every 1 s, every 0.25 s over the last ~5 s) until all have
   ended; makespan from the first upload to the last batch seen ended. The probe runs beside them:
   `online_p99_ratio`, and the makespan over the ideal `vs_ideal_beside_online` — what keeping online latency costs
   the batches on these engines;
@@ -86,8 +86,8 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicro
 ONLINE_CONCURRENCY = 8
 RESTART_AT = 0.4  # the share of the requests kept when the restart arm kills the gateway
 POLL_S = 1.0  # the batch arm's list call, at most this far apart ...
-FINE_POLL_S = 0.25  # ... and this far once the batches are near their end: FINE_LEFT requests or fewer left
-FINE_LEFT = 8
+FINE_POLL_S = 0.25  # ... and this far once the requests left would be done within FINE_AHEAD_S at the pace so far
+FINE_AHEAD_S = 5.0
 WARM_UP = 3  # probe requests, untimed, to a gateway just started (its first request loads the policy)
 T = TypeVar("T")
 
@@ -267,8 +267,8 @@ async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, re
                     ended: asyncio.Event | None = None) -> BatchRun:
     """Upload and create every batch at once, poll until all end (killing and restarting the gateway once
     `restart_at` of the requests are kept, if given; then `ended` is set); read their output and error files.
-    Polled every `poll_s`, and every FINE_POLL_S once the batches have FINE_LEFT requests or fewer left between them
-    (the last batch's end, the makespan, read within 0.25 s; an earlier batch's within 1 s): four list calls a
+    Polled every `poll_s`, and every FINE_POLL_S once what is left would be done within FINE_AHEAD_S at the pace so
+    far (the last batch's end, the makespan, read within 0.25 s; an earlier batch's within 1 s): four list calls a
     second throughout cost the gateway and this process ~1.5 CPU-s a run on the cores the engines compute on, where
     the online arm has no observer (measured on llama.cpp: 4.1 CPU-s against 2.5 online, both processes). `files`:
     each batch's input file, written beforehand (30 MB of JSON on the emulated pool: written here, it held this
@@ -299,8 +299,7 @@ async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, re
         if restart_at is not None and kept >= restart_at * total and gw.starts == 1:
             await gw.kill()
             await gw.start()
-        await asyncio.sleep(FINE_POLL_S if sum(_left(now[i]) for n, i in ids.items() if n not in final) <= FINE_LEFT
-                            else poll_s)
+        await asyncio.sleep(_next_poll(kept, total, time.monotonic() - started, poll_s))
     makespan = max(ends.values())
     if ended is not None:
         ended.set()  # (the probe beside it stops before the output files are read and parsed here)
@@ -323,10 +322,12 @@ async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, re
                     failed, {n: b.status for n, b in final.items()}, gw.starts)
 
 
-def _left(batch: Any) -> int:
-    """A batch's requests without a result yet (all of them before it says its counts)."""
-    counts = batch.request_counts
-    return (counts.total - counts.completed - counts.failed) if counts and counts.total else FINE_LEFT + 1
+def _next_poll(kept: int, total: int, elapsed_s: float, poll_s: float) -> float:
+    """How long until the next list call: FINE_POLL_S once the requests left would be done within FINE_AHEAD_S at
+    the pace so far (the batches' end, the makespan, read within it), else `poll_s`."""
+    if kept <= 0 or elapsed_s <= 0:
+        return poll_s
+    return FINE_POLL_S if (total - kept) / (kept / elapsed_s) <= FINE_AHEAD_S else poll_s
 
 
 async def engine_busy(servers: Sequence[LiveServer]) -> dict[str, float]:
