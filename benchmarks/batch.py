@@ -324,9 +324,10 @@ async def batch_arm(gw: Gateway, batches: dict[str, list[dict[str, Any]]], *, re
 
 def _next_poll(kept: int, total: int, elapsed_s: float, poll_s: float) -> float:
     """How long until the next list call: FINE_POLL_S once the requests left would be done within FINE_AHEAD_S at
-    the pace so far (the batches' end, the makespan, read within it), else `poll_s`."""
+    the pace so far (the batches' end, the makespan, read within it), else `poll_s`; FINE_POLL_S before any result,
+    with no pace yet (a small batch may end within the first second)."""
     if kept <= 0 or elapsed_s <= 0:
-        return poll_s
+        return FINE_POLL_S
     return FINE_POLL_S if (total - kept) / (kept / elapsed_s) <= FINE_AHEAD_S else poll_s
 
 
