@@ -20,6 +20,7 @@ from fedpool import cli_eval as evals
 from fedpool import cli_jobs as jobs
 from fedpool import cli_servers as servers
 from fedpool import options as opt
+from fedpool import up
 from fedpool.cli_support import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -62,18 +63,6 @@ class Chosen:
 
 
 # ---- commands -----------------------------------------------------------------------------------
-def cmd_up(args: opt.UpOptions) -> int:
-    from fedpool import up  # (the deploy code: imported by the commands that start servers, not by every command)
-
-    return up.cmd_up(args)
-
-
-def cmd_down(args: opt.DownOptions) -> int:
-    from fedpool import up
-
-    return up.cmd_down(args)
-
-
 def cmd_demo(args: opt.DemoOptions) -> int:
     from fedpool.demo import run_demo
 
@@ -155,13 +144,13 @@ LEAVES = (
          "servers, 3 concurrent evals", "Start local Ray and a registry, launch real llama.cpp servers serving "
          "Gemma 3 270M, register them, run the bundled benchmarks concurrently through the pool, print scores, "
          "wall time, requests per server and where the artifacts are."),
-    Leaf("up", opt.UpOptions, cmd_up, "bring up a local pool and keep it up: Ray, the registry, N servers, the "
+    Leaf("up", opt.UpOptions, up.cmd_up, "bring up a local pool and keep it up: Ray, the registry, N servers, the "
          "gateway and pool page", "Starts local Ray on loopback (or joins --address), the registry, N local servers "
          "(llama.cpp with the bundled Gemma 3 270M by default, --engine vllm for vLLM's CPU build, --engine emulated "
          "--profile P), and the OpenAI-compatible gateway with the pool page; prints the base URL and paste-ready "
          "commands for lm-eval, inspect_ai, the openai SDK and vLLM's benchmark. Ctrl-C or SIGTERM stops everything "
          "it started."),
-    Leaf("down", opt.DownOptions, cmd_down, "stop the pool `fedpool up --detach` started"),
+    Leaf("down", opt.DownOptions, up.cmd_down, "stop the pool `fedpool up --detach` started"),
     Leaf("registry start", opt.RegistryStartOptions, servers.cmd_registry_start, "create the registry actor (detached, "
          "namespace fedpool)"),
     Leaf("registry status", opt.PoolJsonOptions, servers.cmd_registry_status, "show whether the registry runs and how"),

@@ -136,9 +136,8 @@ def one_of(*words: str) -> OneOf:
 
 
 class Options(BaseSettings):
-    """The options of `fedpool` itself, which every command's settings carry."""
+    """The options of `fedpool` itself, which every command's settings carry (each model built when first used)."""
 
-    # (built when a command first validates its options: one model of the many each start defines)
     model_config = SettingsConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, defer_build=True)
     verbose: Annotated[bool, Flag(("-v", "--verbose"))] = option(False, "log debug detail to stderr")
 
